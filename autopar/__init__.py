@@ -1,0 +1,27 @@
+"""autopar: automatic parallelization of PyTorch training.
+
+Plan a plain single-device model for a cluster::
+
+    import autopar
+    plan = autopar.plan(model, autopar.Cluster.preset("dgx-h100", nodes=4), example_inputs)
+    print(plan.summary())
+"""
+from autopar.cluster import Cluster, DeviceSpec, LinkSpec, PeakFlops
+from autopar.constraints import Constraints, annotate
+from autopar.errors import (
+    AutoparError,
+    ClusterSpecError,
+    ConstraintError,
+    NoFeasiblePlanError,
+    PlanFormatError,
+    TraceError,
+)
+from autopar.plan import Plan
+from autopar.api import plan
+from autopar.planner.ilp import SolverConfig
+
+__all__ = [
+    "Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "Constraints", "annotate", "Plan", "plan",
+    "SolverConfig", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
+    "PlanFormatError", "TraceError",
+]

@@ -1,0 +1,81 @@
+"""``autopar.plan``: trace a model and plan it on a cluster."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from autopar.cluster import Cluster
+from autopar.constraints import Constraints, collect_annotations
+from autopar.errors import ClusterSpecError, ConstraintError
+from autopar.plan import Plan
+from autopar.planner.ilp import SolverConfig
+from autopar.planner.search import search_plan
+from autopar.trace import trace_model
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable | None = None,
+    example_target: torch.Tensor | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    constraints: Constraints | None = None,
+    solver: SolverConfig | None = None,
+    device_type: str | None = None,
+    verbose: bool = False,
+) -> Plan:
+    """Plan ``model`` for ``cluster``: which parallelism each op uses, and what it will cost.
+
+    ``example_inputs`` give shapes only (meta tensors are fine). Annotations made with
+    ``autopar.annotate`` are merged into ``constraints``.
+
+    >>> import torch, autopar
+    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    >>> p = autopar.plan(m, autopar.Cluster.local(2), torch.randn(32, 64))
+    >>> sorted(p.mesh)
+    ['dp', 'tp']
+    """
+    if not isinstance(cluster, Cluster):
+        raise ClusterSpecError(f"cluster must be an autopar.Cluster (e.g. Cluster.preset('dgx-h100')), got {type(cluster).__name__}")
+    constraints = constraints if constraints is not None else Constraints()
+    if not isinstance(constraints, Constraints):
+        raise ConstraintError(f"constraints must be autopar.Constraints, got {type(constraints).__name__}")
+    pins, outs = collect_annotations(model)
+    if pins or outs:
+        constraints = constraints.merged_with(pins, outs)
+    t0 = time.perf_counter()
+    traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                         device_type=device_type or "cpu")
+    trace_s = time.perf_counter() - t0
+    progress = _Progress(verbose)
+    result = search_plan(traced, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
+                         solver=solver or SolverConfig(), progress=progress)
+    progress.done()
+    result.timings["trace_s"] = trace_s
+    return result
+
+
+class _Progress:
+    """Prints the candidate being solved when a solve runs longer than a second (or verbose)."""
+
+    def __init__(self, verbose: bool):
+        self.start = time.perf_counter()
+        self.verbose = verbose
+        self.shown = False
+
+    def __call__(self, label: str) -> None:
+        if self.verbose or time.perf_counter() - self.start > 1.0:
+            print(f"autopar: solving {label} ...", file=sys.stderr, flush=True)
+            self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            print(f"autopar: planned in {time.perf_counter() - self.start:.1f} s", file=sys.stderr, flush=True)

@@ -1,0 +1,333 @@
+"""Cluster specification: devices, links and topology, as frozen validated data.
+
+A :class:`Cluster` is ``nodes`` identical nodes of ``devices_per_node`` identical devices. Ranks
+are numbered node-major: ranks ``[k * devices_per_node, (k + 1) * devices_per_node)`` live on
+node ``k``. All numbers are in SI units: FLOP/s, bytes, bytes/s, seconds. Link bandwidth is *per
+device, per direction* -- what one device can push into that fabric -- so a node whose NIC is
+shared by its 8 GPUs must be described with ``nic_bandwidth / 8`` (a DGX has one NIC per GPU).
+
+Specs are data: nothing here is measured at planning time except :meth:`Cluster.local`, which
+reads this machine's RAM once at construction. Calibration produces a new spec.
+
+Example:
+    >>> from autopar.cluster import Cluster
+    >>> c = Cluster.preset("dgx-h100", nodes=4)
+    >>> c.world_size
+    32
+    >>> Cluster.from_json(c.to_json()) == c
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cost_models.hardware import PRESETS as _PRESETS
+from autopar.errors import ClusterSpecError
+
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "PeakFlops"]
+
+SCHEMA_VERSION = 1
+
+_DEVICE_TYPES = ("cuda", "cpu")
+_BACKENDS = ("nccl", "gloo")
+# Accepted spellings -> PeakFlops field. Torch's "float32" means plain fp32: pass "tf32"
+# explicitly when torch.backends.cuda.matmul.allow_tf32 (or matmul precision "high") is on.
+_FLOPS_DTYPES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+}
+
+
+def _check_float(owner: str, field: str, value: Any, hint: str) -> float:
+    """Return ``value`` as a float if it is a finite number > 0, else raise naming the field."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ClusterSpecError(
+            f"{owner}.{field} must be a positive finite number, got {value!r}; {hint}"
+        )
+    return float(value)
+
+
+def _check_int(owner: str, field: str, value: Any, hint: str) -> int:
+    """Return ``value`` as an int if it is an integer >= 1, else raise naming the field."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ClusterSpecError(f"{owner}.{field} must be an integer >= 1, got {value!r}; {hint}")
+    return int(value)
+
+
+def _check_name(owner: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ClusterSpecError(f"{owner}.name must be a non-empty string, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """Dense peak FLOP/s of one device per dtype (tensor-core rates where the device has them)."""
+
+    fp32: float
+    tf32: float
+    bf16: float
+    fp16: float
+
+    def __post_init__(self) -> None:
+        for f in ("fp32", "tf32", "bf16", "fp16"):
+            hint = "use the dense (not sparsity) datasheet figure in FLOP/s, e.g. 312e12"
+            object.__setattr__(self, f, _check_float("PeakFlops", f, getattr(self, f), hint))
+
+    def for_dtype(self, dtype: Any) -> float:
+        """Peak FLOP/s for ``dtype``: "fp32", "tf32", "bf16", "fp16", torch names or dtypes.
+
+        >>> PeakFlops(1.0, 2.0, 3.0, 4.0).for_dtype("bfloat16")
+        3.0
+        """
+        key = str(dtype).removeprefix("torch.")
+        if key not in _FLOPS_DTYPES:
+            raise ClusterSpecError(
+                f"no peak FLOP/s for dtype {dtype!r}; known dtypes: {sorted(_FLOPS_DTYPES)}"
+            )
+        return getattr(self, _FLOPS_DTYPES[key])
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU process): compute peaks, memory capacity and bandwidth."""
+
+    name: str
+    peak_flops: PeakFlops
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+
+    def __post_init__(self) -> None:
+        _check_name("DeviceSpec", self.name)
+        if not isinstance(self.peak_flops, PeakFlops):
+            raise ClusterSpecError(
+                f"DeviceSpec.peak_flops must be a PeakFlops, got {type(self.peak_flops).__name__}"
+            )
+        _check_int("DeviceSpec", "memory_bytes", self.memory_bytes,
+                   "pass the device memory in bytes as an int, e.g. 80 * 10**9")
+        mbw = _check_float("DeviceSpec", "memory_bandwidth", self.memory_bandwidth,
+                           "pass the memory bandwidth in bytes/s, e.g. 2.039e12")
+        object.__setattr__(self, "memory_bandwidth", mbw)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A fabric as seen by one device: bandwidth per direction (bytes/s) and per-hop latency (s)."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        bw = _check_float("LinkSpec", "bandwidth", self.bandwidth,
+                          "pass bytes/s per device per direction, e.g. 300e9 for NVLink 3")
+        lat = _check_float("LinkSpec", "latency", self.latency,
+                           "pass seconds per message hop, e.g. 5e-6")
+        object.__setattr__(self, "bandwidth", bw)
+        object.__setattr__(self, "latency", lat)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` identical devices, ranks numbered node-major.
+
+    Invariants: every count >= 1, every rate/size > 0 and finite, ``device_type`` in
+    {"cuda", "cpu"}, ``backend`` in {"nccl", "gloo"} and "nccl" only with "cuda".
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    device_type: str = "cuda"
+    backend: str = "nccl"
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_name("Cluster", self.name)
+        _check_int("Cluster", "nodes", self.nodes, "a cluster needs at least one node")
+        _check_int(
+            "Cluster", "devices_per_node", self.devices_per_node,
+            "a cluster with zero devices per node has nothing to run on; pass the number of "
+            "GPUs (or CPU processes) per node, e.g. 8",
+        )
+        for f, cls in (("device", DeviceSpec), ("intra_node", LinkSpec), ("inter_node", LinkSpec)):
+            if not isinstance(getattr(self, f), cls):
+                raise ClusterSpecError(
+                    f"Cluster.{f} must be a {cls.__name__}, got {type(getattr(self, f)).__name__}"
+                )
+        if self.device_type not in _DEVICE_TYPES:
+            raise ClusterSpecError(
+                f"Cluster.device_type must be one of {_DEVICE_TYPES}, got {self.device_type!r}"
+            )
+        if self.backend not in _BACKENDS:
+            raise ClusterSpecError(
+                f"Cluster.backend must be one of {_BACKENDS}, got {self.backend!r}"
+            )
+        if self.backend == "nccl" and self.device_type != "cuda":
+            raise ClusterSpecError(
+                f"Cluster.backend 'nccl' needs device_type 'cuda', got {self.device_type!r}; "
+                "use backend='gloo' for CPU devices"
+            )
+        if not isinstance(self.sources, (list, tuple)) or not all(
+            isinstance(s, str) for s in self.sources
+        ):
+            raise ClusterSpecError(
+                f"Cluster.sources must be a sequence of strings, got {self.sources!r}"
+            )
+        object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "nodes", int(self.nodes))
+        object.__setattr__(self, "devices_per_node", int(self.devices_per_node))
+
+    @property
+    def world_size(self) -> int:
+        """Total number of devices (ranks)."""
+        return self.nodes * self.devices_per_node
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1) -> Cluster:
+        """A named system: "dgx-a100", "dgx-h100" or "dgx-h200" (data in cost_models.hardware)."""
+        key = name.lower() if isinstance(name, str) else None
+        if key not in _PRESETS:
+            raise ClusterSpecError(
+                f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(_PRESETS))}"
+            )
+        p = _PRESETS[key]
+        d = p["device"]
+        device = DeviceSpec(
+            name=d["name"],
+            peak_flops=PeakFlops(fp32=d["fp32"], tf32=d["tf32"], bf16=d["bf16"], fp16=d["fp16"]),
+            memory_bytes=d["memory_bytes"],
+            memory_bandwidth=d["memory_bandwidth"],
+        )
+        return cls(
+            name=key,
+            nodes=nodes,
+            devices_per_node=p["devices_per_node"],
+            device=device,
+            intra_node=LinkSpec(**p["intra_node"]),
+            inter_node=LinkSpec(**p["inter_node"]),
+            device_type="cuda",
+            backend="nccl",
+            sources=tuple(p["sources"]),
+        )
+
+    @classmethod
+    def local(cls, n: int | None = None) -> Cluster:
+        """``n`` CPU processes on this machine over gloo (``n`` defaults to ``$WORLD_SIZE``).
+
+        The device numbers are a rough engineering model of one CPU process -- 50 GFLOP/s for
+        every float dtype (no tensor cores; bf16/fp16 are not faster than fp32 on most CPUs),
+        10 GB/s memory bandwidth, this machine's RAM / n of memory (read once, here), and a
+        loopback link of 2 GB/s with 50 us latency -- to be replaced by calibration.
+        """
+        if n is None:
+            env = os.environ.get("WORLD_SIZE")
+            if env is None:
+                raise ClusterSpecError(
+                    "Cluster.local() needs the number of processes: pass n (e.g. "
+                    "Cluster.local(4)) or run under torchrun, which sets WORLD_SIZE"
+                )
+            try:
+                n = int(env)
+            except ValueError:
+                raise ClusterSpecError(
+                    f"WORLD_SIZE must be an integer, got {env!r}; pass n to Cluster.local(n)"
+                ) from None
+        n = _check_int("Cluster.local", "n", n, "pass the number of CPU processes, e.g. 4")
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):  # non-POSIX: assume 8 GiB
+            ram = 8 * 2**30
+        loopback = LinkSpec(bandwidth=2e9, latency=50e-6)
+        return cls(
+            name="local",
+            nodes=1,
+            devices_per_node=n,
+            device=DeviceSpec(
+                name="cpu-process",
+                peak_flops=PeakFlops(fp32=50e9, tf32=50e9, bf16=50e9, fp16=50e9),
+                memory_bytes=max(1, ram // n),
+                memory_bandwidth=10e9,
+            ),
+            intra_node=loopback,
+            inter_node=loopback,
+            device_type="cpu",
+            backend="gloo",
+            sources=("engineering estimate of one CPU process; replace by calibration",),
+        )
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        """The same cluster with ``nodes`` nodes (validated)."""
+        return dataclasses.replace(self, nodes=nodes)
+
+    def to_json(self) -> str:
+        """Deterministic JSON (sorted keys) carrying ``"schema_version": 1``."""
+        d = dataclasses.asdict(self)
+        d["sources"] = list(self.sources)
+        d["schema_version"] = SCHEMA_VERSION
+        return json.dumps(d, sort_keys=True, indent=2)
+
+    @classmethod
+    def from_json(cls, s: str) -> Cluster:
+        """Inverse of :meth:`to_json`; any bad, missing or unknown field raises ClusterSpecError."""
+        try:
+            d = json.loads(s)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ClusterSpecError(f"cluster JSON cannot be parsed: {e}") from None
+        top = _fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
+        version = top["schema_version"]
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise ClusterSpecError(
+                f"cluster JSON field 'schema_version' is {version!r}, but this "
+                f"autopar reads version {SCHEMA_VERSION}; re-export the spec with this version"
+            )
+        dev = _fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes",
+                                                 "memory_bandwidth"])
+        flops = _fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
+        dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
+        top["device"] = _build(DeviceSpec, dev, "device")
+        for link in ("intra_node", "inter_node"):
+            top[link] = _build(LinkSpec, _fields(top[link], link + ".", ["bandwidth", "latency"]),
+                               link)
+        if not isinstance(top["sources"], list):
+            raise ClusterSpecError(
+                f"cluster JSON field 'sources' must be a list of strings, got {top['sources']!r}"
+            )
+        top["sources"] = tuple(top["sources"])
+        del top["schema_version"]
+        return _build(cls, top, "<top level>")
+
+
+def _fields(d: Any, prefix: str, names: list[str]) -> dict[str, Any]:
+    """Check that JSON object ``d`` has exactly the keys ``names``; errors name the full path."""
+    if not isinstance(d, dict):
+        where = f"field '{prefix[:-1]}'" if prefix else "top level"
+        raise ClusterSpecError(f"cluster JSON {where} must be an object, got {d!r}")
+    missing = [k for k in names if k not in d]
+    if missing:
+        raise ClusterSpecError(f"cluster JSON is missing field '{prefix}{missing[0]}'")
+    unknown = sorted(k for k in d if k not in names)
+    if unknown:
+        raise ClusterSpecError(
+            f"cluster JSON has unknown field '{prefix}{unknown[0]}'; known: {sorted(names)}"
+        )
+    return dict(d)
+
+
+def _build(cls: type, kwargs: dict[str, Any], where: str) -> Any:
+    """Construct ``cls(**kwargs)``, prefixing validation errors with the JSON location."""
+    try:
+        return cls(**kwargs)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"cluster JSON {where}: {e}") from None

@@ -1,0 +1,142 @@
+"""Tensor layouts over a device mesh, in DTensor's placement vocabulary.
+
+A *layout* is a tuple with one placement per mesh axis: ``Shard(dim)``, ``Replicate()`` or
+``Partial(op)`` (op "sum" or "avg"), exactly torch's ``torch.distributed.tensor`` classes.
+
+This module also fixes the gradient convention the whole project relies on (planner costs and
+runtime collectives alike):
+
+* the gradient of a tensor laid out ``Shard(d)`` on an axis is ``Shard(d)`` on that axis;
+* the gradient of ``Replicate()`` is ``Replicate()`` (every rank holds the full gradient);
+* the gradient of ``Partial(op)`` is ``Replicate()`` (scaled by ``1/n`` for ``avg``).
+
+An op computing locally on shards produces, for an input it reads replicated on an axis where its
+output is split (``Shard`` or ``Partial``), only a *partial* gradient: see ``local_grad_layout``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterable, Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "Layout",
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "R",
+    "replicated",
+    "format_layout",
+    "parse_layout",
+    "format_placement",
+    "parse_placement",
+    "grad_layout",
+    "local_grad_layout",
+    "local_shape",
+    "split_factor",
+    "divides_evenly",
+]
+
+Layout = tuple  # tuple[Placement, ...], one entry per mesh axis
+
+R = Replicate()
+
+
+def replicated(ndim: int) -> Layout:
+    """The all-``Replicate`` layout on a mesh with ``ndim`` axes."""
+    return (R,) * ndim
+
+
+def format_placement(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    if isinstance(p, Replicate):
+        return "R"
+    raise TypeError(f"unknown placement {p!r}")
+
+
+_PLACEMENT_RE = re.compile(r"^\s*(?:(R)|S\((-?\d+)\)|P\((sum|avg)\))\s*$")
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of :func:`format_placement` ("R", "S(1)", "P(sum)", "P(avg)")."""
+    m = _PLACEMENT_RE.match(text)
+    if not m:
+        raise ValueError(f"bad placement {text!r}: expected 'R', 'S(<dim>)', 'P(sum)' or 'P(avg)'")
+    if m.group(1):
+        return R
+    if m.group(2) is not None:
+        return Shard(int(m.group(2)))
+    return Partial(m.group(3))
+
+
+def format_layout(layout: Sequence[Placement]) -> str:
+    return "[" + ", ".join(format_placement(p) for p in layout) + "]"
+
+
+def parse_layout(text: str) -> Layout:
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        raise ValueError(f"bad layout {text!r}: expected e.g. '[S(0), R]'")
+    inner = body[1:-1].strip()
+    return tuple(parse_placement(t) for t in inner.split(",")) if inner else ()
+
+
+def grad_layout(layout: Sequence[Placement]) -> Layout:
+    """The layout a tensor's gradient is kept in (see module docstring)."""
+    return tuple(R if isinstance(p, Partial) else p for p in layout)
+
+
+def local_grad_layout(in_layout: Sequence[Placement], out_layout: Sequence[Placement]) -> Layout:
+    """Layout of the gradient an op's *local* backward produces for one input.
+
+    Per axis: a ``Shard`` input gets a ``Shard`` gradient, a ``Partial`` input a ``Replicate`` one,
+    and a ``Replicate`` input gets ``Partial(sum)`` when the op's output is split on that axis
+    (each rank saw only its part of the output) and ``Replicate`` when the op ran redundantly.
+    """
+    out = []
+    for p_in, p_out in zip(in_layout, out_layout):
+        if isinstance(p_in, Replicate):
+            out.append(R if isinstance(p_out, Replicate) else Partial("sum"))
+        elif isinstance(p_in, Partial):
+            out.append(R)
+        else:
+            out.append(p_in)
+    return tuple(out)
+
+
+def split_factor(layout: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """How many ways the work on a tensor in ``layout`` is divided (product over non-R axes)."""
+    return math.prod(n for p, n in zip(layout, mesh_shape) if not isinstance(p, Replicate))
+
+
+def _shard_counts(layout: Sequence[Placement], mesh_shape: Sequence[int], ndim: int) -> list[int]:
+    counts = [1] * ndim
+    for p, n in zip(layout, mesh_shape):
+        if isinstance(p, Shard):
+            counts[p.dim] *= n
+    return counts
+
+
+def divides_evenly(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dim of ``shape`` divides by the number of shards it is cut into."""
+    for p in layout:
+        if isinstance(p, Shard) and not (0 <= p.dim < len(shape)):
+            return False
+    return all(s % c == 0 for s, c in zip(shape, _shard_counts(layout, mesh_shape, len(shape))))
+
+
+def local_shape(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Per-rank shape of a tensor of global ``shape`` (requires :func:`divides_evenly`)."""
+    counts = _shard_counts(layout, mesh_shape, len(shape))
+    return tuple(s // c for s, c in zip(shape, counts))
+
+
+def sharded_dims(layout: Iterable[Placement]) -> set[int]:
+    return {p.dim for p in layout if isinstance(p, Shard)}

@@ -1,0 +1,285 @@
+"""The Plan: what the planner decided, what it predicts, and why. Frozen and JSON round-trippable.
+
+Invariants:
+* ``to_json()`` is deterministic: the same inputs give byte-identical JSON (timings measured while
+  planning live in ``timings``, which is not serialised and not compared).
+* ``Plan.from_json(p.to_json()) == p``.
+* ``stages`` is a list even though today every plan has one stage: pipeline plans (roadmap) add
+  more, each with its own submesh and node placements.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autopar.errors import PlanFormatError
+
+__all__ = ["Plan", "Stage", "NodePlacement", "ParamPlacement", "Alternative", "Predicted", "Baseline", "SolverReport", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Alternative:
+    strategy: str
+    delta_time_s: float  # step-time change if this node alone switched (neighbours fixed)
+    delta_memory_bytes: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """One graph node: its output layouts, the input layouts it consumes, and its costs.
+
+    ``rep`` names the node whose decision it shares (repeated blocks); ``""`` if it is its own.
+    """
+
+    name: str
+    op: str
+    module: str
+    outs: tuple[str, ...]
+    ins: tuple[str, ...]
+    grad_ins: tuple[str, ...]
+    rep: str = ""
+    compute_s: float = 0.0
+    alternatives: tuple[Alternative, ...] = ()
+    excluded: tuple[tuple[str, str], ...] = ()
+    fallback: bool = False
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    fqn: str
+    node: str
+    layout: str
+    zero_axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    bytes_per_device: float
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    mesh: tuple[tuple[str, int], ...]
+    first_rank: int
+    nodes: tuple[NodePlacement, ...]
+    params: tuple[ParamPlacement, ...]
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    compute_s: float
+    comm_s: tuple[tuple[str, float], ...]  # per collective kind, total (hidden or not)
+    exposed_comm_s: float
+    blocking_comm_s: float
+    overlappable_comm_s: float
+    peak_memory_bytes: float
+    memory_bytes: tuple[tuple[str, float], ...]  # breakdown per device
+    model_flops: float
+    mfu: float
+
+    @property
+    def comm(self) -> dict[str, float]:
+        return dict(self.comm_s)
+
+    @property
+    def total_comm_s(self) -> float:
+        return sum(v for _, v in self.comm_s)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    predicted: Predicted | None
+    fits: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    status: str
+    gap: float
+    objective_s: float
+    bound_s: float
+    num_vars: int
+    num_constraints: int
+    candidates: tuple[tuple[str, str], ...]  # (mesh/recompute description, outcome)
+
+
+@dataclass(frozen=True)
+class Plan:
+    fingerprint: str
+    versions: tuple[tuple[str, str], ...]
+    model_class: str
+    cluster_json: str
+    precision: str
+    optimizer: str
+    constraints: str  # JSON of Constraints.to_dict()
+    mesh_axes: tuple[tuple[str, int], ...]
+    microbatches: int
+    recompute: bool
+    schedule: str | None
+    stages: tuple[Stage, ...]
+    predicted: Predicted
+    baseline: Baseline
+    solver: SolverReport
+    free_step_time_s: float | None  # the free optimum, when constraints were given
+    notes: tuple[str, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+    timings: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Mesh axis name -> size, e.g. ``{"dp": 16, "tp": 8}``."""
+        return dict(self.mesh_axes)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, s in self.mesh_axes:
+            n *= s
+        return n * len(self.stages)
+
+    @property
+    def nodes(self) -> dict[str, NodePlacement]:
+        return {n.name: n for s in self.stages for n in s.nodes}
+
+    @property
+    def params(self) -> dict[str, ParamPlacement]:
+        return {p.fqn: p for s in self.stages for p in s.params}
+
+    @property
+    def override_cost_s(self) -> float | None:
+        """Extra predicted step time the constraints cost vs the free optimum (None if free)."""
+        if self.free_step_time_s is None:
+            return None
+        return self.predicted.step_time_s - self.free_step_time_s
+
+    @property
+    def cluster(self):
+        from autopar.cluster import Cluster
+
+        return Cluster.from_json(self.cluster_json)
+
+    # ----------------------------------------------------------------- serialisation
+    def to_json(self) -> str:
+        d = {f.name: _encode(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+        return json.dumps(d, sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"plan JSON does not parse: {exc}") from None
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"plan schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}; re-plan with this autopar"
+            )
+        try:
+            return _decode_plan(d)
+        except (KeyError, TypeError) as exc:
+            raise PlanFormatError(f"plan JSON is missing or has a bad field: {exc}") from None
+
+    # ----------------------------------------------------------------- reports
+    def summary(self) -> str:
+        from autopar.report import plan_summary
+
+        return plan_summary(self)
+
+    def explain(self, module_path: str = "") -> str:
+        from autopar.report import plan_explain
+
+        return plan_explain(self, module_path)
+
+    def diff(self, other: "Plan") -> str:
+        from autopar.report import plan_diff
+
+        return plan_diff(self, other)
+
+    def placement(self, node_name: str) -> NodePlacement:
+        try:
+            return self.nodes[node_name]
+        except KeyError:
+            raise KeyError(f"no node {node_name!r} in the plan") from None
+
+    def nodes_in(self, module_glob: str) -> list[NodePlacement]:
+        return [n for n in self.nodes.values() if n.module == module_glob or fnmatch.fnmatch(n.module, module_glob)
+                or n.module.startswith(module_glob + ".")]
+
+
+def fingerprint_of(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _encode(v: Any) -> Any:
+    if hasattr(v, "__dataclass_fields__"):
+        return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name != "timings"}
+    if isinstance(v, (list, tuple)):
+        return [_encode(x) for x in v]
+    if isinstance(v, float):
+        return float(f"{v:.9g}")
+    return v
+
+
+def _tuplify(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_tuplify(x) for x in v)
+    return v
+
+
+def _decode_plan(d: dict) -> Plan:
+    def build(cls, obj):
+        kwargs = {}
+        for f in fields(cls):
+            if f.name == "timings":
+                continue
+            kwargs[f.name] = obj[f.name]
+        return kwargs
+
+    def node(o):
+        k = build(NodePlacement, o)
+        k["alternatives"] = tuple(Alternative(**a) for a in o["alternatives"])
+        for key in ("outs", "ins", "grad_ins", "excluded"):
+            k[key] = _tuplify(o[key])
+        return NodePlacement(**k)
+
+    def param(o):
+        k = build(ParamPlacement, o)
+        k["zero_axes"] = tuple(o["zero_axes"])
+        k["shape"] = tuple(o["shape"])
+        return ParamPlacement(**k)
+
+    def predicted(o):
+        if o is None:
+            return None
+        k = build(Predicted, o)
+        k["comm_s"] = _tuplify(o["comm_s"])
+        k["memory_bytes"] = _tuplify(o["memory_bytes"])
+        return Predicted(**k)
+
+    stages = tuple(
+        Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]), tuple(param(p) for p in s["params"]))
+        for s in d["stages"]
+    )
+    k = build(Plan, d)
+    k["versions"] = _tuplify(d["versions"])
+    k["mesh_axes"] = _tuplify(d["mesh_axes"])
+    k["stages"] = stages
+    k["predicted"] = predicted(d["predicted"])
+    b = d["baseline"]
+    k["baseline"] = Baseline(b["name"], predicted(b["predicted"]), b["fits"], b["note"])
+    s = d["solver"]
+    k["solver"] = SolverReport(**{**build(SolverReport, s), "candidates": _tuplify(s["candidates"])})
+    k["notes"] = tuple(d["notes"])
+    return Plan(**k)

@@ -1,0 +1,1 @@
+"""The planner: mesh search outside, ILP over per-node strategies inside (see ``search``)."""

@@ -1,0 +1,96 @@
+"""Repeated-block detection: nodes of identical layers share one set of solver variables.
+
+A *block instance* is a child of a container module addressed by an integer segment of the
+module path (``blocks.7`` in ``blocks.7.attn.qkv``; the outermost such segment wins). Instances of
+one container whose node sequences are structurally identical (same ops, shapes, internal wiring
+and relative parameter names) form a class: node ``j`` of every instance maps to node ``j`` of
+the first. Everything else maps to itself. The planner then solves over representatives only,
+multiplying each representative's costs by its instance count.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.trace import tensor_inputs
+
+__all__ = ["BlockInfo", "find_repeated_blocks"]
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """``rep[name]``: the representative node name; ``count[rep]``: instances sharing it.
+
+    ``blocks``: container-prefix -> list of instance prefixes that share decisions.
+    ``instance_of[name]``: the block instance prefix a node belongs to (absent: not in a block).
+    """
+
+    rep: dict[str, str]
+    count: dict[str, int]
+    blocks: dict[str, list[str]]
+    instance_of: dict[str, str]
+
+
+def _instance_prefix(path: str) -> str | None:
+    parts = path.split(".") if path else []
+    for i, seg in enumerate(parts):
+        if seg.isdigit() and i > 0:
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _node_path(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return node.meta.get("autopar.fqn", "") or ""
+    return node.meta.get("autopar.module", "") or ""
+
+
+def _signature(nodes: list[fx.Node], prefix: str) -> tuple:
+    index = {n: i for i, n in enumerate(nodes)}
+    sig = []
+    for n in nodes:
+        if n.op == "placeholder":
+            rel = n.meta.get("autopar.fqn", "")[len(prefix):]
+            sig.append(("ph", rel, n.meta["autopar.outputs"]))
+            continue
+        ins = tuple(("in", index[a]) if a in index else ("ext",) for a in tensor_inputs(n))
+        consts = tuple(
+            a for a in n.args if not isinstance(a, (fx.Node, list, tuple))
+        )
+        sig.append((str(n.target), n.meta["autopar.outputs"], ins, repr(consts)))
+    return tuple(sig)
+
+
+def find_repeated_blocks(graph: fx.Graph) -> BlockInfo:
+    by_container: dict[str, dict[str, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
+    instance_of: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        prefix = _instance_prefix(_node_path(node))
+        if prefix is None:
+            continue
+        container = prefix.rpartition(".")[0]
+        by_container[container][prefix].append(node)
+        instance_of[node.name] = prefix
+
+    rep = {n.name: n.name for n in graph.nodes}
+    count: dict[str, int] = defaultdict(int)
+    blocks: dict[str, list[str]] = {}
+    for container, instances in by_container.items():
+        groups: dict[tuple, list[str]] = defaultdict(list)
+        for prefix, nodes in instances.items():
+            groups[_signature(nodes, prefix + ".")].append(prefix)
+        for sig, prefixes in groups.items():
+            if len(prefixes) < 2:
+                continue
+            first = instances[prefixes[0]]
+            blocks[f"{container}[{prefixes[0]}..{prefixes[-1]}]"] = prefixes
+            for p in prefixes[1:]:
+                for a, b in zip(instances[p], first):
+                    rep[a.name] = b.name
+    for name, r in rep.items():
+        count[r] += 1
+    return BlockInfo(rep=rep, count=dict(count), blocks=blocks, instance_of=instance_of)

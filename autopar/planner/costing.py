@@ -1,0 +1,183 @@
+"""Prices of strategies and edges in seconds and bytes, from the cost models and a mesh.
+
+* compute: forward and backward time of a node's local work (roofline, ``cost_models.compute``);
+  the work is split by the number of devices its output is split over (Shard or Partial axes).
+* resharding: the steps of ``autopar.resharding`` priced with ``cost_models.communication``.
+* memory: parameter/gradient/optimizer bytes of a parameter strategy (ZeRO by layout and
+  ``zero_axes``), and the bytes of an activation saved for backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.cluster import Cluster
+from autopar.cost_models.communication import CommGroup, axis_group, collective_time
+from autopar.cost_models.compute import op_time
+from autopar.cost_models.memory import PrecisionPolicy, training_state_bytes_per_param
+from autopar.layouts import Layout, Partial, Replicate, Shard, local_shape, split_factor
+from autopar.resharding import layout_after, reshard_steps
+from autopar.strategies import Strategy
+from autopar.strategies.rules import FACTORY_OPS, OpView, _op_name
+from autopar.trace import TensorMeta
+
+__all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "param_memory", "VIEW_OPS"]
+
+# Ops that only re-describe memory (no data moved, no new storage).
+VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split",
+    "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "unsqueeze", "squeeze",
+    "flatten", "unflatten", "alias", "detach", "getitem", "view_as", "swapaxes", "_reshape_alias",
+}
+
+# Ops whose backward needs only the upstream gradient (their inputs are not saved).
+NO_SAVE_OPS = VIEW_OPS | {
+    "add", "sub", "neg", "clone", "contiguous", "cat", "concat", "stack", "sum", "mean", "to",
+    "_to_copy", "type_as", "zeros_like", "ones_like", "empty_like", "full_like",
+} | FACTORY_OPS
+
+# backward / forward cost ratios by op kind
+_BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
+
+
+@dataclass(frozen=True)
+class CostContext:
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    cluster: Cluster
+    policy: PrecisionPolicy
+    optimizer: str
+
+    @property
+    def groups(self) -> tuple[CommGroup, ...]:
+        return _groups(self.mesh_shape, self.cluster.devices_per_node)
+
+    def act_bytes(self, meta: TensorMeta) -> float:
+        """Bytes of an activation under the precision policy (floats run in the compute dtype)."""
+        if meta.is_floating and meta.itemsize >= 2:
+            return meta.numel * _DTYPE_SIZE[self.policy.compute_dtype]
+        return float(meta.nbytes)
+
+
+_DTYPE_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@lru_cache(maxsize=256)
+def _groups(mesh_shape: tuple[int, ...], devices_per_node: int) -> tuple[CommGroup, ...]:
+    return tuple(axis_group(mesh_shape, a, devices_per_node) for a in range(len(mesh_shape)))
+
+
+def node_flops(node: fx.Node) -> tuple[float, str]:
+    """Global forward FLOPs of ``node`` and its kind ("matmul", "attention", "pointwise", ...)."""
+    if node.op != "call_function":
+        return 0.0, "other"
+    name = _op_name(node)
+    outs = node.meta["autopar.outputs"]
+    out = outs[0] if outs else None
+    if out is None or name in VIEW_OPS:
+        return 0.0, "other"
+    op = OpView(node)
+    if name == "linear":
+        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
+    if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
+        a = op.in_metas[1] if name in ("addmm", "baddbmm") else op.in_metas[0]
+        return 2.0 * out.numel * a.shape[-1], "matmul"
+    if name == "einsum":
+        eq = op.arg("equation").replace(" ", "").split("->")[0].split(",")
+        sizes: dict[str, int] = {}
+        for spec, m in zip(eq, op.in_metas):
+            for c, s in zip(spec, m.shape if m else ()):
+                sizes[c] = max(sizes.get(c, 1), s)
+        return 2.0 * math.prod(sizes.values()), "matmul"
+    if name == "scaled_dot_product_attention":
+        q, k = op.in_metas[0], op.in_metas[1]
+        b_h = math.prod(q.shape[:-2])
+        flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
+        if op.arg("is_causal", False):
+            flops *= 0.5  # flash kernels skip the masked upper triangle
+        return flops, "attention"
+    return float(out.numel), "pointwise"
+
+
+def node_bytes(node: fx.Node, ctx: CostContext) -> float:
+    """Global bytes a node reads and writes in forward (0 for views)."""
+    if node.op != "call_function" or _op_name(node) in VIEW_OPS:
+        return 0.0
+    total = 0.0
+    for m in OpView(node).in_metas:
+        if m is not None:
+            total += ctx.act_bytes(m)
+    for m in node.meta["autopar.outputs"]:
+        if m is not None:
+            total += ctx.act_bytes(m)
+    return total
+
+
+def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the node's local work under ``strategy``."""
+    flops, kind = node_flops(node)
+    nbytes = node_bytes(node, ctx)
+    if flops == 0.0 and nbytes == 0.0:
+        return 0.0, 0.0
+    ref = next((o for o in strategy.outs if o is not None), None)
+    split = split_factor(ref, ctx.mesh_shape) if ref is not None else 1
+    dtype = ctx.policy.compute_dtype
+    fwd = op_time(flops / split, nbytes / split, ctx.cluster.device, dtype, kind)
+    if not node.meta.get("autopar.needs_grad", False):
+        return fwd, 0.0
+    ratio = _BWD_FLOPS_RATIO.get(kind, 2.0)
+    bwd = op_time(ratio * flops / split, ratio * nbytes / split, ctx.cluster.device, dtype, kind)
+    return fwd, bwd
+
+
+def reshard_time(
+    meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, nbytes_per_elem: float | None = None
+) -> dict[str, float]:
+    """Seconds per collective kind to move ``meta`` from ``src`` to ``dst`` (empty: free)."""
+    if src == dst or meta is None:
+        return {}
+    per_elem = nbytes_per_elem if nbytes_per_elem is not None else ctx.act_bytes(meta) / max(meta.numel, 1)
+    return _reshard_time_cached(meta.shape, per_elem, tuple(src), tuple(dst), ctx)
+
+
+@lru_cache(maxsize=200_000)
+def _reshard_time_cached(shape, per_elem, src, dst, ctx) -> dict[str, float]:
+    out: dict[str, float] = {}
+    cur = src
+    groups = ctx.groups
+    for step in reshard_steps(src, dst):
+        if step.is_collective:
+            local = math.prod(local_shape(shape, cur, ctx.mesh_shape)) * per_elem
+            n = ctx.mesh_shape[step.axis]
+            nbytes = local * n if step.kind == "all_gather" else local
+            t = collective_time(step.kind, nbytes, groups[step.axis], ctx.cluster)
+            out[step.kind] = out.get(step.kind, 0.0) + t
+        cur = layout_after(cur, step)
+    return out
+
+
+def param_memory(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
+    """Bytes per device of a parameter's weights, master copy, gradient and optimizer state."""
+    per = training_state_bytes_per_param(ctx.optimizer, ctx.policy)
+    layout = strategy.outs[0]
+    shards = math.prod(n for p, n in zip(layout, ctx.mesh_shape) if isinstance(p, Shard))
+    zero = math.prod(ctx.mesh_shape[a] for a in strategy.zero_axes)
+    numel = meta.numel / shards
+    return numel * (per["param"] + (per["master"] + per["grad"] + per["optimizer"]) / zero)
+
+
+def saved_activation_bytes(meta: TensorMeta, layout: Layout, ctx: CostContext) -> float:
+    shards = math.prod(n for p, n in zip(layout, ctx.mesh_shape) if isinstance(p, Shard))
+    return ctx.act_bytes(meta) / shards
+
+
+def saves_inputs(node: fx.Node) -> bool:
+    """Whether the node's backward keeps its inputs alive (conservative: unknown ops do)."""
+    if node.op != "call_function":
+        return False
+    return _op_name(node) not in NO_SAVE_OPS and node.meta.get("autopar.needs_grad", False)

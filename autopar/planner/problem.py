@@ -1,0 +1,332 @@
+"""Build the planning problem for one mesh: representative nodes, strategies, priced edges.
+
+The ILP (``planner.ilp``) sees only numbers from here: per representative node a strategy list with
+compute seconds and memory bytes (already multiplied by the number of block instances sharing it),
+and per representative edge a table of seconds indexed by (producer layout key, consumer key).
+
+Costs that overlap with compute (parameter all-gathers ahead of use, gradient reductions during
+backward) are kept apart from blocking costs (activation resharding on the critical path); the
+overlap model lives in the ILP objective.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch.fx as fx
+
+from autopar.layouts import Layout, Replicate, Shard, format_layout, grad_layout, replicated
+from autopar.planner.blocks import BlockInfo
+from autopar.planner.costing import (
+    CostContext,
+    VIEW_OPS,
+    node_compute_time,
+    param_memory,
+    reshard_time,
+    saved_activation_bytes,
+    saves_inputs,
+)
+from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.strategies.rules import _op_name
+from autopar.trace import TracedGraph, tensor_inputs
+
+__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter"]
+
+# (node, strategy) -> None if allowed, else the reason it is not
+StrategyFilter = Callable[[fx.Node, Strategy], "str | None"]
+
+
+@dataclass
+class NodeVar:
+    name: str
+    node: fx.Node
+    count: int
+    strategies: list[Strategy]
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    static_bytes: np.ndarray  # parameters, grads, optimizer state (already x count)
+    saved_bytes: np.ndarray  # activations kept for backward (x count, or x1 under recompute)
+    in_block: bool
+    excluded: list[tuple[str, str]] = field(default_factory=list)
+    fallback: bool = False
+    root: str | None = None  # set for followers: strategy i is paired with strategy i of ``root``
+
+
+@dataclass
+class EdgeTable:
+    """Cost of one representative edge; ``count`` original edges share it.
+
+    ``u_key[s]`` / ``v_key[s]``: key index of strategy s of the producer / consumer.
+    ``blocking[ku, kv]`` and ``overlap[ku, kv]``: seconds (already x count).
+    ``kinds[ku][kv]``: seconds per collective kind (x count), for reports.
+    """
+
+    u: str
+    v: str | None
+    out_index: int
+    in_index: int
+    count: int
+    u_key: np.ndarray
+    v_key: np.ndarray
+    blocking: np.ndarray
+    overlap: np.ndarray
+    kinds: list[list[dict[str, float]]]
+
+
+@dataclass
+class Problem:
+    ctx: CostContext
+    nodes: dict[str, NodeVar]
+    edges: list[EdgeTable]
+    recompute: bool
+    microbatches: int
+
+    def size(self) -> tuple[int, int]:
+        return len(self.nodes), len(self.edges)
+
+
+def _producer(n: fx.Node) -> tuple[fx.Node, int]:
+    """Resolve ``getitem`` chains: (node that owns the value, output index)."""
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        base, _ = _producer(n.args[0])
+        return base, int(n.args[1])
+    return n, 0
+
+
+def _is_alias_node(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target is operator.getitem or _op_name(n) in VIEW_OPS)
+
+
+def _storage_root(n: fx.Node) -> fx.Node:
+    while _is_alias_node(n):
+        n = n.args[0]
+    return n
+
+
+def build_problem(
+    traced: TracedGraph,
+    blocks: BlockInfo,
+    ctx: CostContext,
+    *,
+    recompute: bool,
+    microbatches: int,
+    strategy_filter: StrategyFilter | None = None,
+    strategy_cache: dict | None = None,
+) -> Problem:
+    graph = traced.graph
+    rep, count = blocks.rep, blocks.count
+    saved_roots: set[str] = set()
+    for n in graph.nodes:
+        if saves_inputs(n):
+            for a in tensor_inputs(n):
+                root = _storage_root(a)
+                if root.op == "call_function":
+                    saved_roots.add(root.name)
+        if n.op == "call_function" and _op_name(n) in ("scaled_dot_product_attention", "softmax", "_softmax"):
+            saved_roots.add(n.name)
+
+    # under recompute a block keeps only what leaves it (the next block's input) for backward
+    block_outputs = {
+        n.name
+        for n in graph.nodes
+        if n.name in blocks.instance_of
+        and any(blocks.instance_of.get(user.name) != blocks.instance_of[n.name] for user in n.users)
+    }
+    nodes: dict[str, NodeVar] = {}
+    cache = strategy_cache if strategy_cache is not None else {}
+    for n in graph.nodes:
+        if n.op == "output" or rep[n.name] != n.name or _is_alias_getitem(n):
+            continue
+        key = (n.name, ctx.mesh_shape)
+        if key not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[key] = enumerate_strategies(n, ctx.mesh_shape, ctx.axis_names)
+        ns: NodeStrategies = cache[key]
+        strategies = list(ns.strategies)
+        excluded = list(ns.excluded)
+        if strategy_filter is not None:
+            kept = []
+            for s in strategies:
+                why = strategy_filter(n, s)
+                if why is None:
+                    kept.append(s)
+                else:
+                    excluded.append((s.describe(), why))
+            strategies = kept
+        c = count[n.name]
+        in_block = n.name in blocks.instance_of and c > 1
+        k = len(strategies)
+        fwd = np.zeros(k)
+        bwd = np.zeros(k)
+        static = np.zeros(k)
+        saved = np.zeros(k)
+        kind = n.meta.get("autopar.kind")
+        for i, s in enumerate(strategies):
+            if kind == "param":
+                static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx) * c
+            elif kind == "op":
+                f, b = node_compute_time(n, s, ctx)
+                fwd[i], bwd[i] = f * c, b * c
+                bytes_ = sum(
+                    saved_activation_bytes(m, lay, ctx)
+                    for m, lay in zip(n.meta["autopar.outputs"], s.outs)
+                    if m is not None and lay is not None
+                ) / microbatches
+                if recompute and in_block:
+                    saved[i] = bytes_ * (c if n.name in block_outputs else (1 if n.name in saved_roots else 0))
+                elif n.name in saved_roots:
+                    saved[i] = bytes_ * c
+        if recompute and in_block:
+            fwd_extra = fwd.copy()
+            bwd = bwd + fwd_extra  # recomputed forward runs inside backward
+        nodes[n.name] = NodeVar(n.name, n, c, strategies, fwd, bwd, static, saved, in_block, excluded, ns.fallback)
+
+    _merge_followers(traced, blocks, nodes, ctx)
+    edges = _build_edges(traced, blocks, nodes, ctx, microbatches)
+    return Problem(ctx, nodes, edges, recompute, microbatches)
+
+
+def _is_alias_getitem(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
+
+
+def _build_edges(traced, blocks, nodes, ctx, microbatches) -> list[EdgeTable]:
+    rep = blocks.rep
+    grouped: dict[tuple, int] = defaultdict(int)
+    for v in traced.graph.nodes:
+        if v.op == "output" or _is_alias_getitem(v):
+            continue
+        for i, a in enumerate(tensor_inputs(v)):
+            u, idx = _producer(a)
+            grouped[(rep[u.name], idx, rep[v.name], i)] += 1
+    # the training output: a scalar loss must end replicated on every rank
+    out_node = next(n for n in traced.graph.nodes if n.op == "output")
+    if traced.has_loss:
+        for a in tensor_inputs(out_node):
+            u, idx = _producer(a)
+            grouped[(rep[u.name], idx, None, 0)] += 1
+    edges = []
+    for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
+        if u not in nodes or (v is not None and v not in nodes):
+            continue
+        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches)
+        if table is not None:
+            edges.append(table)
+    # identical (u, v) edges collapse: the ILP simply sums them
+    return edges
+
+
+def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int):
+    meta = U.node.meta["autopar.outputs"][idx] if idx < len(U.node.meta["autopar.outputs"]) else None
+    if meta is None:
+        return None
+    u_layouts: list = []
+    u_key = np.zeros(len(U.strategies), dtype=np.int64)
+    for s_i, s in enumerate(U.strategies):
+        lay = s.outs[idx]
+        if lay not in u_layouts:
+            u_layouts.append(lay)
+        u_key[s_i] = u_layouts.index(lay)
+    ndim = len(ctx.mesh_shape)
+    if V is None:
+        v_layouts = [(replicated(ndim), None)]
+        v_key = np.zeros(1, dtype=np.int64)
+    else:
+        v_layouts = []
+        v_key = np.zeros(len(V.strategies), dtype=np.int64)
+        for s_i, s in enumerate(V.strategies):
+            k = (s.ins[i], s.grad_ins[i])
+            if k not in v_layouts:
+                v_layouts.append(k)
+            v_key[s_i] = v_layouts.index(k)
+    is_param = U.node.meta.get("autopar.kind") == "param"
+    needs_grad = U.node.meta.get("autopar.needs_grad", False) and meta.is_floating
+    fwd_per_elem = bwd_per_elem = None
+    if is_param:
+        from autopar.cost_models.compute import dtype_bytes
+
+        fwd_per_elem = float(dtype_bytes(ctx.policy.param_dtype))
+        bwd_per_elem = float(dtype_bytes(ctx.policy.grad_dtype))
+    blocking = np.zeros((len(u_layouts), len(v_layouts)))
+    overlap = np.zeros_like(blocking)
+    kinds: list[list[dict[str, float]]] = []
+    fwd_repeat = microbatches if is_param else 1  # parameters are gathered for each microbatch
+    for a, lu in enumerate(u_layouts):
+        row = []
+        for b, (lin, lgrad) in enumerate(v_layouts):
+            per_kind: dict[str, float] = {}
+            if lin is not None and lu is not None:
+                for k, t in reshard_time(meta, lu, lin, ctx, fwd_per_elem).items():
+                    per_kind[k] = per_kind.get(k, 0.0) + t * fwd_repeat
+            if needs_grad and lgrad is not None and lu is not None:
+                for k, t in reshard_time(meta, lgrad, grad_layout(lu), ctx, bwd_per_elem).items():
+                    per_kind[k] = per_kind.get(k, 0.0) + t
+            total = sum(per_kind.values()) * count
+            if is_param:
+                overlap[a, b] = total
+            else:
+                blocking[a, b] = total
+            row.append({k: t * count for k, t in per_kind.items()})
+        kinds.append(row)
+    return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, blocking, overlap, kinds)
+
+
+def _is_follower_op(n: fx.Node) -> bool:
+    """Single-input ops that cost (almost) nothing and can simply follow their input's layout."""
+    if n.op != "call_function" or n.meta.get("autopar.kind") != "op":
+        return False
+    if len(tensor_inputs(n)) != 1:
+        return False
+    name = _op_name(n)
+    if name in VIEW_OPS:
+        return True
+    import torch
+
+    return torch.Tag.pointwise in getattr(n.target, "tags", ())
+
+
+def _merge_followers(traced: TracedGraph, blocks: BlockInfo, nodes: dict[str, NodeVar], ctx: CostContext) -> None:
+    """Tie each follower op's strategy to its producer's (Alpa-style operator merging).
+
+    For every strategy of the producer's root, the follower takes the strategy whose input layout
+    equals the producer's output (or, if none exists, the one cheapest to reshard into). This
+    removes the follower's variables from the ILP; the edge between them costs nothing on the
+    paired diagonal.
+    """
+    order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
+    rep = blocks.rep
+    for n in traced.graph.nodes:
+        if n.name not in nodes or not _is_follower_op(n):
+            continue
+        u, idx = _producer(tensor_inputs(n)[0])
+        ur = rep[u.name]
+        if ur not in nodes or order[ur] >= order[n.name]:
+            continue
+        U, V = nodes[ur], nodes[n.name]
+        if not V.strategies or not U.strategies:
+            continue
+        root = U.root or U.name
+        meta = U.node.meta["autopar.outputs"][idx]
+        picks = []
+        for su in U.strategies:
+            lay = su.outs[idx]
+            exact = [i for i, sv in enumerate(V.strategies) if sv.ins[0] == lay]
+            if exact:
+                picks.append(min(exact, key=lambda i: (V.fwd_s[i] + V.bwd_s[i], i)))
+                continue
+            def conv(i):
+                sv = V.strategies[i]
+                t = sum(reshard_time(meta, lay, sv.ins[0], ctx).values()) if sv.ins[0] is not None and meta else 0.0
+                return (t + V.fwd_s[i] + V.bwd_s[i], i)
+            picks.append(min(range(len(V.strategies)), key=conv))
+        V.strategies = [V.strategies[i] for i in picks]
+        V.fwd_s, V.bwd_s = V.fwd_s[picks], V.bwd_s[picks]
+        V.static_bytes, V.saved_bytes = V.static_bytes[picks], V.saved_bytes[picks]
+        V.root = root

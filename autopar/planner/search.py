@@ -1,0 +1,464 @@
+"""The outer search: mesh shapes x recompute x microbatches, an ILP for each, the best wins.
+
+Mesh axes are ``("dp", "tp")`` with ranks laid out row-major, so ``tp`` (the last axis) is made of
+consecutive ranks: inside one node whenever ``tp`` divides the devices per node. Candidate ``tp``
+sizes are the divisors of the devices per node (tensor parallel inside a node first); a ``tp``
+spanning nodes is tried only when the user asks for it.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+from autopar.cluster import Cluster
+from autopar.constraints import Constraints
+from autopar.cost_models.memory import precision_policy
+from autopar.errors import ConstraintError, NoFeasiblePlanError
+from autopar.layouts import Layout, Replicate, Shard, format_layout, format_placement, parse_placement
+from autopar.plan import (
+    Alternative, Baseline, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of,
+)
+from autopar.planner.blocks import BlockInfo, find_repeated_blocks
+from autopar.planner.costing import CostContext
+from autopar.planner.evaluate import Evaluation, evaluate, incident_edges, model_flops, node_alternatives
+from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
+from autopar.planner.problem import Problem, build_problem, _producer
+from autopar.strategies import Strategy
+from autopar.trace import TracedGraph, tensor_inputs
+
+__all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
+
+AXES = ("dp", "tp")
+# Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
+# CUDA context and library workspaces (cuBLAS, NCCL buffers).
+USABLE_MEMORY_FRACTION = 0.9
+
+
+def _r(x: float) -> float:
+    return float(f"{float(x):.9g}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
+    """(dp, tp) shapes to try, validated against the constraints (errors name the constraint)."""
+    world = cluster.world_size
+    pp = c.pp or 1
+    if pp != 1:
+        raise ConstraintError(
+            f"pp={pp}: pipeline parallelism is not available yet (single-stage plans only; it is the "
+            "next roadmap item). Use pp=1 or leave pp unset."
+        )
+    if c.schedule is not None:
+        raise ConstraintError(f"schedule={c.schedule!r} applies to pipeline plans (pp > 1); leave schedule unset for pp=1")
+    for name in ("dp", "tp"):
+        v = getattr(c, name)
+        if v is not None and world % v:
+            raise ConstraintError(
+                f"{name}={v} does not divide the {world} devices of the cluster; choose a divisor of {world} "
+                f"(e.g. {', '.join(str(d) for d in _divisors(world) if d <= 64)})"
+            )
+    if c.dp is not None and c.tp is not None and c.dp * c.tp != world:
+        raise ConstraintError(f"dp={c.dp} x tp={c.tp} = {c.dp * c.tp} but the cluster has {world} devices; the product must equal the world size")
+    if c.tp is not None:
+        tps = [c.tp]
+    elif c.dp is not None:
+        tps = [world // c.dp]
+    else:
+        tps = [t for t in _divisors(cluster.devices_per_node) if world % t == 0]
+    if c.ep is not None:
+        if c.ep > 1:
+            raise ConstraintError(
+                f"ep={c.ep}: the model has no expert layers (stacked expert weights with a routed dispatch); "
+                "expert parallelism needs them. Leave ep unset."
+            )
+    return [(world // t, t) for t in tps]
+
+
+def _matches(fqn: str, pattern: str) -> bool:
+    return fqn == pattern or fnmatch.fnmatchcase(fqn, pattern)
+
+
+def _pin_layout_ok(layout: Layout, axes: tuple, mesh_shape) -> bool:
+    for axis_name, text in axes:
+        a = AXES.index(axis_name)
+        want = parse_placement(text)
+        if mesh_shape[a] == 1:
+            continue
+        if layout[a] != want:
+            return False
+    return True
+
+
+def _validate_pins(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]) -> None:
+    fqns = list(traced.param_fqns.values())
+    for pattern, axes in c.placements:
+        if not any(_matches(f, pattern) for f in fqns):
+            raise ConstraintError(f"placement pin {pattern!r} matches no parameter; parameters look like {fqns[:4]}")
+        for axis_name, text in axes:
+            if axis_name not in AXES:
+                raise ConstraintError(f"placement pin {pattern!r} names mesh axis {axis_name!r}; the axes are {list(AXES)}")
+            p = parse_placement(text)
+            if mesh[AXES.index(axis_name)] == 1 and not isinstance(p, Replicate):
+                raise ConstraintError(
+                    f"placement pin {pattern!r} shards on axis {axis_name!r}, but that axis has size 1 in this "
+                    f"plan ({dict(zip(AXES, mesh))}); set {axis_name}= to more than 1 or drop the pin"
+                )
+    modules = {n.meta.get("autopar.module", "") for n in traced.graph.nodes}
+    for pattern, axes in c.outputs:
+        if not any(_matches(m, pattern) for m in modules):
+            raise ConstraintError(f"output pin for module {pattern!r} matches no module of the model")
+
+
+def _check_heads(traced: TracedGraph, c: Constraints) -> None:
+    if not c.tp or c.tp == 1:
+        return
+    for n in traced.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
+            q = tensor_inputs(n)[0].meta["autopar.outputs"][0]
+            heads, batch = q.shape[1], q.shape[0]
+            if heads % c.tp and batch % c.tp:
+                raise ConstraintError(
+                    f"tp={c.tp} cannot split attention in module '{n.meta.get('autopar.module')}': it has "
+                    f"{heads} heads (and batch {batch}), neither divisible by {c.tp}; use a tp dividing {heads}"
+                )
+
+
+def _output_nodes_of(traced: TracedGraph, pattern: str) -> set[str]:
+    """The last op node of each module instance matching ``pattern`` (its output)."""
+    last: dict[str, str] = {}
+    for n in traced.graph.nodes:
+        m = n.meta.get("autopar.module", "")
+        if n.op == "call_function" and (_matches(m, pattern)):
+            last[m] = n.name
+    return set(last.values())
+
+
+def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
+    dp_a, tp_a = 0, 1
+    out_pins = {}
+    for pattern, axes in c.outputs:
+        for name in _output_nodes_of(traced, pattern):
+            out_pins[name] = axes
+
+    def allowed(node: fx.Node, s: Strategy) -> str | None:
+        kind = node.meta.get("autopar.kind")
+        if kind in ("input", "target"):
+            lay = s.outs[0]
+            if c.dp is not None and mesh[dp_a] > 1 and lay[dp_a] != Shard(0):
+                return f"dp={c.dp} shards the batch (dim 0) of every input on axis 'dp'"
+            if c.tp is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():
+                return f"tp={c.tp} keeps inputs whole on axis 'tp' (tensor parallel, not data parallel)"
+        if kind == "param":
+            lay = s.outs[0]
+            fqn = node.meta["autopar.fqn"]
+            for pattern, axes in c.placements:
+                if _matches(fqn, pattern) and not _pin_layout_ok(lay, axes, mesh):
+                    return f"pinned to {dict(axes)}"
+            z = c.zero
+            if z is not None and mesh[dp_a] > 1:
+                sharded_dp = isinstance(lay[dp_a], Shard)
+                zero_dp = dp_a in s.zero_axes
+                if z == 0 and (sharded_dp or zero_dp):
+                    return "zero=0 keeps parameters and optimizer state replicated on 'dp'"
+                if z in (1, 2) and not zero_dp:
+                    return f"zero={z} shards optimizer state on 'dp' with parameters replicated there"
+                if z == 3 and not sharded_dp:
+                    meta = node.meta["autopar.outputs"][0]
+                    if any(d % mesh[dp_a] == 0 for d in meta.shape):
+                        return "zero=3 shards every parameter on 'dp'"
+                    if not zero_dp:
+                        return "zero=3: this parameter does not divide on 'dp', so its state is sharded instead"
+        if node.name in out_pins and kind == "op":
+            if not _pin_layout_ok(s.outs[0], out_pins[node.name], mesh):
+                return f"output pinned to {dict(out_pins[node.name])}"
+        return None
+
+    return allowed
+
+
+@dataclass
+class _Attempt:
+    mesh: tuple[int, int]
+    recompute: bool
+    microbatches: int
+    problem: Problem
+    solution: Solution
+    evaluation: Evaluation
+
+
+def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
+    ctx = CostContext(mesh, AXES, cluster, policy, optimizer)
+    problem = build_problem(
+        traced, blocks, ctx, recompute=recompute, microbatches=micro,
+        strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache,
+    )
+    sol = solve(problem, budget, solver_cfg)
+    ev = evaluate(problem, sol.choice)
+    if budget is not None and ev.peak_bytes > budget:
+        # the ILP bounds state + saved activations; leave room for the transient working set
+        sol = solve(problem, budget - ev.transient_bytes, solver_cfg)
+        ev = evaluate(problem, sol.choice)
+        if ev.peak_bytes > budget:
+            raise InfeasibleProblem("memory", f"peak {ev.peak_bytes / 2**30:.2f} GiB incl. transients exceeds the budget")
+    return _Attempt(mesh, recompute, micro, problem, sol, ev)
+
+
+def _candidates(c: Constraints, has_blocks: bool, global_batch: int | None):
+    recomputes = [c.recompute] if c.recompute is not None else ([False, True] if has_blocks else [False])
+    micros = [c.microbatches] if c.microbatches is not None else [1]
+    return [(r, m) for r in recomputes for m in micros]
+
+
+def _global_batch(traced: TracedGraph) -> int | None:
+    for name in traced.input_names:
+        m = traced.node(name).meta["autopar.outputs"][0]
+        if m is not None and m.shape:
+            return m.shape[0]
+    return None
+
+
+def search_plan(
+    traced: TracedGraph,
+    cluster: Cluster,
+    *,
+    constraints: Constraints,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    solver: SolverConfig = SolverConfig(),
+    progress=None,
+    _with_baseline: bool = True,
+    _with_free: bool = True,
+) -> Plan:
+    t_start = time.perf_counter()
+    policy = precision_policy(precision)
+    c = constraints
+    meshes = mesh_candidates(cluster, c)
+    _check_heads(traced, c)
+    for mesh in meshes:
+        _validate_pins(traced, c, mesh)
+    blocks = find_repeated_blocks(traced.graph)
+    budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
+    cache: dict = {}
+    attempts: list[_Attempt] = []
+    outcomes: list[tuple[str, str]] = []
+    failures: list[InfeasibleProblem] = []
+    micro_options = _candidates(c, bool(blocks.blocks), _global_batch(traced))
+    for mesh in meshes:
+        for recompute, micro in micro_options:
+            label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
+            if progress:
+                progress(label)
+            try:
+                att = _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver, cache)
+            except InfeasibleProblem as exc:
+                failures.append(exc)
+                outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
+                continue
+            attempts.append(att)
+            outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"))
+    if not attempts:
+        _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
+    best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
+    strategy_s = time.perf_counter() - t_start
+
+    baseline = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) if _with_baseline else Baseline("naive data parallel", None, False, "not computed")
+    free_time = None
+    if _with_free and not c.is_free():
+        try:
+            free = search_plan(traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer,
+                               solver=solver, _with_baseline=False, _with_free=False)
+            free_time = free.predicted.step_time_s
+        except NoFeasiblePlanError:
+            free_time = None
+    plan = _extract(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes)
+    plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
+                         "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
+    return plan
+
+
+def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) -> Baseline:
+    world = cluster.world_size
+    c = Constraints(dp=world, tp=1, zero=0, recompute=False, microbatches=1)
+    try:
+        att = _solve_attempt(traced, blocks, cluster, policy, optimizer, (world, 1), False, 1, c, None, solver, cache)
+    except InfeasibleProblem as exc:
+        return Baseline("naive data parallel", None, False, f"not expressible: {exc.detail}")
+    pred = _predicted(att)
+    fits = att.evaluation.peak_bytes <= budget
+    note = "fits" if fits else (
+        f"does not fit: needs {att.evaluation.peak_bytes / 2**30:.1f} GiB per device, has {budget / 2**30:.1f} GiB usable"
+    )
+    return Baseline("naive data parallel", pred, fits, note)
+
+
+def _predicted(att: _Attempt) -> Predicted:
+    ev = att.evaluation
+    ctx = att.problem.ctx
+    flops = model_flops(att.problem)
+    peak = ctx.cluster.device.peak_flops.for_dtype(ctx.policy.compute_dtype)
+    world = math.prod(ctx.mesh_shape)
+    mfu = flops / (ev.step_time_s * world * peak) if ev.step_time_s > 0 else 0.0
+    return Predicted(
+        step_time_s=_r(ev.step_time_s),
+        compute_s=_r(ev.compute_s),
+        comm_s=tuple((k, _r(v)) for k, v in sorted(ev.comm_by_kind.items())),
+        exposed_comm_s=_r(ev.exposed_s),
+        blocking_comm_s=_r(ev.blocking_s),
+        overlappable_comm_s=_r(ev.overlap_s),
+        peak_memory_bytes=_r(ev.peak_bytes),
+        memory_bytes=(("state", _r(ev.static_bytes)), ("activations", _r(ev.saved_bytes)), ("transient", _r(ev.transient_bytes))),
+        model_flops=_r(flops),
+        mfu=_r(mfu),
+    )
+
+
+def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures):
+    non_memory = [f for f in failures if f.family != "memory"]
+    if non_memory and all(f.family != "memory" for f in failures):
+        f = non_memory[0]
+        raise NoFeasiblePlanError(f"no plan satisfies the constraints ({f.family}): {f.detail}. Relax {c}.")
+    # the least memory any plan needs on this cluster
+    need = math.inf
+    for mesh in meshes:
+        for recompute in ([True, False] if blocks.blocks else [False]):
+            try:
+                ctx = CostContext(mesh, AXES, cluster, policy, optimizer)
+                problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=c.microbatches or 1,
+                                        strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache)
+                sol = solve(problem, None, solver, objective="memory")
+                need = min(need, evaluate(problem, sol.choice).peak_bytes)
+            except InfeasibleProblem:
+                continue
+    have = cluster.device.memory_bytes
+    suggestion = _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver)
+    raise NoFeasiblePlanError(
+        f"no plan fits in memory: the leanest plan on {cluster.world_size} x {cluster.device.name} needs "
+        f"{need / 2**30:.1f} GiB per device, but a device has {have / 2**30:.1f} GiB "
+        f"({budget / 2**30:.1f} GiB usable). {suggestion}"
+    )
+
+
+def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver) -> str:
+    """Double the node count until the leanest plan fits (up to 4096 nodes)."""
+    if c.dp is not None or c.tp is not None:
+        return "Relax the fixed dp/tp degrees or add devices."
+    nodes = cluster.nodes
+    budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
+    while nodes < 4096:
+        nodes *= 2
+        bigger = cluster.with_nodes(nodes)
+        cache: dict = {}
+        for mesh in mesh_candidates(bigger, c):
+            ctx = CostContext(mesh, AXES, bigger, policy, optimizer)
+            problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=c.microbatches or 1,
+                                    strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache)
+            try:
+                sol = solve(problem, None, solver, objective="memory")
+            except InfeasibleProblem:
+                continue
+            if evaluate(problem, sol.choice).peak_bytes <= budget:
+                return (f"The smallest {cluster.name} cluster that fits has {nodes} nodes "
+                        f"({nodes * cluster.devices_per_node} devices): Cluster.preset({cluster.name!r}, nodes={nodes}).")
+    return "No cluster of this preset up to 4096 nodes fits it: use a lower precision, an optimizer with less state, or a smaller model."
+
+
+def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, optimizer, baseline, free_time, outcomes) -> Plan:
+    problem, choice = att.problem, att.solution.choice
+    incident = incident_edges(problem)
+    alts = node_alternatives(problem, choice, incident)
+    rep = blocks.rep
+    node_records = []
+    param_records = []
+    ctx = problem.ctx
+    from autopar.planner.costing import param_memory
+
+    for n in traced.graph.nodes:
+        if n.op == "output":
+            continue
+        r = rep[n.name]
+        if n.op == "call_function" and n.target.__class__.__name__ == "builtin_function_or_method" and n.target.__name__ == "getitem":
+            base, idx = _producer(n)
+            v = problem.nodes[rep[base.name]]
+            s = v.strategies[choice[v.name]]
+            lay = s.outs[idx]
+            node_records.append(NodePlacement(n.name, "getitem", n.meta.get("autopar.module", ""),
+                                              (format_layout(lay) if lay is not None else "-",),
+                                              (format_layout(lay) if lay is not None else "-",),
+                                              (format_layout(lay) if lay is not None else "-",), r if r != n.name else ""))
+            continue
+        v = problem.nodes[r]
+        s = v.strategies[choice[r]]
+        share = 1.0 / v.count
+        alt_records = ()
+        if r == n.name:
+            alt_records = tuple(
+                Alternative(v.strategies[i].describe(), _r(dt), _r(dm)) for dt, dm, i in alts.get(r, [])
+            )
+        node_records.append(NodePlacement(
+            name=n.name,
+            op=str(n.target) if n.op == "call_function" else n.meta.get("autopar.kind", n.op),
+            module=n.meta.get("autopar.module", ""),
+            outs=tuple(format_layout(o) if o is not None else "-" for o in s.outs),
+            ins=tuple(format_layout(i) if i is not None else "any" for i in s.ins),
+            grad_ins=tuple(format_layout(g) if g is not None else "any" for g in s.grad_ins),
+            rep=r if r != n.name else "",
+            compute_s=_r((v.fwd_s[choice[r]] + v.bwd_s[choice[r]]) * share),
+            alternatives=alt_records,
+            excluded=tuple(v.excluded[:3]) if r == n.name else (),
+            fallback=v.fallback,
+        ))
+        if n.meta.get("autopar.kind") == "param":
+            meta = n.meta["autopar.outputs"][0]
+            param_records.append(ParamPlacement(
+                fqn=n.meta["autopar.fqn"], node=n.name, layout=format_layout(s.outs[0]),
+                zero_axes=tuple(AXES[a] for a in s.zero_axes), shape=meta.shape,
+                bytes_per_device=_r(param_memory(meta, s, ctx)),
+            ))
+    mesh_axes = tuple(zip(AXES, att.mesh))
+    stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records))
+    predicted = _predicted(att)
+    sol = att.solution
+    report = SolverReport(sol.status, _r(sol.gap), _r(sol.objective_s), _r(sol.bound_s), sol.num_vars, sol.num_constraints, tuple(outcomes))
+    versions = (("autopar", _autopar_version()), ("torch", torch.__version__.split("+")[0]))
+    from autopar.constraints import constraints_json
+
+    cjson = constraints_json(c)
+    fp = fingerprint_of(traced.gm.code, _shapes_key(traced), cluster.to_json(), cjson, precision, optimizer, repr(versions))
+    notes = []
+    fallbacks = sorted({str(v.node.target) for v in problem.nodes.values() if v.fallback and v.node.op == "call_function"})
+    if fallbacks:
+        notes.append("ops without a sharding rule run replicated: " + ", ".join(fallbacks))
+    if any("cross_entropy" in str(v.node.target) or "nll_loss" in str(v.node.target) for v in problem.nodes.values()):
+        notes.append("a batch-sharded mean loss is averaged per shard: exact unless targets use ignore_index")
+    return Plan(
+        fingerprint=fp, versions=versions, model_class=traced.model_class, cluster_json=cluster.to_json(),
+        precision=precision, optimizer=optimizer, constraints=cjson, mesh_axes=mesh_axes,
+        microbatches=att.microbatches, recompute=att.recompute, schedule=None, stages=(stage,),
+        predicted=predicted, baseline=baseline, solver=report,
+        free_step_time_s=_r(free_time) if free_time is not None else None, notes=tuple(notes),
+    )
+
+
+def _shapes_key(traced: TracedGraph) -> str:
+    parts = []
+    for n in traced.graph.nodes:
+        outs = n.meta.get("autopar.outputs", ())
+        parts.append(f"{n.name}:{[(m.shape, str(m.dtype)) if m else None for m in outs]}")
+    return "|".join(parts)
+
+
+def _autopar_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("autopar")
+    except Exception:  # noqa: BLE001 - not installed (source checkout)
+        return "0+unknown"

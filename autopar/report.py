@@ -1,0 +1,146 @@
+"""Human-readable views of a Plan: summary table, per-module explanation, plan diff."""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+__all__ = ["plan_summary", "plan_explain", "plan_diff"]
+
+GiB = 2**30
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.3f} ms"
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:,.2f} GiB"
+
+
+def _group_key(module: str, depth: int = 2) -> str:
+    """Collapse block instances: 'blocks.17.attn.qkv' -> 'blocks.*.attn'."""
+    parts = module.split(".") if module else []
+    parts = ["*" if p.isdigit() else p for p in parts]
+    return ".".join(parts[: depth + (1 if "*" in parts[:depth] else 0)]) or "<root>"
+
+
+def plan_summary(plan) -> str:
+    from autopar.cluster import Cluster
+
+    cluster = Cluster.from_json(plan.cluster_json)
+    p = plan.predicted
+    lines = []
+    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_axes)
+    lines.append(f"autopar plan {plan.fingerprint} for {plan.model_class} on {cluster.name}: "
+                 f"{cluster.nodes} node(s) x {cluster.devices_per_node} {cluster.device.name}")
+    lines.append(f"mesh {mesh} | precision {plan.precision} | optimizer {plan.optimizer} | "
+                 f"recompute {'on' if plan.recompute else 'off'} | microbatches {plan.microbatches}")
+    zero = sorted({a for pp in plan.params.values() for a in pp.zero_axes})
+    sharded = sum(1 for pp in plan.params.values() if "S(" in pp.layout)
+    lines.append(f"parameters: {len(plan.params)} tensors, {sharded} sharded"
+                 + (f", optimizer state sharded on {zero}" if zero else ""))
+    lines.append("")
+    # per-module table
+    rows: dict[str, dict] = defaultdict(lambda: {"compute": 0.0, "params": 0, "layouts": set(), "count": set()})
+    for n in plan.nodes.values():
+        key = _group_key(n.module)
+        rows[key]["compute"] += n.compute_s
+        m = re.search(r"\.(\d+)(\.|$)", n.module)
+        if m:
+            rows[key]["count"].add(m.group(1))
+    for pp in plan.params.values():
+        key = _group_key(pp.fqn.rpartition(".")[0])
+        numel = 1
+        for s in pp.shape:
+            numel *= s
+        rows[key]["params"] += numel
+        rows[key]["layouts"].add(pp.layout + ("+zero" if pp.zero_axes else ""))
+    header = f"{'module':<32} {'x':>4} {'params':>12} {'compute':>14}  parameter layouts [dp, tp]"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for key in sorted(rows, key=lambda k: (-rows[k]["compute"], k)):
+        r = rows[key]
+        cnt = len(r["count"]) or 1
+        lay = ", ".join(sorted(r["layouts"]))[:60]
+        lines.append(f"{key:<32} {cnt:>4} {r['params']:>12,} {_ms(r['compute']):>14}  {lay}")
+    lines.append("")
+    comm = ", ".join(f"{k} {_ms(v)}" for k, v in p.comm_s) or "none"
+    lines.append(f"predicted step time  {_ms(p.step_time_s)}  = compute {_ms(p.compute_s)} + blocking comm "
+                 f"{_ms(p.blocking_comm_s)} + exposed overlappable comm {_ms(p.exposed_comm_s)}")
+    lines.append(f"communication        {comm}")
+    lines.append(f"peak memory / device {_gib(p.peak_memory_bytes)} of {_gib(cluster.device.memory_bytes)} "
+                 f"({', '.join(f'{k} {_gib(v)}' for k, v in p.memory_bytes)})")
+    lines.append(f"model FLOPs / step   {p.model_flops:.3e}  MFU {p.mfu * 100:.1f}%")
+    b = plan.baseline
+    if b.predicted is not None:
+        ratio = b.predicted.step_time_s / p.step_time_s if p.step_time_s else float("nan")
+        lines.append(f"baseline {b.name}: {_ms(b.predicted.step_time_s)}/step, peak {_gib(b.predicted.peak_memory_bytes)}"
+                     f" ({b.note}); this plan is {ratio:.2f}x its speed")
+    else:
+        lines.append(f"baseline {b.name}: {b.note}")
+    if plan.free_step_time_s is not None:
+        extra = plan.override_cost_s
+        pct = 100 * extra / plan.free_step_time_s if plan.free_step_time_s else 0.0
+        lines.append(f"constraints {plan.constraints} cost {_ms(extra)} (+{pct:.1f}%) vs the free optimum {_ms(plan.free_step_time_s)}")
+    s = plan.solver
+    lines.append(f"solver {s.status}, gap {s.gap * 100:.2f}%, {s.num_vars} variables; candidates tried: {len(s.candidates)}")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def plan_explain(plan, module_path: str = "") -> str:
+    nodes = plan.nodes_in(module_path) if module_path else list(plan.nodes.values())
+    if not nodes:
+        modules = sorted({n.module for n in plan.nodes.values() if n.module})[:10]
+        raise KeyError(f"no node in module {module_path!r}; modules look like {modules}")
+    lines = [f"why the plan lays out '{module_path or '<model>'}' this way (deltas: other nodes fixed)"]
+    for n in nodes:
+        if n.op in ("getitem",) or n.op.startswith("aten.view") or n.op.startswith("aten.transpose"):
+            continue
+        ref = plan.nodes.get(n.rep) if n.rep else n
+        head = f"{n.name:<28} {n.op:<40} out {', '.join(n.outs)}"
+        if n.ins:
+            head += f" <- {', '.join(n.ins)}"
+        lines.append(head)
+        if n.rep:
+            lines.append(f"    shares the decision of {n.rep} (repeated block)")
+        for a in ref.alternatives:
+            lines.append(f"    alternative {a.strategy}: {a.delta_time_s * 1e3:+.4f} ms, {a.delta_memory_bytes / 2**20:+.1f} MiB")
+        for desc, why in ref.excluded:
+            lines.append(f"    excluded {desc}: {why}")
+        if n.fallback:
+            lines.append("    no sharding rule for this op: runs replicated")
+    for pp in plan.params.values():
+        if not module_path or pp.fqn.startswith(module_path + ".") or pp.fqn == module_path:
+            lines.append(f"param {pp.fqn} {tuple(pp.shape)} {pp.layout}"
+                         + (f" optimizer state sharded on {list(pp.zero_axes)}" if pp.zero_axes else "")
+                         + f", {pp.bytes_per_device / 2**20:.1f} MiB/device")
+    return "\n".join(lines)
+
+
+def plan_diff(a, b) -> str:
+    lines = []
+    if a.mesh_axes != b.mesh_axes:
+        lines.append(f"mesh: {dict(a.mesh_axes)} -> {dict(b.mesh_axes)}")
+    for field in ("precision", "optimizer", "recompute", "microbatches", "constraints"):
+        if getattr(a, field) != getattr(b, field):
+            lines.append(f"{field}: {getattr(a, field)} -> {getattr(b, field)}")
+    pa, pb = a.params, b.params
+    for fqn in sorted(set(pa) | set(pb)):
+        x, y = pa.get(fqn), pb.get(fqn)
+        if x is None or y is None:
+            lines.append(f"param {fqn}: {'added' if x is None else 'removed'}")
+        elif (x.layout, x.zero_axes) != (y.layout, y.zero_axes):
+            lines.append(f"param {fqn}: {x.layout}{'+zero' if x.zero_axes else ''} -> {y.layout}{'+zero' if y.zero_axes else ''}")
+    na, nb = a.nodes, b.nodes
+    changed = [n for n in na if n in nb and (na[n].outs, na[n].ins) != (nb[n].outs, nb[n].ins) and not na[n].rep]
+    for n in changed[:40]:
+        lines.append(f"node {n}: out {', '.join(na[n].outs)} -> {', '.join(nb[n].outs)}")
+    if len(changed) > 40:
+        lines.append(f"... and {len(changed) - 40} more nodes")
+    dt = b.predicted.step_time_s - a.predicted.step_time_s
+    dm = b.predicted.peak_memory_bytes - a.predicted.peak_memory_bytes
+    lines.append(f"predicted step time {a.predicted.step_time_s * 1e3:.3f} -> {b.predicted.step_time_s * 1e3:.3f} ms ({dt * 1e3:+.3f}); "
+                 f"peak memory {dm / 2**30:+.2f} GiB")
+    return "\n".join(lines) if lines else "plans are identical"

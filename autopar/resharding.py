@@ -1,0 +1,115 @@
+"""How to move a tensor from one layout to another: an ordered list of per-axis steps.
+
+Shared by the planner (which prices the steps) and the passes (which emit them as collectives),
+so what is priced is exactly what runs. Per axis:
+
+* ``Partial -> Replicate``: all-reduce;   ``Partial -> Shard(d)``: reduce-scatter on ``d``;
+* ``Shard(d) -> Replicate``: all-gather;  ``Shard(i) -> Shard(j)``: all-to-all;
+* ``Replicate -> Shard(d)``: local slice; ``Replicate -> Partial``: local (rank 0 keeps, others 0
+  for sum; every rank keeps for avg); ``Partial(sum) <-> Partial(avg)``: local scaling.
+
+Order: cheap steps that shrink the tensor first (slices, reductions), gathers last, except that a
+step introducing a shard on dim ``e`` waits until no other axis still shards ``e`` (nested shards
+of one dim are never formed); a swap cycle is broken by gathering first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autopar.layouts import Layout, Partial, Placement, Replicate, Shard
+
+__all__ = ["ReshardStep", "reshard_steps", "COMM_KINDS"]
+
+COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """One step on one mesh axis. ``kind`` is a collective name or a local op.
+
+    kinds: "all_reduce" (op), "reduce_scatter" (dim, op), "all_gather" (dim), "all_to_all"
+    (src_dim -> dim), "slice" (dim), "to_partial" (op), "scale" (factor kind: "avg_to_sum" or
+    "sum_to_avg").
+    """
+
+    kind: str
+    axis: int
+    dim: int | None = None
+    src_dim: int | None = None
+    op: str | None = None
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COMM_KINDS
+
+
+def _one_axis(axis: int, p: Placement, q: Placement) -> list[ReshardStep]:
+    if p == q:
+        return []
+    if isinstance(p, Partial):
+        if isinstance(q, Replicate):
+            return [ReshardStep("all_reduce", axis, op=p.reduce_op)]
+        if isinstance(q, Shard):
+            return [ReshardStep("reduce_scatter", axis, dim=q.dim, op=p.reduce_op)]
+        kind = "avg_to_sum" if p.reduce_op == "avg" else "sum_to_avg"
+        return [ReshardStep("scale", axis, op=kind)]
+    if isinstance(p, Shard):
+        if isinstance(q, Replicate):
+            return [ReshardStep("all_gather", axis, dim=p.dim)]
+        if isinstance(q, Shard):
+            return [ReshardStep("all_to_all", axis, dim=q.dim, src_dim=p.dim)]
+        return [ReshardStep("all_gather", axis, dim=p.dim), ReshardStep("to_partial", axis, op=q.reduce_op)]
+    # Replicate
+    if isinstance(q, Shard):
+        return [ReshardStep("slice", axis, dim=q.dim)]
+    return [ReshardStep("to_partial", axis, op=q.reduce_op)]
+
+
+_PRIORITY = {"slice": 0, "scale": 0, "all_reduce": 1, "reduce_scatter": 1, "all_to_all": 2,
+             "all_gather": 3, "to_partial": 4}
+
+
+def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[ReshardStep]:
+    """Steps turning a tensor laid out ``src`` into ``dst`` (same mesh), in execution order."""
+    if len(src) != len(dst):
+        raise ValueError(f"layouts of different mesh rank: {src} vs {dst}")
+    cur: list[Placement] = list(src)
+    pending = {a for a in range(len(src)) if src[a] != dst[a]}
+    steps: list[ReshardStep] = []
+
+    def introduces(a: int) -> int | None:
+        q = dst[a]
+        return q.dim if isinstance(q, Shard) and cur[a] != q else None
+
+    def blocked(a: int) -> bool:
+        e = introduces(a)
+        return e is not None and any(b != a and cur[b] == Shard(e) for b in range(len(cur)))
+
+    while pending:
+        ready = [a for a in pending if not blocked(a)]
+        if ready:
+            a = min(ready, key=lambda ax: (_PRIORITY[_one_axis(ax, cur[ax], dst[ax])[0].kind], ax))
+            new = _one_axis(a, cur[a], dst[a])
+            steps += new
+            cur[a] = dst[a]
+            pending.discard(a)
+        else:  # a swap cycle: gather one axis to Replicate first
+            a = min(pending)
+            steps += _one_axis(a, cur[a], Replicate())
+            cur[a] = Replicate()
+    return steps
+
+
+def layout_after(layout: Layout, step: ReshardStep) -> Layout:
+    """Layout after applying one step (for byte accounting)."""
+    cur = list(layout)
+    if step.kind in ("all_reduce", "all_gather"):
+        cur[step.axis] = Replicate()
+    elif step.kind in ("reduce_scatter", "slice", "all_to_all"):
+        cur[step.axis] = Shard(step.dim)
+    elif step.kind == "to_partial":
+        cur[step.axis] = Partial(step.op)
+    elif step.kind == "scale":
+        cur[step.axis] = Partial("sum" if step.op == "avg_to_sum" else "avg")
+    return tuple(cur)

@@ -1,0 +1,1 @@
+"""Runtime: process groups, the sharded training program, launch (see the runtime issue)."""

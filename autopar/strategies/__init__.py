@@ -1,0 +1,186 @@
+"""Candidate strategies per graph node over a device mesh.
+
+A ``Strategy`` fixes, for one node, the layout of each output, the layout each tensor input must
+arrive in, and the layout of the gradient its local backward hands back for each input. The
+planner picks one per node; resharding between a producer's output layout and a consumer's input
+layout (and back for gradients) is an edge cost; the passes turn the same pairs into collectives.
+
+Invariant: every strategy divides evenly (each sharded dim is divisible by its shard count) and
+never shards one tensor dim on two mesh axes; the rest are listed in ``excluded`` with a reason.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch.fx as fx
+
+from autopar.layouts import (
+    Layout,
+    Partial,
+    R,
+    Replicate,
+    Shard,
+    divides_evenly,
+    format_layout,
+    local_grad_layout,
+)
+from autopar.strategies.rules import AxisOption, OpView, rule_for
+from autopar.trace import TensorMeta
+
+__all__ = ["Strategy", "NodeStrategies", "enumerate_strategies", "UnknownOpWarning"]
+
+
+class UnknownOpWarning(UserWarning):
+    """An op without a sharding rule: it will run replicated (its cost is still counted)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    ins: tuple[Layout | None, ...]
+    outs: tuple[Layout | None, ...]
+    grad_ins: tuple[Layout | None, ...]
+    zero_axes: tuple[int, ...] = ()  # params only: grads + optimizer state sharded on these axes
+
+    def describe(self) -> str:
+        outs = ", ".join(format_layout(o) if o is not None else "-" for o in self.outs)
+        text = f"out {outs}"
+        if any(i is not None for i in self.ins):
+            text += " <- " + ", ".join(format_layout(i) if i is not None else "any" for i in self.ins)
+        if self.zero_axes:
+            text += f" zero-sharded on axes {list(self.zero_axes)}"
+        return text
+
+
+@dataclass(frozen=True)
+class NodeStrategies:
+    node: str
+    strategies: tuple[Strategy, ...]
+    excluded: tuple[tuple[str, str], ...] = ()
+    fallback: bool = False
+
+
+def _valid_layout(layout: Layout | None) -> bool:
+    if layout is None:
+        return True
+    dims = [p.dim for p in layout if isinstance(p, Shard)]
+    return len(dims) == len(set(dims))
+
+
+def _uneven_reason(meta: TensorMeta, layout: Layout, mesh_shape, axis_names) -> str | None:
+    if divides_evenly(meta.shape, layout, mesh_shape):
+        return None
+    parts = []
+    for p, n, name in zip(layout, mesh_shape, axis_names):
+        if isinstance(p, Shard) and p.dim < len(meta.shape):
+            parts.append(f"dim {p.dim} (size {meta.shape[p.dim]}) over axis '{name}' of size {n}")
+    return "does not divide evenly: " + "; ".join(parts)
+
+
+def _combine(per_axis: Sequence[AxisOption], n_in: int, n_out: int) -> tuple[tuple, tuple]:
+    ins = tuple(
+        None if any(o.ins[i] is None for o in per_axis) else tuple(o.ins[i] for o in per_axis)
+        for i in range(n_in)
+    )
+    outs = tuple(tuple(o.outs[j] for o in per_axis) for j in range(n_out))
+    return ins, outs
+
+
+def _is_all_r(option: AxisOption) -> bool:
+    return all(p is None or isinstance(p, Replicate) for p in option.ins + option.outs)
+
+
+def _placeholder_options(meta: TensorMeta, kind: str, axis_size: int) -> list[tuple[object, bool]]:
+    """Per-axis options for a graph input: (placement, zero-sharded?)."""
+    opts: list[tuple[object, bool]] = [(R, False)]
+    if kind == "buffer" or axis_size == 1:
+        return opts
+    if kind == "param" and axis_size > 1:
+        opts.append((R, True))
+    opts += [(Shard(d), False) for d, s in enumerate(meta.shape) if s > 1]
+    return opts
+
+
+def enumerate_strategies(
+    node: fx.Node, mesh_shape: Sequence[int], axis_names: Sequence[str], *, warn: bool = True
+) -> NodeStrategies:
+    """All valid strategies of ``node`` on a mesh of ``mesh_shape`` (axis names for messages)."""
+    kind = node.meta.get("autopar.kind")
+    metas: tuple[TensorMeta | None, ...] = node.meta["autopar.outputs"]
+    ndim = len(mesh_shape)
+    excluded: list[tuple[str, str]] = []
+
+    if kind in ("param", "buffer", "input", "target"):
+        meta = metas[0]
+        per_axis = [_placeholder_options(meta, kind, n) for n in mesh_shape]
+        strategies = []
+        for combo in itertools.product(*per_axis):
+            layout = tuple(p for p, _ in combo)
+            zero = tuple(a for a, (_, z) in enumerate(combo) if z)
+            if not _valid_layout(layout):
+                continue
+            reason = _uneven_reason(meta, layout, mesh_shape, axis_names)
+            if reason:
+                excluded.append((format_layout(layout), reason))
+                continue
+            strategies.append(Strategy((), (layout,), (), zero))
+        return NodeStrategies(node.name, tuple(strategies), tuple(excluded))
+
+    n_out = len(metas)
+    trivial_axes = [a for a, n in enumerate(mesh_shape) if n == 1]
+    replicated = Strategy(
+        ins=tuple((R,) * ndim for _ in _tensor_input_count(node)),
+        outs=tuple((R,) * ndim if m is not None else None for m in metas),
+        grad_ins=tuple((R,) * ndim for _ in _tensor_input_count(node)),
+    )
+    rule = rule_for(node)
+    if rule is None:
+        if warn and node.target is not operator.getitem:
+            module = node.meta.get("autopar.module", "")
+            warnings.warn(
+                f"autopar has no sharding rule for {node.target} (node '{node.name}' in module "
+                f"'{module or '<root>'}'); it runs replicated on every device.",
+                UnknownOpWarning,
+                stacklevel=2,
+            )
+        return NodeStrategies(node.name, (replicated,), (), fallback=True)
+
+    view = OpView(node)
+    n_in = len(view.inputs)
+    options = [o for o in rule(view) if len(o.ins) == n_in and len(o.outs) == n_out]
+    options.append(AxisOption((R,) * n_in, (R,) * n_out))
+    seen = set()
+    strategies = []
+    for per_axis in itertools.product(options, repeat=ndim):
+        ins, outs = _combine(per_axis, n_in, n_out)
+        outs = tuple(o if m is not None else None for o, m in zip(outs, metas))
+        key = (ins, outs)
+        if key in seen:
+            continue
+        seen.add(key)
+        if not all(_valid_layout(x) for x in ins + outs):
+            continue
+        if any(not _is_all_r(per_axis[a]) for a in trivial_axes):
+            continue  # a size-1 axis only carries Replicate
+        reason = None
+        for meta, layout in list(zip(view.in_metas, ins)) + list(zip(metas, outs)):
+            if meta is not None and layout is not None:
+                reason = _uneven_reason(meta, layout, mesh_shape, axis_names)
+                if reason:
+                    break
+        if reason:
+            excluded.append((f"out {', '.join(format_layout(o) for o in outs if o is not None)}", reason))
+            continue
+        ref_out = next((o for o in outs if o is not None), (R,) * ndim)
+        grads = tuple(None if i is None else local_grad_layout(i, ref_out) for i in ins)
+        strategies.append(Strategy(ins, outs, grads))
+    return NodeStrategies(node.name, tuple(strategies), tuple(excluded))
+
+
+def _tensor_input_count(node: fx.Node) -> list[int]:
+    from autopar.trace import tensor_inputs
+
+    return list(range(len(tensor_inputs(node))))

@@ -1,0 +1,341 @@
+"""Capture a model (plus its loss) as a torch.fx graph of aten ops, on fake tensors only.
+
+``trace_model`` runs ``make_fx(pre_dispatch=True)`` over ``loss_fn(model(*inputs), target)`` with
+every parameter, buffer and input replaced by a fake tensor of the same shape and dtype, so a
+model built on the meta device (a 175B-parameter shape) is planned without allocating anything.
+The pre-dispatch graph keeps high-level ops (``aten.linear``, ``aten.scaled_dot_product_attention``,
+``aten.layer_norm``): fewer nodes, and at run time each op still picks its device's kernel.
+
+Node metadata written here (the ``autopar.*`` keys, read by strategies, planner and passes):
+
+* ``autopar.kind``: "param" | "buffer" | "input" | "target" | "op" | "output"
+* ``autopar.fqn``: for params/buffers, the name in ``model.state_dict()``
+* ``autopar.module``: dotted path of the innermost user module that produced the node ("" = root)
+* ``autopar.outputs``: tuple of ``TensorMeta`` (one per output; ``None`` for non-tensor outputs)
+* ``autopar.needs_grad``: whether a gradient flows back through the node in training
+"""
+from __future__ import annotations
+
+import contextlib
+import linecache
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.errors import TraceError
+
+__all__ = ["TensorMeta", "TracedGraph", "trace_model", "tensor_inputs"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Global (unsharded) shape and dtype of one tensor value in the graph."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype, device="meta").element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass
+class TracedGraph:
+    """A traced training graph. ``gm`` computes the loss (or the model output when no loss).
+
+    Placeholders come in this order: parameters, buffers, model inputs, then the target (if any).
+    ``param_fqns``/``buffer_fqns`` map placeholder node names to ``state_dict`` keys.
+    """
+
+    gm: fx.GraphModule
+    param_fqns: dict[str, str]
+    buffer_fqns: dict[str, str]
+    input_names: list[str]
+    target_name: str | None
+    has_loss: bool
+    model_class: str
+    num_params: int
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def node(self, name: str) -> fx.Node:
+        for n in self.gm.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's fx-Node arguments in positional order, duplicates kept (``x * x`` gives two)."""
+    found: list[fx.Node] = []
+    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(leaf, fx.Node):
+            found.append(leaf)
+    return found
+
+
+def _meta_of(value: Any) -> TensorMeta | None:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
+    return None
+
+
+def _fake_like(t: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
+    out = torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def _sanitize(fqn: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in fqn)
+
+
+class _ModuleTracker:
+    """Global forward hooks that remember which user module is running (for error messages)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.classes = {id(m): type(m).__name__ for _, m in model.named_modules()}
+        self.stack: list[int] = []
+
+    @contextlib.contextmanager
+    def active(self):
+        def pre(mod, args):
+            if id(mod) in self.names:
+                self.stack.append(id(mod))
+
+        def post(mod, args, out):
+            if id(mod) in self.names and self.stack and self.stack[-1] == id(mod):
+                self.stack.pop()
+
+        h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+        h2 = torch.nn.modules.module.register_module_forward_hook(post)
+        try:
+            yield self
+        finally:
+            h1.remove()
+            h2.remove()
+
+    def current(self) -> tuple[str, str]:
+        if not self.stack:
+            return "", "model"
+        mid = self.stack[-1]
+        return self.names[mid], self.classes[mid]
+
+
+def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
+    """Innermost traceback frame outside torch and autopar: (file, line, source)."""
+    best = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        f = frame.filename.replace("\\", "/")
+        if "/torch/" in f or "/autopar/" in f or "/site-packages/" in f or f.startswith("<"):
+            continue
+        best = (frame.filename, frame.lineno or 0, (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip())
+    return best
+
+
+_DATA_DEPENDENT_HINTS = (
+    "data-dependent",
+    "DataDependent",
+    "Could not guard on data-dependent",
+    "aten._local_scalar_dense",
+    "item()",
+    "Cannot call numpy",
+    "nonzero",
+)
+
+
+def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
+    path, cls = tracker.current()
+    frame = _user_frame(exc)
+    where = f" at {frame[0]}:{frame[1]}: `{frame[2]}`" if frame else ""
+    text = f"{type(exc).__name__}: {exc}"
+    module = f"module '{path}' ({cls})" if path else f"the model's top-level forward ({cls})"
+    if any(h in text for h in _DATA_DEPENDENT_HINTS):
+        msg = (
+            f"autopar cannot trace {module}{where}: it branches on (or reads) tensor values, and a "
+            "plan must hold for every input. Rewrite the branch with tensor ops (torch.where, "
+            "masking, torch.cond) or move the data-dependent part out of the model."
+        )
+    else:
+        msg = (
+            f"autopar could not trace {module}{where}. The failure was: {text.splitlines()[0][:400]}. "
+            "autopar needs a forward pass torch.fx can capture with fake tensors (no .item(), numpy "
+            "or data-dependent shapes)."
+        )
+    raise TraceError(msg) from exc
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (list, tuple)):
+        return tuple(example_inputs)
+    raise TraceError(
+        f"example_inputs must be a tensor or a tuple of tensors (the positional arguments of "
+        f"model.forward), got {type(example_inputs).__name__}"
+    )
+
+
+def trace_model(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    example_target: torch.Tensor | None = None,
+    device_type: str = "cpu",
+) -> TracedGraph:
+    """Trace ``loss_fn(model(*example_inputs), example_target)`` into a ``TracedGraph``.
+
+    Inputs and parameters may live on any device, the meta device included: only their shapes
+    and dtypes are used. Without ``loss_fn`` the graph returns the model output.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = _as_tuple(example_inputs)
+    if loss_fn is not None and example_target is None:
+        raise TraceError("loss_fn was given without an example target: pass example_target=")
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    p_names, b_names = list(params), list(buffers)
+    n_in = len(inputs)
+    has_target = loss_fn is not None
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake_mode:
+        flat: list[Any] = [_fake_like(p, device_type, p.requires_grad) for p in params.values()]
+        flat += [_fake_like(b, device_type, False) for b in buffers.values()]
+        flat += [_fake_like(x, device_type, False) if isinstance(x, torch.Tensor) else x for x in inputs]
+        if has_target:
+            flat.append(_fake_like(example_target, device_type, False))
+
+    n_p, n_b = len(p_names), len(b_names)
+
+    def train_fn(*args):
+        state = dict(zip(p_names, args[:n_p]))
+        state.update(zip(b_names, args[n_p : n_p + n_b]))
+        user_in = args[n_p + n_b : n_p + n_b + n_in]
+        out = torch.func.functional_call(model, state, tuple(user_in))
+        if has_target:
+            return loss_fn(out, args[-1])
+        return out
+
+    train_fn._orig_mod = model  # lets make_fx record nn_module_stack against this model
+    tracker = _ModuleTracker(model)
+    try:
+        with fake_mode, tracker.active(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every capture failure becomes one clear error
+        _raise_trace_error(exc, tracker)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat):
+        raise TraceError(
+            f"internal: traced graph has {len(placeholders)} placeholders for {len(flat)} inputs"
+        )
+    param_fqns: dict[str, str] = {}
+    buffer_fqns: dict[str, str] = {}
+    input_names: list[str] = []
+    target_name = None
+    for i, ph in enumerate(placeholders):
+        if i < n_p:
+            kind, fqn = "param", p_names[i]
+            ph._rename("p_" + _sanitize(fqn))
+            param_fqns[ph.name] = fqn
+        elif i < n_p + n_b:
+            kind, fqn = "buffer", b_names[i - n_p]
+            ph._rename("b_" + _sanitize(fqn))
+            buffer_fqns[ph.name] = fqn
+        elif i < n_p + n_b + n_in:
+            kind, fqn = "input", None
+            ph._rename(f"input_{i - n_p - n_b}")
+            input_names.append(ph.name)
+        else:
+            kind, fqn = "target", None
+            ph._rename("target")
+            target_name = ph.name
+        ph.target = ph.name
+        ph.meta["autopar.kind"] = kind
+        if fqn is not None:
+            ph.meta["autopar.fqn"] = fqn
+        ph.meta["autopar.module"] = fqn.rpartition(".")[0] if fqn else ""
+
+    _annotate_nodes(gm.graph)
+    gm.recompile()
+    output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out_leaves = [x for x in pytree.tree_leaves(output_val) if isinstance(x, fx.Node)]
+    is_loss = has_target or (
+        len(out_leaves) == 1 and out_leaves[0].meta["autopar.outputs"][0] is not None
+        and out_leaves[0].meta["autopar.outputs"][0].numel == 1
+    )
+    return TracedGraph(
+        gm=gm,
+        param_fqns=param_fqns,
+        buffer_fqns=buffer_fqns,
+        input_names=input_names,
+        target_name=target_name,
+        has_loss=is_loss,
+        model_class=type(model).__name__,
+        num_params=sum(p.numel() for p in params.values()),
+    )
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    fqn = list(stack.values())[-1][0]
+    return fqn if isinstance(fqn, str) else ""
+
+
+def _annotate_nodes(graph: fx.Graph) -> None:
+    needs_grad: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            node.meta["autopar.kind"] = "output"
+            node.meta["autopar.module"] = ""
+            node.meta["autopar.outputs"] = ()
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, (list, tuple)):
+            outs = tuple(_meta_of(v) for v in val)
+        else:
+            outs = (_meta_of(val),)
+        node.meta["autopar.outputs"] = outs
+        if node.op == "placeholder":
+            ng = node.meta["autopar.kind"] == "param" and bool(getattr(val, "requires_grad", False))
+        else:
+            node.meta["autopar.kind"] = "op"
+            node.meta["autopar.module"] = _module_path(node)
+            floating = any(m is not None and m.is_floating for m in outs)
+            ng = floating and any(needs_grad.get(a, False) for a in tensor_inputs(node))
+        needs_grad[node] = ng
+        node.meta["autopar.needs_grad"] = ng

@@ -1,0 +1,139 @@
+"""Compute cost model: a roofline over a :class:`~autopar.cluster.DeviceSpec`.
+
+``time = max(flops / (peak * efficiency), bytes_moved / (memory_bandwidth * memory_efficiency))``
+
+The efficiencies are the achievable fraction of datasheet peak for one *kernel* (not end-to-end
+MFU, which also pays communication, pipeline bubbles and host overhead). They are module
+constants so calibration against published end-to-end throughputs can replace them, and every
+call may override them by argument. Sources of the starting values:
+
+* ``MATMUL_EFFICIENCY = 0.75``: large cuBLAS GEMMs reach roughly 70-80% of tensor-core peak on
+  A100/H100 (NVIDIA "Matrix Multiplication Background" performance guide); Megatron-LM reports
+  52% *end-to-end* MFU for GPT-3 175B on A100 (Narayanan et al., SC'21, 163 of 312 TFLOP/s),
+  consistent with ~75% kernel efficiency after communication and bubbles.
+* ``ATTENTION_EFFICIENCY = 0.6``: FlashAttention-2 reaches 50-73% of A100 peak forward and
+  backward (Dao, 2023, arXiv:2307.08691).
+* ``MEMORY_EFFICIENCY = 0.8``: streaming kernels reach ~80-90% of HBM peak (STREAM/BabelStream
+  style measurements on A100/H100).
+* ``POINTWISE_EFFICIENCY = 0.5`` and ``OTHER_EFFICIENCY = 0.5``: pointwise and other non-matmul
+  ops run on the vector units (CUDA cores), not tensor cores. Their FLOPs are counted against the
+  fp32 peak whatever the dtype (half precision's 2x vector rate is ignored: conservative, and
+  these ops are memory bound anyway), which also lets integer ops through. Engineering guesses.
+  Convolutions run as implicit GEMMs: classify them as ``"matmul"``.
+
+Example:
+    >>> from autopar.cluster import Cluster
+    >>> a100 = Cluster.preset("dgx-a100").device
+    >>> round(op_time(2 * 8192**3, 3 * 2 * 8192**2, a100, "bf16") * 1e3, 3)  # ms, compute bound
+    4.699
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from autopar.errors import AutoparError
+
+if TYPE_CHECKING:  # only for annotations: keeps autopar.cluster -> cost_models acyclic
+    from autopar.cluster import DeviceSpec
+
+__all__ = [
+    "MATMUL_EFFICIENCY",
+    "ATTENTION_EFFICIENCY",
+    "POINTWISE_EFFICIENCY",
+    "OTHER_EFFICIENCY",
+    "MEMORY_EFFICIENCY",
+    "OP_KINDS",
+    "op_time",
+    "dtype_bytes",
+]
+
+MATMUL_EFFICIENCY = 0.75
+ATTENTION_EFFICIENCY = 0.6
+POINTWISE_EFFICIENCY = 0.5
+OTHER_EFFICIENCY = 0.5
+MEMORY_EFFICIENCY = 0.8
+
+OP_KINDS = ("matmul", "attention", "pointwise", "other")
+_TENSOR_CORE_KINDS = ("matmul", "attention")
+
+_DTYPE_BYTES = {
+    "float64": 8, "double": 8, "fp64": 8,
+    "float32": 4, "float": 4, "fp32": 4, "tf32": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "half": 2, "fp16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+    "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2,
+    "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype``: a torch/numpy dtype or a name ("bf16", "float32", ...).
+
+    >>> dtype_bytes("bf16"), dtype_bytes("torch.float32")
+    (2, 4)
+    """
+    if not isinstance(dtype, str) and isinstance(getattr(dtype, "itemsize", None), int):
+        return dtype.itemsize  # torch.dtype and numpy dtypes know their size
+    key = str(dtype).removeprefix("torch.")
+    if key not in _DTYPE_BYTES:
+        raise AutoparError(f"unknown dtype {dtype!r}; known dtypes: {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[key]
+
+
+def _efficiency(kind: str) -> float:
+    # Looked up at call time so that patching a module constant takes effect.
+    return {
+        "matmul": MATMUL_EFFICIENCY,
+        "attention": ATTENTION_EFFICIENCY,
+        "pointwise": POINTWISE_EFFICIENCY,
+        "other": OTHER_EFFICIENCY,
+    }[kind]
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise AutoparError(f"op_time: {name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise AutoparError(f"op_time: {name} must be in (0, 1], got {value!r}")
+
+
+def op_time(
+    flops: float,
+    bytes_moved: float,
+    device: DeviceSpec,
+    dtype: Any,
+    kind: str = "matmul",
+    *,
+    efficiency: float | None = None,
+    memory_efficiency: float | None = None,
+) -> float:
+    """Roofline time in seconds of one op on one device.
+
+    ``flops``: floating-point operations (a multiply-add is 2). ``bytes_moved``: bytes read plus
+    written in device memory. ``kind`` in :data:`OP_KINDS`: "matmul"/"attention" run at the
+    tensor-core peak of ``dtype``; "pointwise"/"other" at the fp32 vector peak. ``efficiency``
+    and ``memory_efficiency`` override the module constants for this call.
+    """
+    if kind not in OP_KINDS:
+        raise AutoparError(f"op_time: unknown op kind {kind!r}; known kinds: {list(OP_KINDS)}")
+    _check_nonneg("flops", flops)
+    _check_nonneg("bytes_moved", bytes_moved)
+    eff = _efficiency(kind) if efficiency is None else efficiency
+    mem_eff = MEMORY_EFFICIENCY if memory_efficiency is None else memory_efficiency
+    _check_fraction("efficiency", eff)
+    _check_fraction("memory_efficiency", mem_eff)
+    if kind in _TENSOR_CORE_KINDS:
+        peak = device.peak_flops.for_dtype(dtype)
+    else:
+        dtype_bytes(dtype)  # validate the dtype name even though the vector rate ignores it
+        peak = device.peak_flops.fp32
+    compute = flops / (peak * eff)
+    memory = bytes_moved / (device.memory_bandwidth * mem_eff)
+    return max(compute, memory)
