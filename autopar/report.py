@@ -14,7 +14,16 @@ def _ms(s: float) -> str:
 
 
 def _gib(b: float) -> str:
-    return f"{b / GiB:,.2f} GiB"
+    if b >= 0.1 * GiB:
+        return f"{b / GiB:,.2f} GiB"
+    return f"{b / 2**20:,.2f} MiB"
+
+
+def _constraints_text(text: str) -> str:
+    import json
+
+    items = {k: v for k, v in json.loads(text).items() if v not in (None, [])}
+    return ", ".join(f"{k}={v}" for k, v in sorted(items.items())) or "none"
 
 
 def _group_key(module: str, depth: int = 2) -> str:
@@ -81,7 +90,7 @@ def plan_summary(plan) -> str:
     if plan.free_step_time_s is not None:
         extra = plan.override_cost_s
         pct = 100 * extra / plan.free_step_time_s if plan.free_step_time_s else 0.0
-        lines.append(f"constraints {plan.constraints} cost {_ms(extra)} (+{pct:.1f}%) vs the free optimum {_ms(plan.free_step_time_s)}")
+        lines.append(f"constraints ({_constraints_text(plan.constraints)}) cost {_ms(extra)} (+{pct:.1f}%) vs the free optimum {_ms(plan.free_step_time_s)}")
     s = plan.solver
     lines.append(f"solver {s.status}, gap {s.gap * 100:.2f}%, {s.num_vars} variables; candidates tried: {len(s.candidates)}")
     for note in plan.notes:

@@ -284,6 +284,7 @@ def trace_model(
             target_name = ph.name
         ph.target = ph.name
         ph.meta["autopar.kind"] = kind
+        ph.meta["autopar.requires_grad"] = kind == "param" and params[fqn].requires_grad
         if fqn is not None:
             ph.meta["autopar.fqn"] = fqn
         ph.meta["autopar.module"] = fqn.rpartition(".")[0] if fqn else ""
@@ -331,7 +332,7 @@ def _annotate_nodes(graph: fx.Graph) -> None:
             outs = (_meta_of(val),)
         node.meta["autopar.outputs"] = outs
         if node.op == "placeholder":
-            ng = node.meta["autopar.kind"] == "param" and bool(getattr(val, "requires_grad", False))
+            ng = bool(node.meta.get("autopar.requires_grad", False))
         else:
             node.meta["autopar.kind"] = "op"
             node.meta["autopar.module"] = _module_path(node)

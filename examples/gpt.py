@@ -102,3 +102,20 @@ def example_batch(cfg: GPTConfig, batch: int, device: str = "cpu", seed: int = 0
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
     tgt = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
     return idx.to(device), tgt.to(device)
+
+
+def gpt3_175b():
+    """CLI factory: ``autopar plan examples.gpt:gpt3_175b --cluster dgx-a100 --nodes 128``."""
+    cfg = gpt_shape("gpt3-175b")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    idx = torch.empty(1536, cfg.block_size, dtype=torch.long, device="meta")
+    return model, (idx,), gpt_loss, idx
+
+
+def gpt_small():
+    """CLI factory: the tiny demo GPT with a batch of 8."""
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    idx, tgt = example_batch(cfg, 8)
+    return model, (idx,), gpt_loss, tgt

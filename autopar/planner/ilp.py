@@ -56,6 +56,7 @@ class Solution:
     solve_s: float
     num_vars: int
     num_constraints: int
+    memory_slack_bytes: float = 0.0  # budget minus the ILP's memory at the optimum (inf: no limit)
 
     @property
     def gap(self) -> float:
@@ -243,6 +244,8 @@ def solve(
         else:
             choice[name] = max(range(len(lits)), key=lambda i: (lits[i].solution_value(), -i))
     scale = _KIB if objective == "memory" else 1 / _NS
+    used = sum(c * (1.0 if lit is None else lit.solution_value()) for c, lit in md.memory) * _KIB
+    slack = float("inf") if budget_bytes is None else budget_bytes - used
     return Solution(
         choice=choice,
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
@@ -252,4 +255,5 @@ def solve(
         solve_s=solve_s,
         num_vars=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
+        memory_slack_bytes=slack,
     )

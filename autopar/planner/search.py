@@ -200,14 +200,17 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
         strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache,
     )
-    sol = solve(problem, budget, solver_cfg)
+    # the unconstrained optimum first: when it fits, no memory-saving option can beat it
+    sol = solve(problem, None, solver_cfg)
     ev = evaluate(problem, sol.choice)
+    unconstrained = True
     if budget is not None and ev.peak_bytes > budget:
-        # the ILP bounds state + saved activations; leave room for the transient working set
+        unconstrained = False
         sol = solve(problem, budget - ev.transient_bytes, solver_cfg)
         ev = evaluate(problem, sol.choice)
         if ev.peak_bytes > budget:
             raise InfeasibleProblem("memory", f"peak {ev.peak_bytes / 2**30:.2f} GiB incl. transients exceeds the budget")
+    sol.memory_slack_bytes = float("inf") if unconstrained else sol.memory_slack_bytes
     return _Attempt(mesh, recompute, micro, problem, sol, ev)
 
 
@@ -252,8 +255,13 @@ def search_plan(
     failures: list[InfeasibleProblem] = []
     micro_options = _candidates(c, bool(blocks.blocks), _global_batch(traced))
     for mesh in meshes:
+        fits_without_recompute = False
         for recompute, micro in micro_options:
             label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
+            if recompute and fits_without_recompute and c.recompute is None:
+                # recompute only adds compute: it can win only where memory binds, and it did not
+                outcomes.append((label, "skipped: the plan without recompute is not memory bound"))
+                continue
             if progress:
                 progress(label)
             try:
@@ -263,6 +271,8 @@ def search_plan(
                 outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
                 continue
             attempts.append(att)
+            if not recompute and att.solution.memory_slack_bytes == float("inf"):
+                fits_without_recompute = True
             outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"))
     if not attempts:
         _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
@@ -287,6 +297,10 @@ def search_plan(
 def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) -> Baseline:
     world = cluster.world_size
     c = Constraints(dp=world, tp=1, zero=0, recompute=False, microbatches=1)
+    batch = _global_batch(traced)
+    if batch is not None and batch % world:
+        return Baseline("naive data parallel", None, False,
+                        f"not expressible: the global batch {batch} does not divide over {world} devices")
     try:
         att = _solve_attempt(traced, blocks, cluster, policy, optimizer, (world, 1), False, 1, c, None, solver, cache)
     except InfeasibleProblem as exc:

@@ -1,0 +1,107 @@
+"""Command line: ``autopar plan MODULE:FACTORY --cluster dgx-h100 --nodes 4`` and ``autopar demo``.
+
+``FACTORY`` is a callable in ``MODULE`` returning ``(model, example_inputs)`` or
+``(model, example_inputs, loss_fn, example_target)``; build the model on the meta device to plan
+big shapes without allocating them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+
+def _load_factory(spec: str):
+    if ":" not in spec:
+        raise SystemExit(f"autopar: expected MODULE:FACTORY (e.g. examples.gpt:plan_demo), got {spec!r}")
+    mod_name, fn_name = spec.split(":", 1)
+    sys.path.insert(0, ".")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise SystemExit(f"autopar: cannot import module {mod_name!r}: {exc}") from None
+    fn = getattr(mod, fn_name, None)
+    if fn is None or not callable(fn):
+        raise SystemExit(f"autopar: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def _cmd_plan(args) -> int:
+    import autopar
+
+    made = _load_factory(args.factory)()
+    if not isinstance(made, tuple) or len(made) not in (2, 4):
+        raise SystemExit("autopar: the factory must return (model, example_inputs) or (model, example_inputs, loss_fn, example_target)")
+    model, inputs = made[0], made[1]
+    loss_fn, target = (made[2], made[3]) if len(made) == 4 else (None, None)
+    if args.cluster == "local":
+        cluster = autopar.Cluster.local(args.nproc or 4)
+    else:
+        cluster = autopar.Cluster.preset(args.cluster, nodes=args.nodes)
+    constraints = autopar.Constraints(dp=args.dp, tp=args.tp, zero=args.zero,
+                                      recompute={None: None, "on": True, "off": False}[args.recompute])
+    plan = autopar.plan(model, cluster, inputs, loss_fn=loss_fn, example_target=target, precision=args.precision,
+                        optimizer=args.optimizer, constraints=constraints, verbose=args.verbose)
+    print(plan.summary())
+    if args.explain is not None:
+        print()
+        print(plan.explain(args.explain))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(plan.to_json())
+        print(f"\nplan written to {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan a model on a cluster and print the summary")
+    p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn, example_target])")
+    p.add_argument("--cluster", default="dgx-h100", help="preset name (dgx-a100, dgx-h100, dgx-h200) or 'local'")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=None, help="processes for --cluster local")
+    p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed"])
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--dp", type=int)
+    p.add_argument("--tp", type=int)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    p.add_argument("--recompute", choices=["on", "off"])
+    p.add_argument("--explain", metavar="MODULE_PATH", help="also explain the choices for this module")
+    p.add_argument("--output", "-o", help="write the plan JSON here")
+    p.add_argument("--verbose", "-v", action="store_true")
+    p.set_defaults(func=_cmd_plan)
+    d = sub.add_parser("demo", help="plan the example GPT for 4 local processes and print the plan")
+    d.add_argument("--nproc", type=int, default=4)
+    d.set_defaults(func=_cmd_demo)
+    args = parser.parse_args(argv)
+    from autopar.errors import AutoparError
+
+    try:
+        return args.func(args)
+    except AutoparError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_demo(args) -> int:
+    import autopar
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    idx, tgt = example_batch(cfg, batch=8)
+    cluster = autopar.Cluster.local(args.nproc)
+    print(f"autopar demo: planning a {sum(p.numel() for p in model.parameters()):,}-parameter GPT "
+          f"for {args.nproc} local CPU processes (gloo)\n")
+    plan = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=tgt)
+    print(plan.summary())
+    print("\nTraining this plan on the local processes comes with the runtime (next milestone);"
+          " this demo stops at the plan.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

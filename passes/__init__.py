@@ -1,0 +1,1 @@
+"""Graph rewrites that apply a Plan (the runtime milestone fills this package)."""
