@@ -48,7 +48,7 @@ class TensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype, device="meta").element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

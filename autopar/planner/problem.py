@@ -227,25 +227,21 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     meta = U.node.meta["autopar.outputs"][idx] if idx < len(U.node.meta["autopar.outputs"]) else None
     if meta is None:
         return None
-    u_layouts: list = []
+    u_index: dict = {}
     u_key = np.zeros(len(U.strategies), dtype=np.int64)
     for s_i, s in enumerate(U.strategies):
-        lay = s.outs[idx]
-        if lay not in u_layouts:
-            u_layouts.append(lay)
-        u_key[s_i] = u_layouts.index(lay)
+        u_key[s_i] = u_index.setdefault(s.outs[idx], len(u_index))
+    u_layouts = list(u_index)
     ndim = len(ctx.mesh_shape)
     if V is None:
         v_layouts = [(replicated(ndim), None)]
         v_key = np.zeros(1, dtype=np.int64)
     else:
-        v_layouts = []
+        v_index: dict = {}
         v_key = np.zeros(len(V.strategies), dtype=np.int64)
         for s_i, s in enumerate(V.strategies):
-            k = (s.ins[i], s.grad_ins[i])
-            if k not in v_layouts:
-                v_layouts.append(k)
-            v_key[s_i] = v_layouts.index(k)
+            v_key[s_i] = v_index.setdefault((s.ins[i], s.grad_ins[i]), len(v_index))
+        v_layouts = list(v_index)
     is_param = U.node.meta.get("autopar.kind") == "param"
     needs_grad = U.node.meta.get("autopar.needs_grad", False) and meta.is_floating
     fwd_per_elem = bwd_per_elem = None
