@@ -137,8 +137,7 @@ def add_edge_costs(md: _Model, problem: Problem) -> None:
         nu, nv = e.blocking.shape
         ulits = _key_literals(md, md.x[e.u], e.u_key, nu)
         vlits = _key_literals(md, md.x[e.v], e.v_key, nv) if e.v is not None else [[None]]
-        total = e.blocking + e.overlap
-        if np.allclose(total, total.flat[0]):
+        if np.all(e.blocking == e.blocking.flat[0]) and np.all(e.overlap == e.overlap.flat[0]):
             c_b, c_o = e.blocking.flat[0], e.overlap.flat[0]
             md.blocking.append((float((c_b * _NS)), None))
             md.overlap.append((float((c_o * _NS)), None))
