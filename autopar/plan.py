@@ -139,6 +139,9 @@ class Plan:
         """Mesh axis name -> size, e.g. ``{"dp": 16, "tp": 8}``."""
         return dict(self.mesh_axes)
 
+    def mesh_axes_index(self, name: str) -> int:
+        return [a for a, _ in self.mesh_axes].index(name)
+
     @property
     def world_size(self) -> int:
         n = 1
@@ -227,6 +230,8 @@ def _encode(v: Any) -> Any:
         return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name != "timings"}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars
+        v = v.item()
     if isinstance(v, float):
         return float(f"{v:.9g}")
     return v

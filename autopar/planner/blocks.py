@@ -47,9 +47,9 @@ def _node_path(node: fx.Node) -> str:
     return node.meta.get("autopar.module", "") or ""
 
 
-def _signature(nodes: list[fx.Node], prefix: str) -> tuple:
+def _signature(nodes: list[fx.Node], prefix: str, extra=None) -> tuple:
     index = {n: i for i, n in enumerate(nodes)}
-    sig = []
+    sig = [tuple(extra(n) for n in nodes)] if extra is not None else []
     for n in nodes:
         if n.op == "placeholder":
             rel = n.meta.get("autopar.fqn", "")[len(prefix):]
@@ -63,7 +63,9 @@ def _signature(nodes: list[fx.Node], prefix: str) -> tuple:
     return tuple(sig)
 
 
-def find_repeated_blocks(graph: fx.Graph) -> BlockInfo:
+def find_repeated_blocks(graph: fx.Graph, node_key=None) -> BlockInfo:
+    """``node_key(node)``, when given, must also agree between instances that share decisions
+    (the planner passes the user pins that apply to each node)."""
     by_container: dict[str, dict[str, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
     instance_of: dict[str, str] = {}
     for node in graph.nodes:
@@ -82,7 +84,7 @@ def find_repeated_blocks(graph: fx.Graph) -> BlockInfo:
     for container, instances in by_container.items():
         groups: dict[tuple, list[str]] = defaultdict(list)
         for prefix, nodes in instances.items():
-            groups[_signature(nodes, prefix + ".")].append(prefix)
+            groups[_signature(nodes, prefix + ".", node_key)].append(prefix)
         for sig, prefixes in groups.items():
             if len(prefixes) < 2:
                 continue

@@ -105,9 +105,11 @@ def node_alternatives(problem: Problem, choice: dict[str, int], incident: dict, 
         base_t = v.fwd_s[cur] + v.bwd_s[cur]
         base_m = v.static_bytes[cur] + v.saved_bytes[cur]
         alts = []
+        seen = {v.strategies[cur]}
         for s in range(len(v.strategies)):
-            if s == cur:
-                continue
+            if v.strategies[s] in seen:
+                continue  # followers may list one strategy several times
+            seen.add(v.strategies[s])
             dt = v.fwd_s[s] + v.bwd_s[s] - base_t
             for e in incident.get(name, ()):
                 ku, kv = _edge_keys(e, choice)

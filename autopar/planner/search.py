@@ -123,22 +123,47 @@ def _check_heads(traced: TracedGraph, c: Constraints) -> None:
     for n in traced.graph.nodes:
         if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
             q = tensor_inputs(n)[0].meta["autopar.outputs"][0]
-            heads, batch = q.shape[1], q.shape[0]
-            if heads % c.tp and batch % c.tp:
+            heads = q.shape[1]
+            if heads % c.tp:
                 raise ConstraintError(
                     f"tp={c.tp} cannot split attention in module '{n.meta.get('autopar.module')}': it has "
-                    f"{heads} heads (and batch {batch}), neither divisible by {c.tp}; use a tp dividing {heads}"
+                    f"{heads} heads, not divisible by {c.tp}; use a tp dividing {heads}"
                 )
 
 
 def _output_nodes_of(traced: TracedGraph, pattern: str) -> set[str]:
-    """The last op node of each module instance matching ``pattern`` (its output)."""
+    """Per module instance matching ``pattern``: its last op node (the module's output)."""
     last: dict[str, str] = {}
     for n in traced.graph.nodes:
         m = n.meta.get("autopar.module", "")
-        if n.op == "call_function" and (_matches(m, pattern)):
-            last[m] = n.name
+        if n.op != "call_function" or n.meta.get("autopar.kind") != "op":
+            continue
+        parts = m.split(".") if m else []
+        for k in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:k])
+            if _matches(prefix, pattern):
+                last[prefix] = n.name
+                break
     return set(last.values())
+
+
+def pin_key(c: Constraints):
+    """A function naming the pins that apply to a node (so pinned blocks do not share decisions)."""
+    if not c.placements and not c.outputs:
+        return None
+
+    def key(node: fx.Node) -> tuple:
+        fqn = node.meta.get("autopar.fqn", "")
+        module = node.meta.get("autopar.module", "")
+        return (tuple(g for g, _ in c.placements if fqn and _matches(fqn, g)),
+                tuple(g for g, _ in c.outputs if _matches(module, g) or any(_matches(p, g) for p in _prefixes(module))))
+
+    return key
+
+
+def _prefixes(module: str) -> list[str]:
+    parts = module.split(".") if module else []
+    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
@@ -159,6 +184,10 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
         if kind == "param":
             lay = s.outs[0]
             fqn = node.meta["autopar.fqn"]
+            meta = node.meta["autopar.outputs"][0]
+            if (c.tp or 1) > 1 and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard):
+                if any(d % mesh[tp_a] == 0 for d in meta.shape):
+                    return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"
             for pattern, axes in c.placements:
                 if _matches(fqn, pattern) and not _pin_layout_ok(lay, axes, mesh):
                     return f"pinned to {dict(axes)}"
@@ -247,7 +276,7 @@ def search_plan(
     _check_heads(traced, c)
     for mesh in meshes:
         _validate_pins(traced, c, mesh)
-    blocks = find_repeated_blocks(traced.graph)
+    blocks = find_repeated_blocks(traced.graph, pin_key(c))
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     cache: dict = {}
     attempts: list[_Attempt] = []
@@ -306,7 +335,7 @@ def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solve
     except InfeasibleProblem as exc:
         return Baseline("naive data parallel", None, False, f"not expressible: {exc.detail}")
     pred = _predicted(att)
-    fits = att.evaluation.peak_bytes <= budget
+    fits = bool(att.evaluation.peak_bytes <= budget)
     note = "fits" if fits else (
         f"does not fit: needs {att.evaluation.peak_bytes / 2**30:.1f} GiB per device, has {budget / 2**30:.1f} GiB usable"
     )
@@ -355,8 +384,8 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
     suggestion = _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver)
     raise NoFeasiblePlanError(
         f"no plan fits in memory: the leanest plan on {cluster.world_size} x {cluster.device.name} needs "
-        f"{need / 2**30:.1f} GiB per device, but a device has {have / 2**30:.1f} GiB "
-        f"({budget / 2**30:.1f} GiB usable). {suggestion}"
+        f"{need / 2**30:.3g} GiB per device, but a device has {have / 2**30:.3g} GiB "
+        f"({budget / 2**30:.3g} GiB usable). {suggestion}"
     )
 
 
@@ -379,8 +408,12 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
             except InfeasibleProblem:
                 continue
             if evaluate(problem, sol.choice).peak_bytes <= budget:
+                from autopar.cost_models.hardware import PRESETS
+
+                how = (f"Cluster.preset({cluster.name!r}, nodes={nodes})" if cluster.name in PRESETS
+                       else f"cluster.with_nodes(nodes={nodes})")
                 return (f"The smallest {cluster.name} cluster that fits has {nodes} nodes "
-                        f"({nodes * cluster.devices_per_node} devices): Cluster.preset({cluster.name!r}, nodes={nodes}).")
+                        f"({nodes * cluster.devices_per_node} devices): {how}.")
     return "No cluster of this preset up to 4096 nodes fits it: use a lower precision, an optimizer with less state, or a smaller model."
 
 

@@ -1,0 +1,316 @@
+"""How long does ``autopar.plan`` take? Trace, search (strategies + ILP build + solve) and total.
+
+Shapes (all traced on the meta device, so no weights are allocated):
+
+* GPT, hidden 12288, 96 heads, seq 2048, vocab 50304, global batch 1536, with 12, 48 and 96
+  layers (96 layers is GPT-3 175B), on dgx-a100 clusters of 1, 8 and 128 nodes (8, 64, 1024
+  devices).
+* Alpa's GPT-39B point (48 layers, hidden 8192, 64 heads, seq 1024, vocab 51200, batch 1024) on 8
+  dgx-a100 nodes (64 GPUs), to compare with Alpa's published compile time on that shape.
+* A Llama-3-8B-*shaped* model (32 layers, hidden 4096, 32 heads, vocab 128256) at seq 8192 (global
+  batch 8) and seq 2048 (global batch 32) on one dgx-h100 node. Our example model is the GPT of
+  ``examples/gpt.py``: LayerNorm, GELU MLP with 4x hidden (16384), full multi-head attention, learned
+  positions. Llama 3 has RMSNorm, a SwiGLU MLP of 14336, GQA (8 KV heads) and RoPE. The graph has
+  the same number of layers and a similar op count per layer, which is what planning time depends
+  on; the cost predictions are for the GPT variant, not for Llama.
+
+Each configuration runs in a fresh Python subprocess (``--in-process`` to run them in this
+process instead), so one configuration's warm caches (torch dispatch, strategy enumeration, the
+import of torch itself) do not flatter the next. Import time is measured separately and *not*
+included in "total": total is the wall time of the ``autopar.plan(...)`` call (trace + search).
+
+Columns:
+  trace    ``trace_model`` (fx + fake-tensor propagation), wall time inside ``autopar.plan``
+  search   everything after tracing: mesh/recompute candidates, strategy enumeration, ILP build
+           and solve for each, the naive-DP baseline (and, when constraints are given, the
+           comparison plan without them). Split below into build (problem construction incl.
+           strategy enumeration), solve (ILP) and other (evaluation, plan extraction, ...).
+  total    wall time of ``autopar.plan`` = trace + search.
+  outcome  the chosen mesh, or why there is no plan (the no-plan path also searches larger
+           clusters to suggest one, which is part of the time).
+
+By default the planner runs unconstrained, as a user would call it. Since the planner currently
+tries only microbatches=1 unless told otherwise, several configurations do not fit in memory;
+``--microbatches auto`` fixes microbatches = max(1, global_batch // devices) (gradient
+accumulation so that each device holds about one sequence's activations at a time). Note that
+any constraint also makes the planner compute the unconstrained plan for comparison, which adds
+a second search.
+
+Usage::
+
+    python benchmarks/plan_speed.py                 # everything (~5 minutes on 2 CPU cores)
+    python benchmarks/plan_speed.py --quick         # the two goal configurations only
+    python benchmarks/plan_speed.py --only gpt96-n128,llama3-8b-s8192
+    python benchmarks/plan_speed.py --microbatches auto
+    python benchmarks/plan_speed.py --list
+    python benchmarks/plan_speed.py --json out.json # also write the raw measurements
+
+Published reference points (different hardware and different problems; the ratio is an order of
+magnitude indication, not a like-for-like race):
+
+* Alpa (Zheng et al., OSDI 2022, compilation-time evaluation): ~40 min to compile GPT-39B for 64
+  GPUs, including its inter-op (pipeline) search, which autopar does not do yet.
+* PyTorch research autoparallel (meta-pytorch/autoparallel, PR #521 benchmark table): Llama-3-8B,
+  ILP solver, "Search total" 46.8 s (trace 13.4 s, optimizer init 15.5 s, solve 17.5 s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> config. "ref" names a published reference point the row is compared with.
+CONFIGS = {}
+for _layers in (12, 48, 96):
+    for _nodes in (1, 8, 128):
+        CONFIGS[f"gpt{_layers}-n{_nodes}"] = dict(
+            preset="dgx-a100", nodes=_nodes, layers=_layers, hidden=12288, heads=96, seq=2048,
+            vocab=50304, batch=1536, ref=None,
+            label=f"GPT {_layers}L h12288" + (" (GPT-3 175B)" if _layers == 96 else ""),
+        )
+CONFIGS["gpt39b-alpa-n8"] = dict(
+    preset="dgx-a100", nodes=8, layers=48, hidden=8192, heads=64, seq=1024, vocab=51200, batch=1024,
+    ref="alpa", label="GPT-39B (Alpa shape)",
+)
+CONFIGS["llama3-8b-s8192"] = dict(
+    preset="dgx-h100", nodes=1, layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, batch=8,
+    ref="pt-autoparallel", label="Llama-3-8B shape, seq 8192",
+)
+CONFIGS["llama3-8b-s2048"] = dict(
+    preset="dgx-h100", nodes=1, layers=32, hidden=4096, heads=32, seq=2048, vocab=128256, batch=32,
+    ref="pt-autoparallel", label="Llama-3-8B shape, seq 2048",
+)
+
+QUICK = ["gpt96-n128", "llama3-8b-s8192"]
+
+REFERENCES = {
+    "alpa": dict(seconds=40 * 60, what="Alpa, GPT-39B on 64 GPUs (OSDI'22)"),
+    "pt-autoparallel": dict(seconds=46.8, what="PyTorch autoparallel, Llama-3-8B (meta-pytorch/autoparallel #521)"),
+}
+
+# Goals from the project brief: (config, seconds for the autopar.plan call).
+GOALS = [("gpt96-n128", 10.0, "GPT-3 175B on 128 dgx-a100 nodes"), ("llama3-8b-s8192", 3.0, "Llama-3-8B shape on one dgx-h100 node")]
+
+
+_ACC: dict = {}
+
+
+def _timed(fn, key):
+    def wrapper(*a, **k):
+        s = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _ACC[key] += time.perf_counter() - s
+            _ACC["n_" + key] += 1
+
+    wrapper._plan_speed_timed = True
+    return wrapper
+
+
+def _worker(name: str, cfg: dict, microbatches: str | None) -> dict:
+    """Plan one configuration in this process and return the measurements."""
+    t0 = time.perf_counter()
+    import torch
+
+    import autopar
+    import autopar.api as api
+    import autopar.planner.search as search
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt import GPT, GPTConfig, gpt_loss
+
+    import_s = time.perf_counter() - t0
+
+    # Benchmark-only instrumentation: wrap the functions autopar.plan calls, by module attribute,
+    # to split the time. Nothing in autopar is changed; missing hooks are skipped. Patched once
+    # per process (``--in-process`` calls this repeatedly); the counters are reset per call.
+    acc = _ACC
+    acc.update(trace=0.0, build=0.0, solve=0.0, n_trace=0, n_build=0, n_solve=0)
+    for mod, attr, key in ((api, "trace_model", "trace"), (search, "build_problem", "build"), (search, "solve", "solve")):
+        fn = getattr(mod, attr, None)
+        if fn is not None and not getattr(fn, "_plan_speed_timed", False):
+            setattr(mod, attr, _timed(fn, key))
+
+    t = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(GPTConfig(cfg["vocab"], cfg["seq"], cfg["layers"], cfg["heads"], cfg["hidden"]))
+    idx = torch.empty(cfg["batch"], cfg["seq"], dtype=torch.long, device="meta")
+    model_s = time.perf_counter() - t
+    cluster = autopar.Cluster.preset(cfg["preset"], nodes=cfg["nodes"])
+    world = cluster.world_size
+    constraints = autopar.Constraints()
+    mb = None
+    if microbatches == "auto":
+        mb = max(1, cfg["batch"] // world)
+    elif microbatches:
+        mb = int(microbatches)
+    if mb and mb > 1:
+        constraints = autopar.Constraints(microbatches=mb)
+    out = dict(name=name, world=world, import_s=import_s, model_s=model_s, microbatches=mb or 1)
+    t = time.perf_counter()
+    try:
+        plan = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx,
+                            precision="bf16-mixed", constraints=constraints)
+    except autopar.NoFeasiblePlanError as exc:
+        out.update(ok=False, outcome="no plan: " + str(exc).split(":")[0], detail=str(exc))
+        plan = None
+    out["total_s"] = time.perf_counter() - t
+    out["trace_s"] = acc["trace"]
+    out["search_s"] = out["total_s"] - acc["trace"]
+    out["build_s"], out["solve_s"] = acc["build"], acc["solve"]
+    out["n_build"], out["n_solve"] = acc["n_build"], acc["n_solve"]
+    out["other_s"] = out["search_s"] - acc["build"] - acc["solve"]
+    if plan is not None:
+        out.update(
+            ok=True,
+            outcome=f"dp={plan.mesh['dp']} tp={plan.mesh['tp']} rc={'y' if plan.recompute else 'n'}",
+            step_time_s=plan.predicted.step_time_s, mfu=plan.predicted.mfu,
+            peak_gib=plan.predicted.peak_memory_bytes / 2**30,
+            plan_timings=dict(plan.timings), ilp_vars=plan.solver.num_vars,
+            ilp_constraints=plan.solver.num_constraints,
+            candidates=[list(c) for c in plan.solver.candidates],
+        )
+    return out
+
+
+def _run_subprocess(name: str, microbatches: str | None, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name]
+    if microbatches:
+        cmd += ["--microbatches", microbatches]
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return dict(name=name, ok=False, outcome=f"timed out after {timeout:.0f} s", total_s=float("nan"))
+    wall = time.perf_counter() - t
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return dict(name=name, ok=False, outcome=f"error: {err[:120]}", total_s=float("nan"))
+    out = json.loads(lines[-1])
+    out["process_s"] = wall
+    return out
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median total time, with the min/max of total across runs."""
+    good = [r for r in runs if r.get("total_s") == r.get("total_s")]
+    if not good:
+        return runs[0]
+    good.sort(key=lambda r: r["total_s"])
+    out = dict(good[(len(good) - 1) // 2])
+    out["runs"] = len(good)
+    out["total_min_s"], out["total_max_s"] = good[0]["total_s"], good[-1]["total_s"]
+    return out
+
+
+def _fmt(x, spec=".2f"):
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return format(x, spec)
+
+
+def _range(r: dict) -> str:
+    if r.get("runs", 1) < 2:
+        return "-"
+    return f"{r['total_min_s']:.1f}-{r['total_max_s']:.1f}"
+
+
+def _print_table(results: list[dict]) -> None:
+    hdr = (f"{'config':<17} {'model':<27} {'dev':>5} {'mb':>4} {'trace':>6} {'search':>7} {'build':>6} "
+           f"{'solve':>6} {'other':>6} {'total':>6} {'import':>6} {'total range':>11}  outcome")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        cfg = CONFIGS[r["name"]]
+        print(f"{r['name']:<17} {cfg['label']:<27} {r.get('world', '-'):>5} {r.get('microbatches', '-'):>4} "
+              f"{_fmt(r.get('trace_s')):>6} {_fmt(r.get('search_s')):>7} {_fmt(r.get('build_s')):>6} "
+              f"{_fmt(r.get('solve_s')):>6} {_fmt(r.get('other_s')):>6} {_fmt(r.get('total_s')):>6} "
+              f"{_fmt(r.get('import_s')):>6} {_range(r):>11}  {r.get('outcome', '')}")
+    print("(seconds; total = autopar.plan wall = trace + search; import = torch+autopar import, not in total;"
+          " search = build + solve + other; with --repeat the row is the median-total run, range = min-max total)")
+
+
+def _print_references(results: list[dict]) -> None:
+    rows = [r for r in results if CONFIGS[r["name"]].get("ref") and r.get("total_s") == r.get("total_s")]
+    if not rows:
+        return
+    print("\nversus published planning times (speedup = reference / ours; different hardware and scope):")
+    for r in rows:
+        ref = REFERENCES[CONFIGS[r["name"]]["ref"]]
+        t = r["total_s"]
+        t_imp = t + (r.get("import_s") or 0.0)
+        print(f"  {r['name']:<17} ours {t:6.2f} s ({t_imp:6.2f} s with imports)  vs {ref['seconds']:7.1f} s "
+              f"{ref['what']}: {ref['seconds'] / t:6.1f}x faster ({ref['seconds'] / t_imp:.1f}x with imports)"
+              + ("" if r.get("ok") else "  [no plan found]"))
+
+
+def _print_goals(results: list[dict]) -> None:
+    by = {r["name"]: r for r in results}
+    shown = [(n, lim, what) for n, lim, what in GOALS if n in by]
+    if not shown:
+        return
+    print("\ngoals (autopar.plan wall time):")
+    for n, lim, what in shown:
+        r = by[n]
+        t = r.get("total_s", float("nan"))
+        t_imp = t + (r.get("import_s") or 0.0)
+        met = "MET" if t <= lim and r.get("ok") else "NOT MET"
+        print(f"  {what}: {t:.2f} s (limit {lim:.0f} s) -> {met}; with torch/autopar import {t_imp:.2f} s"
+              + ("" if r.get("ok") else f"; {r.get('outcome')}"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    ap.add_argument("--only", help="comma-separated config names (see --list)")
+    ap.add_argument("--list", action="store_true", help="list configurations and exit")
+    ap.add_argument("--microbatches", help="'auto' (global_batch // devices) or an integer; default: planner's own")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per config (fresh subprocess each); report the median")
+    ap.add_argument("--in-process", action="store_true", help="run all configs in this process (warm caches)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-config subprocess timeout, seconds")
+    ap.add_argument("--json", help="write the raw results to this file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(_worker(args.worker, CONFIGS[args.worker], args.microbatches)))
+        return 0
+    if args.list:
+        for n, c in CONFIGS.items():
+            print(f"{n:<17} {c['label']:<27} {c['preset']} x{c['nodes']} nodes, L={c['layers']} h={c['hidden']} "
+                  f"heads={c['heads']} seq={c['seq']} V={c['vocab']} B={c['batch']}")
+        return 0
+    names = QUICK if args.quick else (args.only.split(",") if args.only else list(CONFIGS))
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; see --list")
+    results = []
+    for n in names:
+        runs = []
+        for i in range(max(1, args.repeat)):
+            print(f"planning {n} ({i + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
+            runs.append(_worker(n, CONFIGS[n], args.microbatches) if args.in_process
+                        else _run_subprocess(n, args.microbatches, args.timeout))
+        results.append(_median_run(runs))
+    import platform
+
+    print(f"autopar plan speed, {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"{'in-process' if args.in_process else 'one subprocess per config'}, microbatches={args.microbatches or 'planner default'}\n")
+    _print_table(results)
+    _print_references(results)
+    _print_goals(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

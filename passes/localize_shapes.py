@@ -1,0 +1,49 @@
+"""Rewrite shape arguments (view / reshape / expand sizes) from global to per-rank sizes."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.layouts import local_shape, parse_layout
+from autopar.strategies.rules import _op_name
+from autopar.passes.context import PassContext
+
+__all__ = ["localize_shapes_pass", "SHAPE_ARG_OPS"]
+
+# op name -> index of the argument holding the full output shape
+SHAPE_ARG_OPS = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "_reshape_alias": 1}
+
+
+def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Requires: plan layouts for every op node. Guarantees: ops whose arguments spell the output
+    shape get the local output shape (a ``-1`` is replaced too), and ``unflatten`` its local
+    sizes. Why: the graph was traced at global sizes; each rank computes on its shard.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("autopar.kind") != "op":
+            continue
+        name = _op_name(node)
+        meta = node.meta["autopar.outputs"][0] if node.meta.get("autopar.outputs") else None
+        if meta is None:
+            continue
+        out = ctx.node(node.name).outs[0]
+        if out == "-":
+            continue
+        local = list(local_shape(meta.shape, parse_layout(out), ctx.mesh_shape))
+        if name in SHAPE_ARG_OPS:
+            idx = SHAPE_ARG_OPS[name]
+            if len(node.args) > idx:
+                args = list(node.args)
+                args[idx] = local
+                node.args = tuple(args)
+            elif "size" in node.kwargs or "shape" in node.kwargs:
+                key = "size" if "size" in node.kwargs else "shape"
+                node.kwargs = {**node.kwargs, key: local}
+        elif name == "unflatten":
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            sizes = node.args[2] if len(node.args) > 2 else node.kwargs.get("sizes")
+            dim = dim + len(meta.shape) - len(sizes) + 1 if dim < 0 else dim
+            args = list(node.args)
+            args[2] = local[dim : dim + len(sizes)]
+            node.args = tuple(args)
+    gm.recompile()
+    return gm

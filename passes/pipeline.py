@@ -1,0 +1,33 @@
+"""The ordered pass list and its runner: lint and verify after every pass, name the culprit."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from autopar.passes.cleanup import eliminate_dead_code_pass
+from autopar.passes.context import PassContext
+from autopar.passes.insert_collectives import insert_collectives_pass
+from autopar.passes.localize_shapes import localize_shapes_pass
+
+__all__ = ["PASSES", "run_passes", "PassError"]
+
+PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
+    localize_shapes_pass,
+    insert_collectives_pass,
+    eliminate_dead_code_pass,
+]
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None) -> fx.GraphModule:
+    for p in passes if passes is not None else PASSES:
+        try:
+            gm = p(gm, ctx)
+            gm.graph.lint()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the pass named
+            raise PassError(f"pass {p.__name__} failed: {type(exc).__name__}: {exc}") from exc
+    return gm

@@ -1,0 +1,289 @@
+"""The intra-op ILP (autopar.planner.ilp) against brute force on small hand-built problems.
+
+Problems are built directly from ``NodeVar`` / ``EdgeTable`` with random costs; the brute force
+enumerates every strategy assignment (followers take their root's index) and computes the
+objective of ``planner.evaluate``: compute + blocking + max(overlap - 0.8 compute, 0.05 overlap),
+subject to state + saved bytes <= budget.
+"""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch.fx as fx
+
+import autopar
+from autopar.cost_models import precision_policy
+from autopar.layouts import R, Shard
+from autopar.planner.costing import CostContext
+from autopar.planner.evaluate import evaluate
+from autopar.planner.ilp import EXPOSED_FLOOR, OVERLAP_EFFICIENCY, InfeasibleProblem, SolverConfig, solve
+from autopar.planner.problem import EdgeTable, NodeVar, Problem
+from autopar.strategies import Strategy
+
+CTX = CostContext((2, 1), ("dp", "tp"), autopar.Cluster.local(2), precision_policy("fp32"), "adamw")
+MiB = 2.0**20
+
+
+def _fx_node(graph: fx.Graph, name: str) -> fx.Node:
+    n = graph.placeholder(name)
+    n.meta["autopar.outputs"] = ()  # no tensors: evaluate's transient term is 0
+    n.meta["autopar.kind"] = "op"
+    return n
+
+
+def _strategies(k: int) -> list[Strategy]:
+    lays = [(R, R), (Shard(0), R), (Shard(1), R), (Shard(2), R)]
+    return [Strategy((), (lays[i],), ()) for i in range(k)]
+
+
+def random_problem(seed: int, n_nodes: int | None = None, with_followers: bool = True) -> Problem:
+    rng = np.random.default_rng(seed)
+    graph = fx.Graph()
+    n_nodes = n_nodes or int(rng.integers(3, 6))
+    nodes: dict[str, NodeVar] = {}
+    for i in range(n_nodes):
+        name = f"n{i}"
+        root = None
+        # a follower copies the strategy count of an earlier root and shares its choice
+        roots = [v for v in nodes.values() if v.root is None and len(v.strategies) > 1]
+        if with_followers and roots and rng.random() < 0.3:
+            root = roots[int(rng.integers(len(roots)))].name
+            k = len(nodes[root].strategies)
+        else:
+            k = int(rng.integers(2, 4)) if rng.random() < 0.85 else 1
+        nodes[name] = NodeVar(
+            name=name,
+            node=_fx_node(graph, name),
+            count=1,
+            strategies=_strategies(k),
+            fwd_s=rng.uniform(1e-3, 1e-2, k),
+            bwd_s=rng.uniform(1e-3, 2e-2, k),
+            static_bytes=rng.uniform(1, 40, k) * MiB,
+            saved_bytes=rng.uniform(0, 40, k) * MiB,
+            in_block=False,
+            root=root,
+        )
+    names = list(nodes)
+    edges: list[EdgeTable] = []
+    n_edges = int(rng.integers(n_nodes, 2 * n_nodes + 1))
+    pairs = [(names[int(rng.integers(n_nodes))], names[int(rng.integers(n_nodes))]) for _ in range(n_edges)]
+    pairs.append((names[int(rng.integers(n_nodes))], None))  # the loss sink
+    for u, v in pairs:
+        U = nodes[u]
+        ku = int(rng.integers(1, len(U.strategies) + 1))
+        u_key = rng.integers(0, ku, len(U.strategies))
+        u_key[: ku] = np.arange(ku)  # every key used
+        if v is None:
+            kv, v_key = 1, np.zeros(1, dtype=np.int64)
+        else:
+            V = nodes[v]
+            kv = int(rng.integers(1, len(V.strategies) + 1))
+            v_key = rng.integers(0, kv, len(V.strategies))
+            v_key[: kv] = np.arange(kv)
+        # activation edges block, parameter edges overlap; some carry both
+        mode = rng.integers(3)
+        blocking = rng.uniform(0, 3e-2, (ku, kv)) if mode != 1 else np.zeros((ku, kv))
+        overlap = rng.uniform(0, 8e-2, (ku, kv)) if mode != 0 else np.zeros((ku, kv))
+        kinds = [[{"all_gather": float(blocking[a, b] + overlap[a, b])} for b in range(kv)] for a in range(ku)]
+        edges.append(EdgeTable(u, v, 0, 0, 1, u_key.astype(np.int64), v_key.astype(np.int64), blocking, overlap, kinds))
+    return Problem(CTX, nodes, edges, recompute=False, microbatches=1)
+
+
+def objective(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
+    """(step seconds, memory bytes) of a full assignment: the evaluate() arithmetic."""
+    compute = sum(v.fwd_s[choice[n]] + v.bwd_s[choice[n]] for n, v in problem.nodes.items())
+    memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
+    blocking = overlap = 0.0
+    for e in problem.edges:
+        ku = int(e.u_key[choice[e.u]])
+        kv = int(e.v_key[choice[e.v]]) if e.v is not None else 0
+        blocking += e.blocking[ku, kv]
+        overlap += e.overlap[ku, kv]
+    exposed = max(overlap - OVERLAP_EFFICIENCY * compute, EXPOSED_FLOOR * overlap)
+    return compute + blocking + exposed, memory
+
+
+def assignments(problem: Problem):
+    free = [n for n, v in problem.nodes.items() if v.root is None]
+    for combo in itertools.product(*(range(len(problem.nodes[n].strategies)) for n in free)):
+        choice = dict(zip(free, combo))
+        for n, v in problem.nodes.items():
+            if v.root is not None:
+                choice[n] = choice[v.root]
+        yield choice
+
+
+def brute_force(problem: Problem, budget: float | None):
+    best = None
+    for choice in assignments(problem):
+        t, m = objective(problem, choice)
+        if budget is not None and m > budget:
+            continue
+        if best is None or t < best[0]:
+            best = (t, m, choice)
+    return best
+
+
+def memory_range(problem: Problem) -> tuple[float, float]:
+    """(least memory of any assignment, memory of the unconstrained time optimum)."""
+    least = min(objective(problem, c)[1] for c in assignments(problem))
+    return least, brute_force(problem, None)[1]
+
+
+SEEDS = [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_generator_covers_the_interesting_cases():
+    ps = [random_problem(s) for s in SEEDS]
+    assert any(v.root is not None for p in ps for v in p.nodes.values()), "no follower"
+    assert any(len(v.strategies) == 1 for p in ps for v in p.nodes.values()), "no single-strategy node"
+    assert all(any(e.v is None for e in p.edges) for p in ps)
+    assert all(3 <= len(p.nodes) <= 5 for p in ps)
+
+
+def test_brute_force_matches_evaluate():
+    # the reference objective is exactly evaluate()'s step time
+    p = random_problem(11)
+    for choice in itertools.islice(assignments(p), 20):
+        ev = evaluate(p, choice)
+        t, m = objective(p, choice)
+        assert math.isclose(ev.step_time_s, t, rel_tol=1e-12)
+        assert math.isclose(ev.static_bytes + ev.saved_bytes, m, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ilp_equals_brute_force_unconstrained(seed):
+    p = random_problem(seed)
+    best_t, _, _ = brute_force(p, None)
+    sol = solve(p, None, SolverConfig())
+    assert sol.status == "OPTIMAL"
+    got_t, _ = objective(p, sol.choice)
+    assert math.isclose(got_t, best_t, rel_tol=1e-6), (got_t, best_t)
+    assert math.isclose(sol.objective_s, best_t, rel_tol=1e-6), (sol.objective_s, best_t)
+    for n, v in p.nodes.items():  # followers really follow
+        if v.root is not None:
+            assert sol.choice[n] == sol.choice[v.root]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ilp_equals_brute_force_with_binding_memory(seed):
+    p = random_problem(seed)
+    least, at_opt = memory_range(p)
+    if at_opt - least < 1 * MiB:
+        pytest.skip("the time optimum is already (nearly) the leanest assignment")
+    budget = (least + at_opt) / 2
+    free_t = brute_force(p, None)[0]
+    best_t, best_m, _ = brute_force(p, budget)
+    sol = solve(p, budget, SolverConfig())
+    got_t, got_m = objective(p, sol.choice)
+    assert got_m <= budget * (1 + 1e-9)
+    assert math.isclose(got_t, best_t, rel_tol=1e-6), (got_t, best_t)
+    assert math.isclose(sol.objective_s, best_t, rel_tol=1e-6)
+    assert best_t >= free_t
+    assert math.isclose(sol.memory_slack_bytes, budget - got_m, rel_tol=1e-6, abs_tol=1.0)
+
+
+def test_enough_seeds_bind_memory():
+    binding = 0
+    for seed in SEEDS:
+        p = random_problem(seed)
+        least, at_opt = memory_range(p)
+        if at_opt - least >= 1 * MiB:
+            budget = (least + at_opt) / 2
+            if brute_force(p, budget)[0] > brute_force(p, None)[0] * (1 + 1e-9):
+                binding += 1
+    assert binding >= 5
+
+
+@pytest.mark.parametrize("seed", SEEDS[:5])
+def test_infeasible_memory_names_the_family(seed):
+    p = random_problem(seed)
+    least, _ = memory_range(p)
+    with pytest.raises(InfeasibleProblem) as info:
+        solve(p, least * 0.99, SolverConfig())
+    assert info.value.family == "memory"
+    assert "GiB" in str(info.value)
+
+
+def test_just_enough_memory_is_feasible():
+    p = random_problem(3)
+    least, _ = memory_range(p)
+    sol = solve(p, least + 1.0, SolverConfig())  # one byte of slack: only the leanest fits
+    _, m = objective(p, sol.choice)
+    assert m <= least + 1.0 + 1e-3
+
+
+def test_node_without_strategy_is_one_strategy_infeasible():
+    p = random_problem(0, with_followers=False)
+    name = next(iter(p.nodes))
+    v = p.nodes[name]
+    v.strategies, v.excluded = [], [("out [S(0), R]", "does not divide evenly: dim 0 (size 3)")]
+    with pytest.raises(InfeasibleProblem) as info:
+        solve(p, None, SolverConfig())
+    assert info.value.family == "one-strategy"
+    assert name in info.value.nodes and "does not divide" in info.value.detail
+
+
+def test_memory_objective_finds_the_leanest_assignment():
+    p = random_problem(5)
+    least, _ = memory_range(p)
+    sol = solve(p, None, SolverConfig(), objective="memory")
+    assert math.isclose(objective(p, sol.choice)[1], least, rel_tol=1e-9)
+    assert math.isclose(sol.objective_s, least, rel_tol=1e-6)
+
+
+def test_overlap_is_hidden_by_compute():
+    """One node, two strategies: the one with more (overlappable) communication but less compute wins."""
+    graph = fx.Graph()
+    a = NodeVar("a", _fx_node(graph, "a"), 1, _strategies(2), np.array([1.0, 1.2]), np.zeros(2),
+                np.zeros(2), np.zeros(2), False)
+    # strategy 0: 0.5 s of overlappable comm (hidden: 0.5 < 0.8 * 1.0, exposed = 5%);
+    # strategy 1: no comm but 0.2 s more compute
+    e = EdgeTable("a", None, 0, 0, 1, np.array([0, 1]), np.zeros(1, dtype=np.int64),
+                  np.zeros((2, 1)), np.array([[0.5], [0.0]]), [[{}], [{}]])
+    p = Problem(CTX, {"a": a}, [e], False, 1)
+    sol = solve(p, None, SolverConfig())
+    assert sol.choice == {"a": 0}
+    assert math.isclose(sol.objective_s, 1.0 + EXPOSED_FLOOR * 0.5, rel_tol=1e-9)
+    # as blocking comm the same 0.5 s cannot hide, and strategy 1 wins
+    e2 = EdgeTable("a", None, 0, 0, 1, np.array([0, 1]), np.zeros(1, dtype=np.int64),
+                   np.array([[0.5], [0.0]]), np.zeros((2, 1)), [[{}], [{}]])
+    sol = solve(Problem(CTX, {"a": a}, [e2], False, 1), None, SolverConfig())
+    assert sol.choice == {"a": 1} and math.isclose(sol.objective_s, 1.2, rel_tol=1e-9)
+
+
+def test_edge_with_constant_total_but_varying_split():
+    """Regression: an edge whose blocking + overlap total is constant was treated as constant,
+    losing how the cost splits between blocking and overlappable communication."""
+    graph = fx.Graph()
+    mk = lambda n: NodeVar(n, _fx_node(graph, n), 1, _strategies(2), np.array([1.0, 1.0]), np.zeros(2),
+                           np.zeros(2), np.zeros(2), False)
+    nodes = {"a": mk("a"), "b": mk("b")}
+    # same total 0.1 s on every entry: on the diagonal it blocks, off it it overlaps (and hides)
+    e = EdgeTable("a", "b", 0, 0, 1, np.array([0, 1]), np.array([0, 1]),
+                  np.array([[0.1, 0.0], [0.0, 0.1]]), np.array([[0.0, 0.1], [0.1, 0.0]]),
+                  [[{}, {}], [{}, {}]])
+    p = Problem(CTX, nodes, [e], False, 1)
+    best_t = brute_force(p, None)[0]
+    sol = solve(p, None, SolverConfig())
+    assert math.isclose(objective(p, sol.choice)[0], best_t, rel_tol=1e-9)
+    assert math.isclose(sol.objective_s, best_t, rel_tol=1e-6)
+
+
+def test_small_edge_cost_differences_are_kept():
+    """Regression: constant edges were detected with np.allclose (atol 1e-8 s), dropping costs
+    that differ by under 10 ns."""
+    graph = fx.Graph()
+    mk = lambda n: NodeVar(n, _fx_node(graph, n), 1, _strategies(2), np.array([15e-9, 10e-9]), np.zeros(2),
+                           np.zeros(2), np.zeros(2), False)
+    nodes = {"a": mk("a"), "b": mk("b")}
+    # 9 ns of blocking when both take strategy 1: (0, 1) and (1, 0) cost 25 ns, (1, 1) 29 ns
+    e = EdgeTable("a", "b", 0, 0, 1, np.array([0, 1]), np.array([0, 1]),
+                  np.array([[0.0, 0.0], [0.0, 9e-9]]), np.zeros((2, 2)), [[{}, {}], [{}, {}]])
+    p = Problem(CTX, nodes, [e], False, 1)
+    best_t = brute_force(p, None)[0]
+    sol = solve(p, None, SolverConfig())
+    # the solver's objective must account for the edge it chose, and the choice be optimal
+    assert math.isclose(sol.objective_s, objective(p, sol.choice)[0], rel_tol=1e-6)
+    assert math.isclose(objective(p, sol.choice)[0], best_t, rel_tol=1e-6)
