@@ -19,9 +19,12 @@ from autopar.errors import (
 from autopar.plan import Plan
 from autopar.api import plan
 from autopar.planner.ilp import SolverConfig
+from autopar.runtime.compile import compile
+from autopar.runtime.launch import launch
+from autopar.runtime.parallel_model import ParallelModel
 
 __all__ = [
     "Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "Constraints", "annotate", "Plan", "plan",
-    "SolverConfig", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
+    "SolverConfig", "compile", "launch", "ParallelModel", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
     "PlanFormatError", "TraceError",
 ]

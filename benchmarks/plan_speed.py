@@ -291,6 +291,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; see --list")
+    load_start = os.getloadavg()[0]
     results = []
     for n in names:
         runs = []
@@ -301,8 +302,10 @@ def main(argv=None) -> int:
         results.append(_median_run(runs))
     import platform
 
-    print(f"autopar plan speed, {platform.python_version()}, {os.cpu_count()} CPUs, "
-          f"{'in-process' if args.in_process else 'one subprocess per config'}, microbatches={args.microbatches or 'planner default'}\n")
+    print(f"autopar plan speed, Python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"{'in-process' if args.in_process else 'one subprocess per config'}, microbatches={args.microbatches or 'planner default'}, "
+          f"1-min load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end "
+          "(other processes on the machine inflate the times)\n")
     _print_table(results)
     _print_references(results)
     _print_goals(results)

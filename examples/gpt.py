@@ -20,13 +20,16 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    # No bias on the q/k/v projection (as in LLaMA): a key bias has an exactly-zero gradient
+    # (softmax is shift invariant), so Adam turns float noise in it into full-size updates.
+    qkv_bias: bool = False
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,10 +92,10 @@ def gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def gpt_shape(name: str) -> GPTConfig:
     """Published GPT shapes (vocab padded to a multiple of 128 as Megatron does)."""
     shapes = {
-        "gpt2-small": GPTConfig(50304, 1024, 12, 12, 768),
-        "gpt3-1.3b": GPTConfig(50304, 2048, 24, 16, 2048),
-        "gpt3-13b": GPTConfig(50304, 2048, 40, 40, 5120),
-        "gpt3-175b": GPTConfig(50304, 2048, 96, 96, 12288),
+        "gpt2-small": GPTConfig(50304, 1024, 12, 12, 768, True),
+        "gpt3-1.3b": GPTConfig(50304, 2048, 24, 16, 2048, True),
+        "gpt3-13b": GPTConfig(50304, 2048, 40, 40, 5120, True),
+        "gpt3-175b": GPTConfig(50304, 2048, 96, 96, 12288, True),
     }
     return shapes[name]
 

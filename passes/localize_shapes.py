@@ -1,6 +1,7 @@
 """Rewrite shape arguments (view / reshape / expand sizes) from global to per-rank sizes."""
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.layouts import local_shape, parse_layout
@@ -29,6 +30,10 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if out == "-":
             continue
         local = list(local_shape(meta.shape, parse_layout(out), ctx.mesh_shape))
+        if name in ("view", "_unsafe_view"):
+            # a local shard may be laid out with other strides than the global tensor was
+            # (resharding makes fresh tensors): reshape gives the same values and copies if needed
+            node.target = torch.ops.aten.reshape.default
         if name in SHAPE_ARG_OPS:
             idx = SHAPE_ARG_OPS[name]
             if len(node.args) > idx:

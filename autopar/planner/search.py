@@ -205,6 +205,14 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
                         return "zero=3 shards every parameter on 'dp'"
                     if not zero_dp:
                         return "zero=3: this parameter does not divide on 'dp', so its state is sharded instead"
+        if kind == "op" and (c.tp or 1) > 1:
+            # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
+            # FSDP on the tp axis, which zero= expresses)
+            for arg, lay in zip(tensor_inputs(node), s.ins):
+                if arg.meta.get("autopar.kind") == "param" and lay is not None:
+                    shape = arg.meta["autopar.outputs"][0].shape
+                    if len(shape) >= 2 and any(d % mesh[tp_a] == 0 for d in shape) and not isinstance(lay[tp_a], Shard):
+                        return f"tp={c.tp} computes with weights sharded on 'tp'"
         if node.name in out_pins and kind == "op":
             if not _pin_layout_ok(s.outs[0], out_pins[node.name], mesh):
                 return f"output pinned to {dict(out_pins[node.name])}"

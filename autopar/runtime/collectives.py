@@ -62,6 +62,10 @@ def _comm() -> MeshComm:
     return _ACTIVE[-1]
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has only the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _slice(x: torch.Tensor, dim: int, n: int, coord: int) -> torch.Tensor:
     return x.chunk(n, dim=dim)[coord].contiguous()
 
@@ -69,7 +73,7 @@ def _slice(x: torch.Tensor, dim: int, n: int, coord: int) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * front.shape[0],) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, front, group=group)
+    _all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -528,6 +528,7 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "cat": cat_like, "concat": cat_like, "stack": cat_like,
     "embedding": embedding,
     "scaled_dot_product_attention": sdpa,
+    "broadcast_tensors": pointwise,
     "dropout": pointwise, "native_dropout": pointwise, "contiguous": pointwise, "to": pointwise,
     "_to_copy": pointwise, "type_as": pointwise, "alias": pointwise, "detach": pointwise,
     "zeros_like": like_factory, "ones_like": like_factory, "empty_like": like_factory,

@@ -1,0 +1,85 @@
+"""``autopar.compile``: plan (or take a plan), rewrite the graph, and build this rank's program."""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import Cluster
+from autopar.constraints import Constraints, collect_annotations
+from autopar.errors import AutoparError, ConstraintError
+from autopar.plan import Plan
+from autopar.runtime.launch import init_distributed
+from autopar.runtime.parallel_model import ParallelModel
+from autopar.trace import trace_model
+
+__all__ = ["compile"]
+
+
+def compile(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[list], torch.optim.Optimizer],
+    example_target: torch.Tensor | None = None,
+    constraints: Constraints | None = None,
+    plan: Plan | None = None,
+    precision: str = "fp32",
+    collective_timeout_s: float | None = None,
+) -> ParallelModel:
+    """Compile ``model`` into this rank's sharded training program. Call it in every process.
+
+    ``optimizer`` maps a parameter list to a ``torch.optim.Optimizer``; ``loss_fn(output,
+    target)`` returns a scalar. The process group is initialised here if needed (gloo on CPU,
+    NCCL on CUDA, from the cluster spec).
+
+    >>> # in a torchrun script:
+    >>> # pm = autopar.compile(model, autopar.Cluster.local(), (idx,), example_target=tgt,
+    >>> #                      loss_fn=loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    >>> # loss = pm.train_step(idx, target=tgt)
+    """
+    from autopar.passes import run_passes
+    from autopar.passes.context import PassContext
+    from autopar.planner.search import search_plan
+
+    if example_target is None:
+        raise AutoparError("compile needs example_target= (a target batch for loss_fn) to trace the training step")
+    init_distributed(cluster.backend, cluster.world_size, collective_timeout_s)
+    if cluster.device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                         device_type=cluster.device_type)
+    if plan is None:
+        c = constraints or Constraints()
+        pins, outs = collect_annotations(model)
+        if pins or outs:
+            c = c.merged_with(pins, outs)
+        plan = search_plan(traced, cluster, constraints=c, precision=precision, _with_free=False)
+    elif plan.world_size != cluster.world_size:
+        raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}")
+    _check_same_plan(plan)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(a for a, _ in plan.mesh_axes)
+    mesh = init_device_mesh(device.type, tuple(s for _, s in plan.mesh_axes), mesh_dim_names=names)
+    ctx = PassContext.for_stage(plan, 0)
+    program = run_passes(copy.deepcopy(traced.gm), ctx)
+    return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
+                         optimizer=optimizer, device=device, precision=precision)
+
+
+def _check_same_plan(plan: Plan) -> None:
+    """All ranks must run the same plan: compare fingerprints (a mismatch is a clear error)."""
+    prints = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, plan.fingerprint)
+    if len(set(prints)) != 1:
+        raise AutoparError(f"ranks planned differently (plan fingerprints {sorted(set(prints))}); "
+                           "pass the same plan= to every rank")
