@@ -1,4 +1,5 @@
-"""Command line: ``autopar plan MODULE:FACTORY --cluster dgx-h100 --nodes 4`` and ``autopar demo``.
+"""Command line: ``autopar plan MODULE:FACTORY --cluster dgx-h100 --nodes 4``, ``autopar demo``,
+``autopar run script.py --nproc N``.
 
 ``FACTORY`` is a callable in ``MODULE`` returning ``(model, example_inputs)`` or
 ``(model, example_inputs, loss_fn, example_target)``; build the model on the meta device to plan
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="plan the example GPT for 4 local processes and print the plan")
     d.add_argument("--nproc", type=int, default=4)
     d.set_defaults(func=_cmd_demo)
+    r = sub.add_parser("run", help="run a training script on N local processes (torchrun)")
+    r.add_argument("script")
+    r.add_argument("--nproc", type=int, default=4)
+    r.add_argument("script_args", nargs=argparse.REMAINDER)
+    r.set_defaults(func=_cmd_run)
     args = parser.parse_args(argv)
     from autopar.errors import AutoparError
 
@@ -87,20 +93,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_demo(args) -> int:
-    import autopar
-    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+    """Plan and train the example GPT on ``--nproc`` local CPU processes under torchrun/gloo."""
+    from autopar.runtime.launch import run_script
 
-    cfg = GPTConfig()
-    model = GPT(cfg)
-    idx, tgt = example_batch(cfg, batch=8)
-    cluster = autopar.Cluster.local(args.nproc)
-    print(f"autopar demo: planning a {sum(p.numel() for p in model.parameters()):,}-parameter GPT "
-          f"for {args.nproc} local CPU processes (gloo)\n")
-    plan = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=tgt)
-    print(plan.summary())
-    print("\nTraining this plan on the local processes comes with the runtime (next milestone);"
-          " this demo stops at the plan.")
-    return 0
+    print(f"autopar demo: torchrun --nproc-per-node {args.nproc} -m examples.demo", flush=True)
+    return run_script("examples.demo", args.nproc, [], module=True)
+
+
+def _cmd_run(args) -> int:
+    from autopar.runtime.launch import run_script
+
+    return run_script(args.script, args.nproc, args.script_args)
 
 
 if __name__ == "__main__":

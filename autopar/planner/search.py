@@ -173,6 +173,11 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
         for name in _output_nodes_of(traced, pattern):
             out_pins[name] = axes
 
+    data_nodes: set[str] = set()  # values computed from the batch (inputs / target)
+    for n in traced.graph.nodes:
+        if n.meta.get("autopar.kind") in ("input", "target") or any(a.name in data_nodes for a in tensor_inputs(n)):
+            data_nodes.add(n.name)
+
     def allowed(node: fx.Node, s: Strategy) -> str | None:
         kind = node.meta.get("autopar.kind")
         if kind in ("input", "target"):
@@ -205,6 +210,17 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
                         return "zero=3 shards every parameter on 'dp'"
                     if not zero_dp:
                         return "zero=3: this parameter does not divide on 'dp', so its state is sharded instead"
+        if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes:
+            out = next((o for o in s.outs if o is not None), None)
+            meta = node.meta["autopar.outputs"][0]
+            if out is not None and isinstance(out[dp_a], Replicate) and meta is not None and meta.numel > 1:
+                return f"dp={c.dp} keeps batch-derived values split on axis 'dp'"
+        if kind == "op" and c.dp is not None and mesh[dp_a] > 1:
+            # data parallel: every op uses whole weights on 'dp' (stored sharded there only under ZeRO-3,
+            # and then gathered before use), so activations keep their batch shards
+            for arg, lay in zip(tensor_inputs(node), s.ins):
+                if arg.meta.get("autopar.kind") == "param" and lay is not None and not isinstance(lay[dp_a], Replicate):
+                    return f"dp={c.dp} uses whole weights on axis 'dp'"
         if kind == "op" and (c.tp or 1) > 1:
             # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
             # FSDP on the tp axis, which zero= expresses)

@@ -100,9 +100,12 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0) -> li
     return [results[r] for r in range(nproc)]
 
 
-def run_script(script: str, nproc: int, script_args: list[str]) -> int:
-    """``autopar run script.py --nproc N``: torchrun with the local defaults."""
+def run_script(script: str, nproc: int, script_args: list[str], module: bool = False) -> int:
+    """``autopar run script.py --nproc N``: torchrun (standalone rendezvous) with local defaults."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", script, *script_args]
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+    cmd += ["-m", script] if module else [script]
+    cmd += list(script_args)
     return subprocess.call(cmd, env=env)

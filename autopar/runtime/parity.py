@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["parity_worker", "build_case", "relative_error"]
+__all__ = ["parity_worker", "parity_suite", "build_case", "relative_error"]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,6 +36,13 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
+    if name == "gpt_tuple":
+        from examples.gpt import GPTConfig, example_batch, gpt_loss
+
+        cfg = GPTConfig()
+        model = _TupleGPT(cfg)
+        batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
+        return model, batches, _tuple_loss
     if name == "mlp":
         from examples.mlp import MLP, example_batch, mlp_loss
 
@@ -43,6 +50,38 @@ def build_case(name: str, seed: int = 0):
         batches = [example_batch(64, 16, seed=s) for s in range(8)]
         return model, batches, mlp_loss
     raise ValueError(f"unknown parity case {name!r}")
+
+
+class _TupleGPT(torch.nn.Module):
+    """The example GPT returning (logits, auxiliary loss), as MoE-style models do."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from examples.gpt import GPT
+
+        self.gpt = GPT(cfg)
+
+    def forward(self, idx):
+        logits = self.gpt(idx)
+        return logits, 1e-3 * logits.pow(2).mean()
+
+
+def _tuple_loss(out, target):
+    from examples.gpt import gpt_loss
+
+    logits, aux = out
+    return gpt_loss(logits, target) + aux
+
+
+def parity_suite(cases: list[tuple[str, dict]], steps: int = 5) -> list[dict[str, Any]]:
+    """Run several (case, constraints) parity checks in one process group; results per case."""
+    out = []
+    for case, constraints in cases:
+        r = parity_worker(case, constraints, steps)
+        r.pop("program")
+        r["case"], r["constraints"] = case, constraints
+        out.append(r)
+    return out
 
 
 def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: str = "cpu", lr: float = 1e-3,

@@ -1,0 +1,31 @@
+"""Read-only analyses of a per-rank program (no rewriting)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+
+from autopar.layouts import parse_layout
+from autopar.resharding import reshard_steps
+from autopar.runtime.collectives import reshard
+
+__all__ = ["count_collectives", "collective_nodes"]
+
+
+def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is reshard]
+
+
+def count_collectives(gm: fx.GraphModule) -> Counter:
+    """Collectives the program runs per step: ``{("forward" | "backward", kind): count}``."""
+    counts: Counter = Counter()
+    for n in collective_nodes(gm):
+        _, src, dst, gsrc, gdst = n.args
+        for step in reshard_steps(parse_layout(src), parse_layout(dst)):
+            if step.is_collective:
+                counts[("forward", step.kind)] += 1
+        if gsrc is not None and gdst is not None:
+            for step in reshard_steps(parse_layout(gsrc), parse_layout(gdst)):
+                if step.is_collective:
+                    counts[("backward", step.kind)] += 1
+    return counts
