@@ -17,8 +17,16 @@ def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def count_collectives(gm: fx.GraphModule) -> Counter:
-    """Collectives the program runs per step: ``{("forward" | "backward", kind): count}``."""
+    """Collectives the program runs per step: ``{("forward" | "backward", kind): count}``.
+
+    Gradient all-reduces deferred to the runtime's buckets (``defer_gradient_sync_pass``) count
+    as backward all-reduces, one per parameter and axis.
+    """
+    from autopar.passes.defer_gradient_sync import GRAD_SYNC_KEY
+
     counts: Counter = Counter()
+    for axes in gm.meta.get(GRAD_SYNC_KEY, {}).values():
+        counts[("backward", "all_reduce")] += len(axes)
     for n in collective_nodes(gm):
         _, src, dst, gsrc, gdst = n.args
         for step in reshard_steps(parse_layout(src), parse_layout(dst)):

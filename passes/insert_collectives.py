@@ -8,7 +8,20 @@ from autopar.layouts import format_layout, grad_layout, parse_layout, replicated
 from autopar.runtime.collectives import reshard
 from autopar.passes.context import PassContext
 
-__all__ = ["insert_collectives_pass"]
+__all__ = ["insert_collectives_pass", "LOSS_LAYOUT_KEY"]
+
+LOSS_LAYOUT_KEY = "autopar.loss_layout"  # gm.meta: layout of a returned, not yet reduced, scalar loss
+
+
+def _is_scalar(n: fx.Node) -> bool:
+    outs = n.meta.get("autopar.outputs") or ()
+    return len(outs) == 1 and outs[0] is not None and outs[0].numel == 1
+
+
+def _only_partial(layout: str) -> bool:
+    from autopar.layouts import Partial, Replicate
+
+    return all(isinstance(p, (Partial, Replicate)) for p in parse_layout(layout))
 
 
 def _edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst) -> fx.Node:
@@ -30,6 +43,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     Why: this is where the plan's communication becomes explicit code.
     """
     graph = gm.graph
+    gm.meta.pop(LOSS_LAYOUT_KEY, None)
     for node in list(graph.nodes):
         if node.op not in ("call_function", "output") or node.meta.get("autopar.kind") == "reshard":
             continue
@@ -40,6 +54,12 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         if node.op == "output":
             r = format_layout(replicated(len(ctx.mesh_shape)))
             needs = [(r, r)]  # the loss ends replicated; backward is seeded with 1 on every rank
+            loss = node.args[0] if len(node.args) == 1 and isinstance(node.args[0], fx.Node) else None
+            if loss is not None and _is_scalar(loss) and _only_partial(ctx.node(loss.name).outs[0]):
+                # a scalar loss still pending a reduction: the runtime reduces its value off the
+                # critical path and seeds backward with the matching scale (see ParallelModel)
+                gm.meta[LOSS_LAYOUT_KEY] = ctx.node(loss.name).outs[0]
+                continue
         else:
             p = ctx.node(node.name)
             needs = list(zip(p.ins, p.grad_ins))

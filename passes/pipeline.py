@@ -7,6 +7,7 @@ import torch.fx as fx
 
 from autopar.passes.cleanup import eliminate_dead_code_pass
 from autopar.passes.context import PassContext
+from autopar.passes.defer_gradient_sync import defer_gradient_sync_pass
 from autopar.passes.insert_collectives import insert_collectives_pass
 from autopar.passes.localize_shapes import localize_shapes_pass
 
@@ -15,6 +16,7 @@ __all__ = ["PASSES", "run_passes", "PassError"]
 PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     localize_shapes_pass,
     insert_collectives_pass,
+    defer_gradient_sync_pass,
     eliminate_dead_code_pass,
 ]
 

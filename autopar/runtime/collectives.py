@@ -62,8 +62,10 @@ def _comm() -> MeshComm:
     return _ACTIVE[-1]
 
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has only the old one
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
+# warn); 2.11 has only the old ones
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _slice(x: torch.Tensor, dim: int, n: int, coord: int) -> torch.Tensor:
@@ -80,7 +82,7 @@ def _all_gather(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, front, group=group)
+    _reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import AutoparError, ConstraintError
-from autopar.layouts import Replicate, Shard, format_layout, parse_layout, replicated
+from autopar.layouts import Partial, Replicate, Shard, format_layout, parse_layout, replicated
 from autopar.resharding import reshard_steps
 from autopar.runtime.collectives import MeshComm, active_mesh, apply_steps, shard_tensor
 
@@ -74,6 +74,17 @@ class ParallelModel:
         for ph, fqn in traced.buffer_fqns.items():
             full = _materialize(model, fqn, buffers[fqn])
             self._buffers[ph] = shard_tensor(full.detach().to(device), self._layouts[ph], self.comm).clone()
+        from autopar.passes.defer_gradient_sync import GRAD_SYNC_KEY
+        from autopar.runtime.grad_sync import GradBucketer
+
+        deferred = program.meta.get(GRAD_SYNC_KEY, {})
+        self._grad_sync = GradBucketer(
+            {self._params[ph]: axes for ph, axes in deferred.items() if self._params[ph].requires_grad},
+            self.comm.groups,
+        )
+        from autopar.passes.insert_collectives import LOSS_LAYOUT_KEY
+
+        self._loss_layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
         zero_ids = {id(z.param) for z in self._zero}
         opt_params = [p for p in self._params.values() if p.requires_grad and id(p) not in zero_ids]
         opt_params += [z.shard for z in self._zero]
@@ -143,7 +154,9 @@ class ParallelModel:
             loss = self._run(self._args(inputs, target))
             if isinstance(loss, (tuple, list)):
                 loss = loss[0]
-            loss.backward()
+            value, pending = self._reduce_loss_async(loss)
+            (loss * self._loss_grad_scale()).backward()
+            self._grad_sync.wait()
             for z in self._zero:
                 g = z.param.grad
                 z.shard.grad = None if g is None else self._zero_slice(g.reshape(-1), z.axes).clone()
@@ -152,16 +165,49 @@ class ParallelModel:
             self.optimizer.zero_grad(set_to_none=True)
             for z in self._zero:
                 self._zero_gather(z)
+        for w in pending:
+            w.wait()
         self.step += 1
-        return float(loss.detach())
+        return float(self._finish_loss(value))
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
         with active_mesh(self.comm):
             loss = self._run(self._args(inputs, target))
-        if isinstance(loss, (tuple, list)):
-            loss = loss[0]
-        return float(loss)
+            if isinstance(loss, (tuple, list)):
+                loss = loss[0]
+            value, pending = self._reduce_loss_async(loss)
+            for w in pending:
+                w.wait()
+        return float(self._finish_loss(value))
+
+    # ------------------------------------------------------------------ the loss value
+    def _partial_axes(self) -> list[tuple[int, str]]:
+        if self._loss_layout is None:
+            return []
+        return [(a, p.reduce_op) for a, p in enumerate(self._loss_layout)
+                if isinstance(p, Partial) and self.comm.sizes[a] > 1]
+
+    def _loss_grad_scale(self) -> float:
+        """d(global loss)/d(local loss): 1/n for each axis the loss is averaged over."""
+        scale = 1.0
+        for a, op in self._partial_axes():
+            if op == "avg":
+                scale /= self.comm.sizes[a]
+        return scale
+
+    def _reduce_loss_async(self, loss: torch.Tensor):
+        value = loss.detach().clone().reshape(1).float()
+        works = [dist.all_reduce(value, group=self.comm.groups[a], async_op=True) for a, _ in self._partial_axes()[:1]]
+        return value, works
+
+    def _finish_loss(self, value: torch.Tensor) -> float:
+        for a, _ in self._partial_axes()[1:]:
+            dist.all_reduce(value, group=self.comm.groups[a])
+        for a, op in self._partial_axes():
+            if op == "avg":
+                value = value / self.comm.sizes[a]
+        return float(value)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

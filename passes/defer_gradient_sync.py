@@ -1,0 +1,60 @@
+"""Take data-parallel gradient all-reduces out of the graph so the runtime can bucket them."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch.fx as fx
+
+from autopar.layouts import Partial, Replicate, parse_layout
+from autopar.passes.context import PassContext
+from autopar.runtime.collectives import reshard
+
+__all__ = ["defer_gradient_sync_pass", "GRAD_SYNC_KEY"]
+
+GRAD_SYNC_KEY = "autopar.grad_sync"  # gm.meta: parameter placeholder -> mesh axes to all-reduce over
+
+
+def _pure_all_reduce_axes(node: fx.Node) -> tuple[int, ...] | None:
+    """Axes of a reshard whose forward is a no-op and whose backward only all-reduces (P -> R)."""
+    _, src, dst, gsrc, gdst = node.args
+    if src != dst or gsrc is None:
+        return None
+    g, h = parse_layout(gsrc), parse_layout(gdst)
+    axes = []
+    for a, (p, q) in enumerate(zip(g, h)):
+        if p == q:
+            continue
+        if isinstance(p, Partial) and p.reduce_op == "sum" and isinstance(q, Replicate):
+            axes.append(a)
+        else:
+            return None
+    return tuple(axes) if axes else None
+
+
+def defer_gradient_sync_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Requires: ``insert_collectives_pass`` ran. Guarantees: for every parameter whose every use
+    goes through a reshard that only all-reduces its gradient over the same axes, those reshards
+    are removed and ``gm.meta[GRAD_SYNC_KEY][param]`` records the axes; the runtime must then
+    all-reduce that parameter's gradient (it buckets them and overlaps them with backward, as DDP
+    does). Parameters used in any other way keep their in-graph collectives.
+    Why: one synchronous all-reduce per parameter, issued inside autograd, serialises the
+    backward pass; bucketed asynchronous ones hide behind it.
+    """
+    uses: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get("autopar.kind") == "param":
+            uses[node] = list(node.users)
+    deferred: dict[str, tuple[int, ...]] = {}
+    for param, users in uses.items():
+        if not users or not all(u.op == "call_function" and u.target is reshard for u in users):
+            continue
+        axes = {_pure_all_reduce_axes(u) for u in users}
+        if len(axes) != 1 or None in axes:
+            continue
+        for u in users:
+            u.replace_all_uses_with(param)
+            gm.graph.erase_node(u)
+        deferred[param.name] = axes.pop()
+    gm.meta[GRAD_SYNC_KEY] = deferred
+    gm.recompile()
+    return gm
