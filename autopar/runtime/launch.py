@@ -37,21 +37,20 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
             )
         return
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    kwargs = {"timeout": timeout} if timeout else {}
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if world_size != 1:
             raise AutoparError(
                 f"the cluster has {world_size} devices but this is a single process: launch with "
-                f"`torchrun --nproc-per-node {world_size} script.py` or autopar.runtime.launch(fn, {world_size})"
+                f"`torchrun --nproc-per-node {world_size} script.py` or autopar.launch(fn, {world_size})"
             )
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs)
+        return
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise AutoparError(
             f"the cluster spec has {world_size} devices but WORLD_SIZE={os.environ['WORLD_SIZE']}; "
             "use Cluster.local() or launch that many processes"
         )
-    kwargs = {"timeout": timeout} if timeout else {}
     dist.init_process_group(backend, **kwargs)
 
 

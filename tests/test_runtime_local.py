@@ -1,0 +1,91 @@
+"""The runtime in this process (world size 1): API contract, state dicts, meta models, errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.runtime.parity import relative_error
+from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+from examples.mlp import MLP, example_batch as mlp_batch, mlp_loss
+
+
+@pytest.fixture
+def world1():
+    yield autopar.Cluster.local(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _opt(ps):
+    return torch.optim.AdamW(ps, lr=1e-3)
+
+
+def test_single_process_training_matches_eager(world1):
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    x, t = example_batch(cfg, 8)
+    pm = autopar.compile(model, world1, (x,), example_target=t, loss_fn=gpt_loss, optimizer=_opt)
+    opt = _opt(list(ref.parameters()))
+    for step in range(3):
+        got = pm.train_step(x, target=t)
+        opt.zero_grad()
+        want = gpt_loss(ref(x), t)
+        want.backward()
+        opt.step()
+        assert abs(got - want.item()) <= 1e-5 * abs(want.item())
+    assert pm.step == 3
+    assert pm.eval_step(x, target=t) == pytest.approx(gpt_loss(ref(x), t).item(), rel=1e-5)
+    full = pm.full_state_dict()
+    assert list(full) == list(ref.state_dict())
+    assert max(relative_error(full[k], v) for k, v in ref.state_dict().items()) <= 1e-5
+    sharded = pm.state_dict()
+    from torch.distributed.tensor import DTensor
+
+    assert set(sharded) == {k for k, _ in model.named_parameters()} | {k for k, _ in model.named_buffers()}
+    assert all(isinstance(v, DTensor) for v in sharded.values())
+    assert "def forward" in pm.program.code
+
+
+def test_tied_weights_keep_both_state_dict_keys(world1):
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    model.lm_head.weight = model.wte.weight  # weight tying, as GPT-2 does
+    x, t = example_batch(cfg, 8)
+    pm = autopar.compile(model, world1, (x,), example_target=t, loss_fn=gpt_loss, optimizer=_opt)
+    pm.train_step(x, target=t)
+    full = pm.full_state_dict()
+    assert "lm_head.weight" in full and "wte.weight" in full
+    assert torch.equal(full["lm_head.weight"], full["wte.weight"])
+
+
+def test_meta_model_materialises_its_parameters(world1):
+    with torch.device("meta"):
+        model = MLP(64, 256, 2)
+    x, t = mlp_batch()
+    pm = autopar.compile(model, world1, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_opt)
+    first = pm.train_step(x, target=t)
+    assert torch.isfinite(torch.tensor(first))
+    full = pm.full_state_dict()
+    assert not any(v.is_meta for v in full.values())
+    assert full["layers.0.up.weight"].shape == (256, 64) and full["layers.0.up.weight"].abs().sum() > 0
+
+
+def test_compile_errors_are_clear(world1):
+    x, t = mlp_batch()
+    with pytest.raises(autopar.AutoparError, match="example_target"):
+        autopar.compile(MLP(), world1, (x,), loss_fn=mlp_loss, optimizer=_opt)
+    with pytest.raises(autopar.AutoparError, match="single process: launch with `torchrun --nproc-per-node 4"):
+        autopar.compile(MLP(), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=mlp_loss, optimizer=_opt)
+    plan4 = autopar.plan(MLP(), autopar.Cluster.local(4), (x,), loss_fn=mlp_loss, example_target=t)
+    with pytest.raises(autopar.ConstraintError, match="plan is for 4 devices but the cluster has 1"):
+        autopar.compile(MLP(), world1, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_opt, plan=plan4)
+    pm = autopar.compile(MLP(), world1, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_opt)
+    with pytest.raises(autopar.AutoparError, match="needs target="):
+        pm.train_step(x)
