@@ -294,43 +294,45 @@ def _keep_dims_options(op: OpView, x: TensorMeta, blocked: set[int], extra_in: i
     return options
 
 
-def sum_mean(op: OpView) -> list[AxisOption]:
-    x = op.in_metas[0]
-    nd = len(x.shape)
+def _reduced_dims(op: OpView, nd: int) -> tuple[set[int], bool] | None:
+    """(reduced dims, keepdim) of a reduction; all dims when ``dim`` is None or empty."""
     dims = op.arg("dim")
-    keepdim = bool(op.arg("keepdim", False))
-    red = set(range(nd)) if dims in (None, [], ()) else {_norm_dim(d, nd) for d in dims}
-    kind = "avg" if _op_name(op.node) == "mean" else "sum"
+    if dims in (None, [], ()):
+        return set(range(nd)), bool(op.arg("keepdim", False))
+    dims = [dims] if isinstance(dims, int) else dims
+    return {_norm_dim(d, nd) for d in dims}, bool(op.arg("keepdim", False))
+
+
+def _reduction_options(op: OpView, partial_kind: str | None) -> list[AxisOption]:
+    """Kept dims pass their shard through; a reduced dim may be sharded only when the reduction
+    is linear (``partial_kind``: the output is then that Partial)."""
+    x = op.in_metas[0]
+    red, keepdim = _reduced_dims(op, len(x.shape))
     options = []
-    for d in range(nd):
+    for d in range(len(x.shape)):
         if x.shape[d] == 1:
             continue
         if d in red:
-            options.append(AxisOption((Shard(d),), (Partial(kind),)))
-        else:
-            od = d if keepdim else d - sum(1 for r in red if r < d)
-            options.append(AxisOption((Shard(d),), (Shard(od),)))
+            if partial_kind is not None:
+                options.append(AxisOption((Shard(d),), (Partial(partial_kind),)))
+            continue
+        od = d if keepdim else d - sum(1 for r in red if r < d)
+        options.append(AxisOption((Shard(d),), (Shard(od),) * len(op.out_metas)))
+    return options
+
+
+def sum_mean(op: OpView) -> list[AxisOption]:
+    kind = "avg" if _op_name(op.node) == "mean" else "sum"
+    options = _reduction_options(op, kind)
     options.append(AxisOption((Partial("sum"),), (Partial("sum"),)))  # mean of a sum of parts
     return options
 
 
 def max_like(op: OpView) -> list[AxisOption]:
     """amax/amin/max.dim/argmax: reduced dims stay whole; kept dims may be sharded."""
-    x = op.in_metas[0]
-    nd = len(x.shape)
-    dims = op.arg("dim")
-    keepdim = bool(op.arg("keepdim", False))
-    if dims is None or dims == []:
+    if op.arg("dim") in (None, [], ()):
         return []
-    dims = [dims] if isinstance(dims, int) else dims
-    red = {_norm_dim(d, nd) for d in dims}
-    options = []
-    for d in range(nd):
-        if d in red or x.shape[d] == 1:
-            continue
-        od = d if keepdim else d - sum(1 for r in red if r < d)
-        options.append(AxisOption((Shard(d),), (Shard(od),) * len(op.out_metas)))
-    return options
+    return _reduction_options(op, None)
 
 
 def softmax(op: OpView) -> list[AxisOption]:
