@@ -253,7 +253,9 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     blocking = np.zeros((len(u_layouts), len(v_layouts)))
     overlap = np.zeros_like(blocking)
     kinds: list[list[dict[str, float]]] = []
-    fwd_repeat = microbatches if is_param else 1  # parameters are gathered for each microbatch
+    # parameters are gathered for each microbatch, and gathered again in backward (the gathered
+    # copy is freed after forward use, as FSDP's reshard_after_forward; see runtime.param_regather)
+    fwd_repeat = 2 * microbatches if is_param else 1
     for a, lu in enumerate(u_layouts):
         row = []
         for b, (lin, lgrad) in enumerate(v_layouts):

@@ -172,7 +172,14 @@ def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, gr
     scale = _avg_axes(parse_layout(src), parse_layout(dst))
     if not x.requires_grad or bwd is None:
         return apply_steps(x, fwd, _comm())
-    return _Reshard.apply(x, fwd, bwd, scale)
+    out = _Reshard.apply(x, fwd, bwd, scale)
+    if x.is_leaf and any(s.kind == "all_gather" for s in fwd):
+        # a gathered parameter: let backward gather it again instead of keeping it (ZeRO-3)
+        from autopar.runtime.param_regather import remember_gathered_param
+
+        comm = _comm()
+        remember_gathered_param(out, x.detach(), lambda local: apply_steps(local, fwd, comm))
+    return out
 
 
 def shard_tensor(full: torch.Tensor, layout: Layout, comm: MeshComm) -> torch.Tensor:

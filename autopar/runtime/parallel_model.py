@@ -140,10 +140,13 @@ class ParallelModel:
         return args
 
     def _run(self, args):
-        if self._precision == "bf16-mixed":
-            with torch.autocast(self._device.type, dtype=torch.bfloat16):
-                return self.program(*args)
-        return self.program(*args)
+        from autopar.runtime.param_regather import regather_saved_params
+
+        with regather_saved_params():
+            if self._precision == "bf16-mixed":
+                with torch.autocast(self._device.type, dtype=torch.bfloat16):
+                    return self.program(*args)
+            return self.program(*args)
 
     def train_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
