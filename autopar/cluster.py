@@ -105,9 +105,17 @@ class DeviceSpec:
     peak_flops: PeakFlops
     memory_bytes: int
     memory_bandwidth: float  # bytes/s
+    # achieved fraction of peak in large matmuls for this device and software stack (calibrated);
+    # None: the cost model's default (cost_models.compute.MATMUL_EFFICIENCY)
+    matmul_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec", self.name)
+        if self.matmul_efficiency is not None and not (0.0 < float(self.matmul_efficiency) <= 1.0):
+            raise ClusterSpecError(
+                f"DeviceSpec.matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}; "
+                "it is the achieved fraction of peak FLOP/s in large matmuls"
+            )
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(
                 f"DeviceSpec.peak_flops must be a PeakFlops, got {type(self.peak_flops).__name__}"
@@ -209,6 +217,7 @@ class Cluster:
             peak_flops=PeakFlops(fp32=d["fp32"], tf32=d["tf32"], bf16=d["bf16"], fp16=d["fp16"]),
             memory_bytes=d["memory_bytes"],
             memory_bandwidth=d["memory_bandwidth"],
+            matmul_efficiency=d.get("matmul_efficiency"),
         )
         return cls(
             name=key,
@@ -292,8 +301,10 @@ class Cluster:
                 f"cluster JSON field 'schema_version' is {version!r}, but this "
                 f"autopar reads version {SCHEMA_VERSION}; re-export the spec with this version"
             )
+        if isinstance(top["device"], dict):
+            top["device"].setdefault("matmul_efficiency", None)
         dev = _fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes",
-                                                 "memory_bandwidth"])
+                                                 "memory_bandwidth", "matmul_efficiency"])
         flops = _fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
         top["device"] = _build(DeviceSpec, dev, "device")

@@ -127,12 +127,24 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tu
     ref = next((o for o in strategy.outs if o is not None), None)
     split = split_factor(ref, ctx.mesh_shape) if ref is not None else 1
     dtype = ctx.policy.compute_dtype
-    fwd = op_time(flops / split, nbytes / split, ctx.cluster.device, dtype, kind)
+    eff = _efficiency(ctx.cluster.device, kind)
+    fwd = op_time(flops / split, nbytes / split, ctx.cluster.device, dtype, kind, efficiency=eff)
     if not node.meta.get("autopar.needs_grad", False):
         return fwd, 0.0
     ratio = _BWD_FLOPS_RATIO.get(kind, 2.0)
-    bwd = op_time(ratio * flops / split, ratio * nbytes / split, ctx.cluster.device, dtype, kind)
+    bwd = op_time(ratio * flops / split, ratio * nbytes / split, ctx.cluster.device, dtype, kind, efficiency=eff)
     return fwd, bwd
+
+
+def _efficiency(device, kind: str) -> float | None:
+    """The device's calibrated matmul efficiency (attention scaled as in cost_models.compute)."""
+    from autopar.cost_models import compute
+
+    if device.matmul_efficiency is None or kind not in ("matmul", "attention"):
+        return None
+    if kind == "matmul":
+        return device.matmul_efficiency
+    return device.matmul_efficiency * compute.ATTENTION_EFFICIENCY / compute.MATMUL_EFFICIENCY
 
 
 def reshard_time(
