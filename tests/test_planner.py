@@ -242,3 +242,28 @@ def test_unknown_op_is_reported_in_the_plan():
     assert any("aten.cumsum" in note for note in p.notes)
     cum = next(n for n in p.nodes.values() if "cumsum" in n.op)
     assert cum.fallback and all(lay == "[R, R]" for lay in cum.outs)
+
+
+def test_gradient_accumulation_is_chosen_when_activations_do_not_fit():
+    """Memory between the peaks with 1 and 4 microbatches: only accumulation fits."""
+    import dataclasses as dc
+
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=64)
+    model, idx, tgt = GPT(cfg), torch.zeros(16, 256, dtype=torch.long), torch.zeros(16, 256, dtype=torch.long)
+    base = Cluster.local(1)
+    peaks = {}
+    for m in (1, 4):
+        p = autopar.plan(model, base, (idx,), loss_fn=gpt_loss, example_target=tgt,
+                         constraints=autopar.Constraints(microbatches=m, recompute=True))
+        peaks[m] = p.predicted.peak_memory_bytes
+    assert peaks[4] < peaks[1]
+    memory = int((peaks[1] + peaks[4]) / 2 / USABLE_MEMORY_FRACTION)
+    tight = dc.replace(base, device=dc.replace(base.device, memory_bytes=memory))
+    with pytest.raises(autopar.NoFeasiblePlanError):
+        autopar.plan(model, tight, (idx,), loss_fn=gpt_loss, example_target=tgt,
+                     constraints=autopar.Constraints(microbatches=1))
+    plan = autopar.plan(model, tight, (idx,), loss_fn=gpt_loss, example_target=tgt)
+    assert plan.microbatches > 1
+    assert plan.predicted.peak_memory_bytes <= memory * USABLE_MEMORY_FRACTION

@@ -327,6 +327,23 @@ def search_plan(
             if not recompute and att.solution.memory_slack_bytes == float("inf"):
                 fits_without_recompute = True
             outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"))
+    batch = _global_batch(traced)
+    if not attempts and c.microbatches is None and batch:
+        # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
+        for mesh in meshes:
+            micro = 2
+            while batch % micro == 0 and (batch // micro) % mesh[0] == 0:
+                label = f"dp={mesh[0]} tp={mesh[1]} recompute=True microbatches={micro}"
+                if progress:
+                    progress(label)
+                try:
+                    attempts.append(_solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, bool(blocks.blocks),
+                                                   micro, c, budget, solver, cache))
+                    outcomes.append((label, f"{attempts[-1].evaluation.step_time_s * 1e3:.3f} ms/step"))
+                    break
+                except InfeasibleProblem as exc:
+                    outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
+                    micro *= 2
     if not attempts:
         _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))

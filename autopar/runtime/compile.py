@@ -65,6 +65,11 @@ def compile(
         plan = search_plan(traced, cluster, constraints=c, precision=precision, _with_free=False)
     elif plan.world_size != cluster.world_size:
         raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}")
+    if plan.microbatches > 1:
+        raise AutoparError(
+            f"the plan uses {plan.microbatches} microbatches (gradient accumulation), which the runtime "
+            "does not run yet; pass constraints=autopar.Constraints(microbatches=1) or more devices"
+        )
     _check_same_plan(plan)
     from torch.distributed.device_mesh import init_device_mesh
 
