@@ -207,7 +207,7 @@ def test_no_plan_fits_on_a_local_cluster_suggests_a_valid_cluster():
     base = Cluster.local(2)
     tiny = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=2 * 10**6))
     with pytest.raises(NoFeasiblePlanError) as info:
-        plan_gpt(cluster=tiny)
+        plan_gpt(cluster=tiny, constraints=Constraints(microbatches=1))  # no accumulation either
     msg = str(info.value)
     assert "nodes=" in msg or "local(" in msg
     assert "Cluster.preset('local'" not in msg  # there is no such preset

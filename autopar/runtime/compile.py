@@ -65,11 +65,18 @@ def compile(
         plan = search_plan(traced, cluster, constraints=c, precision=precision, _with_free=False)
     elif plan.world_size != cluster.world_size:
         raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}")
+    loss_reduction = "mean"
     if plan.microbatches > 1:
-        raise AutoparError(
-            f"the plan uses {plan.microbatches} microbatches (gradient accumulation), which the runtime "
-            "does not run yet; pass constraints=autopar.Constraints(microbatches=1) or more devices"
-        )
+        # the program runs one microbatch: trace again at that size (same graph, same node names)
+        m = plan.microbatches
+        loss_reduction = _loss_reduction(traced)
+        inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        for x in list(inputs) + [example_target]:
+            if isinstance(x, torch.Tensor) and x.shape[0] % m:
+                raise ConstraintError(f"microbatches={m} does not divide the batch dim of an input of shape {tuple(x.shape)}")
+        traced = trace_model(model, tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) else x for x in inputs),
+                             loss_fn=loss_fn, example_target=example_target[: example_target.shape[0] // m],
+                             device_type=cluster.device_type)
     _check_same_plan(plan)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -78,7 +85,42 @@ def compile(
     ctx = PassContext.for_stage(plan, 0)
     program = run_passes(copy.deepcopy(traced.gm), ctx)
     return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
-                         optimizer=optimizer, device=device, precision=precision)
+                         optimizer=optimizer, device=device, precision=precision, loss_reduction=loss_reduction)
+
+
+_MEAN_REDUCTIONS = {"mean"}
+_SUM_REDUCTIONS = {"sum"}
+_LOSS_OPS = {"cross_entropy_loss", "nll_loss_nd", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+             "binary_cross_entropy_with_logits", "huber_loss"}
+
+
+def _loss_reduction(traced) -> str:
+    """How the loss reduces over the batch ("mean" or "sum"), from the reductions feeding the
+    output; microbatch losses combine the same way. Anything else is refused, not guessed."""
+    from autopar.strategies.rules import OpView, _op_name
+    from autopar.trace import tensor_inputs
+
+    out = next(n for n in traced.graph.nodes if n.op == "output")
+    kinds, stack, seen = set(), list(tensor_inputs(out)), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        name = _op_name(n)
+        if name in _LOSS_OPS:
+            red = OpView(n).arg("reduction", 1)
+            kinds.add({1: "mean", 2: "sum"}.get(red, "none"))
+        elif name in _MEAN_REDUCTIONS or name in _SUM_REDUCTIONS:
+            kinds.add("mean" if name in _MEAN_REDUCTIONS else "sum")
+        else:
+            stack.extend(tensor_inputs(n))
+    if len(kinds) != 1 or kinds == {"none"}:
+        raise AutoparError(
+            f"cannot tell how the loss reduces over the batch (found {sorted(kinds) or 'no reduction'}); "
+            "gradient accumulation needs a mean or sum loss: use Constraints(microbatches=1)"
+        )
+    return kinds.pop()
 
 
 def _check_same_plan(plan: Plan) -> None:

@@ -28,8 +28,11 @@ class GradBucketer:
         self._pending_bytes: dict[tuple, int] = {}
         self._inflight: list[tuple[list, list, torch.Tensor]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+        self.enabled = True  # off while microbatches accumulate: reduce once, after the last
 
     def _ready(self, p: torch.nn.Parameter) -> None:
+        if not self.enabled:
+            return
         axes = self.axes[id(p)]
         self._pending.setdefault(axes, []).append(p)
         self._pending_bytes[axes] = self._pending_bytes.get(axes, 0) + p.grad.numel() * p.grad.element_size()

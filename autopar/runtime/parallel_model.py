@@ -43,7 +43,7 @@ class ParallelModel:
     """A model compiled for this rank. Build it with ``autopar.compile``."""
 
     def __init__(self, *, plan, traced, program: fx.GraphModule, device_mesh, model: torch.nn.Module,
-                 optimizer: Callable, device: torch.device, precision: str):
+                 optimizer: Callable, device: torch.device, precision: str, loss_reduction: str = "mean"):
         self.plan = plan
         self.program = program
         self.device_mesh = device_mesh
@@ -52,6 +52,7 @@ class ParallelModel:
         self._traced = traced
         self._device = device
         self._precision = precision
+        self._loss_reduction = loss_reduction  # how microbatch losses combine: "mean" or "sum"
         self._model_keys = list(model.state_dict().keys())
         self._placeholders = [n.name for n in program.graph.nodes if n.op == "placeholder"]
         self._layouts = {n.name: parse_layout(n.outs[0]) for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
@@ -148,17 +149,36 @@ class ParallelModel:
                     return self.program(*args)
             return self.program(*args)
 
+    def _microbatches(self, inputs: tuple, target: Any) -> list[tuple[tuple, Any]]:
+        m = self.plan.microbatches
+        if m == 1:
+            return [(inputs, target)]
+        split = lambda t: t.chunk(m, dim=0) if isinstance(t, torch.Tensor) else [t] * m  # noqa: E731
+        parts = [split(x) for x in inputs]
+        targets = split(target) if target is not None else [None] * m
+        return [(tuple(p[i] for p in parts), targets[i]) for i in range(m)]
+
     def train_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
 
-        Returns the global loss (the same value on every rank).
+        With ``plan.microbatches = m`` the batch runs as m slices whose gradients accumulate
+        (data-parallel reductions happen once, after the last slice). Returns the global loss
+        (the same value on every rank).
         """
+        micro = self._microbatches(inputs, target)
+        m = len(micro)
+        weight = 1.0 / m if self._loss_reduction == "mean" else 1.0
+        values, pending = [], []
         with active_mesh(self.comm):
-            loss = self._run(self._args(inputs, target))
-            if isinstance(loss, (tuple, list)):
-                loss = loss[0]
-            value, pending = self._reduce_loss_async(loss)
-            (loss * self._loss_grad_scale()).backward()
+            for i, (x, t) in enumerate(micro):
+                self._grad_sync.enabled = i == m - 1
+                loss = self._run(self._args(x, t))
+                if isinstance(loss, (tuple, list)):
+                    loss = loss[0]
+                value, works = self._reduce_loss_async(loss)
+                values.append(value)
+                pending += works
+                (loss * (self._loss_grad_scale() * weight)).backward()
             self._grad_sync.wait()
             for z in self._zero:
                 g = z.param.grad
@@ -168,21 +188,27 @@ class ParallelModel:
             self.optimizer.zero_grad(set_to_none=True)
             for z in self._zero:
                 self._zero_gather(z)
-        for w in pending:
-            w.wait()
+            for w in pending:
+                w.wait()
+            total = sum(float(self._finish_loss(v)) for v in values) * weight
         self.step += 1
-        return float(self._finish_loss(value))
+        return total
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
+        micro = self._microbatches(inputs, target)
+        weight = 1.0 / len(micro) if self._loss_reduction == "mean" else 1.0
+        total = 0.0
         with active_mesh(self.comm):
-            loss = self._run(self._args(inputs, target))
-            if isinstance(loss, (tuple, list)):
-                loss = loss[0]
-            value, pending = self._reduce_loss_async(loss)
-            for w in pending:
-                w.wait()
-        return float(self._finish_loss(value))
+            for x, t in micro:
+                loss = self._run(self._args(x, t))
+                if isinstance(loss, (tuple, list)):
+                    loss = loss[0]
+                value, pending = self._reduce_loss_async(loss)
+                for w in pending:
+                    w.wait()
+                total += float(self._finish_loss(value))
+        return total * weight
 
     # ------------------------------------------------------------------ the loss value
     def _partial_axes(self) -> list[tuple[int, str]]:
