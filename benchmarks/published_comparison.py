@@ -154,9 +154,16 @@ def forced(entry: dict) -> tuple[dict, list[str]]:
     return dict(dp=dp, tp=tp, zero=zero, recompute=recompute, microbatches=micro), notes
 
 
+# set by --calibrate-on: a measured (calibrated) matmul efficiency replacing the preset's
+EFFICIENCY_OVERRIDE: float | None = None
+
+
 def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
     cl = autopar.Cluster.preset(entry["cluster_preset"], nodes=entry["nodes"])
     notes = []
+    if EFFICIENCY_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, device=dataclasses.replace(cl.device, matmul_efficiency=EFFICIENCY_OVERRIDE))
+        notes.append(f"matmul_efficiency {EFFICIENCY_OVERRIDE:.3f} (calibrated)")
     if entry["gpu"].startswith("A100-SXM4-40GB"):
         dev = dataclasses.replace(cl.device, name="A100-SXM4-40GB", **A100_40GB)
         cl = dataclasses.replace(cl, device=dev)
@@ -293,6 +300,9 @@ def main(argv=None) -> int:
     ap.add_argument("--family", help="narayanan-t1, narayanan-t2-zero3, korthikanti or mpt (comma-separated)")
     ap.add_argument("--list", action="store_true", help="list the entries and whether they are planned")
     ap.add_argument("--json", help="write the raw results to this file")
+    ap.add_argument("--calibrate-on", metavar="ID",
+                    help="calibrate the matmul efficiency on this one run (a new cluster spec, as `autopar "
+                         "calibrate` will), then predict the selected rows with it; the calibration row is excluded")
     args = ap.parse_args(argv)
     entries = json.load(open(RUNS_JSON))
     todo, skipped = [], []
@@ -315,12 +325,27 @@ def main(argv=None) -> int:
     if args.family:
         fams = set(args.family.split(","))
         todo = [e for e in todo if family(e) in fams]
+    if args.calibrate_on:
+        global EFFICIENCY_OVERRIDE
+        ref = next((e for e in entries if e["id"] == args.calibrate_on), None)
+        if ref is None:
+            ap.error(f"unknown id {args.calibrate_on!r}; see --list")
+        print(f"calibrating on {ref['id']} ...", file=sys.stderr, flush=True)
+        r = plan_entry(ref)
+        base = cluster_for(ref)[0].device.matmul_efficiency
+        kinds = r["compute_by_kind"]
+        scaled = kinds["matmul"] + kinds["attention"]
+        rest = r["step_s"] - scaled
+        EFFICIENCY_OVERRIDE = base * scaled / (r["published_step_s"] - rest)
+        print(f"calibrated on {ref['id']}: matmul_efficiency {base:.3f} -> {EFFICIENCY_OVERRIDE:.3f} "
+              f"(predicted {r['step_s']:.3f} s/iter vs published {r['published_step_s']:.3f} s)\n")
+        todo = [e for e in todo if e["id"] != ref["id"]]
     rows = []
     for e in todo:
         print(f"planning {e['id']} ...", file=sys.stderr, flush=True)
         rows.append(plan_entry(e))
     print("predicted vs published throughput, published configuration forced, precision bf16-mixed, "
-          "cost-model constants as checked in\n")
+          + ("calibrated matmul efficiency (see above)\n" if EFFICIENCY_OVERRIDE else "cost-model constants as checked in\n"))
     print_table(rows)
     print_summary(rows)
     if not (args.only or args.family):
