@@ -29,6 +29,7 @@ class GradBucketer:
         self._inflight: list[tuple[list, list, torch.Tensor]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.enabled = True  # off while microbatches accumulate: reduce once, after the last
+        self._buffers: dict[tuple, torch.Tensor] = {}  # bucket (param ids) -> flat buffer
 
     def _ready(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
@@ -45,7 +46,13 @@ class GradBucketer:
         self._pending_bytes.pop(axes, None)
         if not bucket:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        key = tuple(id(p) for p in bucket)
+        grads = [p.grad.reshape(-1) for p in bucket]
+        flat = self._buffers.get(key)
+        if flat is None or flat.dtype != grads[0].dtype:
+            flat = self._buffers[key] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
+                                                    device=grads[0].device)
+        torch.cat(grads, out=flat)  # into a buffer kept across steps: no allocation per step
         works = [dist.all_reduce(flat, group=self.groups[a], async_op=True) for a in axes[:1]]
         self._inflight.append((bucket, list(axes[1:]), flat, works))
 
