@@ -77,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="plan the example GPT for 4 local processes and print the plan")
     d.add_argument("--nproc", type=int, default=4)
     d.set_defaults(func=_cmd_demo)
-    r = sub.add_parser("run", help="run a training script on N local processes (torchrun)")
+    r = sub.add_parser("run", help="run a training script on N local processes (torchrun); "
+                                   "arguments autopar does not know go to the script")
     r.add_argument("script")
     r.add_argument("--nproc", type=int, default=4)
-    r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.script_args = extra
     from autopar.errors import AutoparError
 
     try:

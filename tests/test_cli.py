@@ -1,0 +1,62 @@
+"""The command line: ``autopar plan`` in-process, ``autopar run`` through torchrun."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from autopar.cli import main
+
+
+def test_plan_prints_the_summary(capsys):
+    assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "2", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "mesh dp=" in out and "naive data parallel" in out
+
+
+def test_plan_explains_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "2", "--tp", "2",
+                 "--explain", "blocks.0.mlp", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "why the plan lays out 'blocks.0.mlp'" in out
+    import autopar
+
+    assert autopar.Plan.from_json(path.read_text()).mesh == {"dp": 1, "tp": 2}
+
+
+def test_plan_reports_bad_constraints_as_an_error(capsys):
+    assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "4", "--tp", "3"]) == 2
+    assert "tp=3 does not divide the 4 devices" in capsys.readouterr().err
+
+
+def test_plan_rejects_a_bad_factory():
+    with pytest.raises(SystemExit, match="MODULE:FACTORY"):
+        main(["plan", "examples.gpt"])
+
+
+@pytest.mark.slow
+def test_run_launches_a_training_script_with_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist, autopar
+        from examples.mlp import MLP, example_batch, mlp_loss
+        x, t = example_batch()
+        pm = autopar.compile(MLP(), autopar.Cluster.local(), (x,), example_target=t, loss_fn=mlp_loss,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        losses = [pm.train_step(x, target=t) for _ in range(3)]
+        if dist.get_rank() == 0:
+            print("LOSSES", losses, "WORLD", dist.get_world_size(), "MESH", pm.plan.mesh)
+        dist.destroy_process_group()
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "autopar.cli", "run", str(script), "--nproc", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("LOSSES"))
+    assert "WORLD 2" in line
+    losses = eval(line.split("LOSSES", 1)[1].split("WORLD")[0])
+    assert losses[2] < losses[0]  # SGD on a fixed batch makes progress
