@@ -166,6 +166,60 @@ _DATA_DEPENDENT_HINTS = (
 )
 
 
+class _UseExport(Exception):
+    """Internal: capture="export" was asked for."""
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}"
+    return any(h in text for h in _DATA_DEPENDENT_HINTS)
+
+
+class _TrainStep(torch.nn.Module):
+    """model + loss as one module, so torch.export captures the loss too (params under model.)."""
+
+    def __init__(self, model, loss_fn, n_in: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.n_in = n_in
+
+    def forward(self, *args):
+        out = self.model(*args[: self.n_in])
+        return self.loss_fn(out, args[self.n_in]) if self.loss_fn is not None else out
+
+
+def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, tracker) -> fx.GraphModule:
+    """The fallback capture: torch.export (non-strict; it fakes the state itself) on the model's
+    device, then the graph's device arguments pointed at ``device_type``. Placeholders come out in the same order as the
+    make_fx path: parameters, buffers, inputs, target."""
+    state = next(iter(list(model.parameters()) + list(model.buffers())), None)
+    where = state.device if state is not None else torch.device("cpu")  # the model's own device
+    moved = tuple(x.to(where) if isinstance(x, torch.Tensor) else x for x in inputs)
+    args = moved + ((target.to(where),) if loss_fn is not None else ())
+    step = _TrainStep(model, loss_fn, len(inputs))
+    with tracker.active(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(step, args, strict=False)
+    gm = ep.graph_module
+    specs = ep.graph_signature.input_specs
+    kinds = [s.kind.name for s in specs]
+    if any(k not in ("PARAMETER", "BUFFER", "USER_INPUT") for k in kinds):
+        raise TraceError(f"torch.export captured inputs autopar cannot map: {sorted(set(kinds))}")
+    if len(specs) - kinds.count("USER_INPUT") != n_state:
+        raise TraceError("torch.export lifted a different set of parameters/buffers than the model has")
+    device = torch.device(device_type)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
+                and node.kwargs["device"] != device:
+            node.kwargs = {**node.kwargs, "device": device}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if loss_fn is not None and isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
+        out.args = (out.args[0][0],)
+    gm.recompile()
+    return gm
+
+
 def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
     path, cls = tracker.current()
     frame = _user_frame(exc)
@@ -205,12 +259,19 @@ def trace_model(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: torch.Tensor | None = None,
     device_type: str = "cpu",
+    capture: str = "auto",
 ) -> TracedGraph:
     """Trace ``loss_fn(model(*example_inputs), example_target)`` into a ``TracedGraph``.
 
     Inputs and parameters may live on any device, the meta device included: only their shapes
     and dtypes are used. Without ``loss_fn`` the graph returns the model output.
+
+    ``capture``: "make_fx" (pre-dispatch ``make_fx`` on fake tensors), "export"
+    (``torch.export.export(strict=False)``), or "auto": make_fx, and when it fails for a reason
+    other than data-dependent control flow (which no capture can plan), torch.export.
     """
+    if capture not in ("auto", "make_fx", "export"):
+        raise TraceError(f"capture must be 'auto', 'make_fx' or 'export', got {capture!r}")
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -247,14 +308,23 @@ def trace_model(
 
     train_fn._orig_mod = model  # lets make_fx record nn_module_stack against this model
     tracker = _ModuleTracker(model)
+    module_prefix = ""
     try:
+        if capture == "export":
+            raise _UseExport()
         with fake_mode, tracker.active(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gm = make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure becomes one clear error
-        _raise_trace_error(exc, tracker)
+        if capture == "make_fx" or (not isinstance(exc, _UseExport) and _is_data_dependent(exc)):
+            _raise_trace_error(exc, tracker)
+        try:
+            gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker)
+            module_prefix = "model."
+        except Exception as exc2:  # noqa: BLE001
+            _raise_trace_error(exc if not isinstance(exc, _UseExport) else exc2, tracker)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
@@ -289,7 +359,7 @@ def trace_model(
             ph.meta["autopar.fqn"] = fqn
         ph.meta["autopar.module"] = fqn.rpartition(".")[0] if fqn else ""
 
-    _annotate_nodes(gm.graph)
+    _annotate_nodes(gm.graph, module_prefix)
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     out_leaves = [x for x in pytree.tree_leaves(output_val) if isinstance(x, fx.Node)]
@@ -309,15 +379,19 @@ def trace_model(
     )
 
 
-def _module_path(node: fx.Node) -> str:
+def _module_path(node: fx.Node, prefix: str = "") -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     fqn = list(stack.values())[-1][0]
-    return fqn if isinstance(fqn, str) else ""
+    if not isinstance(fqn, str):
+        return ""
+    if prefix and (fqn + ".").startswith(prefix):
+        fqn = fqn[len(prefix):]
+    return fqn
 
 
-def _annotate_nodes(graph: fx.Graph) -> None:
+def _annotate_nodes(graph: fx.Graph, module_prefix: str = "") -> None:
     needs_grad: dict[fx.Node, bool] = {}
     for node in graph.nodes:
         if node.op == "output":
@@ -335,7 +409,7 @@ def _annotate_nodes(graph: fx.Graph) -> None:
             ng = bool(node.meta.get("autopar.requires_grad", False))
         else:
             node.meta["autopar.kind"] = "op"
-            node.meta["autopar.module"] = _module_path(node)
+            node.meta["autopar.module"] = _module_path(node, module_prefix)
             floating = any(m is not None and m.is_floating for m in outs)
             ng = floating and any(needs_grad.get(a, False) for a in tensor_inputs(node))
         needs_grad[node] = ng

@@ -189,3 +189,28 @@ def test_bad_arguments():
         trace_model(nn.Linear(2, 2), torch.randn(2, 2), loss_fn=F.mse_loss)
     with pytest.raises(autopar.TraceError, match="example_inputs"):
         trace_model(nn.Linear(2, 2), {"x": torch.randn(2, 2)})
+
+
+def test_export_capture_matches_make_fx_and_computes_the_loss():
+    """The torch.export fallback yields the same graph contract as the make_fx capture."""
+    from collections import Counter
+
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    idx, tgt = example_batch(cfg, 8)
+    a = trace_model(model, (idx,), loss_fn=gpt_loss, example_target=tgt, capture="make_fx")
+    b = trace_model(model, (idx,), loss_fn=gpt_loss, example_target=tgt, capture="export")
+    ops = lambda t: Counter(str(n.target) for n in t.graph.nodes if n.op == "call_function")  # noqa: E731
+    assert ops(a) == ops(b)
+    assert a.param_fqns == b.param_fqns and b.input_names == ["input_0"] and b.target_name == "target"
+    assert {n.meta["autopar.module"] for n in a.graph.nodes} == {n.meta["autopar.module"] for n in b.graph.nodes}
+    params = dict(model.named_parameters())
+    args = [params[f] for f in b.param_fqns.values()] + [idx, tgt]
+    loss = b.gm(*args)
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    assert torch.allclose(loss, gpt_loss(model(idx), tgt), rtol=1e-6)
+    with pytest.raises(autopar.TraceError, match="capture must be"):
+        trace_model(model, (idx,), loss_fn=gpt_loss, example_target=tgt, capture="dynamo")

@@ -234,7 +234,8 @@ def solve(
     solve_s = time.perf_counter() - t1
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE:
-            raise InfeasibleProblem("memory", f"no strategy assignment fits {budget_bytes / 2**30:.2f} GiB per device")
+            raise InfeasibleProblem("memory", f"no strategy assignment keeps parameters, optimizer state and saved "
+                                              f"activations within {budget_bytes / 2**30:.2f} GiB per device")
         raise InfeasibleProblem("time-limit", f"solver stopped (status {status}) before finding a plan")
     choice = {}
     for name, lits in md.x.items():

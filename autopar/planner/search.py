@@ -259,6 +259,10 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     unconstrained = True
     if budget is not None and ev.peak_bytes > budget:
         unconstrained = False
+        if ev.transient_bytes >= budget:
+            raise InfeasibleProblem(
+                "memory", f"the largest single working set ({ev.transient_bytes / 2**30:.2f} GiB: one op's output "
+                f"and gradient plus a gathered parameter) alone exceeds the {budget / 2**30:.2f} GiB budget")
         sol = solve(problem, budget - ev.transient_bytes, solver_cfg)
         ev = evaluate(problem, sol.choice)
         if ev.peak_bytes > budget:
