@@ -1,7 +1,8 @@
 """Parity of the sharded program with single-device training, on real gloo processes.
 
-Each rank compiles the model under a forced plan family, trains 5 AdamW steps on the global
-batches, and also trains a single-device reference; the loss at every step and every parameter
+Each rank compiles the model under a forced plan family, trains 5 AdamW steps (SGD for the
+nanoGPT-style model, see ``parity_suite``) on the global batches, and also trains a single-device
+reference; the loss at every step and every parameter
 after the last step must agree within 1e-5 relative (per tensor, see ``relative_error``).
 All families of one world size share one launch to keep CI time down.
 """
@@ -29,6 +30,10 @@ CASES_2 = [
     ("mlp", {"dp": 2, "zero": 3}),
     ("mlp", {"dp": 2, "zero": 2}),
     ("mlp", {}),
+    ("tiny_llama", {"dp": 2, "tp": 1}),
+    ("tiny_llama", {"tp": 2}),
+    ("manual_gpt", {"dp": 2, "tp": 1}, "sgd"),
+    ("manual_gpt", {"tp": 2}, "sgd"),
 ]
 CASES_4 = [
     ("gpt", {"dp": 4, "tp": 1, "zero": 0}),
@@ -42,6 +47,9 @@ CASES_4 = [
     ("mlp", {"tp": 4, "placements": MEGATRON_MLP}),
     ("mlp", {"dp": 4, "zero": 3}),
     ("mlp", {}),
+    ("tiny_llama", {"dp": 2, "tp": 2}),
+    ("tiny_llama", {"dp": 4, "zero": 3}),
+    ("manual_gpt", {"dp": 2, "tp": 2}, "sgd"),
 ]
 
 

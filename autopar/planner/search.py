@@ -29,6 +29,7 @@ from autopar.planner.evaluate import Evaluation, evaluate, incident_edges, model
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
 from autopar.planner.problem import Problem, build_problem, _producer
 from autopar.strategies import Strategy
+from autopar.strategies.rules import rule_for
 from autopar.trace import TracedGraph, tensor_inputs
 
 __all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
@@ -210,7 +211,8 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
                         return "zero=3 shards every parameter on 'dp'"
                     if not zero_dp:
                         return "zero=3: this parameter does not divide on 'dp', so its state is sharded instead"
-        if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes:
+        if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
+            # (an op without a rule runs replicated whatever the plan: it is resliced after)
             out = next((o for o in s.outs if o is not None), None)
             meta = node.meta["autopar.outputs"][0]
             if out is not None and isinstance(out[dp_a], Replicate) and meta is not None and meta.numel > 1:

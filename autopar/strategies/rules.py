@@ -467,6 +467,16 @@ def cat_like(op: OpView) -> list[AxisOption]:
     return options
 
 
+def repeat_interleave(op: OpView) -> list[AxisOption]:
+    """repeat_interleave(x, int repeats, dim): every dim passes its shard through; on ``dim`` each
+    rank's block of inputs becomes its block of outputs (repeats are consecutive)."""
+    x = op.in_metas[0]
+    if not isinstance(op.arg("repeats"), int) or op.arg("output_size") is not None or op.arg("dim") is None:
+        return []  # dim=None flattens first: leave it replicated
+    options = [AxisOption((Shard(d),), (Shard(d),)) for d in range(len(x.shape)) if x.shape[d] != 1]
+    return options
+
+
 def embedding(op: OpView) -> list[AxisOption]:
     """embedding(weight[V, C], idx[...]): shard the index dims, or the weight's embedding dim."""
     w, idx = op.in_metas[0], op.in_metas[1]
@@ -529,6 +539,7 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "split_with_sizes": slice_like, "chunk": slice_like, "unbind": slice_like,
     "cat": cat_like, "concat": cat_like, "stack": cat_like,
     "embedding": embedding,
+    "repeat_interleave": repeat_interleave,
     "scaled_dot_product_attention": sdpa,
     "broadcast_tensors": pointwise,
     "dropout": pointwise, "native_dropout": pointwise, "contiguous": pointwise, "to": pointwise,
