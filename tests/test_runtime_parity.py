@@ -34,6 +34,8 @@ CASES_2 = [
     ("tiny_llama", {"tp": 2}),
     ("manual_gpt", {"dp": 2, "tp": 1}, "sgd"),
     ("manual_gpt", {"tp": 2}, "sgd"),
+    ("cnn", {"dp": 2, "tp": 1}),
+    ("cnn", {"tp": 2}),
 ]
 CASES_4 = [
     ("gpt", {"dp": 4, "tp": 1, "zero": 0}),
@@ -50,6 +52,7 @@ CASES_4 = [
     ("tiny_llama", {"dp": 2, "tp": 2}),
     ("tiny_llama", {"dp": 4, "zero": 3}),
     ("manual_gpt", {"dp": 2, "tp": 2}, "sgd"),
+    ("cnn", {"dp": 2, "tp": 2}),
 ]
 
 

@@ -87,6 +87,9 @@ def node_flops(node: fx.Node) -> tuple[float, str]:
     if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
         a = op.in_metas[1] if name in ("addmm", "baddbmm") else op.in_metas[0]
         return 2.0 * out.numel * a.shape[-1], "matmul"
+    if name in ("conv1d", "conv2d", "conv3d"):
+        w = op.in_metas[1]
+        return 2.0 * out.numel * math.prod(w.shape[1:]), "matmul"  # per output: C/g x kernel MACs
     if name == "einsum":
         eq = op.arg("equation").replace(" ", "").split("->")[0].split(",")
         sizes: dict[str, int] = {}

@@ -51,6 +51,12 @@ def build_case(name: str, seed: int = 0):
         batches = [(torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g))
                    for _ in range(8)]
         return model, batches, lm_loss
+    if name == "cnn":
+        from autopar.runtime.zoo import SmallCNN
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(8)]
+        return SmallCNN(), batches, torch.nn.functional.cross_entropy
     if name == "mlp":
         from examples.mlp import MLP, example_batch, mlp_loss
 

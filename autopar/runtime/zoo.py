@@ -2,7 +2,8 @@
 
 ``ManualAttentionGPT``: nanoGPT's original attention (a causal-mask buffer, masked_fill, softmax,
 matmuls) with tied embeddings. ``TinyLlama``: RMSNorm, rotary embeddings from cos/sin buffers,
-grouped-query attention (repeat_interleave of k/v heads), SwiGLU MLP, no biases.
+grouped-query attention (repeat_interleave of k/v heads), SwiGLU MLP, no biases. ``SmallCNN``:
+convolutions, BatchNorm (its running statistics are buffers updated in place), pooling.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -145,3 +146,17 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
         return self.lm_head(self.norm(x))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)  # BatchNorm follows: no bias
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 4 * 4, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 4)
+        return self.fc(x.flatten(1))

@@ -467,6 +467,26 @@ def cat_like(op: OpView) -> list[AxisOption]:
     return options
 
 
+def convolution(op: OpView) -> list[AxisOption]:
+    """conv{1,2,3}d(x[N, C, *], w[O, C/g, *], b[O]): batch, output channels, or (groups=1) input
+    channels, which leave the output Partial (the bias then enters Partial too)."""
+    has_bias = len(op.inputs) > 2
+    tail = (R,) if has_bias else ()
+    options = [AxisOption((Shard(0), R) + tail, (Shard(0),))]
+    if op.arg("groups", 1) == 1:
+        options.append(AxisOption((R, Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),)))
+        options.append(AxisOption((Shard(1), Shard(1)) + ((Partial("sum"),) if has_bias else ()), (Partial("sum"),)))
+    return options
+
+
+def pooling(op: OpView) -> list[AxisOption]:
+    """Pooling over the trailing spatial dims: batch and channel shards pass through."""
+    x = op.in_metas[0]
+    spatial = {"1d": 1, "2d": 2, "3d": 3}.get(_op_name(op.node)[-2:], 2)
+    lead = len(x.shape) - spatial
+    return [AxisOption((Shard(d),), (Shard(d),) * len(op.out_metas)) for d in range(lead) if x.shape[d] != 1]
+
+
 def repeat_interleave(op: OpView) -> list[AxisOption]:
     """repeat_interleave(x, int repeats, dim): every dim passes its shard through; on ``dim`` each
     rank's block of inputs becomes its block of outputs (repeats are consecutive)."""
@@ -540,6 +560,11 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "cat": cat_like, "concat": cat_like, "stack": cat_like,
     "embedding": embedding,
     "repeat_interleave": repeat_interleave,
+    "conv1d": convolution, "conv2d": convolution, "conv3d": convolution,
+    "max_pool1d": pooling, "max_pool2d": pooling, "max_pool3d": pooling, "max_pool2d_with_indices": pooling,
+    "avg_pool1d": pooling, "avg_pool2d": pooling, "avg_pool3d": pooling,
+    "adaptive_avg_pool1d": pooling, "adaptive_avg_pool2d": pooling, "adaptive_avg_pool3d": pooling,
+    "adaptive_max_pool2d": pooling,
     "scaled_dot_product_attention": sdpa,
     "broadcast_tensors": pointwise,
     "dropout": pointwise, "native_dropout": pointwise, "contiguous": pointwise, "to": pointwise,
