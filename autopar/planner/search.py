@@ -421,7 +421,7 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
         for recompute in ([True, False] if blocks.blocks else [False]):
             try:
                 ctx = CostContext(mesh, AXES, cluster, policy, optimizer)
-                problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=c.microbatches or 1,
+                problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=_leanest_micro(traced, mesh, c),
                                         strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache)
                 sol = solve(problem, None, solver, objective="memory")
                 need = min(need, evaluate(problem, sol.choice).peak_bytes)
@@ -436,6 +436,17 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
     )
 
 
+def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -> int:
+    """The most microbatches the batch allows on this mesh (the least activation memory)."""
+    if c.microbatches is not None:
+        return c.microbatches
+    batch = _global_batch(traced) or 1
+    m = 1
+    while batch % (2 * m) == 0 and (batch // (2 * m)) % mesh[0] == 0:
+        m *= 2
+    return m
+
+
 def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver) -> str:
     """Double the node count until the leanest plan fits (up to 4096 nodes)."""
     if c.dp is not None or c.tp is not None:
@@ -448,7 +459,7 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
         cache: dict = {}
         for mesh in mesh_candidates(bigger, c):
             ctx = CostContext(mesh, AXES, bigger, policy, optimizer)
-            problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=c.microbatches or 1,
+            problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=_leanest_micro(traced, mesh, c),
                                     strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache)
             try:
                 sol = solve(problem, None, solver, objective="memory")
