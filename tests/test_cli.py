@@ -50,6 +50,7 @@ def test_run_launches_a_training_script_with_torchrun(tmp_path):
         losses = [pm.train_step(x, target=t) for _ in range(3)]
         if dist.get_rank() == 0:
             print("LOSSES", losses, "WORLD", dist.get_world_size(), "MESH", pm.plan.mesh)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1")
