@@ -55,6 +55,7 @@ class ParallelModel:
         self._loss_reduction = loss_reduction  # how microbatch losses combine: "mean" or "sum"
         self._model_keys = list(model.state_dict().keys())
         self._placeholders = [n.name for n in program.graph.nodes if n.op == "placeholder"]
+        self._gathers_params = _gathers_params(program)
         self._layouts = {n.name: parse_layout(n.outs[0]) for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
         self._params: dict[str, torch.nn.Parameter] = {}
         self._buffers: dict[str, torch.Tensor] = {}
@@ -141,9 +142,13 @@ class ParallelModel:
         return args
 
     def _run(self, args):
+        import contextlib
+
         from autopar.runtime.param_regather import regather_saved_params
 
-        with regather_saved_params():
+        # saved-tensor hooks only where a parameter is gathered (ZeRO-3): they cost a Python call
+        # per saved tensor
+        with regather_saved_params() if self._gathers_params else contextlib.nullcontext():
             if self._precision == "bf16-mixed":
                 with torch.autocast(self._device.type, dtype=torch.bfloat16):
                     return self.program(*args)
@@ -261,6 +266,18 @@ class ParallelModel:
                 steps = reshard_steps(self._layouts[ph], replicated(ndim))
                 full[fqn] = apply_steps(local, steps, self.comm).cpu()
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
+
+
+def _gathers_params(program: fx.GraphModule) -> bool:
+    """Whether any parameter reaches its consumers through an all-gather (ZeRO-3 style)."""
+    from autopar.runtime.collectives import reshard
+
+    for n in program.graph.nodes:
+        if n.op == "call_function" and n.target is reshard and n.args[0].op == "placeholder" \
+                and n.args[0].meta.get("autopar.kind") == "param":
+            if any(step.kind == "all_gather" for step in reshard_steps(parse_layout(n.args[1]), parse_layout(n.args[2]))):
+                return True
+    return False
 
 
 def _axis_comm(comm: MeshComm, axis: int) -> MeshComm:
