@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autopar.errors import PlanFormatError

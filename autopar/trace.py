@@ -21,7 +21,7 @@ import linecache
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx

@@ -11,16 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
-import torch
 import torch.fx as fx
 
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import CommGroup, axis_group, collective_time
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.memory import PrecisionPolicy, training_state_bytes_per_param
-from autopar.layouts import Layout, Partial, Replicate, Shard, local_shape, split_factor
+from autopar.layouts import Layout, Shard, local_shape, split_factor
 from autopar.resharding import layout_after, reshard_steps
 from autopar.strategies import Strategy
 from autopar.strategies.rules import FACTORY_OPS, OpView, _op_name

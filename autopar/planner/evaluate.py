@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-import numpy as np
 
 from autopar.layouts import Shard
 from autopar.planner.costing import node_flops

@@ -10,8 +10,6 @@ overlap model lives in the ILP objective.
 """
 from __future__ import annotations
 
-import fnmatch
-import math
 import operator
 import warnings
 from collections import defaultdict
@@ -21,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.layouts import Layout, Replicate, Shard, format_layout, grad_layout, replicated
+from autopar.layouts import grad_layout, replicated
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (
     CostContext,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -19,7 +19,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.cost_models.memory import precision_policy
 from autopar.errors import ConstraintError, NoFeasiblePlanError
-from autopar.layouts import Layout, Replicate, Shard, format_layout, format_placement, parse_placement
+from autopar.layouts import Layout, Replicate, Shard, format_layout, parse_placement
 from autopar.plan import (
     Alternative, Baseline, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of,
 )
@@ -273,7 +273,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     return _Attempt(mesh, recompute, micro, problem, sol, ev)
 
 
-def _candidates(c: Constraints, has_blocks: bool, global_batch: int | None):
+def _candidates(c: Constraints, has_blocks: bool):
     recomputes = [c.recompute] if c.recompute is not None else ([False, True] if has_blocks else [False])
     micros = [c.microbatches] if c.microbatches is not None else [1]
     return [(r, m) for r in recomputes for m in micros]
@@ -312,7 +312,7 @@ def search_plan(
     attempts: list[_Attempt] = []
     outcomes: list[tuple[str, str]] = []
     failures: list[InfeasibleProblem] = []
-    micro_options = _candidates(c, bool(blocks.blocks), _global_batch(traced))
+    micro_options = _candidates(c, bool(blocks.blocks))
     for mesh in meshes:
         fits_without_recompute = False
         for recompute, micro in micro_options:

@@ -11,9 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
-import datetime
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.errors import AutoparError, ConstraintError
-from autopar.layouts import Partial, Replicate, Shard, format_layout, parse_layout, replicated
+from autopar.errors import AutoparError
+from autopar.layouts import Partial, Replicate, Shard, parse_layout, replicated
 from autopar.resharding import reshard_steps
 from autopar.runtime.collectives import MeshComm, active_mesh, apply_steps, shard_tensor
 

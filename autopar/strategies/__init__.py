@@ -13,14 +13,13 @@ from __future__ import annotations
 import itertools
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch.fx as fx
 
 from autopar.layouts import (
     Layout,
-    Partial,
     R,
     Replicate,
     Shard,
@@ -29,7 +28,7 @@ from autopar.layouts import (
     local_grad_layout,
 )
 from autopar.strategies.rules import AxisOption, OpView, rule_for
-from autopar.trace import TensorMeta
+from autopar.trace import TensorMeta, tensor_inputs
 
 __all__ = ["Strategy", "NodeStrategies", "enumerate_strategies", "UnknownOpWarning"]
 
@@ -131,10 +130,11 @@ def enumerate_strategies(
 
     n_out = len(metas)
     trivial_axes = [a for a, n in enumerate(mesh_shape) if n == 1]
+    all_r = tuple((R,) * ndim for _ in tensor_inputs(node))
     replicated = Strategy(
-        ins=tuple((R,) * ndim for _ in _tensor_input_count(node)),
+        ins=all_r,
         outs=tuple((R,) * ndim if m is not None else None for m in metas),
-        grad_ins=tuple((R,) * ndim for _ in _tensor_input_count(node)),
+        grad_ins=all_r,
     )
     rule = rule_for(node)
     if rule is None:
@@ -179,8 +179,3 @@ def enumerate_strategies(
         strategies.append(Strategy(ins, outs, grads))
     return NodeStrategies(node.name, tuple(strategies), tuple(excluded))
 
-
-def _tensor_input_count(node: fx.Node) -> list[int]:
-    from autopar.trace import tensor_inputs
-
-    return list(range(len(tensor_inputs(node))))

@@ -242,7 +242,7 @@ def linear(op: OpView) -> list[AxisOption]:
 
 
 def _matmul_specs(a: TensorMeta, b: TensorMeta, out: TensorMeta) -> tuple[str, str, str]:
-    ra, rb, ro = len(a.shape), len(b.shape), len(out.shape)
+    ra, rb = len(a.shape), len(b.shape)
     batch = _batch_letters(max(ra, rb) - 2) if min(ra, rb) >= 2 else _batch_letters(max(ra, rb) - 1)
     if ra == 1 and rb == 1:
         return "k", "k", ""
@@ -354,7 +354,7 @@ def loss_with_target(op: OpView) -> list[AxisOption]:
     reduction "mean" leaves ``Partial(avg)`` (exact with even shards and no ignored targets), "sum"
     leaves ``Partial(sum)``, "none" keeps the sample dim sharded.
     """
-    x, t = op.in_metas[0], op.in_metas[1]
+    x = op.in_metas[0]
     if len(x.shape) < 2:
         return []
     reduction = op.arg("reduction", 1)
@@ -499,7 +499,7 @@ def repeat_interleave(op: OpView) -> list[AxisOption]:
 
 def embedding(op: OpView) -> list[AxisOption]:
     """embedding(weight[V, C], idx[...]): shard the index dims, or the weight's embedding dim."""
-    w, idx = op.in_metas[0], op.in_metas[1]
+    idx = op.in_metas[1]
     options = [
         AxisOption((R, Shard(d)), (Shard(d),)) for d in range(len(idx.shape)) if idx.shape[d] != 1
     ]
