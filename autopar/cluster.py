@@ -129,18 +129,36 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A fabric as seen by one device: bandwidth per direction (bytes/s) and per-hop latency (s)."""
+    """A fabric as seen by one device: bandwidth per direction (bytes/s) and per-hop latency (s).
+
+    ``efficiency``: the achieved fraction of ``bandwidth`` in large collectives on this fabric
+    with a given software stack (collective library, framework bucketing and scheduling),
+    calibrated from a measured run; None means the datasheet bandwidth is achieved (the presets).
+    """
 
     bandwidth: float
     latency: float
+    efficiency: float | None = None
 
     def __post_init__(self) -> None:
         bw = _check_float("LinkSpec", "bandwidth", self.bandwidth,
                           "pass bytes/s per device per direction, e.g. 300e9 for NVLink 3")
         lat = _check_float("LinkSpec", "latency", self.latency,
                            "pass seconds per message hop, e.g. 5e-6")
+        if self.efficiency is not None and not (
+            isinstance(self.efficiency, numbers.Real) and 0.0 < float(self.efficiency) <= 1.0
+        ):
+            raise ClusterSpecError(
+                f"LinkSpec.efficiency must be in (0, 1] or None, got {self.efficiency!r}; it is the "
+                "achieved fraction of the link bandwidth in large collectives"
+            )
         object.__setattr__(self, "bandwidth", bw)
         object.__setattr__(self, "latency", lat)
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Bytes/s per device per direction that collectives achieve (bandwidth x efficiency)."""
+        return self.bandwidth * (1.0 if self.efficiency is None else float(self.efficiency))
 
 
 @dataclass(frozen=True)
@@ -309,7 +327,9 @@ class Cluster:
         dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
         top["device"] = _build(DeviceSpec, dev, "device")
         for link in ("intra_node", "inter_node"):
-            top[link] = _build(LinkSpec, _fields(top[link], link + ".", ["bandwidth", "latency"]),
+            if isinstance(top[link], dict):
+                top[link].setdefault("efficiency", None)  # specs written before it existed
+            top[link] = _build(LinkSpec, _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency"]),
                                link)
         if not isinstance(top["sources"], list):
             raise ClusterSpecError(

@@ -34,9 +34,10 @@ nothing is shared between them and other groups' ranks use their own NICs. Hence
 * send_recv: over the inter-node link.
 
 A group whose ranks are unevenly spread is modelled as if every node held ``r`` of them
-(``r`` = the largest count on a node: conservative). Bandwidths are datasheet values with no
-efficiency factor: calibration replaces the cluster's link numbers. A zero-byte collective
-and a group of one rank cost 0.
+(``r`` = the largest count on a node: conservative). ``B`` is a link's effective bandwidth:
+the datasheet value times ``LinkSpec.efficiency`` (None in the presets: NCCL-ideal rings; set by
+calibration from a measured run of a given software stack). A zero-byte collective and a group
+of one rank cost 0.
 
 Example:
     >>> from autopar.cluster import Cluster
@@ -134,7 +135,7 @@ def _ring(kind: str, n: float, p: int, link: LinkSpec) -> float:
     """One-level alpha-beta time of ``kind`` over ``p`` ranks on one link type."""
     if p == 1:
         return 0.0
-    bw, a = link.bandwidth, link.latency
+    bw, a = link.effective_bandwidth, link.latency
     if kind == "all_reduce":
         return 2 * (p - 1) / p * n / bw + 2 * (p - 1) * a
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -173,8 +174,8 @@ def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
     if kind in ("all_gather", "reduce_scatter"):
         return _ring(kind, n / r, m, inter) + _ring(kind, n, r, intra)
     if kind == "all_to_all":
-        t_intra = (r - 1) / p * n / intra.bandwidth + (r - 1) * intra.latency
-        t_inter = (p - r) / p * n / inter.bandwidth + (p - r) * inter.latency
+        t_intra = (r - 1) / p * n / intra.effective_bandwidth + (r - 1) * intra.latency
+        t_inter = (p - r) / p * n / inter.effective_bandwidth + (p - r) * inter.latency
         return max(t_intra, t_inter)
     # broadcast: pipelined chain, bottleneck inter-node bandwidth
-    return n / inter.bandwidth + (m - 1) * inter.latency + (p - m) * intra.latency
+    return n / inter.effective_bandwidth + (m - 1) * inter.latency + (p - m) * intra.latency

@@ -89,6 +89,8 @@ def test_negative_bandwidth():
     [
         (lambda: _link(latency=0), "LinkSpec.latency"),
         (lambda: _link(bandwidth=float("nan")), "LinkSpec.bandwidth"),
+        (lambda: LinkSpec(1e9, 1e-6, efficiency=1.5), r"LinkSpec.efficiency must be in \(0, 1\]"),
+        (lambda: LinkSpec(1e9, 1e-6, efficiency=0), r"LinkSpec.efficiency"),
         (lambda: PeakFlops(1.0, 1.0, -1.0, 1.0), "PeakFlops.bf16"),
         (lambda: DeviceSpec("x", PeakFlops(1, 1, 1, 1), 0, 1e9), "DeviceSpec.memory_bytes"),
         (lambda: DeviceSpec("x", PeakFlops(1, 1, 1, 1), 2.5, 1e9), "DeviceSpec.memory_bytes"),
@@ -159,6 +161,19 @@ def _edited_json(edit):
 def test_bad_json_fields(edit, match):
     with pytest.raises(ClusterSpecError, match=match):
         Cluster.from_json(_edited_json(edit))
+
+
+def test_link_efficiency_round_trips_and_older_specs_load():
+    import dataclasses
+
+    c = Cluster.preset("dgx-a100", nodes=2)
+    slow = dataclasses.replace(c, inter_node=dataclasses.replace(c.inter_node, efficiency=0.25))
+    assert slow.inter_node.effective_bandwidth == 0.25 * c.inter_node.bandwidth
+    assert Cluster.from_json(slow.to_json()) == slow
+    d = json.loads(c.to_json())
+    for link in ("intra_node", "inter_node"):
+        d[link].pop("efficiency")  # a spec written before the field existed
+    assert Cluster.from_json(json.dumps(d)) == c
 
 
 def test_unparseable_json():

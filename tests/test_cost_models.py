@@ -118,6 +118,16 @@ def test_all_gather_and_reduce_scatter_hierarchical():
         assert close(collective_time(kind, GiB, g, H100x4), inter + intra)
 
 
+def test_link_efficiency_scales_only_the_bandwidth_term():
+    import dataclasses
+
+    slow = dataclasses.replace(H100x4, inter_node=dataclasses.replace(H100x4.inter_node, efficiency=0.5))
+    g = CommGroup(16, 4)
+    inter = 3 / 4 * (GiB / 4) / (0.5 * 50e9) + 3 * IB_A  # latency unchanged
+    intra = 3 / 4 * GiB / 450e9 + 3 * NV4_A  # NVLink keeps its own (unset) efficiency
+    assert close(collective_time("all_gather", GiB, g, slow), inter + intra)
+
+
 def test_all_to_all_hierarchical():
     t = collective_time("all_to_all", GiB, CommGroup(32, 8), H100x4)
     t_intra = 7 / 32 * GiB / 450e9 + 7 * NV4_A
