@@ -39,6 +39,8 @@ __all__ = [
     "local_shape",
     "split_factor",
     "divides_evenly",
+    "uneven_dims",
+    "chunk_range",
 ]
 
 Layout = tuple  # tuple[Placement, ...], one entry per mesh axis
@@ -133,9 +135,33 @@ def divides_evenly(shape: Sequence[int], layout: Sequence[Placement], mesh_shape
 
 
 def local_shape(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Per-rank shape of a tensor of global ``shape`` (requires :func:`divides_evenly`)."""
+    """Per-rank shape of a tensor of global ``shape``; where a dim does not divide evenly, the
+    largest shard's (``torch.chunk`` sizes, as DTensor), which is also the padded collective size."""
     counts = _shard_counts(layout, mesh_shape, len(shape))
-    return tuple(s // c for s, c in zip(shape, counts))
+    return tuple(-(-s // c) for s, c in zip(shape, counts))
+
+
+def uneven_dims(shape: Sequence[int], layouts: Iterable[Sequence[Placement] | None],
+                mesh_shape: Sequence[int]) -> frozenset[tuple[int, int]]:
+    """``(axis, dim)`` pairs where one of ``layouts`` shards ``dim`` of ``shape`` on ``axis`` unevenly.
+
+    Only parameter storage layouts (ZeRO-3 / FSDP-style, always gathered before use) may be uneven;
+    a dim is never sharded on two axes at once, so its global size is what each step sees.
+    """
+    out = set()
+    for layout in layouts:
+        for a, p in enumerate(layout or ()):
+            if isinstance(p, Shard) and 0 <= p.dim < len(shape) and shape[p.dim] % mesh_shape[a]:
+                out.add((a, p.dim))
+    return frozenset(out)
+
+
+def chunk_range(size: int, n: int, coord: int) -> tuple[int, int]:
+    """(start, length) of shard ``coord`` of ``n`` along a dim of ``size``, as ``torch.chunk``
+    and DTensor's ``Shard`` cut it: chunks of ``ceil(size / n)``, the last ones short or empty."""
+    c = -(-size // n)
+    start = min(coord * c, size)
+    return start, max(0, min(c, size - start))
 
 
 def sharded_dims(layout: Iterable[Placement]) -> set[int]:

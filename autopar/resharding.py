@@ -11,6 +11,11 @@ so what is priced is exactly what runs. Per axis:
 Order: cheap steps that shrink the tensor first (slices, reductions), gathers last, except that a
 step introducing a shard on dim ``e`` waits until no other axis still shards ``e`` (nested shards
 of one dim are never formed); a swap cycle is broken by gathering first.
+
+Uneven shards (``uneven``: (axis, dim) pairs, parameter storage only, see
+``layouts.uneven_dims``) never take part in an all-to-all: ``Shard(i) -> Shard(j)`` on such an
+axis is an all-gather followed by a slice. Slices, gathers and reduce-scatters of an uneven dim
+pad to ``ceil(size / n)`` per rank (the runtime needs the global shape for them).
 """
 from __future__ import annotations
 
@@ -44,9 +49,11 @@ class ReshardStep:
         return self.kind in COMM_KINDS
 
 
-def _one_axis(axis: int, p: Placement, q: Placement) -> list[ReshardStep]:
+def _one_axis(axis: int, p: Placement, q: Placement, uneven: frozenset = frozenset()) -> list[ReshardStep]:
     if p == q:
         return []
+    if isinstance(p, Shard) and isinstance(q, Shard) and ((axis, p.dim) in uneven or (axis, q.dim) in uneven):
+        return [ReshardStep("all_gather", axis, dim=p.dim), ReshardStep("slice", axis, dim=q.dim)]
     if isinstance(p, Partial):
         if isinstance(q, Replicate):
             return [ReshardStep("all_reduce", axis, op=p.reduce_op)]
@@ -70,7 +77,8 @@ _PRIORITY = {"slice": 0, "scale": 0, "all_reduce": 1, "reduce_scatter": 1, "all_
              "all_gather": 3, "to_partial": 4}
 
 
-def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[ReshardStep]:
+def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement],
+                  uneven: frozenset[tuple[int, int]] = frozenset()) -> list[ReshardStep]:
     """Steps turning a tensor laid out ``src`` into ``dst`` (same mesh), in execution order."""
     if len(src) != len(dst):
         raise ValueError(f"layouts of different mesh rank: {src} vs {dst}")
@@ -89,8 +97,8 @@ def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Re
     while pending:
         ready = [a for a in pending if not blocked(a)]
         if ready:
-            a = min(ready, key=lambda ax: (_PRIORITY[_one_axis(ax, cur[ax], dst[ax])[0].kind], ax))
-            new = _one_axis(a, cur[a], dst[a])
+            a = min(ready, key=lambda ax: (_PRIORITY[_one_axis(ax, cur[ax], dst[ax], uneven)[0].kind], ax))
+            new = _one_axis(a, cur[a], dst[a], uneven)
             steps += new
             cur[a] = dst[a]
             pending.discard(a)

@@ -5,7 +5,7 @@ from collections import Counter
 
 import torch.fx as fx
 
-from autopar.layouts import parse_layout
+from autopar.layouts import parse_layout, uneven_dims
 from autopar.resharding import reshard_steps
 from autopar.runtime.collectives import reshard
 
@@ -16,11 +16,12 @@ def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is reshard]
 
 
-def count_collectives(gm: fx.GraphModule) -> Counter:
+def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = None) -> Counter:
     """Collectives the program runs per step: ``{("forward" | "backward", kind): count}``.
 
     Gradient all-reduces deferred to the runtime's buckets (``defer_gradient_sync_pass``) count
-    as backward all-reduces, one per parameter and axis.
+    as backward all-reduces, one per parameter and axis. ``mesh_shape`` is needed to count the
+    steps of unevenly sharded (ZeRO-3) parameters exactly.
     """
     from autopar.passes.defer_gradient_sync import GRAD_SYNC_KEY
 
@@ -29,11 +30,18 @@ def count_collectives(gm: fx.GraphModule) -> Counter:
         counts[("backward", "all_reduce")] += len(axes)
     for n in collective_nodes(gm):
         _, src, dst, gsrc, gdst = n.args
-        for step in reshard_steps(parse_layout(src), parse_layout(dst)):
+        shape = n.kwargs.get("shape")
+        for step in _call_steps(src, dst, shape, mesh_shape):
             if step.is_collective:
                 counts[("forward", step.kind)] += 1
         if gsrc is not None and gdst is not None:
-            for step in reshard_steps(parse_layout(gsrc), parse_layout(gdst)):
+            for step in _call_steps(gsrc, gdst, shape, mesh_shape):
                 if step.is_collective:
                     counts[("backward", step.kind)] += 1
     return counts
+
+
+def _call_steps(src: str, dst: str, shape, mesh_shape):
+    s, d = parse_layout(src), parse_layout(dst)
+    uneven = uneven_dims(shape, (s, d), mesh_shape) if shape is not None and mesh_shape else frozenset()
+    return reshard_steps(s, d, uneven)

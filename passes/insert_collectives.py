@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.layouts import format_layout, grad_layout, parse_layout, replicated
+from autopar.layouts import format_layout, grad_layout, parse_layout, replicated, uneven_dims
 from autopar.runtime.collectives import reshard
 from autopar.passes.context import PassContext
 
@@ -24,9 +24,16 @@ def _only_partial(layout: str) -> bool:
     return all(isinstance(p, (Partial, Replicate)) for p in parse_layout(layout))
 
 
-def _edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst) -> fx.Node:
+def _edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst,
+               mesh_shape) -> fx.Node:
+    kwargs = {}
+    metas = arg.meta.get("autopar.outputs") or (None,)
+    if metas[0] is not None:
+        layouts = [parse_layout(x) for x in (src, dst, gsrc, gdst) if x is not None]
+        if uneven_dims(metas[0].shape, layouts, mesh_shape):
+            kwargs["shape"] = tuple(metas[0].shape)  # uneven (padded) gathers need the global size
     with graph.inserting_before(before):
-        node = graph.call_function(reshard, (arg, src, dst, gsrc, gdst))
+        node = graph.call_function(reshard, (arg, src, dst, gsrc, gdst), kwargs)
     node.meta["autopar.kind"] = "reshard"
     node.meta["autopar.serves"] = before.name  # the plan node this collective serves
     node.meta["autopar.outputs"] = arg.meta.get("autopar.outputs")
@@ -81,7 +88,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             gsrc = gwant if gdst is not None else None
             if src == want and (gsrc is None or gsrc == gdst):
                 return a
-            return _edge_call(graph, node, a, src, want, gsrc, gdst)
+            return _edge_call(graph, node, a, src, want, gsrc, gdst, ctx.mesh_shape)
 
         new_args, new_kwargs = pytree.tree_map(visit, (node.args, node.kwargs))
         node.args, node.kwargs = tuple(new_args), dict(new_kwargs)

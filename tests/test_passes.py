@@ -64,6 +64,22 @@ def test_zero3_gathers_parameters_and_reduce_scatters_gradients():
     assert counts[("backward", "reduce_scatter")] == n
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_zero3_shards_odd_parameters_unevenly_and_passes_their_shape(nproc):
+    from autopar.runtime.zoo import OddMLP
+
+    plan, gm = _program(OddMLP(), (torch.randn(16, 21),), torch.randn(16, 3), torch.nn.functional.mse_loss,
+                        autopar.Constraints(dp=nproc, zero=3), nproc=nproc)
+    n = len(plan.params)
+    assert all(p.layout.startswith("[S(") for p in plan.params.values())  # no dim divides; all sharded
+    counts = count_collectives(gm, (nproc, 1))
+    assert counts[("forward", "all_gather")] == n
+    assert counts[("backward", "reduce_scatter")] == n
+    gathers = [g for g in gm.graph.nodes if g.meta.get("autopar.kind") == "reshard" and g.args[0].op == "placeholder"]
+    assert len(gathers) == n and all(g.kwargs["shape"] == tuple(g.args[0].meta["autopar.outputs"][0].shape)
+                                     for g in gathers)
+
+
 def test_shapes_are_localised_and_code_shows_collectives():
     cfg = GPTConfig()
     idx, tgt = example_batch(cfg, 8)

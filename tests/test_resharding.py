@@ -196,3 +196,27 @@ def test_swap_cycle_price_sums_its_steps():
     assert close(t["all_to_all"], collective_time("all_to_all", 512, g1, cluster))
     assert close(t["all_to_all"], 3 / 4 * 512 / NV_BW + 3 * NV_A)
     assert set(t) == {"all_gather", "all_to_all"}
+
+
+def test_uneven_shard_moves_by_gather_then_slice_never_all_to_all():
+    # a parameter stored unevenly (ZeRO-3 of an odd dim) on axis 0: no all-to-all of uneven chunks
+    steps = reshard_steps((Shard(0),), (Shard(1),), frozenset({(0, 0)}))
+    assert kinds(steps) == [("all_gather", 0), ("slice", 0)]
+    grad = reshard_steps((Shard(1),), (Shard(0),), frozenset({(0, 0)}))
+    assert kinds(grad) == [("all_gather", 0), ("slice", 0)]
+    # even dims keep the all-to-all
+    assert kinds(reshard_steps((Shard(0),), (Shard(1),))) == [("all_to_all", 0)]
+
+
+def test_uneven_dims_and_chunk_ranges_follow_torch_chunk():
+    from autopar.layouts import chunk_range, local_shape, uneven_dims
+
+    assert uneven_dims((21, 8), [(Shard(0), Shard(1)), None], (4, 2)) == {(0, 0)}
+    assert uneven_dims((20, 8), [(Shard(0), Shard(1))], (4, 2)) == frozenset()
+    for size, n in [(21, 4), (3, 4), (8, 4), (7, 3), (1, 5)]:
+        pieces = torch.arange(size).chunk(n)
+        for coord in range(n):
+            start, length = chunk_range(size, n, coord)
+            want = pieces[coord].tolist() if coord < len(pieces) else []
+            assert list(range(start, start + length)) == want
+    assert local_shape((21, 8), (Shard(0), Shard(1)), (4, 2)) == (6, 4)  # the largest (padded) shard

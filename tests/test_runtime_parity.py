@@ -29,6 +29,7 @@ CASES_2 = [
     ("mlp", {"tp": 2, "placements": MEGATRON_MLP}),
     ("mlp", {"dp": 2, "zero": 3}),
     ("mlp", {"dp": 2, "zero": 2}),
+    ("odd_mlp", {"dp": 2, "zero": 3}),
     ("mlp", {}),
     ("tiny_llama", {"dp": 2, "tp": 1}),
     ("tiny_llama", {"tp": 2}),
@@ -48,6 +49,8 @@ CASES_4 = [
     ("mlp", {"dp": 2, "tp": 2}),
     ("mlp", {"tp": 4, "placements": MEGATRON_MLP}),
     ("mlp", {"dp": 4, "zero": 3}),
+    ("odd_mlp", {"dp": 4, "zero": 3}),
+    ("odd_mlp", {"dp": 2, "tp": 2, "zero": 3}),
     ("mlp", {}),
     ("tiny_llama", {"dp": 2, "tp": 2}),
     ("tiny_llama", {"dp": 4, "zero": 3}),
@@ -62,6 +65,8 @@ def _check(results):
         label = f"{r['case']} {r['constraints']} on mesh {r['mesh']}"
         if r["missing"]:
             failures.append(f"{label}: full_state_dict lacks {r['missing']}")
+        if r["dtensor_mismatch"]:
+            failures.append(f"{label}: state_dict() DTensors differ from full_state_dict for {r['dtensor_mismatch']}")
         if not (r["loss_err"] <= TOL and r["param_err"] <= TOL):
             failures.append(f"{label}: loss err {r['loss_err']:.2e}, param err {r['param_err']:.2e} (worst {r['worst'][:2]})")
     assert not failures, "\n".join(failures)

@@ -18,7 +18,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.communication import CommGroup, axis_group, collective_time
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.memory import PrecisionPolicy, training_state_bytes_per_param
-from autopar.layouts import Layout, Shard, local_shape, split_factor
+from autopar.layouts import Layout, Shard, local_shape, split_factor, uneven_dims
 from autopar.resharding import layout_after, reshard_steps
 from autopar.strategies import Strategy
 from autopar.strategies.rules import FACTORY_OPS, OpView, _op_name
@@ -163,9 +163,9 @@ def _reshard_time_cached(shape, per_elem, src, dst, ctx) -> dict[str, float]:
     out: dict[str, float] = {}
     cur = src
     groups = ctx.groups
-    for step in reshard_steps(src, dst):
+    for step in reshard_steps(src, dst, uneven_dims(shape, (src, dst), ctx.mesh_shape)):
         if step.is_collective:
-            local = math.prod(local_shape(shape, cur, ctx.mesh_shape)) * per_elem
+            local = math.prod(local_shape(shape, cur, ctx.mesh_shape)) * per_elem  # padded if uneven
             n = ctx.mesh_shape[step.axis]
             nbytes = local * n if step.kind == "all_gather" else local
             t = collective_time(step.kind, nbytes, groups[step.axis], ctx.cluster)
@@ -177,10 +177,8 @@ def _reshard_time_cached(shape, per_elem, src, dst, ctx) -> dict[str, float]:
 def param_memory(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
     """Bytes per device of a parameter's weights, master copy, gradient and optimizer state."""
     per = training_state_bytes_per_param(ctx.optimizer, ctx.policy)
-    layout = strategy.outs[0]
-    shards = math.prod(n for p, n in zip(layout, ctx.mesh_shape) if isinstance(p, Shard))
     zero = math.prod(ctx.mesh_shape[a] for a in strategy.zero_axes)
-    numel = meta.numel / shards
+    numel = math.prod(local_shape(meta.shape, strategy.outs[0], ctx.mesh_shape))  # the largest shard
     return numel * (per["param"] + (per["master"] + per["grad"] + per["optimizer"]) / zero)
 
 

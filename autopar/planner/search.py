@@ -206,11 +206,11 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
                 if z in (1, 2) and not zero_dp:
                     return f"zero={z} shards optimizer state on 'dp' with parameters replicated there"
                 if z == 3 and not sharded_dp:
-                    meta = node.meta["autopar.outputs"][0]
-                    if any(d % mesh[dp_a] == 0 for d in meta.shape):
+                    # (a dim that does not divide evenly is sharded unevenly, padded as FSDP2 does)
+                    if any(d > 1 for d in meta.shape):
                         return "zero=3 shards every parameter on 'dp'"
                     if not zero_dp:
-                        return "zero=3: this parameter does not divide on 'dp', so its state is sharded instead"
+                        return "zero=3: a parameter with no dim larger than 1 keeps its optimizer state sharded on 'dp'"
         if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
             # (an op without a rule runs replicated whatever the plan: it is resliced after)
             out = next((o for o in s.outs if o is not None), None)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import AutoparError
-from autopar.layouts import Partial, Replicate, Shard, parse_layout, replicated
+from autopar.layouts import Partial, Replicate, Shard, parse_layout, replicated, uneven_dims
 from autopar.resharding import reshard_steps
 from autopar.runtime.collectives import MeshComm, active_mesh, apply_steps, shard_tensor
 
@@ -55,6 +55,8 @@ class ParallelModel:
         self._placeholders = [n.name for n in program.graph.nodes if n.op == "placeholder"]
         self._gathers_params = _gathers_params(program)
         self._layouts = {n.name: parse_layout(n.outs[0]) for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape)
+                        for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.outputs")}
         self._params: dict[str, torch.nn.Parameter] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._zero: list[_ZeroShard] = []
@@ -244,14 +246,21 @@ class ParallelModel:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Sharded state (DTensors over the plan's mesh), for torch.distributed.checkpoint."""
-        from torch.distributed.tensor import DTensor
-
         out = {}
         for ph, fqn in self._traced.param_fqns.items():
-            out[fqn] = DTensor.from_local(self._params[ph].detach(), self.device_mesh, list(self._layouts[ph]), run_check=False)
+            out[fqn] = self._dtensor(ph, self._params[ph].detach())
         for ph, fqn in self._traced.buffer_fqns.items():
-            out[fqn] = DTensor.from_local(self._buffers[ph], self.device_mesh, list(self._layouts[ph]), run_check=False)
+            out[fqn] = self._dtensor(ph, self._buffers[ph])
         return out
+
+    def _dtensor(self, ph: str, local: torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        shape = self._shapes[ph]
+        # uneven (ZeRO-3) shards need the global shape: DTensor cannot infer it from local sizes
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.device_mesh, list(self._layouts[ph]), run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -261,8 +270,10 @@ class ParallelModel:
         with active_mesh(self.comm):
             for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
                 local = self._params[ph].detach() if ph in self._params else self._buffers[ph]
-                steps = reshard_steps(self._layouts[ph], replicated(ndim))
-                full[fqn] = apply_steps(local, steps, self.comm).cpu()
+                shape = self._shapes[ph]
+                uneven = uneven_dims(shape, (self._layouts[ph],), self.comm.sizes)
+                steps = reshard_steps(self._layouts[ph], replicated(ndim), uneven)
+                full[fqn] = apply_steps(local, steps, self.comm, shape).cpu()
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
 
 

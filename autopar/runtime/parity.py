@@ -57,6 +57,12 @@ def build_case(name: str, seed: int = 0):
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(8)]
         return SmallCNN(), batches, torch.nn.functional.cross_entropy
+    if name == "odd_mlp":
+        from autopar.runtime.zoo import OddMLP
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 21, generator=g), torch.randn(16, 3, generator=g)) for _ in range(8)]
+        return OddMLP(), batches, torch.nn.functional.mse_loss
     if name == "mlp":
         from examples.mlp import MLP, example_batch, mlp_loss
 
@@ -134,8 +140,12 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
     full = pm.full_state_dict()
     ref_sd = ref.state_dict()
     errs = {k: relative_error(full[k], ref_sd[k]) for k in ref_sd if k in full}
+    # the sharded state (DTensors, what a checkpoint saves) holds the same values
+    dtensor_mismatch = sorted(k for k, t in pm.state_dict().items()
+                              if k in full and not torch.equal(t.full_tensor().cpu(), full[k]))
     param_err = max(errs.values())
     missing = sorted(set(ref_sd) - set(full))
     return {"loss_err": loss_err, "param_err": param_err, "losses": losses, "missing": missing,
+            "dtensor_mismatch": dtensor_mismatch,
             "mesh": pm.plan.mesh, "program": pm.program.code,
             "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:5]}

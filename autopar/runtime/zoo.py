@@ -4,6 +4,7 @@
 matmuls) with tied embeddings. ``TinyLlama``: RMSNorm, rotary embeddings from cos/sin buffers,
 grouped-query attention (repeat_interleave of k/v heads), SwiGLU MLP, no biases. ``SmallCNN``:
 convolutions, BatchNorm (its running statistics are buffers updated in place), pooling.
+``OddMLP``: no parameter dim divisible by 2 or 4, one smaller than 4 (ZeRO-3 must shard unevenly).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -160,3 +161,17 @@ class SmallCNN(nn.Module):
         x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
         x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 4)
         return self.fc(x.flatten(1))
+
+
+class OddMLP(nn.Module):
+    """Widths 21 -> 77 -> 21 -> 3: every weight and bias dim is odd, the head's bias has 3 entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(21)
+        self.up = nn.Linear(21, 77)
+        self.down = nn.Linear(77, 21)
+        self.head = nn.Linear(21, 3)
+
+    def forward(self, x):
+        return self.head(x + self.down(F.gelu(self.up(self.norm(x)))))

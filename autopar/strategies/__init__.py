@@ -7,6 +7,9 @@ layout (and back for gradients) is an edge cost; the passes turn the same pairs 
 
 Invariant: every strategy divides evenly (each sharded dim is divisible by its shard count) and
 never shards one tensor dim on two mesh axes; the rest are listed in ``excluded`` with a reason.
+One exception: a *parameter's storage* may be sharded unevenly (``torch.chunk`` cut, as DTensor
+and FSDP2 do; ZeRO-3 of a weight with no dim divisible by the data-parallel degree). Ops never
+accept uneven inputs, so such a parameter is always gathered (padded) before use.
 """
 from __future__ import annotations
 
@@ -122,7 +125,7 @@ def enumerate_strategies(
             if not _valid_layout(layout):
                 continue
             reason = _uneven_reason(meta, layout, mesh_shape, axis_names)
-            if reason:
+            if reason and kind != "param":
                 excluded.append((format_layout(layout), reason))
                 continue
             strategies.append(Strategy((), (layout,), (), zero))
