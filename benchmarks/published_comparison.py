@@ -165,6 +165,9 @@ def forced(entry: dict) -> tuple[dict, list[str]]:
 EFFICIENCY_OVERRIDE: float | None = None
 # set by --calibrate-comm-on: the achieved fraction of inter-node bandwidth (LinkSpec.efficiency)
 COMM_EFFICIENCY_OVERRIDE: float | None = None
+# set by --inter-node-gbps: an assumed node-to-node fabric (Gb/s per node, all NICs) for rows whose
+# source does not state it (a sensitivity check, printed in each row's notes)
+INTER_NODE_GBPS: float | None = None
 
 
 def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
@@ -173,6 +176,10 @@ def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
     if EFFICIENCY_OVERRIDE is not None:
         cl = dataclasses.replace(cl, device=dataclasses.replace(cl.device, matmul_efficiency=EFFICIENCY_OVERRIDE))
         notes.append(f"matmul_efficiency {EFFICIENCY_OVERRIDE:.3f} (calibrated)")
+    if INTER_NODE_GBPS is not None and cl.nodes > 1:
+        per_gpu = INTER_NODE_GBPS * 1e9 / 8 / cl.devices_per_node
+        cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, bandwidth=per_gpu))
+        notes.append(f"assumed {INTER_NODE_GBPS:.0f} Gb/s node-to-node ({per_gpu / 1e9:.1f} GB/s per GPU)")
     if COMM_EFFICIENCY_OVERRIDE is not None:
         cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, efficiency=COMM_EFFICIENCY_OVERRIDE))
         notes.append(f"inter-node efficiency {COMM_EFFICIENCY_OVERRIDE:.3f} (calibrated)")
@@ -370,7 +377,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate-comm-on", metavar="ID",
                     help="then calibrate the inter-node link efficiency (achieved fraction of bandwidth in "
                          "collectives) on this one, communication-bound run; it is excluded too")
+    ap.add_argument("--inter-node-gbps", type=float, metavar="GBPS",
+                    help="assume this node-to-node bandwidth (Gb/s per node, all NICs together) for multi-node "
+                         "rows, e.g. 1600 for 8x200G; for sources that do not state their fabric")
     args = ap.parse_args(argv)
+    if args.inter_node_gbps is not None:
+        global INTER_NODE_GBPS
+        INTER_NODE_GBPS = args.inter_node_gbps
     entries = json.load(open(RUNS_JSON))
     todo, skipped = [], []
     for e in entries:
