@@ -123,9 +123,24 @@ def plan_explain(plan, module_path: str = "") -> str:
     for pp in plan.params.values():
         if not module_path or pp.fqn.startswith(module_path + ".") or pp.fqn == module_path:
             lines.append(f"param {pp.fqn} {tuple(pp.shape)} {pp.layout}"
+                         + _uneven_note(pp, plan)
                          + (f" optimizer state sharded on {list(pp.zero_axes)}" if pp.zero_axes else "")
                          + f", {pp.bytes_per_device / 2**20:.1f} MiB/device")
     return "\n".join(lines)
+
+
+def _uneven_note(pp, plan) -> str:
+    """' (stored unevenly: ...)' for a parameter sharded FSDP2-style on a dim that does not divide."""
+    from autopar.layouts import parse_layout, uneven_dims
+
+    sizes = tuple(size for _, size in plan.mesh_axes)
+    names = [name for name, _ in plan.mesh_axes]
+    pairs = sorted(uneven_dims(pp.shape, (parse_layout(pp.layout),), sizes))
+    if not pairs:
+        return ""
+    parts = [f"dim {d} ({pp.shape[d]}) over '{names[a]}' ({sizes[a]}), padded to {-(-pp.shape[d] // sizes[a]) * sizes[a]}"
+             for a, d in pairs]
+    return " (stored unevenly, gathered before use: " + "; ".join(parts) + ")"
 
 
 def plan_diff(a, b) -> str:

@@ -78,6 +78,10 @@ def test_zero3_shards_odd_parameters_unevenly_and_passes_their_shape(nproc):
     gathers = [g for g in gm.graph.nodes if g.meta.get("autopar.kind") == "reshard" and g.args[0].op == "placeholder"]
     assert len(gathers) == n and all(g.kwargs["shape"] == tuple(g.args[0].meta["autopar.outputs"][0].shape)
                                      for g in gathers)
+    # explain says so, with the padded size
+    padded = -(-77 // nproc) * nproc
+    assert f"dim 0 (77) over 'dp' ({nproc}), padded to {padded}" in plan.explain("up") or \
+        f"dim 1 (21) over 'dp' ({nproc})" in plan.explain("up")
 
 
 def test_shapes_are_localised_and_code_shows_collectives():
