@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch.fx as fx
@@ -50,6 +50,9 @@ class CostContext:
     cluster: Cluster
     policy: PrecisionPolicy
     optimizer: str
+    # memo of reshard prices for this context (hashing the whole context per lookup was a
+    # tenth of planning time)
+    reshard_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def groups(self) -> tuple[CommGroup, ...]:
@@ -155,11 +158,14 @@ def reshard_time(
     if src == dst or meta is None:
         return {}
     per_elem = nbytes_per_elem if nbytes_per_elem is not None else ctx.act_bytes(meta) / max(meta.numel, 1)
-    return _reshard_time_cached(meta.shape, per_elem, tuple(src), tuple(dst), ctx)
+    key = (meta.shape, per_elem, tuple(src), tuple(dst))
+    hit = ctx.reshard_memo.get(key)
+    if hit is None:
+        hit = ctx.reshard_memo[key] = _reshard_time(meta.shape, per_elem, key[2], key[3], ctx)
+    return hit
 
 
-@lru_cache(maxsize=200_000)
-def _reshard_time_cached(shape, per_elem, src, dst, ctx) -> dict[str, float]:
+def _reshard_time(shape, per_elem, src, dst, ctx) -> dict[str, float]:
     out: dict[str, float] = {}
     cur = src
     groups = ctx.groups

@@ -250,7 +250,9 @@ class _Attempt:
 
 
 def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
-    ctx = CostContext(mesh, AXES, cluster, policy, optimizer)
+    # one context per mesh for the whole search: its reshard-price memo is shared by all attempts
+    ctx = cache.setdefault(("cost-context", mesh, cluster, policy, optimizer),
+                           CostContext(mesh, AXES, cluster, policy, optimizer))
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
         strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache,
