@@ -24,6 +24,7 @@ from autopar.plan import (
     Alternative, Baseline, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of,
 )
 from autopar.planner.blocks import BlockInfo, find_repeated_blocks
+from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
 from autopar.planner.evaluate import Evaluation, evaluate, incident_edges, model_flops, node_alternatives
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
@@ -275,6 +276,22 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     return _Attempt(mesh, recompute, micro, problem, sol, ev)
 
 
+def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: dict) -> tuple[int, int] | None:
+    """An already-searched mesh whose problem equals this one's up to swapping the axis names.
+
+    Only when nothing in ``c`` refers to an axis (dp=, tp=, zero=, pins): then strategies, filters
+    and prices depend on each axis only through its size and its communication group's shape
+    (e.g. (8, 1) and (1, 8) on one 8-GPU node). Records ``mesh`` when it is new."""
+    if c.dp is not None or c.tp is not None or c.zero is not None or c.placements or c.outputs:
+        return None
+    groups = tuple(axis_group(mesh, a, cluster.devices_per_node) for a in range(len(mesh)))
+    key = tuple(sorted(((g.size, g.ranks_per_node) for g in groups)))
+    if key in seen:
+        return seen[key]
+    seen[key] = mesh
+    return None
+
+
 def _candidates(c: Constraints, has_blocks: bool):
     recomputes = [c.recompute] if c.recompute is not None else ([False, True] if has_blocks else [False])
     micros = [c.microbatches] if c.microbatches is not None else [1]
@@ -315,7 +332,13 @@ def search_plan(
     outcomes: list[tuple[str, str]] = []
     failures: list[InfeasibleProblem] = []
     micro_options = _candidates(c, bool(blocks.blocks))
+    seen_problems: dict[tuple, tuple[int, int]] = {}
     for mesh in meshes:
+        mirror = _mirror_of(mesh, cluster, c, seen_problems)
+        if mirror is not None:
+            outcomes.append((f"dp={mesh[0]} tp={mesh[1]}", f"skipped: the same problem as dp={mirror[0]} tp={mirror[1]} "
+                             "with the axes swapped (no constraint tells the axes apart and their groups have the same shape)"))
+            continue
         fits_without_recompute = False
         for recompute, micro in micro_options:
             label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
