@@ -284,7 +284,9 @@ def _gathers_params(program: fx.GraphModule) -> bool:
     for n in program.graph.nodes:
         if n.op == "call_function" and n.target is reshard and n.args[0].op == "placeholder" \
                 and n.args[0].meta.get("autopar.kind") == "param":
-            if any(step.kind == "all_gather" for step in reshard_steps(parse_layout(n.args[1]), parse_layout(n.args[2]))):
+            src, dst = parse_layout(n.args[1]), parse_layout(n.args[2])
+            # an unevenly stored parameter (shape given) is always gathered first, whatever dst is
+            if n.kwargs.get("shape") is not None or any(step.kind == "all_gather" for step in reshard_steps(src, dst)):
                 return True
     return False
 
