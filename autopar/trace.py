@@ -17,7 +17,6 @@ Node metadata written here (the ``autopar.*`` keys, read by strategies, planner 
 from __future__ import annotations
 
 import contextlib
-import weakref
 import linecache
 import traceback
 import warnings
@@ -88,19 +87,20 @@ class TracedGraph:
         raise KeyError(name)
 
 
-_TENSOR_INPUTS: "weakref.WeakKeyDictionary[fx.Node, tuple]" = weakref.WeakKeyDictionary()
+_INPUTS_KEY = "autopar.tensor_inputs"  # node.meta memo: (args, kwargs, inputs)
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's fx-Node arguments in positional order, duplicates kept (``x * x`` gives two).
 
-    Memoised per node while its ``args``/``kwargs`` objects stay the same (a pass that rewrites
-    them assigns new ones); the planner asks tens of thousands of times per plan."""
-    hit = _TENSOR_INPUTS.get(node)
+    Memoised in ``node.meta`` (so it dies with the graph) while the node's ``args``/``kwargs``
+    objects stay the same (fx stores new ones on every rewrite); the planner asks tens of
+    thousands of times per plan."""
+    hit = node.meta.get(_INPUTS_KEY)
     if hit is not None and hit[0] is node.args and hit[1] is node.kwargs:
         return list(hit[2])
     found = [leaf for leaf in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
-    _TENSOR_INPUTS[node] = (node.args, node.kwargs, tuple(found))
+    node.meta[_INPUTS_KEY] = (node.args, node.kwargs, tuple(found))
     return found
 
 

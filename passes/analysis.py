@@ -31,6 +31,8 @@ def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = N
     for n in collective_nodes(gm):
         _, src, dst, gsrc, gdst = n.args
         shape = n.kwargs.get("shape")
+        if shape is not None and not mesh_shape:
+            raise ValueError(f"{n.name} reshards an unevenly sharded tensor: pass mesh_shape to count its steps")
         for step in _call_steps(src, dst, shape, mesh_shape):
             if step.is_collective:
                 counts[("forward", step.kind)] += 1

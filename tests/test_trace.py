@@ -214,3 +214,23 @@ def test_export_capture_matches_make_fx_and_computes_the_loss():
     assert torch.allclose(loss, gpt_loss(model(idx), tgt), rtol=1e-6)
     with pytest.raises(autopar.TraceError, match="capture must be"):
         trace_model(model, (idx,), loss_fn=gpt_loss, example_target=tgt, capture="dynamo")
+
+
+
+def test_tensor_inputs_memo_follows_rewrites_and_dies_with_its_graph():
+    import gc
+    import weakref
+
+    import torch.fx as fx
+
+    from autopar.trace import tensor_inputs
+
+    gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    x, lin, relu = [n for n in gm.graph.nodes if n.op != "output"]
+    assert tensor_inputs(relu) == [lin] and tensor_inputs(relu) == [lin]  # second call: memo
+    relu.args = (x,)  # a pass rewires the node: the memo must not answer for the old args
+    assert tensor_inputs(relu) == [x]
+    ref = weakref.ref(gm)
+    del gm, x, lin, relu
+    gc.collect()
+    assert ref() is None  # the memo lives in node.meta and holds no graph alive

@@ -207,8 +207,9 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
                 if z in (1, 2) and not zero_dp:
                     return f"zero={z} shards optimizer state on 'dp' with parameters replicated there"
                 if z == 3 and not sharded_dp:
-                    # (a dim that does not divide evenly is sharded unevenly, padded as FSDP2 does)
-                    if any(d > 1 for d in meta.shape):
+                    # (a dim that does not divide evenly is sharded unevenly, padded as FSDP2 does;
+                    # a dim already sharded on 'tp' is not available to 'dp')
+                    if any(d > 1 and lay[tp_a] != Shard(i) for i, d in enumerate(meta.shape)):
                         return "zero=3 shards every parameter on 'dp'"
                     if not zero_dp:
                         return "zero=3: a parameter with no dim larger than 1 keeps its optimizer state sharded on 'dp'"

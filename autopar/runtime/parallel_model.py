@@ -55,8 +55,8 @@ class ParallelModel:
         self._placeholders = [n.name for n in program.graph.nodes if n.op == "placeholder"]
         self._gathers_params = _gathers_params(program)
         self._layouts = {n.name: parse_layout(n.outs[0]) for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
-        self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape)
-                        for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.outputs")}
+        self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes
+                        if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
         self._params: dict[str, torch.nn.Parameter] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._zero: list[_ZeroShard] = []
