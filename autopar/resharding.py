@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from autopar.layouts import Layout, Partial, Placement, Replicate, Shard
+from autopar.layouts import Layout, Partial, Placement, Replicate, Shard, uneven_dims
 
-__all__ = ["ReshardStep", "reshard_steps", "COMM_KINDS"]
+__all__ = ["ReshardStep", "reshard_steps", "reshard_steps_for", "COMM_KINDS"]
 
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -107,6 +107,15 @@ def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement],
             steps += _one_axis(a, cur[a], Replicate())
             cur[a] = Replicate()
     return steps
+
+
+def reshard_steps_for(shape: Sequence[int] | None, src: Sequence[Placement], dst: Sequence[Placement],
+                      mesh_shape: Sequence[int]) -> list[ReshardStep]:
+    """``reshard_steps`` for a tensor of global ``shape`` on a mesh of ``mesh_shape``: the dims
+    ``src`` or ``dst`` shards unevenly are passed as ``uneven``. ``shape=None``: every shard is even.
+    The planner (pricing) and the runtime (running) both derive their steps here."""
+    uneven = uneven_dims(shape, (src, dst), mesh_shape) if shape is not None else frozenset()
+    return reshard_steps(src, dst, uneven)
 
 
 def layout_after(layout: Layout, step: ReshardStep) -> Layout:

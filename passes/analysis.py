@@ -5,8 +5,8 @@ from collections import Counter
 
 import torch.fx as fx
 
-from autopar.layouts import parse_layout, uneven_dims
-from autopar.resharding import reshard_steps
+from autopar.layouts import parse_layout
+from autopar.resharding import reshard_steps_for
 from autopar.runtime.collectives import reshard
 
 __all__ = ["count_collectives", "collective_nodes"]
@@ -33,17 +33,11 @@ def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = N
         shape = n.kwargs.get("shape")
         if shape is not None and not mesh_shape:
             raise ValueError(f"{n.name} reshards an unevenly sharded tensor: pass mesh_shape to count its steps")
-        for step in _call_steps(src, dst, shape, mesh_shape):
+        for step in reshard_steps_for(shape, parse_layout(src), parse_layout(dst), mesh_shape):
             if step.is_collective:
                 counts[("forward", step.kind)] += 1
         if gsrc is not None and gdst is not None:
-            for step in _call_steps(gsrc, gdst, shape, mesh_shape):
+            for step in reshard_steps_for(shape, parse_layout(gsrc), parse_layout(gdst), mesh_shape):
                 if step.is_collective:
                     counts[("backward", step.kind)] += 1
     return counts
-
-
-def _call_steps(src: str, dst: str, shape, mesh_shape):
-    s, d = parse_layout(src), parse_layout(dst)
-    uneven = uneven_dims(shape, (s, d), mesh_shape) if shape is not None and mesh_shape else frozenset()
-    return reshard_steps(s, d, uneven)

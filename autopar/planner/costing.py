@@ -18,8 +18,8 @@ from autopar.cluster import Cluster
 from autopar.cost_models.communication import CommGroup, axis_group, collective_time
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.memory import PrecisionPolicy, training_state_bytes_per_param
-from autopar.layouts import Layout, Shard, local_shape, split_factor, uneven_dims
-from autopar.resharding import layout_after, reshard_steps
+from autopar.layouts import Layout, Shard, local_shape, split_factor
+from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
 from autopar.strategies.rules import FACTORY_OPS, OpView, _op_name
 from autopar.trace import TensorMeta
@@ -169,7 +169,7 @@ def _reshard_time(shape, per_elem, src, dst, ctx) -> dict[str, float]:
     out: dict[str, float] = {}
     cur = src
     groups = ctx.groups
-    for step in reshard_steps(src, dst, uneven_dims(shape, (src, dst), ctx.mesh_shape)):
+    for step in reshard_steps_for(shape, src, dst, ctx.mesh_shape):
         if step.is_collective:
             local = math.prod(local_shape(shape, cur, ctx.mesh_shape)) * per_elem  # padded if uneven
             n = ctx.mesh_shape[step.axis]

@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.layouts import Layout, Partial, chunk_range, parse_layout, uneven_dims
-from autopar.resharding import ReshardStep, reshard_steps
+from autopar.layouts import Layout, Partial, chunk_range, parse_layout
+from autopar.resharding import ReshardStep, reshard_steps_for
 
 __all__ = ["MeshComm", "active_mesh", "reshard", "apply_steps", "shard_tensor"]
 
@@ -186,9 +186,7 @@ _STEP_CACHE: dict = {}
 def _steps(src: str, dst: str, shape: tuple | None, sizes: tuple) -> tuple:
     key = (src, dst, shape, sizes)
     if key not in _STEP_CACHE:
-        s, d = parse_layout(src), parse_layout(dst)
-        uneven = uneven_dims(shape, (s, d), sizes) if shape is not None else frozenset()
-        _STEP_CACHE[key] = tuple(reshard_steps(s, d, uneven))
+        _STEP_CACHE[key] = tuple(reshard_steps_for(shape, parse_layout(src), parse_layout(dst), sizes))
     return _STEP_CACHE[key]
 
 

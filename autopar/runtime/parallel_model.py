@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import AutoparError
-from autopar.layouts import Partial, Replicate, Shard, parse_layout, replicated, uneven_dims
-from autopar.resharding import reshard_steps
+from autopar.layouts import Partial, Replicate, Shard, parse_layout, replicated
+from autopar.resharding import reshard_steps, reshard_steps_for
 from autopar.runtime.collectives import MeshComm, active_mesh, apply_steps, shard_tensor
 
 __all__ = ["ParallelModel"]
@@ -271,8 +271,7 @@ class ParallelModel:
             for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
                 local = self._params[ph].detach() if ph in self._params else self._buffers[ph]
                 shape = self._shapes[ph]
-                uneven = uneven_dims(shape, (self._layouts[ph],), self.comm.sizes)
-                steps = reshard_steps(self._layouts[ph], replicated(ndim), uneven)
+                steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
                 full[fqn] = apply_steps(local, steps, self.comm, shape).cpu()
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
 
