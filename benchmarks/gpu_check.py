@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 import statistics
 import sys
 import time

@@ -319,7 +319,6 @@ def calibrate_comm(ref: dict, tol: float = 0.005, max_plans: int = 10) -> float:
     x = 1/efficiency (flat while communication hides behind compute, then slope = communication
     time at efficiency 1), so the search is regula falsi (Illinois) on x inside a bracket, started
     from that linear model."""
-    global COMM_EFFICIENCY_OVERRIDE
     print(f"calibrating the inter-node efficiency on {ref['id']} ...", file=sys.stderr, flush=True)
 
     def trial(x: float) -> tuple[float, dict]:

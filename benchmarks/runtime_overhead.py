@@ -11,7 +11,6 @@ Prints the median step times and the ratio autopar / torch (goal: <= 1.05).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
