@@ -363,8 +363,7 @@ def search_plan(
     if not attempts and c.microbatches is None and batch:
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         for mesh in meshes:
-            micro = 2
-            while batch % micro == 0 and (batch // micro) % mesh[0] == 0:
+            for micro in _microbatch_counts(batch, mesh[0]):
                 label = f"dp={mesh[0]} tp={mesh[1]} recompute=True microbatches={micro}"
                 if progress:
                     progress(label)
@@ -375,7 +374,6 @@ def search_plan(
                     break
                 except InfeasibleProblem as exc:
                     outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
-                    micro *= 2
     if not attempts:
         _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
@@ -462,15 +460,22 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
     )
 
 
+def _microbatch_counts(batch: int, dp: int) -> list[int]:
+    """Gradient-accumulation counts 2, 4, 8, ... that cut ``batch`` into equal microbatches which
+    still split evenly over ``dp`` (fewest steps first)."""
+    counts, m = [], 2
+    while batch % m == 0 and (batch // m) % dp == 0:
+        counts.append(m)
+        m *= 2
+    return counts
+
+
 def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -> int:
     """The most microbatches the batch allows on this mesh (the least activation memory)."""
     if c.microbatches is not None:
         return c.microbatches
-    batch = _global_batch(traced) or 1
-    m = 1
-    while batch % (2 * m) == 0 and (batch // (2 * m)) % mesh[0] == 0:
-        m *= 2
-    return m
+    counts = _microbatch_counts(_global_batch(traced) or 1, mesh[0])
+    return counts[-1] if counts else 1
 
 
 def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver) -> str:
