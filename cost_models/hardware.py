@@ -67,7 +67,7 @@ A100_SXM4_80GB = _ReadOnly(
         "memory_bandwidth": 2.039e12,  # A100 datasheet: 2,039 GB/s (80GB SXM)
         # achieved fraction of bf16 peak in large GEMMs with a 2023 software stack (flash
         # attention, FSDP): calibrated on MosaicML's published MPT runs on A100 (see
-        # benchmarks/README.md); Megatron-LM's 2021 stack (unfused attention) calibrates to 0.47
+        # benchmarks/README.md); Megatron-LM's 2021 stack (unfused attention) calibrates to 0.445
         "matmul_efficiency": 0.67,
     }
 )
