@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from autopar.cluster import Cluster
-from autopar.constraints import Constraints, collect_annotations
+from autopar.constraints import Constraints, with_annotations
 from autopar.errors import ClusterSpecError, ConstraintError
 from autopar.plan import Plan
 from autopar.planner.ilp import SolverConfig
@@ -50,9 +50,7 @@ def plan(
     constraints = constraints if constraints is not None else Constraints()
     if not isinstance(constraints, Constraints):
         raise ConstraintError(f"constraints must be autopar.Constraints, got {type(constraints).__name__}")
-    pins, outs = collect_annotations(model)
-    if pins or outs:
-        constraints = constraints.merged_with(pins, outs)
+    constraints = with_annotations(constraints, model)
     with cyclic_gc_paused():
         t0 = time.perf_counter()
         traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,

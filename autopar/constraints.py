@@ -16,7 +16,7 @@ import torch
 from autopar.errors import ConstraintError
 from autopar.layouts import format_placement, parse_placement
 
-__all__ = ["Constraints", "annotate", "collect_annotations", "SCHEDULES"]
+__all__ = ["Constraints", "annotate", "collect_annotations", "with_annotations", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 _ANNOTATION_ATTR = "_autopar_annotations"
@@ -162,6 +162,12 @@ def collect_annotations(model: torch.nn.Module) -> tuple[tuple, tuple]:
             else:
                 params.append((f"{path}.{name}" if path else name, axes))
     return tuple(sorted(params)), tuple(sorted(outputs))
+
+
+def with_annotations(constraints: Constraints, model: torch.nn.Module) -> Constraints:
+    """``constraints`` plus the pins made with ``annotate`` anywhere in ``model``."""
+    pins, outs = collect_annotations(model)
+    return constraints.merged_with(pins, outs) if pins or outs else constraints
 
 
 def constraints_json(c: Constraints) -> str:

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster
-from autopar.constraints import Constraints, collect_annotations
+from autopar.api import cyclic_gc_paused
+from autopar.constraints import Constraints, with_annotations
 from autopar.errors import AutoparError, ConstraintError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
@@ -55,16 +56,14 @@ def compile(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                         device_type=cluster.device_type)
-    if plan is None:
-        c = constraints or Constraints()
-        pins, outs = collect_annotations(model)
-        if pins or outs:
-            c = c.merged_with(pins, outs)
-        plan = search_plan(traced, cluster, constraints=c, precision=precision, _with_free=False)
-    elif plan.world_size != cluster.world_size:
+    if plan is not None and plan.world_size != cluster.world_size:
         raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}")
+    with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
+        traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                             device_type=cluster.device_type)
+        if plan is None:
+            plan = search_plan(traced, cluster, constraints=with_annotations(constraints or Constraints(), model),
+                               precision=precision, _with_free=False)
     loss_reduction = "mean"
     if plan.microbatches > 1:
         # the program runs one microbatch: trace again at that size (same graph, same node names)
