@@ -11,6 +11,7 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints, with_annotations
+from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy, precision_policy
 from autopar.errors import ClusterSpecError, ConstraintError
 from autopar.plan import Plan
 from autopar.planner.ilp import SolverConfig
@@ -27,8 +28,8 @@ def plan(
     *,
     loss_fn: Callable | None = None,
     example_target: torch.Tensor | None = None,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
+    precision: str | PrecisionPolicy = "fp32",
+    optimizer: str | OptimizerSpec = "adamw",
     constraints: Constraints | None = None,
     solver: SolverConfig | None = None,
     device_type: str | None = None,
@@ -37,7 +38,9 @@ def plan(
     """Plan ``model`` for ``cluster``: which parallelism each op uses, and what it will cost.
 
     ``example_inputs`` give shapes only (meta tensors are fine). Annotations made with
-    ``autopar.annotate`` are merged into ``constraints``.
+    ``autopar.annotate`` are merged into ``constraints``. ``precision``: "fp32", "bf16-mixed" or
+    a ``PrecisionPolicy``; ``optimizer``: a name ("sgd", "sgd-momentum", "adam", "adamw") or an
+    ``OptimizerSpec`` (``autopar.compile`` measures the optimizer it is given).
 
     >>> import torch, autopar
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
@@ -51,10 +54,12 @@ def plan(
     if not isinstance(constraints, Constraints):
         raise ConstraintError(f"constraints must be autopar.Constraints, got {type(constraints).__name__}")
     constraints = with_annotations(constraints, model)
+    policy = precision_policy(precision)
     with cyclic_gc_paused():
         t0 = time.perf_counter()
         traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                             device_type=device_type or "cpu")
+                             device_type=device_type or "cpu",
+                             autocast_dtype=policy.torch_compute_dtype if policy.mixed else None)
         trace_s = time.perf_counter() - t0
         progress = _Progress(verbose)
         result = search_plan(traced, cluster, constraints=constraints, precision=precision, optimizer=optimizer,

@@ -41,6 +41,8 @@ __all__ = [
     "divides_evenly",
     "uneven_dims",
     "chunk_range",
+    "state_dim",
+    "state_layout",
 ]
 
 Layout = tuple  # tuple[Placement, ...], one entry per mesh axis
@@ -166,3 +168,30 @@ def chunk_range(size: int, n: int, coord: int) -> tuple[int, int]:
 
 def sharded_dims(layout: Iterable[Placement]) -> set[int]:
     return {p.dim for p in layout if isinstance(p, Shard)}
+
+
+def state_dim(shape: Sequence[int], layout: Sequence[Placement]) -> int | None:
+    """The dim along which ZeRO-1/2 shards a parameter's optimizer state (and ZeRO-2 gradient) on
+    its zero axes: the first dim larger than 1 that ``layout`` leaves whole (dim 0 when it can);
+    None when there is none (then the state cannot be ZeRO-sharded).
+    Planner and runtime both ask here, so the state they price is the state that is kept."""
+    taken = sharded_dims(layout)
+    for d, s in enumerate(shape):
+        if d not in taken and s > 1:
+            return d
+    return None
+
+
+def state_layout(shape: Sequence[int], layout: Sequence[Placement], zero_axes: Iterable[int]) -> Layout | None:
+    """``layout`` with ``Shard(state_dim)`` on each zero axis: how ZeRO-1/2 state is laid out (as
+    DTensor describes it; uneven dims padded as ``torch.chunk`` cuts them). None: not shardable."""
+    axes = tuple(zero_axes)
+    if not axes:
+        return tuple(layout)
+    d = state_dim(shape, layout)
+    if d is None:
+        return None
+    out = list(layout)
+    for a in axes:
+        out[a] = Shard(d)
+    return tuple(out)

@@ -19,7 +19,7 @@ from autopar.errors import PlanFormatError
 
 __all__ = ["Plan", "Stage", "NodePlacement", "ParamPlacement", "Alternative", "Predicted", "Baseline", "SolverReport", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 GiB = 2**30
 
 
@@ -59,6 +59,7 @@ class ParamPlacement:
     zero_axes: tuple[str, ...]
     shape: tuple[int, ...]
     bytes_per_device: float
+    zero_stage: int = 0  # 1 (state) or 2 (state and gradients) where zero_axes shard; ZeRO-3 is the layout
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Predicted:
     memory_bytes: tuple[tuple[str, float], ...]  # breakdown per device
     model_flops: float
     mfu: float
+    comm_bytes: tuple[tuple[str, float], ...] = ()  # per collective kind per step (nccl-tests size)
 
     @property
     def comm(self) -> dict[str, float]:
@@ -130,6 +132,8 @@ class Plan:
     solver: SolverReport
     free_step_time_s: float | None  # the free optimum, when constraints were given
     notes: tuple[str, ...] = ()
+    optimizer_spec: Any = None  # cost_models.memory.OptimizerSpec the plan was priced for
+    recompute_blocks: tuple[str, ...] = ()  # block instances run under activation checkpointing
     schema_version: int = SCHEMA_VERSION
     timings: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -271,6 +275,7 @@ def _decode_plan(d: dict) -> Plan:
         k = build(Predicted, o)
         k["comm_s"] = _tuplify(o["comm_s"])
         k["memory_bytes"] = _tuplify(o["memory_bytes"])
+        k["comm_bytes"] = _tuplify(o["comm_bytes"])
         return Predicted(**k)
 
     stages = tuple(
@@ -287,4 +292,9 @@ def _decode_plan(d: dict) -> Plan:
     s = d["solver"]
     k["solver"] = SolverReport(**{**build(SolverReport, s), "candidates": _tuplify(s["candidates"])})
     k["notes"] = tuple(d["notes"])
+    k["recompute_blocks"] = tuple(d.get("recompute_blocks", ()))
+    if d.get("optimizer_spec") is not None:
+        from autopar.cost_models.memory import OptimizerSpec
+
+        k["optimizer_spec"] = OptimizerSpec(**d["optimizer_spec"])
     return Plan(**k)

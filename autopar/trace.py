@@ -280,6 +280,10 @@ def _no_fx_stack_traces():
             del fx_config.do_not_emit_stack_traces
 
 
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def trace_model(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -288,11 +292,16 @@ def trace_model(
     example_target: torch.Tensor | None = None,
     device_type: str = "cpu",
     capture: str = "auto",
+    autocast_dtype: torch.dtype | None = None,
 ) -> TracedGraph:
     """Trace ``loss_fn(model(*example_inputs), example_target)`` into a ``TracedGraph``.
 
     Inputs and parameters may live on any device, the meta device included: only their shapes
     and dtypes are used. Without ``loss_fn`` the graph returns the model output.
+
+    ``autocast_dtype``: trace under ``torch.autocast(device_type, autocast_dtype)`` (mixed precision):
+    the graph stays the model's (autocast is below pre-dispatch), and every value's recorded dtype
+    is the one the runtime, running the program under the same autocast, produces.
 
     ``capture``: "make_fx" (pre-dispatch ``make_fx`` on fake tensors), "export"
     (``torch.export.export(strict=False)``), or "auto": make_fx, and when it fails for a reason
@@ -340,7 +349,8 @@ def trace_model(
     try:
         if capture == "export":
             raise _UseExport()
-        with fake_mode, tracker.active(), warnings.catch_warnings(), _no_fx_stack_traces():
+        with fake_mode, tracker.active(), warnings.catch_warnings(), _no_fx_stack_traces(), \
+                _autocast(device_type, autocast_dtype):
             warnings.simplefilter("ignore")
             gm = make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
     except TraceError:
@@ -349,7 +359,8 @@ def trace_model(
         if capture == "make_fx" or (not isinstance(exc, _UseExport) and _is_data_dependent(exc)):
             _raise_trace_error(exc, tracker)
         try:
-            gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker)
+            with _autocast(device_type, autocast_dtype):
+                gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker)
             module_prefix = "model."
         except Exception as exc2:  # noqa: BLE001
             _raise_trace_error(exc if not isinstance(exc, _UseExport) else exc2, tracker)

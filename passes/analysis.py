@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from autopar.layouts import parse_layout
 from autopar.resharding import reshard_steps_for
-from autopar.runtime.collectives import reshard
+from autopar.ir import GRAD_SYNC_KEY, reshard
 
 __all__ = ["count_collectives", "collective_nodes"]
 
@@ -23,8 +23,6 @@ def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = N
     as backward all-reduces, one per parameter and axis. ``mesh_shape`` is needed to count the
     steps of unevenly sharded (ZeRO-3) parameters exactly.
     """
-    from autopar.passes.defer_gradient_sync import GRAD_SYNC_KEY
-
     counts: Counter = Counter()
     for axes in gm.meta.get(GRAD_SYNC_KEY, {}).values():
         counts[("backward", "all_reduce")] += len(axes)

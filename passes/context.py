@@ -19,6 +19,13 @@ class PassContext:
         stage = plan.stages[index]
         return cls(plan, stage, tuple(size for _, size in stage.mesh))
 
+    @property
+    def policy(self):
+        """The plan's precision policy (``cost_models.memory.PrecisionPolicy``)."""
+        from autopar.cost_models.memory import precision_policy
+
+        return precision_policy(self.plan.precision)
+
     def node(self, name: str):
         return self._nodes[name]
 

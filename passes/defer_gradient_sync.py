@@ -5,30 +5,19 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autopar.layouts import Partial, Replicate, parse_layout
+from autopar.ir import GRAD_SYNC_KEY, pure_all_reduce_axes, reshard
+from autopar.layouts import parse_layout
 from autopar.passes.context import PassContext
-from autopar.runtime.collectives import reshard
 
 __all__ = ["defer_gradient_sync_pass", "GRAD_SYNC_KEY"]
-
-GRAD_SYNC_KEY = "autopar.grad_sync"  # gm.meta: parameter placeholder -> mesh axes to all-reduce over
 
 
 def _pure_all_reduce_axes(node: fx.Node) -> tuple[int, ...] | None:
     """Axes of a reshard whose forward is a no-op and whose backward only all-reduces (P -> R)."""
     _, src, dst, gsrc, gdst = node.args
-    if src != dst or gsrc is None:
+    if gsrc is None or gdst is None:
         return None
-    g, h = parse_layout(gsrc), parse_layout(gdst)
-    axes = []
-    for a, (p, q) in enumerate(zip(g, h)):
-        if p == q:
-            continue
-        if isinstance(p, Partial) and p.reduce_op == "sum" and isinstance(q, Replicate):
-            axes.append(a)
-        else:
-            return None
-    return tuple(axes) if axes else None
+    return pure_all_reduce_axes(parse_layout(src), parse_layout(dst), parse_layout(gsrc), parse_layout(gdst))
 
 
 def defer_gradient_sync_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

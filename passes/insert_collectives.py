@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.layouts import format_layout, grad_layout, parse_layout, replicated, uneven_dims
-from autopar.runtime.collectives import reshard
+from autopar.layouts import format_layout, parse_layout, replicated, uneven_dims
+from autopar.ir import LOSS_LAYOUT_KEY, edge_reshard, param_cast_dtype, reshard
 from autopar.passes.context import PassContext
 
 __all__ = ["insert_collectives_pass", "LOSS_LAYOUT_KEY"]
 
-LOSS_LAYOUT_KEY = "autopar.loss_layout"  # gm.meta: layout of a returned, not yet reduced, scalar loss
+
 
 
 def _is_scalar(n: fx.Node) -> bool:
@@ -25,13 +25,19 @@ def _only_partial(layout: str) -> bool:
 
 
 def _edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst,
-               mesh_shape) -> fx.Node:
+               ctx: PassContext) -> fx.Node:
     kwargs = {}
     metas = arg.meta.get("autopar.outputs") or (None,)
     if metas[0] is not None:
         layouts = [parse_layout(x) for x in (src, dst, gsrc, gdst) if x is not None]
-        if uneven_dims(metas[0].shape, layouts, mesh_shape):
+        if uneven_dims(metas[0].shape, layouts, ctx.mesh_shape):
             kwargs["shape"] = tuple(metas[0].shape)  # uneven (padded) gathers need the global size
+    if arg.op == "placeholder" and arg.meta.get("autopar.kind") == "param":
+        kwargs["param"] = True  # a gathered copy is freed after use and gathered again for backward
+        cast = param_cast_dtype(arg, before)
+        if cast is not None:  # mixed precision: the parameter travels in the compute dtype
+            kwargs["dtype"] = cast
+            kwargs["reduce_dtype"] = ctx.policy.torch_reduce_dtype
     with graph.inserting_before(before):
         node = graph.call_function(reshard, (arg, src, dst, gsrc, gdst), kwargs)
     node.meta["autopar.kind"] = "reshard"
@@ -84,11 +90,12 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
                 return a
             src = ctx.node(a.name).outs[0]
             produces_grad = a.meta.get("autopar.needs_grad", False)
-            gdst = format_layout(grad_layout(parse_layout(src))) if produces_grad and gwant not in (None, "any") else None
-            gsrc = gwant if gdst is not None else None
-            if src == want and (gsrc is None or gsrc == gdst):
+            edge = edge_reshard(parse_layout(src), parse_layout(want),
+                                None if gwant in (None, "any") else parse_layout(gwant), produces_grad)
+            if edge is None:
                 return a
-            return _edge_call(graph, node, a, src, want, gsrc, gdst, ctx.mesh_shape)
+            src, want, gsrc, gdst = (format_layout(x) if x is not None else None for x in edge)
+            return _edge_call(graph, node, a, src, want, gsrc, gdst, ctx)
 
         new_args, new_kwargs = pytree.tree_map(visit, (node.args, node.kwargs))
         node.args, node.kwargs = tuple(new_args), dict(new_kwargs)

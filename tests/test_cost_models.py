@@ -221,9 +221,10 @@ def test_dtype_bytes():
 def test_training_state_bytes():
     fp32, mixed = precision_policy("fp32"), precision_policy("bf16-mixed")
     d = training_state_bytes_per_param("adam", fp32)
-    assert d == {"param": 4, "master": 0, "grad": 4, "optimizer": 8} and sum(d.values()) == 16
-    d = training_state_bytes_per_param("adamw", mixed)
-    assert d == {"param": 2, "master": 4, "grad": 4, "optimizer": 8} and sum(d.values()) == 18
+    assert d == {"param": 4, "grad": 4, "optimizer": 8} and sum(d.values()) == 16
+    # bf16-mixed keeps fp32 parameters (they are the master copy) and fp32 gradients; the bf16
+    # working copy autocast makes is activation memory, not state
+    assert training_state_bytes_per_param("adamw", mixed) == d
     assert sum(training_state_bytes_per_param("sgd", fp32).values()) == 8
     assert optimizer_state_bytes_per_param("sgd", mixed) == 0
     assert optimizer_state_bytes_per_param("sgd-momentum", mixed) == 4
@@ -232,11 +233,11 @@ def test_training_state_bytes():
 
 def test_precision_policies():
     mixed = precision_policy("bf16-mixed")
-    assert (mixed.compute_dtype, mixed.param_dtype, mixed.master_dtype, mixed.grad_dtype) == (
-        "bf16", "bf16", "fp32", "fp32")
-    assert precision_policy("fp32").master_dtype is None
-    custom = PrecisionPolicy("x", "bfloat16", torch.bfloat16, "float32", "fp32")
-    assert custom == PrecisionPolicy("x", "bf16", "bf16", "fp32", "fp32")
+    assert (mixed.compute_dtype, mixed.param_dtype, mixed.reduce_dtype, mixed.mixed) == ("bf16", "fp32", "fp32", True)
+    assert precision_policy("bf16-mixed-reduce-bf16").torch_reduce_dtype == torch.bfloat16
+    assert not precision_policy("fp32").mixed
+    custom = PrecisionPolicy("x", "bfloat16", torch.float32, "float32", "fp32")
+    assert custom == PrecisionPolicy("x", "bf16", "fp32", "fp32", "fp32")
 
 
 def test_precision_and_optimizer_errors():
@@ -244,7 +245,45 @@ def test_precision_and_optimizer_errors():
         precision_policy("fp8")
     with pytest.raises(ConstraintError, match="'lion'.*sgd, sgd-momentum, adam, adamw"):
         optimizer_state_bytes_per_param("lion", precision_policy("fp32"))
-    with pytest.raises(ConstraintError, match="redundant"):
-        PrecisionPolicy("x", "fp32", "fp32", "fp32", "fp32")
-    with pytest.raises(ConstraintError, match="grad_dtype"):
-        PrecisionPolicy("x", "fp32", "fp32", None, "int8")
+    with pytest.raises(ConstraintError, match="loss scaling"):
+        PrecisionPolicy("x", "fp16", "fp32")
+    with pytest.raises(ConstraintError, match="reduce_dtype"):
+        PrecisionPolicy("x", "fp32", "fp32", "int8")
+
+
+@pytest.mark.parametrize("factory, states, total, cur, prev", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), 2, 0.0, 2.0, 1.0),  # per-parameter loop (CPU default)
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), 2, 1.0, 0.0, 0.0),  # whole-list temporaries
+    (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), 1, 0.0, 0.0, 0.0),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-3), 0, 0.0, 0.0, 0.0),
+])
+def test_describe_optimizer_measures_state_and_temporaries(factory, states, total, cur, prev):
+    from autopar.cost_models.memory import describe_optimizer
+
+    spec = describe_optimizer(factory)
+    assert (spec.states, spec.temp_total, spec.temp_cur, spec.temp_prev) == (states, total, cur, prev)
+    # the model it fits reproduces a measured step on parameters of unequal sizes
+    from autopar.runtime.memory import MemoryTracker
+
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (5000, 30000, 12000)]
+    opt = factory(ps)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with MemoryTracker() as tracker:
+        tracker.register([t for p in ps for t in [p, p.grad, *opt.state[p].values()]], "params")
+        before = tracker.current_bytes
+        with tracker.phase("optimizer"):
+            opt.step()
+    measured = tracker.report().peak_bytes - before
+    assert measured == pytest.approx(spec.step_temporary_bytes([4.0 * p.numel() for p in ps]), rel=0.05, abs=64)
+
+
+def test_describe_optimizer_rejects_an_instance():
+    from autopar.cost_models.memory import describe_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConstraintError, match="must be a function from a parameter list"):
+        describe_optimizer(torch.optim.SGD([p], lr=0.1))
+
+

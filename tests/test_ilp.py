@@ -149,7 +149,7 @@ def test_brute_force_matches_evaluate():
         ev = evaluate(p, choice)
         t, m = objective(p, choice)
         assert math.isclose(ev.step_time_s, t, rel_tol=1e-12)
-        assert math.isclose(ev.static_bytes + ev.saved_bytes, m, rel_tol=1e-12)
+        assert math.isclose(ev.ilp_memory_bytes, m, rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

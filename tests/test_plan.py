@@ -8,6 +8,7 @@ import torch
 
 import autopar
 from autopar import Cluster, Constraints, Plan, PlanFormatError
+from autopar.plan import SCHEMA_VERSION
 
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 
@@ -59,7 +60,7 @@ def test_json_round_trip(which, request):
     assert q.free_step_time_s == p.free_step_time_s
     assert q.cluster == Cluster.local(2)
     d = json.loads(text)
-    assert d["schema_version"] == 1
+    assert d["schema_version"] == SCHEMA_VERSION
     assert "timings" not in d  # wall-clock timings are not part of the plan
 
 
@@ -121,8 +122,8 @@ def test_diff_mentions_mesh_change(plan_tp1, plan_tp2):
 
 def test_wrong_schema_version(plan_tp1):
     d = json.loads(json_safe(plan_tp1).to_json())
-    d["schema_version"] = 2
-    with pytest.raises(PlanFormatError, match=r"schema_version 2 is not 1"):
+    d["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(PlanFormatError, match=rf"schema_version {SCHEMA_VERSION + 1} is not {SCHEMA_VERSION}"):
         Plan.from_json(json.dumps(d))
     del d["schema_version"]
     with pytest.raises(PlanFormatError, match="schema_version None"):
@@ -133,7 +134,7 @@ def test_malformed_json():
     with pytest.raises(PlanFormatError, match="does not parse"):
         Plan.from_json("{not json")
     with pytest.raises(PlanFormatError, match="missing or has a bad field"):
-        Plan.from_json(json.dumps({"schema_version": 1}))
+        Plan.from_json(json.dumps({"schema_version": SCHEMA_VERSION}))
 
 
 def test_accessors(plan_tp1):

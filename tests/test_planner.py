@@ -83,12 +83,14 @@ def test_zero3_shards_every_parameter_on_dp():
 
 
 def test_zero3_with_tp_keeps_a_weight_whose_only_long_dim_is_on_tp():
-    # weight (1, 6): dim 1 is sharded on 'tp', nothing is left for 'dp' but its optimizer state
+    # weight (1, 6): dim 1 is sharded on 'tp' and dim 0 has one row: nothing is left to shard on
+    # 'dp' (neither the weight nor, as a DTensor Shard, its optimizer state): it stays replicated
+    # there, and the plan is still made
     m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.GELU(), torch.nn.Linear(6, 1))
     p = autopar.plan(m, Cluster.local(8), torch.randn(8, 6), loss_fn=torch.nn.functional.mse_loss,
                      example_target=torch.randn(8, 1), constraints=Constraints(dp=4, tp=2, zero=3))
     w = p.params["2.weight"]
-    assert w.layout == "[R, S(1)]" and "dp" in w.zero_axes
+    assert w.layout == "[R, S(1)]" and w.zero_axes == ()
     assert p.params["0.weight"].layout.startswith("[S(")
 
 

@@ -155,8 +155,8 @@ def test_single_axis_prices_on_loopback():
 
 def test_prices_agree_with_collective_time_and_precision():
     cluster = Cluster.preset("dgx-a100")
-    ctx = _ctx((8,), cluster, "bf16-mixed")  # activations in bf16: 2 bytes per element
-    meta = TensorMeta((64, 1024), torch.float32)
+    ctx = _ctx((8,), cluster, "bf16-mixed")  # traced under autocast: a bf16 value, 2 bytes per element
+    meta = TensorMeta((64, 1024), torch.bfloat16)
     n = 64 * 1024 * 2
     t = reshard_time(meta, (P,), (R,), ctx)["all_reduce"]
     assert close(t, collective_time("all_reduce", n, CommGroup(8, 8), cluster))

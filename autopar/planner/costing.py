@@ -17,14 +17,17 @@ import torch.fx as fx
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import CommGroup, axis_group, collective_time
 from autopar.cost_models.compute import op_time
-from autopar.cost_models.memory import PrecisionPolicy, training_state_bytes_per_param
-from autopar.layouts import Layout, Shard, local_shape, split_factor
+from autopar.cost_models.compute import dtype_bytes
+from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
+from autopar.layouts import Layout, Shard, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
 from autopar.strategies.rules import FACTORY_OPS, OpView, _op_name
 from autopar.trace import TensorMeta
 
-__all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "param_memory", "VIEW_OPS"]
+__all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "reshard_step_bytes",
+           "reshard_staging_bytes", "param_memory",
+           "param_state_bytes", "VIEW_OPS"]
 
 # Ops that only re-describe memory (no data moved, no new storage).
 VIEW_OPS = {
@@ -49,7 +52,7 @@ class CostContext:
     axis_names: tuple[str, ...]
     cluster: Cluster
     policy: PrecisionPolicy
-    optimizer: str
+    optimizer: OptimizerSpec
     # memo of reshard prices for this context (hashing the whole context per lookup was a
     # tenth of planning time)
     reshard_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -59,13 +62,9 @@ class CostContext:
         return _groups(self.mesh_shape, self.cluster.devices_per_node)
 
     def act_bytes(self, meta: TensorMeta) -> float:
-        """Bytes of an activation under the precision policy (floats run in the compute dtype)."""
-        if meta.is_floating and meta.itemsize >= 2:
-            return meta.numel * _DTYPE_SIZE[self.policy.compute_dtype]
+        """Bytes of a value (the graph is traced under the policy's autocast, so its dtype is the
+        one the runtime produces)."""
         return float(meta.nbytes)
-
-
-_DTYPE_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @lru_cache(maxsize=256)
@@ -167,25 +166,82 @@ def reshard_time(
 
 def _reshard_time(shape, per_elem, src, dst, ctx) -> dict[str, float]:
     out: dict[str, float] = {}
-    cur = src
     groups = ctx.groups
-    for step in reshard_steps_for(shape, src, dst, ctx.mesh_shape):
+    for kind, axis, nbytes in reshard_step_bytes(shape, per_elem, src, dst, ctx.mesh_shape):
+        out[kind] = out.get(kind, 0.0) + collective_time(kind, nbytes, groups[axis], ctx.cluster)
+    return out
+
+
+def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> list[tuple[str, int, float]]:
+    """The collectives of moving a tensor of global ``shape`` from ``src`` to ``dst``:
+    ``(kind, axis, bytes)`` with bytes in nccl-tests' size convention and the runtime's padding
+    (``runtime.collectives``): an all-gather's output, a reduce-scatter's input padded to a
+    multiple of the group size, an all-reduce's or all-to-all's buffer."""
+    out = []
+    cur = src
+    for step in reshard_steps_for(shape, src, dst, mesh_shape):
         if step.is_collective:
-            local = math.prod(local_shape(shape, cur, ctx.mesh_shape)) * per_elem  # padded if uneven
-            n = ctx.mesh_shape[step.axis]
-            nbytes = local * n if step.kind == "all_gather" else local
-            t = collective_time(step.kind, nbytes, groups[step.axis], ctx.cluster)
-            out[step.kind] = out.get(step.kind, 0.0) + t
+            local = list(local_shape(shape, cur, mesh_shape))  # the largest shard where uneven
+            n = mesh_shape[step.axis]
+            if step.kind == "all_gather":
+                local[step.dim] *= n
+            elif step.kind == "reduce_scatter":
+                local[step.dim] = -(-local[step.dim] // n) * n
+            out.append((step.kind, step.axis, math.prod(local) * per_elem))
         cur = layout_after(cur, step)
     return out
 
 
-def param_memory(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
-    """Bytes per device of a parameter's weights, master copy, gradient and optimizer state."""
-    per = training_state_bytes_per_param(ctx.optimizer, ctx.policy)
-    zero = math.prod(ctx.mesh_shape[a] for a in strategy.zero_axes)
+def reshard_staging_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> float:
+    """Peak bytes a reshard allocates beyond its input and its final output, as
+    ``runtime.collectives`` runs it: send copies of a dim that is not dim 0, padding of uneven
+    dims, receive buffers, result copies, and the intermediate results of multi-step reshards."""
+    steps = reshard_steps_for(shape, src, dst, mesh_shape)
+    peak, cur = 0.0, src
+    carried = 0.0  # an intermediate result from the previous step
+    for k, step in enumerate(steps):
+        after = layout_after(cur, step)
+        inp = math.prod(local_shape(shape, cur, mesh_shape)) * per_elem
+        out = math.prod(local_shape(shape, after, mesh_shape)) * per_elem
+        final = k == len(steps) - 1
+        extra = 0.0
+        n = mesh_shape[step.axis]
+        if step.kind == "all_gather":
+            extra = inp if step.dim != 0 else 0.0  # moved to the front
+        elif step.kind == "reduce_scatter":
+            padded = -(-shape[step.dim] // n) * n != shape[step.dim]
+            extra = inp if step.dim != 0 or padded else 0.0
+            extra += out if step.dim != 0 else 0.0  # the scattered block, moved back
+        elif step.kind == "all_to_all":
+            extra = (inp if step.dim != 0 else 0.0) + inp  # send copy, receive buffer
+        elif step.kind == "all_reduce" and step.op == "avg":
+            extra = out  # the sum, then divided
+        peak = max(peak, carried + extra + (0.0 if final else out))
+        carried = 0.0 if final else out
+        cur = after
+    return peak
+
+
+def param_state_bytes(meta: TensorMeta, strategy: Strategy, ctx: CostContext, trainable: bool = True) -> dict[str, float]:
+    """Persistent bytes per device of one parameter: its local weights, gradient and optimizer
+    state (``cost_models.memory``: gradients in the parameter's dtype, ZeRO-1/2 state and ZeRO-2
+    gradients on ``layouts.state_layout``, the largest shard where a dim is cut unevenly)."""
     numel = math.prod(local_shape(meta.shape, strategy.outs[0], ctx.mesh_shape))  # the largest shard
-    return numel * (per["param"] + (per["master"] + per["grad"] + per["optimizer"]) / zero)
+    if not trainable:
+        return {"params": numel * meta.itemsize, "grads": 0.0, "optimizer_state": 0.0}
+    state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
+    state_numel = math.prod(local_shape(meta.shape, state, ctx.mesh_shape)) if state is not None else numel
+    grad_numel = state_numel if strategy.zero_stage == 2 else numel
+    return {
+        "params": numel * meta.itemsize,
+        "grads": grad_numel * meta.itemsize,
+        "optimizer_state": state_numel * ctx.optimizer.states * dtype_bytes(ctx.policy.optimizer_dtype),
+    }
+
+
+def param_memory(meta: TensorMeta, strategy: Strategy, ctx: CostContext, trainable: bool = True) -> float:
+    """Persistent bytes per device of a parameter (the sum of ``param_state_bytes``)."""
+    return sum(param_state_bytes(meta, strategy, ctx, trainable).values())
 
 
 def saved_activation_bytes(meta: TensorMeta, layout: Layout, ctx: CostContext) -> float:

@@ -1,8 +1,9 @@
 """Evaluate a strategy choice: predicted step time, communication by kind, memory, alternatives.
 
 The same arithmetic as the ILP objective (``planner.ilp``), in floating point, so what the plan
-reports is what the solver minimised; plus the transient memory the ILP leaves out (the largest
-live working set of a single op, and parameter all-gather buffers).
+reports is what the solver minimised; memory and bytes per collective come from simulating the
+step the runtime will run (``planner.memory_model``, ``planner.comm_model``), not from the ILP's
+linear memory model (a problem built without a traced graph, as in the ILP tests, keeps that).
 """
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 
-from autopar.layouts import Shard
 from autopar.planner.costing import node_flops
 from autopar.planner.ilp import EXPOSED_FLOOR, OVERLAP_EFFICIENCY
+from autopar.planner.comm_model import predict_comm_bytes
+from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
 __all__ = ["Evaluation", "evaluate", "node_alternatives", "model_flops"]
@@ -26,13 +28,13 @@ class Evaluation:
     overlap_s: float
     exposed_s: float
     comm_by_kind: dict[str, float]
-    static_bytes: float
-    saved_bytes: float
-    transient_bytes: float
+    memory: MemoryEstimate
+    ilp_memory_bytes: float  # what the ILP's linear memory model charged for this choice
+    comm_bytes: dict[str, float]  # per collective kind per step
 
     @property
     def peak_bytes(self) -> float:
-        return self.static_bytes + self.saved_bytes + self.transient_bytes
+        return self.memory.peak_bytes
 
 
 def _edge_keys(e, choice):
@@ -43,8 +45,7 @@ def _edge_keys(e, choice):
 
 def evaluate(problem: Problem, choice: dict[str, int]) -> Evaluation:
     compute = sum(v.fwd_s[choice[n]] + v.bwd_s[choice[n]] for n, v in problem.nodes.items())
-    static = sum(v.static_bytes[choice[n]] for n, v in problem.nodes.items())
-    saved = sum(v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
+    ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
     blocking = overlap = 0.0
     kinds: dict[str, float] = defaultdict(float)
     for e in problem.edges:
@@ -61,36 +62,17 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Evaluation:
         overlap_s=overlap,
         exposed_s=exposed,
         comm_by_kind=dict(sorted(kinds.items())),
-        static_bytes=static,
-        saved_bytes=saved,
-        transient_bytes=transient_bytes(problem, choice),
+        memory=(simulate_step_memory(problem, choice, autocast_dtype=_autocast_dtype(problem))
+                if problem.traced is not None else MemoryEstimate(ilp_memory)),
+        ilp_memory_bytes=ilp_memory,
+        comm_bytes=(predict_comm_bytes(problem, choice, autocast_dtype=_autocast_dtype(problem))
+                    if problem.traced is not None else {}),
     )
 
 
-def transient_bytes(problem: Problem, choice: dict[str, int]) -> float:
-    """Largest single-op working set (output + its gradient, local) plus the largest gathered
-    parameter (an all-gather buffer for ZeRO-3 / FSDP-style parameters)."""
-    ctx = problem.ctx
-    biggest_act = 0.0
-    biggest_param = 0.0
-    for name, v in problem.nodes.items():
-        s = v.strategies[choice[name]]
-        metas = v.node.meta["autopar.outputs"]
-        kind = v.node.meta.get("autopar.kind")
-        for m, lay in zip(metas, s.outs):
-            if m is None or lay is None:
-                continue
-            shards = 1
-            for p, n in zip(lay, ctx.mesh_shape):
-                if isinstance(p, Shard):
-                    shards *= n
-            local = ctx.act_bytes(m) / shards / (problem.microbatches if kind == "op" else 1)
-            if kind == "param":
-                if shards > 1:
-                    biggest_param = max(biggest_param, ctx.act_bytes(m))
-            elif kind == "op":
-                biggest_act = max(biggest_act, 2 * local)
-    return biggest_act + 2 * biggest_param
+def _autocast_dtype(problem: Problem):
+    policy = problem.ctx.policy
+    return policy.torch_compute_dtype if policy.mixed else None
 
 
 def node_alternatives(problem: Problem, choice: dict[str, int], incident: dict, top: int = 3) -> dict[str, list]:

@@ -193,7 +193,13 @@ def add_memory_limit(md: _Model, budget_bytes: float | None) -> None:
     """Family *memory*: per-device bytes of state and saved activations within the budget."""
     if budget_bytes is None:
         return
-    md.m.Add(_lin(md.memory) <= budget_bytes / _KIB)
+    expr = _lin(md.memory)
+    if isinstance(expr, (int, float)):  # every node has one strategy: nothing to choose
+        if expr > budget_bytes / _KIB:
+            raise InfeasibleProblem("memory", f"the only strategy assignment needs {expr * _KIB / 2**30:.2f} GiB "
+                                              f"per device, over the {budget_bytes / 2**30:.2f} GiB budget")
+        return
+    md.m.Add(expr <= budget_bytes / _KIB)
 
 
 def add_overlap_objective(md: _Model) -> None:

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
+from autopar.ir import param_cast_dtype
 from autopar.layouts import grad_layout, replicated
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (
@@ -34,7 +35,7 @@ from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
 from autopar.trace import TracedGraph, tensor_inputs
 
-__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter"]
+__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter", "batch_derived", "producer_of"]
 
 # (node, strategy) -> None if allowed, else the reason it is not
 StrategyFilter = Callable[[fx.Node, Strategy], "str | None"]
@@ -84,17 +85,35 @@ class Problem:
     edges: list[EdgeTable]
     recompute: bool
     microbatches: int
+    traced: TracedGraph | None = None  # the whole graph (nodes holds representatives only)
+    blocks: BlockInfo | None = None
+
+    def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
+        """The chosen strategy of any node (its representative's)."""
+        r = self.blocks.rep[name] if self.blocks is not None else name
+        v = self.nodes[r]
+        return v.strategies[choice[r]]
 
     def size(self) -> tuple[int, int]:
         return len(self.nodes), len(self.edges)
 
 
-def _producer(n: fx.Node) -> tuple[fx.Node, int]:
+def producer_of(n: fx.Node) -> tuple[fx.Node, int]:
     """Resolve ``getitem`` chains: (node that owns the value, output index)."""
     if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        base, _ = _producer(n.args[0])
+        base, _ = producer_of(n.args[0])
         return base, int(n.args[1])
     return n, 0
+
+
+def batch_derived(traced: TracedGraph) -> set[str]:
+    """Names of the values computed from the batch (inputs or target): they shrink with
+    microbatching; everything else (parameters, buffers, constants) does not."""
+    out: set[str] = set()
+    for n in traced.graph.nodes:
+        if n.meta.get("autopar.kind") in ("input", "target") or any(a.name in out for a in tensor_inputs(n)):
+            out.add(n.name)
+    return out
 
 
 def _is_alias_node(n: fx.Node) -> bool:
@@ -168,7 +187,7 @@ def build_problem(
         kind = n.meta.get("autopar.kind")
         for i, s in enumerate(strategies):
             if kind == "param":
-                static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx) * c
+                static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, n.meta.get("autopar.requires_grad", True)) * c
             elif kind == "op":
                 f, b = node_compute_time(n, s, ctx)
                 fwd[i], bwd[i] = f * c, b * c
@@ -188,7 +207,7 @@ def build_problem(
 
     _merge_followers(traced, blocks, nodes, ctx)
     edges = _build_edges(traced, blocks, nodes, ctx, microbatches)
-    return Problem(ctx, nodes, edges, recompute, microbatches)
+    return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
 
 
 def _is_alias_getitem(n: fx.Node) -> bool:
@@ -202,13 +221,13 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches) -> list[EdgeTable]:
         if v.op == "output" or _is_alias_getitem(v):
             continue
         for i, a in enumerate(tensor_inputs(v)):
-            u, idx = _producer(a)
+            u, idx = producer_of(a)
             grouped[(rep[u.name], idx, rep[v.name], i)] += 1
     # the training output: a scalar loss must end replicated on every rank
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
     if traced.has_loss:
         for a in tensor_inputs(out_node):
-            u, idx = _producer(a)
+            u, idx = producer_of(a)
             grouped[(rep[u.name], idx, None, 0)] += 1
     edges = []
     for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
@@ -244,10 +263,11 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     needs_grad = U.node.meta.get("autopar.needs_grad", False) and meta.is_floating
     fwd_per_elem = bwd_per_elem = None
     if is_param:
-        from autopar.cost_models.compute import dtype_bytes
-
-        fwd_per_elem = float(dtype_bytes(ctx.policy.param_dtype))
-        bwd_per_elem = float(dtype_bytes(ctx.policy.grad_dtype))
+        # a parameter is gathered in its own dtype, or cast to the consumer's compute dtype first
+        # (mixed precision) and its gradient then reduced in the policy's reduce dtype
+        cast = param_cast_dtype(U.node, V.node) if V is not None else None
+        fwd_per_elem = float(cast.itemsize if cast is not None else meta.itemsize)
+        bwd_per_elem = float(ctx.policy.torch_reduce_dtype.itemsize if cast is not None else meta.itemsize)
     blocking = np.zeros((len(u_layouts), len(v_layouts)))
     overlap = np.zeros_like(blocking)
     kinds: list[list[dict[str, float]]] = []
@@ -301,7 +321,7 @@ def _merge_followers(traced: TracedGraph, blocks: BlockInfo, nodes: dict[str, No
     for n in traced.graph.nodes:
         if n.name not in nodes or not _is_follower_op(n):
             continue
-        u, idx = _producer(tensor_inputs(n)[0])
+        u, idx = producer_of(tensor_inputs(n)[0])
         ur = rep[u.name]
         if ur not in nodes or order[ur] >= order[n.name]:
             continue

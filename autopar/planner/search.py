@@ -17,9 +17,9 @@ import torch.fx as fx
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
-from autopar.cost_models.memory import precision_policy
+from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy, optimizer_spec, precision_policy
 from autopar.errors import ConstraintError, NoFeasiblePlanError
-from autopar.layouts import Layout, Replicate, Shard, format_layout, parse_placement
+from autopar.layouts import Layout, Replicate, Shard, format_layout, parse_placement, state_dim
 from autopar.plan import (
     Alternative, Baseline, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of,
 )
@@ -28,7 +28,7 @@ from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
 from autopar.planner.evaluate import Evaluation, evaluate, incident_edges, model_flops, node_alternatives
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
-from autopar.planner.problem import Problem, build_problem, _producer
+from autopar.planner.problem import Problem, build_problem, producer_of
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
 from autopar.trace import TracedGraph, tensor_inputs
@@ -39,6 +39,7 @@ AXES = ("dp", "tp")
 # Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
 # CUDA context and library workspaces (cuBLAS, NCCL buffers).
 USABLE_MEMORY_FRACTION = 0.9
+_MEMORY_ROUNDS = 4  # ILP re-solves with a tightened budget when the simulated peak exceeds it
 
 
 def _r(x: float) -> float:
@@ -202,17 +203,18 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
             if z is not None and mesh[dp_a] > 1:
                 sharded_dp = isinstance(lay[dp_a], Shard)
                 zero_dp = dp_a in s.zero_axes
+                # a parameter with no whole dim larger than 1 (a scalar, a bias already split on
+                # 'tp') has nothing to shard on 'dp': every stage keeps it replicated there
+                shardable = state_dim(meta.shape, lay) is not None
                 if z == 0 and (sharded_dp or zero_dp):
                     return "zero=0 keeps parameters and optimizer state replicated on 'dp'"
-                if z in (1, 2) and not zero_dp:
-                    return f"zero={z} shards optimizer state on 'dp' with parameters replicated there"
+                if z in (1, 2) and shardable and not (zero_dp and s.zero_stage == z):
+                    return f"zero={z} shards optimizer state{' and gradients' if z == 2 else ''} on 'dp' with parameters replicated there"
                 if z == 3 and not sharded_dp:
                     # (a dim that does not divide evenly is sharded unevenly, padded as FSDP2 does;
                     # a dim already sharded on 'tp' is not available to 'dp')
-                    if any(d > 1 and lay[tp_a] != Shard(i) for i, d in enumerate(meta.shape)):
+                    if shardable:
                         return "zero=3 shards every parameter on 'dp'"
-                    if not zero_dp:
-                        return "zero=3: a parameter with no dim larger than 1 keeps its optimizer state sharded on 'dp'"
         if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
             # (an op without a rule runs replicated whatever the plan: it is resliced after)
             out = next((o for o in s.outs if o is not None), None)
@@ -263,16 +265,23 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     sol = solve(problem, None, solver_cfg)
     ev = evaluate(problem, sol.choice)
     unconstrained = True
-    if budget is not None and ev.peak_bytes > budget:
+    # the ILP charges a linear memory model; the step simulation (evaluate) is what the plan
+    # promises: tighten the ILP's budget by what its model missed until the simulated peak fits
+    gap = 0.0
+    for _ in range(_MEMORY_ROUNDS):
+        if budget is None or ev.peak_bytes <= budget:
+            break
         unconstrained = False
-        if ev.transient_bytes >= budget:
+        gap = max(gap, ev.peak_bytes - ev.ilp_memory_bytes)
+        if gap >= budget:
             raise InfeasibleProblem(
-                "memory", f"the largest single working set ({ev.transient_bytes / 2**30:.2f} GiB: one op's output "
-                f"and gradient plus a gathered parameter) alone exceeds the {budget / 2**30:.2f} GiB budget")
-        sol = solve(problem, budget - ev.transient_bytes, solver_cfg)
+                "memory", f"beyond what every plan keeps, the step's working set ({gap / 2**30:.2f} GiB: activations, "
+                f"gradients in flight, gathered parameters) alone exceeds the {budget / 2**30:.2f} GiB budget")
+        sol = solve(problem, budget - gap, solver_cfg)
         ev = evaluate(problem, sol.choice)
-        if ev.peak_bytes > budget:
-            raise InfeasibleProblem("memory", f"peak {ev.peak_bytes / 2**30:.2f} GiB incl. transients exceeds the budget")
+    if budget is not None and ev.peak_bytes > budget:
+        raise InfeasibleProblem("memory", f"peak {ev.peak_bytes / 2**30:.2f} GiB incl. transients exceeds the "
+                                          f"{budget / 2**30:.2f} GiB budget")
     sol.memory_slack_bytes = float("inf") if unconstrained else sol.memory_slack_bytes
     return _Attempt(mesh, recompute, micro, problem, sol, ev)
 
@@ -312,8 +321,8 @@ def search_plan(
     cluster: Cluster,
     *,
     constraints: Constraints,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
+    precision: str | PrecisionPolicy = "fp32",
+    optimizer: str | OptimizerSpec = "adamw",
     solver: SolverConfig = SolverConfig(),
     progress=None,
     _with_baseline: bool = True,
@@ -321,6 +330,8 @@ def search_plan(
 ) -> Plan:
     t_start = time.perf_counter()
     policy = precision_policy(precision)
+    precision = policy.name
+    optimizer = optimizer_spec(optimizer)
     c = constraints
     meshes = mesh_candidates(cluster, c)
     _check_heads(traced, c)
@@ -428,7 +439,8 @@ def _predicted(att: _Attempt) -> Predicted:
         blocking_comm_s=_r(ev.blocking_s),
         overlappable_comm_s=_r(ev.overlap_s),
         peak_memory_bytes=_r(ev.peak_bytes),
-        memory_bytes=(("state", _r(ev.static_bytes)), ("activations", _r(ev.saved_bytes)), ("transient", _r(ev.transient_bytes))),
+        memory_bytes=tuple((k, _r(v)) for k, v in ev.memory.categories.items()),
+        comm_bytes=tuple((k, float(v)) for k, v in sorted(ev.comm_bytes.items())),
         model_flops=_r(flops),
         mfu=_r(mfu),
     )
@@ -521,7 +533,7 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
             continue
         r = rep[n.name]
         if n.op == "call_function" and n.target.__class__.__name__ == "builtin_function_or_method" and n.target.__name__ == "getitem":
-            base, idx = _producer(n)
+            base, idx = producer_of(n)
             v = problem.nodes[rep[base.name]]
             s = v.strategies[choice[v.name]]
             lay = s.outs[idx]
@@ -557,6 +569,7 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
                 fqn=n.meta["autopar.fqn"], node=n.name, layout=format_layout(s.outs[0]),
                 zero_axes=tuple(AXES[a] for a in s.zero_axes), shape=meta.shape,
                 bytes_per_device=_r(param_memory(meta, s, ctx)),
+                zero_stage=s.zero_stage if s.zero_axes else 0,
             ))
     mesh_axes = tuple(zip(AXES, att.mesh))
     stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records))
@@ -567,7 +580,7 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
     from autopar.constraints import constraints_json
 
     cjson = constraints_json(c)
-    fp = fingerprint_of(traced.gm.code, _shapes_key(traced), cluster.to_json(), cjson, precision, optimizer, repr(versions))
+    fp = fingerprint_of(traced.gm.code, _shapes_key(traced), cluster.to_json(), cjson, precision, repr(optimizer), repr(versions))
     notes = []
     fallbacks = sorted({str(v.node.target) for v in problem.nodes.values() if v.fallback and v.node.op == "call_function"})
     if fallbacks:
@@ -576,8 +589,9 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
         notes.append("a batch-sharded mean loss is averaged per shard: exact unless targets use ignore_index")
     return Plan(
         fingerprint=fp, versions=versions, model_class=traced.model_class, cluster_json=cluster.to_json(),
-        precision=precision, optimizer=optimizer, constraints=cjson, mesh_axes=mesh_axes,
+        precision=precision, optimizer=optimizer.name, optimizer_spec=optimizer, constraints=cjson, mesh_axes=mesh_axes,
         microbatches=att.microbatches, recompute=att.recompute, schedule=None, stages=(stage,),
+        recompute_blocks=tuple(sorted(p for ps in blocks.blocks.values() for p in ps)) if att.recompute else (),
         predicted=predicted, baseline=baseline, solver=report,
         free_step_time_s=_r(free_time) if free_time is not None else None, notes=tuple(notes),
     )

@@ -44,9 +44,9 @@ def compile(
     >>> #                      loss_fn=loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     >>> # loss = pm.train_step(idx, target=tgt)
     """
+    from autopar.cost_models.memory import describe_optimizer, precision_policy
     from autopar.passes import run_passes
     from autopar.passes.context import PassContext
-    from autopar.planner.search import search_plan
 
     if example_target is None:
         raise AutoparError("compile needs example_target= (a target batch for loss_fn) to trace the training step")
@@ -58,12 +58,14 @@ def compile(
         device = torch.device("cpu")
     if plan is not None and plan.world_size != cluster.world_size:
         raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}")
+    policy = precision_policy(plan.precision if plan is not None else precision)
+    autocast = policy.torch_compute_dtype if policy.mixed else None
+    spec = describe_optimizer(optimizer, device.type)  # what the plan prices is the optimizer that runs
     with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
         traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                             device_type=cluster.device_type)
+                             device_type=cluster.device_type, autocast_dtype=autocast)
         if plan is None:
-            plan = search_plan(traced, cluster, constraints=with_annotations(constraints or Constraints(), model),
-                               precision=precision, _with_free=False)
+            plan = _plan_on_rank0(traced, cluster, with_annotations(constraints or Constraints(), model), policy, spec)
     loss_reduction = "mean"
     if plan.microbatches > 1:
         # the program runs one microbatch: trace again at that size (same graph, same node names)
@@ -75,7 +77,7 @@ def compile(
                 raise ConstraintError(f"microbatches={m} does not divide the batch dim of an input of shape {tuple(x.shape)}")
         traced = trace_model(model, tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) else x for x in inputs),
                              loss_fn=loss_fn, example_target=example_target[: example_target.shape[0] // m],
-                             device_type=cluster.device_type)
+                             device_type=cluster.device_type, autocast_dtype=autocast)
     _check_same_plan(plan)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -84,7 +86,28 @@ def compile(
     ctx = PassContext.for_stage(plan, 0)
     program = run_passes(copy.deepcopy(traced.gm), ctx)
     return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
-                         optimizer=optimizer, device=device, precision=precision, loss_reduction=loss_reduction)
+                         optimizer=optimizer, device=device, precision=plan.precision, loss_reduction=loss_reduction)
+
+
+def _plan_on_rank0(traced, cluster: Cluster, constraints: Constraints, policy, spec) -> Plan:
+    """Plan on rank 0 only and broadcast the plan: solvers stopped by a time limit need not agree,
+    and every rank must run the same plan. A planning error on rank 0 is raised on every rank."""
+    from autopar.planner.search import search_plan
+
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("plan", search_plan(traced, cluster, constraints=constraints, precision=policy,
+                                              optimizer=spec, _with_free=False).to_json())
+        except AutoparError as exc:
+            outcome[0] = ("error", type(exc).__name__, str(exc))
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0][0] == "error":
+        import autopar.errors as errors
+
+        raise getattr(errors, outcome[0][1], AutoparError)(outcome[0][2])
+    return Plan.from_json(outcome[0][1])
 
 
 _MEAN_REDUCTIONS = {"mean"}

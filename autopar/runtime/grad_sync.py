@@ -1,72 +1,173 @@
-"""Bucketed, asynchronous gradient all-reduce for parameters the program left unsynchronised.
+"""Data-parallel gradient synchronisation for the parameters the program left unsynchronised.
 
 Hand-written because torch's bucketing reducer lives inside ``DistributedDataParallel`` and only
-wraps whole modules; here the program decides per parameter which mesh axes to reduce over.
-Buckets fill in the order gradients become ready (reverse of use); a full bucket is flattened and
-all-reduced with ``async_op=True`` while backward continues; ``wait()`` finishes them all and
-writes the reduced gradients back. Invariant: after ``wait()`` every registered parameter's
-``.grad`` is the sum over its axes, exactly what an in-graph all-reduce would have produced.
+wraps whole modules; here the plan decides per parameter over which mesh axes to reduce and at
+which ZeRO stage.
+
+* ZeRO-0/1 parameters: their gradients are views into the store's flat buffer, ordered by when
+  backward produces them, so a bucket is a contiguous range of that buffer: once every gradient
+  of a bucket has been accumulated on the last microbatch, the range is all-reduced in place,
+  asynchronously, while backward continues (DDP with ``gradient_as_bucket_view``; no copy).
+* ZeRO-2 parameters: after each microbatch's gradient is accumulated it is reduce-scattered
+  along the parameter's ``state_dim`` into its shard (``opt.grad``) and the full gradient is
+  dropped; at most ``MAX_INFLIGHT`` reduce-scatters are pending, so at most that many full
+  gradients are alive at once.
+
+Invariant: after ``finish()`` every registered parameter's gradient (``local.grad`` for ZeRO-0/1,
+``opt.grad`` for ZeRO-2) is the sum over its axes. Hooks hold this object through a weak
+reference and are removed by ``close()``: nothing keeps process groups alive past teardown.
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+import weakref
 
-__all__ = ["GradBucketer"]
+import torch
+
+from autopar.runtime.collectives import reduce_scatter_dim, slice_dim
+from autopar.runtime.comm import MeshComm
+from autopar.runtime.param_store import ParamStore
+
+__all__ = ["GradSync", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT"]
 
 BUCKET_BYTES = 4 * 2**20  # DDP uses 25 MiB; smaller buckets overlapped better on gloo here (benchmarks/README.md)
 FIRST_BUCKET_BYTES = 2**20  # as DDP: a small first bucket starts communication early
+MAX_INFLIGHT = 2  # ZeRO-2 reduce-scatters pending at once (each holds one full gradient)
 
 
-class GradBucketer:
-    def __init__(self, params: dict[torch.nn.Parameter, tuple], groups: tuple, bucket_bytes: int = BUCKET_BYTES):
-        self.groups = groups
-        self.bucket_bytes = bucket_bytes
-        self.axes = {id(p): axes for p, axes in params.items()}
-        self.params = list(params)
-        self._pending: dict[tuple, list[torch.nn.Parameter]] = {}
-        self._pending_bytes: dict[tuple, int] = {}
-        self._inflight: list[tuple[list, list, torch.Tensor]] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
-        self.enabled = True  # off while microbatches accumulate: reduce once, after the last
-        self._buffers: dict[tuple, torch.Tensor] = {}  # bucket (param ids) -> flat buffer
+class _Bucket:
+    __slots__ = ("dtype", "start", "numel", "axes", "members", "ready", "work")
 
-    def _ready(self, p: torch.nn.Parameter) -> None:
-        if not self.enabled:
+    def __init__(self, dtype, start, axes):
+        self.dtype, self.start, self.numel, self.axes = dtype, start, 0, axes
+        self.members: set[str] = set()
+        self.ready = 0
+        self.work = None
+
+
+def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> list[_Bucket]:
+    """Contiguous runs of the flat buffers holding ZeRO-0/1 parameters with the same axes, cut at
+    ``FIRST_BUCKET_BYTES`` for the first bucket and ``BUCKET_BYTES`` after (in backward order)."""
+    buckets: list[_Bucket] = []
+    cur: _Bucket | None = None
+    for ph in store.grad_order:
+        s = store.slots[ph]
+        if ph not in deferred or s.zero_stage == 2:
+            cur = None
+            continue
+        dtype, off, n = store.grad_range(ph)
+        axes = deferred[ph]
+        cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
+        if (cur is None or cur.dtype != dtype or cur.axes != axes or cur.start + cur.numel != off
+                or cur.numel * s.local.element_size() >= cap):
+            cur = _Bucket(dtype, off, axes)
+            buckets.append(cur)
+        cur.numel += n
+        cur.members.add(ph)
+    return buckets
+
+
+class GradSync:
+    def __init__(self, store: ParamStore, deferred: dict[str, tuple[int, ...]], comm: MeshComm):
+        self.store = store
+        self.comm = comm
+        self.buckets = plan_buckets(store, deferred)
+        self._bucket_of = {ph: b for b in self.buckets for ph in b.members}
+        self._zero2 = {ph: deferred.get(ph, ()) for ph in store.grad_order if store.slots[ph].zero_stage == 2}
+        self._last = True  # whether the running backward is the last microbatch's
+        self._pending: list[tuple] = []  # ZeRO-2: (work, out, staging, slot, length)
+        me = weakref.ref(self)
+        self._handles = []
+        for ph in list(self._bucket_of) + list(self._zero2):
+            p = store.slots[ph].local
+            self._handles.append(p.register_post_accumulate_grad_hook(_hook(me, ph)))
+
+    # ------------------------------------------------------------------ called by the hooks
+    def _ready(self, ph: str) -> None:
+        if ph in self._zero2:
+            self._reduce_scatter(ph)
             return
-        axes = self.axes[id(p)]
-        self._pending.setdefault(axes, []).append(p)
-        self._pending_bytes[axes] = self._pending_bytes.get(axes, 0) + p.grad.numel() * p.grad.element_size()
-        cap = FIRST_BUCKET_BYTES if not self._inflight else self.bucket_bytes
-        if self._pending_bytes[axes] >= cap:
-            self._flush(axes)
-
-    def _flush(self, axes: tuple) -> None:
-        bucket = self._pending.pop(axes, [])
-        self._pending_bytes.pop(axes, None)
-        if not bucket:
+        if not self._last:
             return
-        key = tuple(id(p) for p in bucket)
-        grads = [p.grad.reshape(-1) for p in bucket]
-        flat = self._buffers.get(key)
-        if flat is None or flat.dtype != grads[0].dtype:
-            flat = self._buffers[key] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
-                                                    device=grads[0].device)
-        torch.cat(grads, out=flat)  # into a buffer kept across steps: no allocation per step
-        works = [dist.all_reduce(flat, group=self.groups[a], async_op=True) for a in axes[:1]]
-        self._inflight.append((bucket, list(axes[1:]), flat, works))
+        b = self._bucket_of[ph]
+        b.ready += 1
+        if b.ready == len(b.members):
+            self._launch(b)
 
-    def wait(self) -> None:
-        for axes in list(self._pending):
-            self._flush(axes)
-        for bucket, rest, flat, works in self._inflight:
-            for w in works:
-                w.wait()
-            for a in rest:  # further axes reduce after the first (rare: 2-D data parallel)
-                dist.all_reduce(flat, group=self.groups[a])
-            offset = 0
-            for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        self._inflight.clear()
+    def _launch(self, b: _Bucket) -> None:
+        view = self.store.flat_grad(b.dtype)[b.start: b.start + b.numel]
+        b.work = self.comm.all_reduce(view, b.axes[0], async_op=True)
+
+    def _reduce_scatter(self, ph: str) -> None:
+        s = self.store.slots[ph]
+        g = s.local.grad
+        s.local.grad = None
+        d, comm = s.state_dim, self.comm
+        axes = self._zero2[ph]
+        for a in axes:
+            if a not in s.zero_axes:
+                comm.all_reduce(g, a)
+        reduce_on = [a for a in s.zero_axes if a in axes]
+        if len(reduce_on) == 1 and all(a in axes for a in s.zero_axes):
+            a = reduce_on[0]
+            n = comm.sizes[a]
+            front = g.movedim(d, 0).contiguous()
+            rows = -(-front.shape[0] // n)
+            if rows * n != front.shape[0]:
+                pad = front.new_zeros((rows * n - front.shape[0],) + tuple(front.shape[1:]))
+                front = torch.cat([front, pad])
+            out = torch.empty((rows,) + tuple(front.shape[1:]), dtype=g.dtype, device=g.device)
+            work = comm.reduce_scatter(out, front, a, async_op=True)
+            self._pending.append((work, out, front, s, s.opt.shape[d]))
+            while len(self._pending) > MAX_INFLIGHT:
+                self._complete(self._pending.pop(0))
+            return
+        for a in sorted(s.zero_axes):  # several zero axes: nested, synchronously
+            g = reduce_scatter_dim(g, d, comm, a) if a in axes else slice_dim(g, d, comm.sizes[a], comm.coords[a])
+        s.opt.grad.add_(g)
+
+    @staticmethod
+    def _complete(item) -> None:
+        work, out, _staging, s, length = item
+        if work is not None:
+            work.wait()
+        s.opt.grad.movedim(s.state_dim, 0).add_(out[:length])
+
+    # ------------------------------------------------------------------ called by the runtime
+    def arm(self, last_microbatch: bool) -> None:
+        """Before each backward: all-reduce buckets only on the last microbatch."""
+        self._last = last_microbatch
+        if last_microbatch:
+            for b in self.buckets:
+                b.ready, b.work = 0, None
+
+    def finish(self) -> None:
+        """After the last backward: launch what never filled, then wait for every reduction."""
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            view = self.store.flat_grad(b.dtype)[b.start: b.start + b.numel]
+            for a in b.axes[1:]:  # further axes reduce after the first (rare: 2-D data parallel)
+                self.comm.all_reduce(view, a)
+            b.work = None
+        self.drain()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._complete(self._pending.pop(0))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+
+def _hook(me: weakref.ref, ph: str):
+    def hook(_param):
+        sync = me()
+        if sync is not None:
+            sync._ready(ph)
+    return hook

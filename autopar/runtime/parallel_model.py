@@ -1,40 +1,64 @@
-"""``ParallelModel``: the per-rank program of a plan, its local parameters, and the train step.
+"""``ParallelModel``: the per-rank program of a plan, its parameters, and the training step.
 
 Invariants:
-* every rank holds exactly its local shard of each parameter (per the plan's layout), and the
-  gradient that backward leaves on it is already reduced (the program's ``reshard`` edges carry the
-  gradient synchronisation, data-parallel all-reduce and FSDP reduce-scatter alike);
-* parameters with ``zero_axes`` (ZeRO-1/2) stay replicated for compute; the optimizer updates a
-  flat 1/n slice per rank (``_ZeroShard``) and the slices are all-gathered after the step;
-* ``full_state_dict()`` has the keys of the user's ``model.state_dict()``.
+* every rank holds exactly its local shard of each parameter (``ParamStore``), and after
+  ``train_step``'s backward every gradient is reduced as the plan says: in the program's
+  ``reshard`` edges (tensor parallel, ZeRO-3 reduce-scatter) or by ``GradSync`` (data-parallel
+  all-reduce in bucket views, ZeRO-2 reduce-scatter);
+* ZeRO-1/2 parameters stay whole for compute; the optimizer updates their ``Shard(state_dim)``
+  view and the shards are all-gathered back after the step;
+* the step runs in three named phases (forward, backward, optimizer), which ``measure_step``
+  uses to report memory by category beside the plan's prediction;
+* ``close()`` (or leaving a ``with`` block) removes every hook and drops every process group
+  reference this object holds.
 """
 from __future__ import annotations
 
-import copy
-import math
-from dataclasses import dataclass
+import contextlib
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import AutoparError
-from autopar.layouts import Partial, Replicate, Shard, parse_layout, replicated
-from autopar.resharding import reshard_steps, reshard_steps_for
-from autopar.runtime.collectives import MeshComm, active_mesh, apply_steps, shard_tensor
+from autopar.ir import GRAD_SYNC_KEY, LOSS_LAYOUT_KEY, reshard
+from autopar.layouts import Partial, chunk_range, parse_layout, replicated
+from autopar.resharding import reshard_steps_for
+from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, shard_tensor
+from autopar.runtime.comm import MeshComm
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.memory import MemoryReport, MemoryTracker
+from autopar.runtime.param_store import ParamStore
 
-__all__ = ["ParallelModel"]
+__all__ = ["ParallelModel", "StepMeasurement"]
 
 
-@dataclass
-class _ZeroShard:
-    """A replicated parameter whose optimizer state lives in flat slices over ``axes``."""
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured training step on this rank, beside the plan's prediction.
 
-    param: torch.nn.Parameter  # the replicated local parameter used by the program
-    shard: torch.nn.Parameter  # what the optimizer sees
-    axes: tuple[int, ...]
-    numel: int
+    ``comm_bytes`` / ``predicted_comm_bytes``: bytes per collective kind in the step (nccl-tests
+    size convention, see ``runtime.comm``). ``memory``: measured bytes by category;
+    ``predicted_memory``: the plan's figures for the same categories."""
+
+    loss: float
+    step_time_s: float
+    predicted_step_time_s: float
+    memory: MemoryReport
+    predicted_peak_bytes: float
+    predicted_memory: dict = field(default_factory=dict)
+    comm_bytes: dict = field(default_factory=dict)
+    predicted_comm_bytes: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        lines = [self.memory.table(self.predicted_memory, self.predicted_peak_bytes), ""]
+        lines.append(f"{'collective':<16} {'measured B':>14} {'predicted B':>14}")
+        for k in sorted(set(self.comm_bytes) | set(self.predicted_comm_bytes)):
+            lines.append(f"{k:<16} {self.comm_bytes.get(k, 0):>14,} {int(self.predicted_comm_bytes.get(k, 0)):>14,}")
+        lines.append(f"step time {self.step_time_s * 1e3:.2f} ms (predicted {self.predicted_step_time_s * 1e3:.2f} ms)")
+        return "\n".join(lines)
 
 
 class ParallelModel:
@@ -42,6 +66,8 @@ class ParallelModel:
 
     def __init__(self, *, plan, traced, program: fx.GraphModule, device_mesh, model: torch.nn.Module,
                  optimizer: Callable, device: torch.device, precision: str, loss_reduction: str = "mean"):
+        from autopar.cost_models.memory import precision_policy
+
         self.plan = plan
         self.program = program
         self.device_mesh = device_mesh
@@ -49,74 +75,38 @@ class ParallelModel:
         self.step = 0
         self._traced = traced
         self._device = device
-        self._precision = precision
+        self._policy = precision_policy(precision)
         self._loss_reduction = loss_reduction  # how microbatch losses combine: "mean" or "sum"
         self._model_keys = list(model.state_dict().keys())
         self._placeholders = [n.name for n in program.graph.nodes if n.op == "placeholder"]
-        self._gathers_params = _gathers_params(program)
-        self._layouts = {n.name: parse_layout(n.outs[0]) for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        self._gathers_params = any(n.kwargs.get("param") for g in program.modules() if isinstance(g, fx.GraphModule)
+                                   for n in g.graph.nodes if n.op == "call_function" and n.target is reshard)
         self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes
                         if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
-        self._params: dict[str, torch.nn.Parameter] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._zero: list[_ZeroShard] = []
         self._param_of_key = _tied_keys(model)
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        plan_params = plan.params
-        for ph, fqn in traced.param_fqns.items():
-            full = _materialize(model, fqn, params[fqn])
-            local = shard_tensor(full.detach().to(device), self._layouts[ph], self.comm).clone()
-            p = torch.nn.Parameter(local, requires_grad=params[fqn].requires_grad)
-            self._params[ph] = p
-            axes = tuple(plan.mesh_axes_index(a) for a in plan_params[fqn].zero_axes)
-            axes = tuple(a for a in axes if self.comm.sizes[a] > 1)
-            if axes and p.requires_grad:
-                self._zero.append(self._make_zero_shard(p, axes))
-        for ph, fqn in traced.buffer_fqns.items():
-            full = _materialize(model, fqn, buffers[fqn])
-            self._buffers[ph] = shard_tensor(full.detach().to(device), self._layouts[ph], self.comm).clone()
-        from autopar.passes.defer_gradient_sync import GRAD_SYNC_KEY
-        from autopar.runtime.grad_sync import GradBucketer
-
         deferred = program.meta.get(GRAD_SYNC_KEY, {})
-        self._grad_sync = GradBucketer(
-            {self._params[ph]: axes for ph, axes in deferred.items() if self._params[ph].requires_grad},
-            self.comm.groups,
-        )
-        from autopar.passes.insert_collectives import LOSS_LAYOUT_KEY
-
+        self.store = ParamStore(plan=plan, traced=traced, model=model, comm=self.comm, device=device,
+                                order=_backward_order(program, deferred))
+        self._layouts = dict(self.store.layouts)
+        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        for name in traced.input_names + ([traced.target_name] if traced.target_name else []):
+            self._layouts[name] = parse_layout(layouts[name])
+        self._grad_sync = GradSync(self.store, deferred, self.comm)
         self._loss_layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
-        zero_ids = {id(z.param) for z in self._zero}
-        opt_params = [p for p in self._params.values() if p.requires_grad and id(p) not in zero_ids]
-        opt_params += [z.shard for z in self._zero]
-        self.optimizer = optimizer(opt_params)
+        self.optimizer = optimizer(self.store.optimizer_params())
+        self._tracker: MemoryTracker | None = None
 
-    # ------------------------------------------------------------------ ZeRO-1/2 slices
-    def _zero_slice(self, flat: torch.Tensor, axes) -> torch.Tensor:
-        for a in axes:
-            n, c = self.comm.sizes[a], self.comm.coords[a]
-            pad = (-flat.numel()) % n
-            if pad:
-                flat = torch.cat([flat, flat.new_zeros(pad)])
-            flat = flat.chunk(n)[c]
-        return flat
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Remove hooks and release process-group references (then destroy_process_group is safe)."""
+        self._grad_sync.close()
+        self.comm.close()
 
-    def _make_zero_shard(self, p: torch.nn.Parameter, axes) -> _ZeroShard:
-        shard = torch.nn.Parameter(self._zero_slice(p.detach().reshape(-1), axes).clone())
-        return _ZeroShard(p, shard, axes, p.numel())
+    def __enter__(self) -> "ParallelModel":
+        return self
 
-    def _zero_gather(self, z: _ZeroShard) -> None:
-        flat = z.shard.detach()
-        sizes = []
-        numel = z.numel
-        for a in z.axes:  # sizes after each slicing level, to undo padding in reverse
-            sizes.append(numel)
-            numel = math.ceil(numel / self.comm.sizes[a])
-        for a, before in zip(reversed(z.axes), reversed(sizes)):
-            flat = apply_steps(flat, reshard_steps((Shard(0),), (Replicate(),)), _axis_comm(self.comm, a))[:before]
-        with torch.no_grad():
-            z.param.copy_(flat.view_as(z.param))
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ steps
     def _args(self, inputs: tuple, target: Any) -> list:
@@ -129,11 +119,12 @@ class ParallelModel:
                 raise AutoparError("train_step needs target= (the loss_fn's second argument)")
             feed[self._traced.target_name] = target
         args = []
+        slots, buffers = self.store.slots, self.store.buffers
         for ph in self._placeholders:
-            if ph in self._params:
-                args.append(self._params[ph])
-            elif ph in self._buffers:
-                args.append(self._buffers[ph])
+            if ph in slots:
+                args.append(slots[ph].local)
+            elif ph in buffers:
+                args.append(buffers[ph])
             else:
                 x = feed[ph]
                 if isinstance(x, torch.Tensor):
@@ -142,17 +133,18 @@ class ParallelModel:
         return args
 
     def _run(self, args):
-        import contextlib
-
         from autopar.runtime.param_regather import regather_saved_params
 
         # saved-tensor hooks only where a parameter is gathered (ZeRO-3): they cost a Python call
         # per saved tensor
         with regather_saved_params() if self._gathers_params else contextlib.nullcontext():
-            if self._precision == "bf16-mixed":
-                with torch.autocast(self._device.type, dtype=torch.bfloat16):
+            if self._policy.mixed:
+                with torch.autocast(self._device.type, dtype=self._policy.torch_compute_dtype):
                     return self.program(*args)
             return self.program(*args)
+
+    def _phase(self, name: str):
+        return self._tracker.phase(name) if self._tracker is not None else contextlib.nullcontext()
 
     def _microbatches(self, inputs: tuple, target: Any) -> list[tuple[tuple, Any]]:
         m = self.plan.microbatches
@@ -167,7 +159,7 @@ class ParallelModel:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
 
         With ``plan.microbatches = m`` the batch runs as m slices whose gradients accumulate
-        (data-parallel reductions happen once, after the last slice). Returns the global loss
+        (data-parallel all-reduces happen once, after the last slice). Returns the global loss
         (the same value on every rank).
         """
         micro = self._microbatches(inputs, target)
@@ -176,28 +168,41 @@ class ParallelModel:
         values, pending = [], []
         with active_mesh(self.comm):
             for i, (x, t) in enumerate(micro):
-                self._grad_sync.enabled = i == m - 1
-                loss = self._run(self._args(x, t))
-                if isinstance(loss, (tuple, list)):
-                    loss = loss[0]
-                value, works = self._reduce_loss_async(loss)
+                self._grad_sync.arm(last_microbatch=i == m - 1)
+                with self._phase("forward"):
+                    loss = self._run(self._args(x, t))
+                    if isinstance(loss, (tuple, list)):
+                        loss = loss[0]
+                    value, works = self._reduce_loss_async(loss)
                 values.append(value)
                 pending += works
-                (loss * (self._loss_grad_scale() * weight)).backward()
-            self._grad_sync.wait()
-            for z in self._zero:
-                g = z.param.grad
-                z.shard.grad = None if g is None else self._zero_slice(g.reshape(-1), z.axes).clone()
-                z.param.grad = None
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            for z in self._zero:
-                self._zero_gather(z)
+                with self._phase("backward"):
+                    (loss * (self._loss_grad_scale() * weight)).backward()
+                del loss
+            with self._phase("backward"):
+                self._grad_sync.finish()
+            with self._phase("optimizer"):
+                self.optimizer.step()
+                self._gather_zero_params()
+            self.store.zero_grads()
             for w in pending:
                 w.wait()
             total = sum(float(self._finish_loss(v)) for v in values) * weight
         self.step += 1
         return total
+
+    @torch.no_grad()
+    def _gather_zero_params(self) -> None:
+        """ZeRO-1/2: all-gather the updated ``Shard(state_dim)`` pieces back into the whole parameter."""
+        for s in self.store.zero_slots():
+            d = s.state_dim
+            lengths = [s.local.shape[d]]  # the dim's length before each level of chunking
+            for a in sorted(s.zero_axes)[:-1]:
+                lengths.append(chunk_range(lengths[-1], self.comm.sizes[a], self.comm.coords[a])[1])
+            x = s.opt.detach()
+            for a, size in zip(reversed(sorted(s.zero_axes)), reversed(lengths)):
+                x = gather_dim(x, d, self.comm, a, size if size % self.comm.sizes[a] else None)
+            s.local.copy_(x)
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
@@ -214,6 +219,52 @@ class ParallelModel:
                     w.wait()
                 total += float(self._finish_loss(value))
         return total * weight
+
+    # ------------------------------------------------------------------ measurement
+    def measure_step(self, *inputs: torch.Tensor, target: Any = None) -> StepMeasurement:
+        """Run one ``train_step`` (it trains) while measuring this rank's memory by category and
+        the bytes of every collective, and return them beside the plan's prediction.
+
+        Measure after at least one step: optimizers such as Adam create their state lazily in
+        the first step, which would show up as step temporaries then."""
+        tracker = MemoryTracker()
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self._device)
+            base = torch.cuda.memory_allocated(self._device)
+        with tracker:
+            for category, tensors in self.store.persistent_tensors().items():
+                tracker.register(tensors, category)
+            tracker.register(self._optimizer_state(), "optimizer_state")
+            self.comm.stats.reset()
+            self._tracker = tracker
+            t0 = time.perf_counter()
+            try:
+                loss = self.train_step(*inputs, target=target)
+            finally:
+                self._tracker = None
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            tracker.register(self._optimizer_state(), "optimizer_state")
+        device_peak = None
+        if cuda:
+            device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
+        pred = self.plan.predicted
+        return StepMeasurement(
+            loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
+            memory=tracker.report(device_peak), predicted_peak_bytes=pred.peak_memory_bytes,
+            predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
+            predicted_comm_bytes=dict(pred.comm_bytes),
+        )
+
+    def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
+        """``measure_step(...).memory``: this rank's memory during one training step, by category."""
+        return self.measure_step(*inputs, target=target).memory
+
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        return [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
     # ------------------------------------------------------------------ the loss value
     def _partial_axes(self) -> list[tuple[int, str]]:
@@ -232,26 +283,28 @@ class ParallelModel:
 
     def _reduce_loss_async(self, loss: torch.Tensor):
         value = loss.detach().clone().reshape(1).float()
-        works = [dist.all_reduce(value, group=self.comm.groups[a], async_op=True) for a, _ in self._partial_axes()[:1]]
-        return value, works
+        works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes()[:1]]
+        return value, [w for w in works if w is not None]
 
     def _finish_loss(self, value: torch.Tensor) -> float:
         for a, _ in self._partial_axes()[1:]:
-            dist.all_reduce(value, group=self.comm.groups[a])
+            self.comm.all_reduce(value, a)
         for a, op in self._partial_axes():
             if op == "avg":
                 value = value / self.comm.sizes[a]
         return float(value)
 
     # ------------------------------------------------------------------ state
+    def _local_state(self, ph: str) -> torch.Tensor:
+        return self.store.slots[ph].local.detach() if ph in self.store.slots else self.store.buffers[ph]
+
     def state_dict(self) -> dict[str, Any]:
-        """Sharded state (DTensors over the plan's mesh), for torch.distributed.checkpoint."""
-        out = {}
-        for ph, fqn in self._traced.param_fqns.items():
-            out[fqn] = self._dtensor(ph, self._params[ph].detach())
-        for ph, fqn in self._traced.buffer_fqns.items():
-            out[fqn] = self._dtensor(ph, self._buffers[ph])
-        return out
+        """Sharded state (DTensors over the plan's mesh) under the user's ``model.state_dict()``
+        keys, for torch.distributed.checkpoint."""
+        by_name = {}
+        for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
+            by_name[fqn] = self._dtensor(ph, self._local_state(ph))
+        return {k: by_name[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in by_name}
 
     def _dtensor(self, ph: str, local: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -267,31 +320,24 @@ class ParallelModel:
         """Full (gathered) tensors under the user's ``model.state_dict()`` keys, on every rank."""
         full: dict[str, torch.Tensor] = {}
         ndim = len(self.comm.sizes)
-        with active_mesh(self.comm):
-            for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
-                local = self._params[ph].detach() if ph in self._params else self._buffers[ph]
-                shape = self._shapes[ph]
-                steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
-                full[fqn] = apply_steps(local, steps, self.comm, shape).cpu()
+        for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
+            shape = self._shapes[ph]
+            steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
+            full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).cpu()
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
 
 
-def _gathers_params(program: fx.GraphModule) -> bool:
-    """Whether any parameter reaches its consumers through an all-gather (ZeRO-3 style)."""
-    from autopar.runtime.collectives import reshard
-
-    for n in program.graph.nodes:
-        if n.op == "call_function" and n.target is reshard and n.args[0].op == "placeholder" \
-                and n.args[0].meta.get("autopar.kind") == "param":
-            src, dst = parse_layout(n.args[1]), parse_layout(n.args[2])
-            # an unevenly stored parameter (shape given) is always gathered first, whatever dst is
-            if n.kwargs.get("shape") is not None or any(step.kind == "all_gather" for step in reshard_steps(src, dst)):
-                return True
-    return False
-
-
-def _axis_comm(comm: MeshComm, axis: int) -> MeshComm:
-    return MeshComm((comm.groups[axis],), (comm.sizes[axis],), (comm.coords[axis],))
+def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:
+    """Parameter placeholders in the order backward produces their gradients (reverse of first
+    use), the data-parallel ones first so that their buckets are contiguous."""
+    first_use: dict[str, int] = {}
+    for i, n in enumerate(program.graph.nodes):
+        for a in n.all_input_nodes:
+            if a.op == "placeholder" and a.meta.get("autopar.kind") == "param":
+                first_use.setdefault(a.name, i)
+    params = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"]
+    order = sorted(params, key=lambda p: -first_use.get(p, -1))
+    return [p for p in order if p in deferred] + [p for p in order if p not in deferred]
 
 
 def _tied_keys(model: torch.nn.Module) -> dict[str, str]:
@@ -303,20 +349,3 @@ def _tied_keys(model: torch.nn.Module) -> dict[str, str]:
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         out[name] = canonical.get(id(t), name)
     return out
-
-
-def _materialize(model: torch.nn.Module, fqn: str, t: torch.Tensor) -> torch.Tensor:
-    """A real tensor for ``fqn``: as is, or for a meta tensor, the owning module re-initialised
-    alone on CPU (peak memory: one module, not the model)."""
-    if not t.is_meta:
-        return t
-    path, _, leaf = fqn.rpartition(".")
-    owner = model.get_submodule(path) if path else model
-    if not hasattr(owner, "reset_parameters"):
-        raise AutoparError(
-            f"parameter {fqn!r} is on the meta device and {type(owner).__name__} has no reset_parameters(); "
-            "initialise the model before compile or give the module a reset_parameters()"
-        )
-    clone = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    clone.reset_parameters()
-    return getattr(clone, leaf)

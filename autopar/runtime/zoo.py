@@ -5,6 +5,8 @@ matmuls) with tied embeddings. ``TinyLlama``: RMSNorm, rotary embeddings from co
 grouped-query attention (repeat_interleave of k/v heads), SwiGLU MLP, no biases. ``SmallCNN``:
 convolutions, BatchNorm (its running statistics are buffers updated in place), pooling.
 ``OddMLP``: no parameter dim divisible by 2 or 4, one smaller than 4 (ZeRO-3 must shard unevenly).
+``ResidualMLP``: parameter-dominated pre-norm residual MLP blocks over [batch, sequence, dim]
+(a transformer without attention: sequence parallelism has a norm output to split).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -175,3 +177,25 @@ class OddMLP(nn.Module):
 
     def forward(self, x):
         return self.head(x + self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, d: int = 256, hidden: int = 1024, layers: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(_MLPBlock(d, hidden) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -29,6 +29,7 @@ from autopar.layouts import (
     divides_evenly,
     format_layout,
     local_grad_layout,
+    state_dim,
 )
 from autopar.strategies.rules import AxisOption, OpView, rule_for
 from autopar.trace import TensorMeta, tensor_inputs
@@ -45,7 +46,8 @@ class Strategy:
     ins: tuple[Layout | None, ...]
     outs: tuple[Layout | None, ...]
     grad_ins: tuple[Layout | None, ...]
-    zero_axes: tuple[int, ...] = ()  # params only: grads + optimizer state sharded on these axes
+    zero_axes: tuple[int, ...] = ()  # params only: optimizer state (ZeRO-1/2) sharded on these axes
+    zero_stage: int = 0  # with zero_axes: 1 (gradients whole) or 2 (gradients reduce-scattered too)
 
     def describe(self) -> str:
         outs = ", ".join(format_layout(o) if o is not None else "-" for o in self.outs)
@@ -53,7 +55,7 @@ class Strategy:
         if any(i is not None for i in self.ins):
             text += " <- " + ", ".join(format_layout(i) if i is not None else "any" for i in self.ins)
         if self.zero_axes:
-            text += f" zero-sharded on axes {list(self.zero_axes)}"
+            text += f" ZeRO-{self.zero_stage} on axes {list(self.zero_axes)}"
         return text
 
 
@@ -128,7 +130,12 @@ def enumerate_strategies(
             if reason and kind != "param":
                 excluded.append((format_layout(layout), reason))
                 continue
-            strategies.append(Strategy((), (layout,), (), zero))
+            if not zero:
+                strategies.append(Strategy((), (layout,), ()))
+            elif state_dim(meta.shape, layout) is None:
+                excluded.append((format_layout(layout) + " ZeRO", "no whole dim left to shard the optimizer state on"))
+            else:  # ZeRO-1 keeps whole gradients; ZeRO-2 reduce-scatters them as well
+                strategies += [Strategy((), (layout,), (), zero, 1), Strategy((), (layout,), (), zero, 2)]
         return NodeStrategies(node.name, tuple(strategies), tuple(excluded))
 
     n_out = len(metas)

@@ -1,0 +1,64 @@
+"""The contract between the passes (which write per-rank programs) and the runtime (which runs them).
+
+The graph target the passes insert for every layout change, ``reshard`` (implemented in
+``autopar.runtime.collectives``), and the ``GraphModule.meta`` keys the passes leave for the
+runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
+Rules both sides must apply identically (what the planner prices is what the passes emit) live
+here too.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.layouts import Layout, Partial, Replicate, grad_layout
+from autopar.runtime.collectives import reshard
+
+__all__ = ["reshard", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "GRAD_SYNC_KEY",
+           "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY"]
+
+GRAD_SYNC_KEY = "autopar.grad_sync"  # parameter placeholder -> mesh axes its gradient is all-reduced over
+LOSS_LAYOUT_KEY = "autopar.loss_layout"  # layout of a returned, not yet reduced, scalar loss
+RECOMPUTE_KEY = "autopar.recompute"  # names of the submodules run under activation checkpointing
+
+
+def param_cast_dtype(param: fx.Node, consumer: fx.Node):
+    """The dtype a parameter is cast to before it is gathered for ``consumer``: the consumer's
+    floating output dtype when it is narrower than the parameter's (autocast computes that op in
+    the lower precision, so casting the shard first changes no value and halves the bytes);
+    None otherwise. The planner prices gathers with the same rule."""
+    pm = (param.meta.get("autopar.outputs") or (None,))[0]
+    outs = [m for m in (consumer.meta.get("autopar.outputs") or ()) if m is not None and m.is_floating]
+    if pm is None or not pm.is_floating or not outs:
+        return None
+    low = outs[0].dtype
+    return low if low.itemsize < pm.dtype.itemsize else None
+
+
+def edge_reshard(src: Layout, want: Layout | None, grad_want: Layout | None, produces_grad: bool):
+    """The ``reshard`` an edge needs: ``(src, dst, grad_src, grad_dst)``, or None when the value
+    arrives as it is and its gradient needs no change. ``want`` / ``grad_want``: the consumer's
+    input layout and the layout of the gradient its local backward gives back (None: any)."""
+    if want is None:
+        return None
+    gdst = grad_layout(src) if produces_grad and grad_want is not None else None
+    gsrc = grad_want if gdst is not None else None
+    if src == want and (gsrc is None or gsrc == gdst):
+        return None
+    return src, want, gsrc, gdst
+
+
+def pure_all_reduce_axes(src: Layout, dst: Layout, gsrc: Layout | None, gdst: Layout | None) -> tuple[int, ...] | None:
+    """Axes of a reshard whose forward is a no-op and whose backward only sums (``P(sum) -> R``):
+    a parameter all of whose uses are such reshards over the same axes has its gradient all-reduced
+    by the runtime, once per step, in buckets (``defer_gradient_sync_pass``); None otherwise."""
+    if src != dst or gsrc is None:
+        return None
+    axes = []
+    for a, (p, q) in enumerate(zip(gsrc, gdst)):
+        if p == q:
+            continue
+        if isinstance(p, Partial) and p.reduce_op == "sum" and isinstance(q, Replicate):
+            axes.append(a)
+        else:
+            return None
+    return tuple(axes) if axes else None

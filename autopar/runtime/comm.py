@@ -1,0 +1,124 @@
+"""The one place the runtime talks to torch.distributed: a mesh's process groups, and every
+collective the program runs, with the bytes each kind moves counted per step.
+
+Only public c10d calls are used (``all_reduce``, ``all_gather_into_tensor`` / ``all_gather_single``,
+``reduce_scatter_tensor`` / ``reduce_scatter_single``, ``all_to_all_single``): they exist in torch
+2.11-2.13 and run on gloo and NCCL. Every collective of a training step goes through
+``MeshComm``, so ``MeshComm.stats`` is the process-group-level count the plan's predicted bytes
+are compared with.
+
+Bytes follow nccl-tests' "size" convention, the same the planner prices with: all-reduce the
+buffer, all-gather the gathered (output) buffer, reduce-scatter the input buffer, all-to-all the
+send buffer; padded sizes where a dim is sharded unevenly. A mesh axis of size 1 runs nothing.
+
+Invariant: a ``MeshComm`` holds process groups only until ``close()``; hooks and caches elsewhere
+reach it through weak references, so nothing keeps gloo alive past ``destroy_process_group``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MeshComm", "CommStats", "COLLECTIVE_KINDS"]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
+# warn); 2.11 has only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per collective kind since the last ``reset``."""
+
+    bytes: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return {k: int(self.bytes[k]) for k in COLLECTIVE_KINDS if self.calls[k]}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MeshComm:
+    """Per mesh axis: process group, size and this rank's coordinate; and the collectives."""
+
+    def __init__(self, groups: Sequence, sizes: Sequence[int], coords: Sequence[int],
+                 stats: CommStats | None = None):
+        self.groups = tuple(groups)
+        self.sizes = tuple(int(s) for s in sizes)
+        self.coords = tuple(int(c) for c in coords)
+        self.stats = stats if stats is not None else CommStats()
+        self.step_cache: dict = {}  # (src, dst, shape) -> reshard steps on this mesh
+
+    @classmethod
+    def from_device_mesh(cls, mesh) -> "MeshComm":
+        names = mesh.mesh_dim_names
+        return cls(
+            groups=tuple(mesh.get_group(n) for n in names),
+            sizes=tuple(mesh.size(i) for i in range(len(names))),
+            coords=tuple(mesh.get_local_rank(n) for n in names),
+        )
+
+    def axis_view(self, axis: int) -> "MeshComm":
+        """A one-axis mesh over ``axis`` sharing this mesh's statistics."""
+        return MeshComm((self.groups[axis],), (self.sizes[axis],), (self.coords[axis],), self.stats)
+
+    def close(self) -> None:
+        """Forget the process groups (call before ``destroy_process_group``)."""
+        self.groups = (None,) * len(self.sizes)
+        self.step_cache.clear()
+
+    # ------------------------------------------------------------------ collectives
+    def _group(self, axis: int):
+        g = self.groups[axis]
+        if g is None:
+            raise RuntimeError("this autopar model was closed: its process groups are released")
+        return g
+
+    def all_reduce(self, t: torch.Tensor, axis: int, *, async_op: bool = False):
+        """Sum ``t`` in place over ``axis``."""
+        if self.sizes[axis] == 1:
+            return None
+        self.stats.record("all_reduce", _nbytes(t))
+        return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
+        """Concatenate every rank's ``inp`` (equal sizes) along dim 0 into ``out``."""
+        if self.sizes[axis] == 1:
+            out.copy_(inp)
+            return None
+        self.stats.record("all_gather", _nbytes(out))
+        return _all_gather_single(out, inp, group=self._group(axis), async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
+        """Sum ``inp`` over ``axis``; this rank keeps block ``coord`` of dim 0 in ``out``."""
+        if self.sizes[axis] == 1:
+            out.copy_(inp)
+            return None
+        self.stats.record("reduce_scatter", _nbytes(inp))
+        return _reduce_scatter_single(out, inp, group=self._group(axis), async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
+        """Block k of ``inp``'s dim 0 goes to rank k; block k of ``out`` comes from rank k."""
+        if self.sizes[axis] == 1:
+            out.copy_(inp)
+            return None
+        self.stats.record("all_to_all", _nbytes(inp))
+        return dist.all_to_all_single(out, inp, group=self._group(axis), async_op=async_op)

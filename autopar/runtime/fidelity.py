@@ -1,0 +1,103 @@
+"""Prediction vs measurement: compile a model under a plan family, train, and measure one step.
+
+Used by ``benchmarks/memory_fidelity.py`` and the fidelity tests: every rank compiles the model,
+trains a warm-up step (optimizer state is created lazily), then ``ParallelModel.measure_step``
+measures memory by category and bytes per collective kind beside the plan's prediction.
+
+Models: ``mlp`` (parameter dominated: ``zoo.ResidualMLP``, 4 wide pre-norm residual layers over
+[B, T, d], so sequence parallelism has a norm output to split) and ``gpt`` (activations dominate: the example GPT at sequence 128).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILIES", "fidelity_model", "fidelity_worker", "fidelity_suite"]
+
+MEGATRON_MLP = {"layers.*.up.weight": {"tp": "S(0)"}, "layers.*.down.weight": {"tp": "S(1)"}}
+MEGATRON_GPT = {"blocks.*.attn.qkv.weight": {"tp": "S(0)"}, "blocks.*.attn.proj.weight": {"tp": "S(1)"},
+                "blocks.*.mlp.fc.weight": {"tp": "S(0)"}, "blocks.*.mlp.proj.weight": {"tp": "S(1)"}}
+SP_GPT = {"blocks.*.ln_1": {"tp": "S(1)"}, "blocks.*.ln_2": {"tp": "S(1)"}}
+SP_MLP = {"layers.*.norm": {"tp": "S(1)"}}
+
+
+def _megatron(model: str) -> dict:
+    return MEGATRON_MLP if model == "mlp" else MEGATRON_GPT
+
+
+# plan family -> (constraints for the model, precision)
+def FAMILIES(model: str, world: int = 4) -> dict[str, tuple[dict, str]]:
+    half = world // 2
+    return {
+        "dp": ({"dp": world, "tp": 1, "zero": 0}, "fp32"),
+        "zero1": ({"dp": world, "zero": 1}, "fp32"),
+        "zero2": ({"dp": world, "zero": 2}, "fp32"),
+        "zero3": ({"dp": world, "zero": 3}, "fp32"),
+        "tp": ({"tp": world, "placements": _megatron(model)}, "fp32"),
+        "sp": ({"tp": world, "placements": _megatron(model), "outputs": SP_MLP if model == "mlp" else SP_GPT}, "fp32"),
+        "dp_tp": ({"dp": half, "tp": 2, "placements": _megatron(model)}, "fp32"),
+        "recompute": ({"dp": world, "zero": 0, "recompute": True}, "fp32"),
+        "micro2": ({"dp": world, "zero": 0, "microbatches": 2}, "fp32"),
+        "bf16": ({"dp": world, "zero": 0}, "bf16-mixed"),
+    }
+
+
+def fidelity_model(name: str, seed: int = 0):
+    """(model, inputs, target, loss_fn) for a fidelity model; the same on every rank."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        from autopar.runtime.zoo import ResidualMLP
+
+        mlp_loss = torch.nn.functional.mse_loss
+        model = ResidualMLP(256, 1024, 4)
+        x = torch.randn(16, 8, 256, generator=g)
+        return model, (x,), torch.randn(16, 8, 256, generator=g), mlp_loss
+    if name == "gpt":
+        from examples.gpt import GPT, GPTConfig, gpt_loss
+
+        cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
+        idx = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), generator=g)
+        tgt = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), generator=g)
+        return GPT(cfg), (idx,), tgt, gpt_loss
+    raise ValueError(f"unknown fidelity model {name!r}")
+
+
+def fidelity_worker(model_name: str, constraints: dict, precision: str = "fp32", optimizer: str = "adamw",
+                    cluster=None) -> dict[str, Any]:
+    """Compile, warm up one step, measure one step. Returns this rank's figures."""
+    import autopar
+
+    model, inputs, target, loss_fn = fidelity_model(model_name)
+    if optimizer == "adamw":
+        make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    else:
+        make_opt = lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)  # noqa: E731
+    pm = autopar.compile(model, cluster or autopar.Cluster.local(), inputs, example_target=target, loss_fn=loss_fn,
+                         optimizer=make_opt, constraints=autopar.Constraints(**constraints), precision=precision)
+    pm.train_step(*inputs, target=target)
+    m = pm.measure_step(*inputs, target=target)
+    out = {
+        "mesh": pm.plan.mesh, "recompute": pm.plan.recompute, "microbatches": pm.plan.microbatches,
+        "peak": m.memory.peak_bytes, "predicted_peak": m.predicted_peak_bytes, "peak_phase": m.memory.peak_phase,
+        "categories": m.memory.category_peaks, "at_peak": m.memory.at_peak,
+        "predicted_categories": m.predicted_memory,
+        "comm_bytes": m.comm_bytes, "predicted_comm_bytes": m.predicted_comm_bytes,
+        "step_time_s": m.step_time_s, "predicted_step_time_s": m.predicted_step_time_s,
+        "table": m.table(),
+    }
+    pm.close()
+    return out
+
+
+def fidelity_suite(cases: list[tuple]) -> list[dict[str, Any]]:
+    """Several (model, family) fidelity runs in one process group."""
+    results = []
+    for model_name, family in cases:
+        constraints, precision = FAMILIES(model_name, int(os.environ.get("WORLD_SIZE", "4")))[family]
+        r = fidelity_worker(model_name, constraints, precision)
+        r["model"], r["family"] = model_name, family
+        results.append(r)
+    return results

@@ -1,0 +1,201 @@
+"""This rank's parameters, buffers and gradients, laid out as the plan says.
+
+Invariants:
+* every parameter is held as its local shard of the plan's layout (``ParamSlot.local``, what the
+  program consumes); ZeRO-3 parameters are that layout's (possibly uneven, ``torch.chunk``-cut)
+  shard on the data axes;
+* ZeRO-1/2 parameters stay whole on their zero axes for compute; the optimizer sees
+  ``ParamSlot.opt``, a *view* of ``local`` cut along ``state_dim`` (DTensor ``Shard(state_dim)``
+  on each zero axis), so its state is sharded and the update writes into ``local`` in place;
+* gradients live in persistent flat buffers, one per dtype (as DDP's ``gradient_as_bucket_view``):
+  ``local.grad`` is a view, backward accumulates into it in place, and data-parallel buckets are
+  contiguous ranges of it: nothing holds a second copy. ZeRO-2 parameters instead accumulate a
+  full gradient only until it is reduce-scattered into their shard of a flat shard buffer
+  (``opt.grad`` is a view of it). ``zero_grads()`` zeroes the buffers; grads are never None;
+* replicas start equal: full tensors are broadcast from rank 0 before each rank takes its shard
+  (as DDP does), whatever seed each process used.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.layouts import Layout, chunk_range, parse_layout, state_dim
+from autopar.runtime.collectives import shard_tensor
+from autopar.runtime.comm import MeshComm
+
+__all__ = ["ParamSlot", "ParamStore", "state_chunk"]
+
+
+@dataclass
+class ParamSlot:
+    ph: str  # placeholder name in the program
+    fqn: str
+    shape: tuple[int, ...]  # global shape
+    layout: Layout  # the layout the program consumes (ZeRO-3: sharded on the data axes)
+    zero_axes: tuple[int, ...]  # ZeRO-1/2: optimizer state (and for stage 2 the gradient) sharded here
+    zero_stage: int  # 0, 1, 2 (ZeRO-3 is expressed by ``layout``)
+    state_dim: int | None
+    local: torch.nn.Parameter
+    opt: torch.nn.Parameter | None = None  # what the optimizer updates (None: frozen)
+
+    @property
+    def trainable(self) -> bool:
+        return self.local.requires_grad
+
+
+def state_chunk(size: int, zero_axes: Iterable[int], comm: MeshComm) -> tuple[int, int]:
+    """(start, length) of this rank's ZeRO state chunk of a dim of ``size``: cut on each zero axis in
+    turn (DTensor's order for ``Shard(d)`` on several mesh axes), as ``torch.chunk`` cuts."""
+    start, length = 0, size
+    for a in sorted(zero_axes):
+        s, length = chunk_range(length, comm.sizes[a], comm.coords[a])
+        start += s
+    return start, length
+
+
+class ParamStore:
+    """Local parameters, buffers and gradient buffers of one rank (see module docstring)."""
+
+    def __init__(self, *, plan, traced, model: torch.nn.Module, comm: MeshComm, device: torch.device,
+                 order: list[str]):
+        self.comm = comm
+        self.device = device
+        self.slots: dict[str, ParamSlot] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.layouts: dict[str, Layout] = {}
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        placed = plan.params
+        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        for ph, fqn in traced.param_fqns.items():
+            pp = placed[fqn]
+            layout = parse_layout(layouts[ph])
+            self.layouts[ph] = layout
+            full = _replicate_from_rank0(_materialize(model, fqn, params[fqn]).detach().to(device))
+            local = torch.nn.Parameter(shard_tensor(full, layout, comm).clone(), requires_grad=params[fqn].requires_grad)
+            del full
+            zero_axes = tuple(a for a in (plan.mesh_axes_index(n) for n in pp.zero_axes) if comm.sizes[a] > 1)
+            stage = pp.zero_stage if zero_axes else 0
+            d = state_dim(pp.shape, layout) if zero_axes else None
+            if zero_axes and d is None:
+                raise AutoparError(f"internal: the plan ZeRO-shards {fqn} {pp.shape} {pp.layout} but it has no whole dim")
+            self.slots[ph] = ParamSlot(ph, fqn, tuple(pp.shape), layout, zero_axes, stage, d, local)
+        for ph, fqn in traced.buffer_fqns.items():
+            layout = parse_layout(layouts[ph])
+            self.layouts[ph] = layout
+            full = _replicate_from_rank0(_materialize(model, fqn, buffers[fqn]).detach().to(device))
+            self.buffers[ph] = shard_tensor(full, layout, comm).clone()
+        self._grad_flat: dict[torch.dtype, torch.Tensor] = {}
+        self._shard_flat: dict[torch.dtype, torch.Tensor] = {}
+        self.grad_order = [ph for ph in order if ph in self.slots and self.slots[ph].trainable]
+        self._make_grads()
+
+    # ------------------------------------------------------------------ gradients
+    def _make_grads(self) -> None:
+        """Flat gradient buffers (one per dtype) with each trainable parameter's grad a view, in
+        ``grad_order``; ZeRO-2 parameters get a view in a flat *shard* buffer instead."""
+        full_sizes: dict[torch.dtype, int] = {}
+        shard_sizes: dict[torch.dtype, int] = {}
+        for ph in self.grad_order:
+            s = self.slots[ph]
+            dt = s.local.dtype
+            if s.zero_stage == 2:
+                shard_sizes[dt] = shard_sizes.get(dt, 0) + self._opt_numel(s)
+            else:
+                full_sizes[dt] = full_sizes.get(dt, 0) + s.local.numel()
+        for dt, n in full_sizes.items():
+            self._grad_flat[dt] = torch.zeros(n, dtype=dt, device=self.device)
+        for dt, n in shard_sizes.items():
+            self._shard_flat[dt] = torch.zeros(n, dtype=dt, device=self.device)
+        offsets = dict.fromkeys(list(full_sizes) + list(shard_sizes), 0)
+        shard_offsets = dict.fromkeys(shard_sizes, 0)
+        for ph in self.grad_order:
+            s = self.slots[ph]
+            dt = s.local.dtype
+            if s.zero_stage == 2:
+                s.opt = self._opt_view(s)
+                n = s.opt.numel()
+                o = shard_offsets[dt]
+                region = self._shard_flat[dt][o: o + n]
+                moved = list(s.opt.shape)
+                moved.insert(0, moved.pop(s.state_dim))
+                s.opt.grad = region.view(moved).movedim(0, s.state_dim)
+                shard_offsets[dt] = o + n
+            else:
+                n = s.local.numel()
+                o = offsets[dt]
+                s.local.grad = self._grad_flat[dt][o: o + n].view_as(s.local)
+                offsets[dt] = o + n
+                if s.zero_stage == 1:
+                    s.opt = self._opt_view(s)
+                    start, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
+                    s.opt.grad = s.local.grad.narrow(s.state_dim, start, length)
+                else:
+                    s.opt = s.local
+
+    def _opt_numel(self, s: ParamSlot) -> int:
+        _, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
+        return s.local.numel() // max(s.local.shape[s.state_dim], 1) * length
+
+    def _opt_view(self, s: ParamSlot) -> torch.nn.Parameter:
+        start, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
+        return torch.nn.Parameter(s.local.detach().narrow(s.state_dim, start, length))
+
+    def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._grad_flat[dtype]
+
+    def grad_range(self, ph: str) -> tuple[torch.dtype, int, int]:
+        """(dtype, offset, numel) of a parameter's gradient in its flat buffer (not ZeRO-2)."""
+        s = self.slots[ph]
+        flat = self._grad_flat[s.local.dtype]
+        off = (s.local.grad.data_ptr() - flat.data_ptr()) // flat.element_size()
+        return s.local.dtype, off, s.local.numel()
+
+    def zero_grads(self) -> None:
+        for flat in list(self._grad_flat.values()) + list(self._shard_flat.values()):
+            flat.zero_()
+
+    def persistent_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What stays allocated across steps, by memory category (for measurement)."""
+        return {
+            "params": [s.local for s in self.slots.values()] + list(self.buffers.values()),
+            "grads": list(self._grad_flat.values()) + list(self._shard_flat.values()),
+        }
+
+    # ------------------------------------------------------------------ optimizer side
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        return [s.opt for s in self.slots.values() if s.trainable]
+
+    def zero_slots(self) -> list[ParamSlot]:
+        return [s for s in self.slots.values() if s.trainable and s.zero_stage in (1, 2)]
+
+
+def _replicate_from_rank0(t: torch.Tensor) -> torch.Tensor:
+    """Make every rank hold rank 0's values (processes seeded differently initialise differently)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.contiguous()
+        dist.broadcast(t, src=0)
+    return t
+
+
+def _materialize(model: torch.nn.Module, fqn: str, t: torch.Tensor) -> torch.Tensor:
+    """A real tensor for ``fqn``: as is, or for a meta tensor, the owning module re-initialised
+    alone on CPU (peak memory: one module, not the model)."""
+    if not t.is_meta:
+        return t
+    path, _, leaf = fqn.rpartition(".")
+    owner = model.get_submodule(path) if path else model
+    if not hasattr(owner, "reset_parameters"):
+        raise AutoparError(
+            f"parameter {fqn!r} is on the meta device and {type(owner).__name__} has no reset_parameters(); "
+            "initialise the model before compile or give the module a reset_parameters()"
+        )
+    clone = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+    clone.reset_parameters()
+    return getattr(clone, leaf)
