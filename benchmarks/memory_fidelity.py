@@ -19,33 +19,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-MIB = 2.0**20
-CATEGORIES = ("params", "grads", "optimizer_state", "activations", "backward", "optimizer_step")
-
-
-def check_row(r: dict) -> list[str]:
-    """What in one (worst-rank) result misses the goal; empty when it meets it."""
-    bad = []
-    ratio = r["peak"] / r["predicted_peak"] if r["predicted_peak"] else float("inf")
-    if not 1 / 1.15 <= ratio <= 1.15:
-        bad.append(f"peak {r['peak'] / MIB:.2f} MiB vs predicted {r['predicted_peak'] / MIB:.2f} ({ratio:.2f}x)")
-    for c in CATEGORIES:
-        got, want = r["categories"].get(c, 0.0), r["predicted_categories"].get(c, 0.0)
-        if abs(got - want) > max(0.2 * want, MIB):
-            bad.append(f"{c} {got / MIB:.2f} vs {want / MIB:.2f} MiB")
-    measured, predicted = r["comm_bytes"], {k: int(v) for k, v in r["predicted_comm_bytes"].items() if v}
-    if measured != predicted:
-        bad.append(f"collective bytes {measured} vs predicted {predicted}")
-    return bad
-
-
-def worst_rank(per_rank: list[dict]) -> dict:
-    return max(per_rank, key=lambda r: r["peak"] / max(r["predicted_peak"], 1.0))
-
-
 def main() -> int:
     import autopar
-    from autopar.runtime.fidelity import FAMILIES, fidelity_suite
+    from autopar.runtime.fidelity import CATEGORIES, FAMILIES, MIB, fidelity_misses, fidelity_suite, worst_rank
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=4)
@@ -66,7 +42,7 @@ def main() -> int:
         r = worst_rank([rank[i] for rank in results])
         r = dict(r, model=model, family=family)
         rows.append(r)
-        bad = check_row(r)
+        bad = fidelity_misses(r)
         failures += bool(bad)
         mesh = "x".join(str(v) for v in r["mesh"].values())
         cats = "  ".join(f"{r['categories'].get(c, 0) / MIB:>6.2f}/{r['predicted_categories'].get(c, 0) / MIB:<6.2f}"

@@ -3,8 +3,8 @@
 * compute: forward and backward time of a node's local work (roofline, ``cost_models.compute``);
   the work is split by the number of devices its output is split over (Shard or Partial axes).
 * resharding: the steps of ``autopar.resharding`` priced with ``cost_models.communication``.
-* memory: parameter/gradient/optimizer bytes of a parameter strategy (ZeRO by layout and
-  ``zero_axes``), and the bytes of an activation saved for backward.
+* memory: parameter/gradient/optimizer bytes of a parameter strategy (ZeRO by layout,
+  ``zero_axes`` and stage); what an op keeps for backward is ``problem.saved_bytes``.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from autopar.cost_models.communication import CommGroup, axis_group, collective_
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
-from autopar.layouts import Layout, Shard, local_shape, split_factor, state_layout
+from autopar.layouts import Layout, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
-from autopar.strategies.rules import FACTORY_OPS, OpView, _op_name
+from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "reshard_step_bytes",
@@ -35,12 +35,6 @@ VIEW_OPS = {
     "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "unsqueeze", "squeeze",
     "flatten", "unflatten", "alias", "detach", "getitem", "view_as", "swapaxes", "_reshape_alias",
 }
-
-# Ops whose backward needs only the upstream gradient (their inputs are not saved).
-NO_SAVE_OPS = VIEW_OPS | {
-    "add", "sub", "neg", "clone", "contiguous", "cat", "concat", "stack", "sum", "mean", "to",
-    "_to_copy", "type_as", "zeros_like", "ones_like", "empty_like", "full_like",
-} | FACTORY_OPS
 
 # backward / forward cost ratios by op kind
 _BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
@@ -244,13 +238,3 @@ def param_memory(meta: TensorMeta, strategy: Strategy, ctx: CostContext, trainab
     return sum(param_state_bytes(meta, strategy, ctx, trainable).values())
 
 
-def saved_activation_bytes(meta: TensorMeta, layout: Layout, ctx: CostContext) -> float:
-    shards = math.prod(n for p, n in zip(layout, ctx.mesh_shape) if isinstance(p, Shard))
-    return ctx.act_bytes(meta) / shards
-
-
-def saves_inputs(node: fx.Node) -> bool:
-    """Whether the node's backward keeps its inputs alive (conservative: unknown ops do)."""
-    if node.op != "call_function":
-        return False
-    return _op_name(node) not in NO_SAVE_OPS and node.meta.get("autopar.needs_grad", False)

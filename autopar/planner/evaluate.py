@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 from autopar.planner.costing import node_flops
 from autopar.planner.ilp import EXPOSED_FLOOR, OVERLAP_EFFICIENCY
-from autopar.planner.comm_model import predict_comm_bytes
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
-__all__ = ["Evaluation", "evaluate", "node_alternatives", "model_flops"]
+__all__ = ["Evaluation", "evaluate", "node_alternatives", "model_flops", "autocast_dtype"]
 
 
 @dataclass
@@ -30,7 +29,7 @@ class Evaluation:
     comm_by_kind: dict[str, float]
     memory: MemoryEstimate
     ilp_memory_bytes: float  # what the ILP's linear memory model charged for this choice
-    comm_bytes: dict[str, float]  # per collective kind per step
+    recompute: frozenset = frozenset()  # block instances checkpointed
 
     @property
     def peak_bytes(self) -> float:
@@ -43,8 +42,14 @@ def _edge_keys(e, choice):
     return ku, kv
 
 
-def evaluate(problem: Problem, choice: dict[str, int]) -> Evaluation:
+def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> Evaluation:
+    """``recompute``: the block instances checkpointed (default: all of them when the problem was
+    priced with recompute; fewer take back their share of the recomputed forward)."""
     compute = sum(v.fwd_s[choice[n]] + v.bwd_s[choice[n]] for n, v in problem.nodes.items())
+    if problem.recompute and recompute is not None:
+        for n, v in problem.nodes.items():
+            if v.in_block:  # bwd_s includes one forward more for every instance
+                compute -= v.fwd_s[choice[n]] * (1.0 - problem.recomputed_share(n, recompute))
     ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
     blocking = overlap = 0.0
     kinds: dict[str, float] = defaultdict(float)
@@ -62,15 +67,16 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Evaluation:
         overlap_s=overlap,
         exposed_s=exposed,
         comm_by_kind=dict(sorted(kinds.items())),
-        memory=(simulate_step_memory(problem, choice, autocast_dtype=_autocast_dtype(problem))
+        memory=(simulate_step_memory(problem, choice, recompute, autocast_dtype=autocast_dtype(problem))
                 if problem.traced is not None else MemoryEstimate(ilp_memory)),
         ilp_memory_bytes=ilp_memory,
-        comm_bytes=(predict_comm_bytes(problem, choice, autocast_dtype=_autocast_dtype(problem))
-                    if problem.traced is not None else {}),
+        recompute=(recompute if recompute is not None
+                   else frozenset(problem.block_instances()) if problem.recompute else frozenset()),
     )
 
 
-def _autocast_dtype(problem: Problem):
+def autocast_dtype(problem: Problem):
+    """The dtype the program runs under autocast with (None: no autocast)."""
     policy = problem.ctx.policy
     return policy.torch_compute_dtype if policy.mixed else None
 

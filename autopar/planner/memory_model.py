@@ -6,11 +6,12 @@ paper, in the order the per-rank program runs, at each value's local size under 
 layouts:
 
 * forward, node by node: the buffers the passes' ``reshard`` calls create for inputs that arrive
-  in another layout, each op's outputs (an output that aliases an input allocates nothing) and
-  its temporaries; what autograd saves (``planner.op_memory``: an input, a cast copy, an output,
-  a new tensor) stays until that op's backward; other values are freed after their last use.
-  Gathered parameters (ZeRO-3) are not kept: they are gathered again in backward. Blocks run under
-  activation checkpointing keep only their inputs, and recompute their saved set in backward;
+  in another layout (and the staging copies their collectives make), each op's outputs (an output
+  that aliases an input allocates nothing) and its temporaries; what autograd saves
+  (``planner.op_memory``: an input, a cast copy, an output, a new tensor) stays until that op's
+  backward; other values are freed after their last use. Gathered parameters (ZeRO-3) are not
+  kept: they are gathered again in backward. Blocks run under activation checkpointing keep only
+  their inputs, and recompute their saved set in backward;
 * backward, in reverse: input gradients at the consumer's layout (then at the producer's, when
   the edge reshards), accumulated into one buffer per value (parameters: into the persistent
   gradient buffers; ZeRO-2: held until their reduce-scatter, at most ``MAX_INFLIGHT`` pending),
@@ -21,6 +22,9 @@ It reports the same categories ``runtime.memory.MemoryTracker`` measures: persis
 ``params``, ``grads`` and ``optimizer_state``; the maxima over the step of what forward
 (``activations``), backward (``backward``) and the optimizer (``optimizer_step``) allocated; and
 the peak. With ``m`` microbatches one microbatch runs at a time: batch-derived values are 1/m.
+
+The graph's structure (inputs, uses, op profiles) is gathered once per traced graph
+(``_skeleton``); a simulation then only looks up layouts, so the search can run one per attempt.
 """
 from __future__ import annotations
 
@@ -28,12 +32,10 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-import torch.fx as fx
-
-from autopar.ir import param_cast_dtype
-from autopar.layouts import Layout, Shard, grad_layout, local_shape, split_factor, state_layout
+from autopar.ir import param_cast_dtype, pure_all_reduce_axes
+from autopar.layouts import Layout, Shard, grad_layout, local_shape, split_factor, state_dim, state_layout
 from autopar.planner.costing import reshard_staging_bytes
-from autopar.planner.op_memory import op_memory
+from autopar.planner.op_memory import OpMemory, op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
 from autopar.resharding import reshard_steps_for
 from autopar.trace import TensorMeta, tensor_inputs
@@ -54,13 +56,111 @@ class MemoryEstimate:
         return sum(self.categories.get(c, 0.0) for c in ("params", "grads", "optimizer_state"))
 
 
-def _numel(shape) -> int:
-    return math.prod(shape)
+# ---------------------------------------------------------------------------- graph structure
+@dataclass(frozen=True)
+class _In:
+    producer: str  # the node owning the value (through getitem)
+    index: int  # its output index
+    meta: TensorMeta | None
+    batch: bool  # batch-derived (1/m per microbatch)
+    param: bool  # the producer is a parameter
+    cast: object  # the dtype a parameter is cast to before it is gathered for this op (or None)
+    grad: bool  # a floating value a gradient flows back to
 
 
+@dataclass(frozen=True)
+class _Op:
+    name: str
+    ins: tuple[_In, ...]
+    outs: tuple[TensorMeta | None, ...]
+    uses: tuple[int, ...]  # per output: how many op inputs read it (the loss output counts)
+    prof: OpMemory
+    batch: bool
+    needs_grad: bool
+    instance: str | None  # the block instance it belongs to (for recompute)
+
+
+@dataclass(frozen=True)
+class _Skeleton:
+    placeholders: tuple[tuple[str, str, TensorMeta | None, bool, int], ...]  # name, kind, meta, batch, uses
+    ops: tuple[_Op, ...]
+    params: tuple[tuple[str, TensorMeta, bool], ...]  # name, meta, trainable (in optimizer order)
+
+
+def _skeleton(problem: Problem, autocast_dtype) -> _Skeleton:
+    key = ("autopar.step_skeleton", str(autocast_dtype))
+    meta_store = problem.traced.gm.meta
+    hit = meta_store.get(key)
+    if hit is not None:
+        return hit
+    traced, blocks = problem.traced, problem.blocks
+    batch = batch_derived(traced)
+    uses: dict[tuple[str, int], int] = {}
+    for n in traced.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            continue  # reading a tuple element is not a use of the tuple
+        for a in tensor_inputs(n):
+            u, j = producer_of(a)
+            uses[(u.name, j)] = uses.get((u.name, j), 0) + 1
+
+    def single(node) -> TensorMeta | None:
+        outs = node.meta.get("autopar.outputs") or (None,)
+        return outs[0] if len(outs) == 1 else None
+
+    placeholders, ops, params = [], [], []
+    for n in traced.graph.nodes:
+        kind = n.meta.get("autopar.kind")
+        if n.op == "placeholder":
+            placeholders.append((n.name, kind, single(n), n.name in batch, uses.get((n.name, 0), 0)))
+            if kind == "param":
+                params.append((n.name, n.meta["autopar.outputs"][0], bool(n.meta.get("autopar.requires_grad", True))))
+            continue
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        ins = []
+        for a in tensor_inputs(n):
+            u, j = producer_of(a)
+            meta = single(a)
+            is_param = u.op == "placeholder" and u.meta.get("autopar.kind") == "param"
+            ins.append(_In(u.name, j, meta, a.name in batch, is_param, param_cast_dtype(u, n) if is_param else None,
+                           bool(meta is not None and meta.is_floating and a.meta.get("autopar.needs_grad"))))
+        outs = tuple(n.meta.get("autopar.outputs") or ())
+        ops.append(_Op(n.name, tuple(ins), outs, tuple(uses.get((n.name, j), 0) for j in range(len(outs))),
+                       op_memory(n, autocast_dtype), n.name in batch, bool(n.meta.get("autopar.needs_grad")),
+                       blocks.instance_of.get(n.name) if blocks is not None else None))
+    sk = _Skeleton(tuple(placeholders), tuple(ops), tuple(params))
+    meta_store[key] = sk
+    return sk
+
+
+# ---------------------------------------------------------------------------- sizes
 def _local_bytes(meta: TensorMeta, layout: Layout | None, mesh, itemsize: float | None = None) -> float:
     shape = local_shape(meta.shape, layout, mesh) if layout is not None else meta.shape
-    return _numel(shape) * (itemsize if itemsize is not None else meta.itemsize)
+    return math.prod(shape) * (itemsize if itemsize is not None else meta.itemsize)
+
+
+class _Sizes:
+    """Memoised local sizes and reshard facts for one mesh (kept in the cost context's memo)."""
+
+    def __init__(self, problem: Problem):
+        self.mesh = problem.ctx.mesh_shape
+        self.memo = problem.ctx.reshard_memo
+
+    def local(self, meta: TensorMeta, layout, itemsize=None) -> float:
+        key = ("local", meta.shape, meta.itemsize, layout, itemsize)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = _local_bytes(meta, layout, self.mesh, itemsize)
+        return hit
+
+    def reshard(self, meta: TensorMeta, per_elem: float, src, dst) -> tuple[bool, float]:
+        """(whether it all-gathers, staging bytes beyond its input and output)."""
+        key = ("sim-reshard", meta.shape, per_elem, src, dst)
+        hit = self.memo.get(key)
+        if hit is None:
+            gathers = any(st.kind == "all_gather" for st in reshard_steps_for(meta.shape, src, dst, self.mesh))
+            hit = self.memo[key] = (gathers, reshard_staging_bytes(meta.shape, per_elem, src, dst, self.mesh))
+        return hit
 
 
 def persistent_bytes(problem: Problem, choice: dict[str, int]) -> dict[str, float]:
@@ -85,6 +185,7 @@ def persistent_bytes(problem: Problem, choice: dict[str, int]) -> dict[str, floa
     return out
 
 
+# ---------------------------------------------------------------------------- the simulation
 class _Sim:
     """Live bytes by phase; storages with reference counts (pending uses + saved references)."""
 
@@ -97,11 +198,11 @@ class _Sim:
         self.live = {"fwd": 0.0, "bwd": 0.0}
         self.max = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
         self.max_phase = ""
-        self._next = 0
+        self.next = 0
 
     def alloc(self, nbytes: float, phase: str, refs: int = 0) -> int:
-        sid = self._next
-        self._next += 1
+        sid = self.next
+        self.next += 1
         self.size[sid] = nbytes
         self.phase_of[sid] = phase
         self.refs[sid] = refs
@@ -143,186 +244,132 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     ``recompute``: block instance prefixes run under activation checkpointing (default: all
     block instances when ``problem.recompute``). ``trace``: a list to append
     ``(phase, node, forward bytes, backward bytes)`` to at every point the peak is checked."""
-    ctx, traced, blocks = problem.ctx, problem.traced, problem.blocks
-    mesh = ctx.mesh_shape
-    m = problem.microbatches
+    blocks = problem.blocks
     if recompute is None:
         recompute = frozenset(p for ps in blocks.blocks.values() for p in ps) if problem.recompute else frozenset()
-    batch = batch_derived(traced)
-    nodes = [n for n in traced.graph.nodes if n.op != "output"]
-    strat = {n.name: problem.strategy_of(n.name, choice) for n in nodes
-             if n.op == "placeholder" or (n.op == "call_function" and n.target is not operator.getitem)}
-    region = {n.name: blocks.instance_of.get(n.name) for n in nodes}
-    region = {k: v for k, v in region.items() if v in recompute}
+    sk = _skeleton(problem, autocast_dtype)
+    sizes = _Sizes(problem)
+    mesh = sizes.mesh
+    inv_m = 1.0 / problem.microbatches
+    strat = {name: problem.strategy_of(name, choice) for name, *_ in sk.placeholders}
+    strat.update({op.name: problem.strategy_of(op.name, choice) for op in sk.ops})
 
-    def out_layout(node: fx.Node, idx: int = 0):
-        u, j = producer_of(node)
-        s = strat.get(u.name)
-        return s.outs[j] if s is not None and j < len(s.outs) else None
-
-    def scale(name: str) -> float:
-        return 1.0 / m if name in batch else 1.0
-
-    def meta_of(node: fx.Node) -> TensorMeta | None:
-        outs = node.meta.get("autopar.outputs") or (None,)
-        return outs[0] if len(outs) == 1 else None
-
-    uses: dict[tuple, int] = {}
-    for n in nodes:
-        if n.op == "call_function" and n.target is operator.getitem:
-            continue  # reading a tuple element is not a use of the tuple
-        for a in tensor_inputs(n):
-            key = producer_of(a)
-            uses[(key[0].name, key[1])] = uses.get((key[0].name, key[1]), 0) + 1
-    out_node = next(n for n in traced.graph.nodes if n.op == "output")
-    for a in tensor_inputs(out_node):
-        key = producer_of(a)
-        uses[(key[0].name, key[1])] = uses.get((key[0].name, key[1]), 0) + 1
+    def layout_of(inp: _In):
+        s = strat[inp.producer]
+        return s.outs[inp.index] if inp.index < len(s.outs) else None
 
     sim = _Sim(trace)
-    val: dict[tuple, int | None] = {}  # (node, out index) -> storage id (None: persistent)
+    val: dict[tuple, int | None] = {}  # (node, out index) -> storage id (None: not the step's)
     saved_at: dict[str, list[int]] = {}  # node -> storages released by its backward
-    regathered: dict[str, list[float]] = {}  # node -> bytes of parameters gathered again in its backward
-    arrived: dict[str, list] = {}  # node -> per input: (storage, bytes, resharded, regather)
+    regathered: dict[str, float] = {}  # node -> bytes of parameters gathered again in its backward
+    resharded: dict[str, list[bool]] = {}  # node -> per input: arrived through a reshard
     region_inputs: dict[str, list[int]] = {}  # recompute instance -> storages checkpoint keeps
     region_saved: dict[str, dict] = {}  # recompute instance -> {storage: (bytes, first saver)} it re-creates
     region_temp: dict[str, float] = {}
     region_first: dict[str, int] = {}  # recompute instance -> first storage id made inside it
-    profiles = {}
     # ------------------------------------------------------------------ forward
-    for n in nodes:
-        kind = n.meta.get("autopar.kind")
-        if n.op == "placeholder":
-            meta = meta_of(n)
-            lay = strat[n.name].outs[0]
-            if kind in ("input", "target") and meta is not None and any(
-                    isinstance(p, Shard) and k > 1 for p, k in zip(lay, mesh)):
-                val[(n.name, 0)] = sim.alloc(_local_bytes(meta, lay, mesh) * scale(n.name), "fwd", uses.get((n.name, 0), 0))
-            else:
-                val[(n.name, 0)] = None  # parameters, buffers, whole inputs: not allocated by the step
-            continue
-        if n.target is operator.getitem:
-            continue  # an alias of its producer's output
-        s = strat[n.name]
-        sim.where = n.name
-        prof = profiles[n.name] = op_memory(n, autocast_dtype)
-        ins = tensor_inputs(n)
-        arrive = []
-        arrive_first = sim._next
+    for name, kind, meta, batch, n_uses in sk.placeholders:
+        lay = strat[name].outs[0]
+        if kind in ("input", "target") and meta is not None and any(
+                isinstance(p, Shard) and k > 1 for p, k in zip(lay, mesh)):
+            val[(name, 0)] = sim.alloc(sizes.local(meta, lay) * (inv_m if batch else 1.0), "fwd", n_uses)
+        else:
+            val[(name, 0)] = None  # parameters, buffers, whole inputs: not allocated by the step
+    for op in sk.ops:
+        s = strat[op.name]
+        sim.where = op.name
+        prof = op.prof
+        arrive = []  # per input: (storage, bytes, resharded, regathered)
+        first_new = sim.next
         comm_temp = 0.0
-        for i, a in enumerate(ins):
-            u, j = producer_of(a)
-            sid = val.get((u.name, j))
-            meta = meta_of(a)
-            src, dst = out_layout(a), (s.ins[i] if i < len(s.ins) else None)
-            if meta is not None and src is not None and dst is not None and src != dst:
-                is_param = u.op == "placeholder" and u.meta.get("autopar.kind") == "param"
-                cast = param_cast_dtype(u, n) if is_param else None
-                size = _local_bytes(meta, dst, mesh, cast.itemsize if cast is not None else None) * scale(a.name)
-                steps = reshard_steps_for(meta.shape, src, dst, mesh)
-                gathers = any(st.kind == "all_gather" for st in steps)
-                r = sim.alloc(size, "fwd", 1)
-                per_elem = cast.itemsize if cast is not None else meta.itemsize
-                comm_temp = max(comm_temp, reshard_staging_bytes(meta.shape, per_elem, src, dst, mesh) * scale(a.name))
-                arrive.append((r, size, True, is_param and gathers))
+        for i, inp in enumerate(op.ins):
+            src, dst = layout_of(inp), (s.ins[i] if i < len(s.ins) else None)
+            if inp.meta is not None and src is not None and dst is not None and src != dst:
+                per_elem = inp.cast.itemsize if inp.cast is not None else inp.meta.itemsize
+                scale = inv_m if inp.batch else 1.0
+                size = sizes.local(inp.meta, dst, per_elem) * scale
+                gathers, staging = sizes.reshard(inp.meta, per_elem, src, dst)
+                comm_temp = max(comm_temp, staging * scale)
+                arrive.append((sim.alloc(size, "fwd", 1), size, True, inp.param and gathers))
             else:
-                arrive.append((sid, 0.0, False, False))
-        arrived[n.name] = arrive
-        inst = region.get(n.name)
+                arrive.append((val.get((inp.producer, inp.index)), 0.0, False, False))
+        resharded[op.name] = [a[2] for a in arrive]
         out_lay = next((o for o in s.outs if o is not None), None)
-        split = split_factor(out_lay, mesh) if out_lay is not None else 1
-        shrink = scale(n.name) / split
-        outs = n.meta.get("autopar.outputs") or ()
-        for j, om in enumerate(outs):
+        shrink = (inv_m if op.batch else 1.0) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
+        for j, om in enumerate(op.outs):
             if om is None:
                 continue
             alias = prof.aliases[j] if j < len(prof.aliases) else None
-            k = uses.get((n.name, j), 0)  # (uses through getitem resolve to (n, j) too)
             if alias is not None and alias < len(arrive):
-                base = arrive[alias][0]
-                sim.ref(base, k)
-                val[(n.name, j)] = base
+                sim.ref(arrive[alias][0], op.uses[j])
+                val[(op.name, j)] = arrive[alias][0]
             else:
                 lay = s.outs[j] if j < len(s.outs) else None
-                val[(n.name, j)] = sim.alloc(_local_bytes(om, lay, mesh) * scale(n.name), "fwd", k)
-        for g in n.users:  # getitem outputs share the tuple element's storage
-            if g.target is operator.getitem:
-                val[(g.name, 0)] = val.get((n.name, g.args[1]))
+                val[(op.name, j)] = sim.alloc(sizes.local(om, lay) * (inv_m if op.batch else 1.0), "fwd", op.uses[j])
         sim.check(extra_fwd=prof.fwd_temp * shrink + comm_temp)
         keep: list[int] = []
-        new_saved = 0.0
         for e in prof.saved:
-            if e[0] == "in" and e[1] < len(arrive):
-                sid, _, _, regather = arrive[e[1]]
-                if regather:
-                    regathered.setdefault(n.name, []).append(arrive[e[1]][1])
-                elif sid is not None:
-                    keep.append(sid)
-            elif e[0] == "cast" and e[1] < len(arrive):
+            if e[0] in ("in", "cast") and e[1] < len(arrive):
                 sid, size, _, regather = arrive[e[1]]
-                a = ins[e[1]]
-                meta = meta_of(a)
+                inp = op.ins[e[1]]
                 if regather:
-                    regathered.setdefault(n.name, []).append(size)
-                elif meta is not None:
-                    lay = s.ins[e[1]] if s.ins[e[1]] is not None else out_layout(a)
-                    b = _local_bytes(meta, lay, mesh, e[2]) * scale(a.name)
-                    keep.append(sim.alloc(b, "fwd"))
-                    new_saved += b
+                    regathered[op.name] = regathered.get(op.name, 0.0) + size
+                elif e[0] == "in":
+                    if sid is not None:
+                        keep.append(sid)
+                elif inp.meta is not None:  # a copy in another dtype (autocast)
+                    lay = s.ins[e[1]] if s.ins[e[1]] is not None else layout_of(inp)
+                    keep.append(sim.alloc(sizes.local(inp.meta, lay, e[2]) * (inv_m if inp.batch else 1.0), "fwd"))
             elif e[0] == "out":
-                sid = val.get((n.name, e[1]))
+                sid = val.get((op.name, e[1]))
                 if sid is not None:
                     keep.append(sid)
             elif e[0] == "new":
-                b = e[1] * shrink
-                keep.append(sim.alloc(b, "fwd"))
-                new_saved += b
+                keep.append(sim.alloc(e[1] * shrink, "fwd"))
+        keep = sorted(set(keep))
+        inst = op.instance if op.instance in recompute else None
         if inst is not None:
             # checkpointed: nothing is kept now; what it saves inside the block is recomputed in
             # backward (the block's inputs are kept by the checkpoint instead)
-            first = region_first.setdefault(inst, arrive_first)
+            first = region_first.setdefault(inst, first_new)
             store = region_saved.setdefault(inst, {})
-            for k in sorted(set(keep)):
+            for k in keep:
                 if k >= first and k not in store:
-                    store[k] = (sim.size.get(k, 0.0), n.name)  # released by its first saver's backward
-            region_temp[inst] = max(region_temp.get(inst, 0.0), prof.fwd_temp * shrink)
-            for k in set(keep):
+                    store[k] = (sim.size.get(k, 0.0), op.name)  # released by its first saver's backward
                 if sim.refs.get(k, 0) == 0:
                     sim.free(k)
+            region_temp[inst] = max(region_temp.get(inst, 0.0), prof.fwd_temp * shrink)
             keep = []
-            for i, a in enumerate(ins):  # checkpoint keeps the block's inputs (made outside it)
-                u, j = producer_of(a)
-                if region.get(u.name) != inst and val.get((u.name, j)) is not None:
-                    region_inputs.setdefault(inst, []).append(val[(u.name, j)])
-                    sim.ref(val[(u.name, j)])
-        for k in set(keep):
+            for inp in op.ins:
+                sid = val.get((inp.producer, inp.index))
+                if sid is not None and sid < first:  # made outside the block
+                    region_inputs.setdefault(inst, []).append(sid)
+                    sim.ref(sid)
+        for k in keep:
             sim.ref(k)
-        saved_at[n.name] = sorted(set(keep))
-        for i, a in enumerate(ins):
-            u, j = producer_of(a)
-            sid, _, resharded, _ = arrive[i]
-            if resharded:
+        saved_at[op.name] = keep
+        for inp, (sid, _, was_resharded, _) in zip(op.ins, arrive):
+            if was_resharded:
                 sim.unref(sid)  # the reshard's output had this one use
-            sim.unref(val.get((u.name, j)))
+            sim.unref(val.get((inp.producer, inp.index)))
     fwd_peak = sim.max["fwd"]
     # ------------------------------------------------------------------ backward
     grad_of: dict[int, int] = {}  # value storage -> its gradient's storage
     inflight: list[int] = []
     seen_regions: set[str] = set()
-    ops = [n for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
     first_of_region: dict[str, str] = {}
-    for n in ops:
-        if n.name in region:
-            first_of_region.setdefault(region[n.name], n.name)
-    for n in reversed(ops):
-        if not n.meta.get("autopar.needs_grad"):
-            for sid in saved_at.get(n.name, ()):
+    for op in sk.ops:
+        if op.instance in recompute:
+            first_of_region.setdefault(op.instance, op.name)
+    for op in reversed(sk.ops):
+        if not op.needs_grad:
+            for sid in saved_at.get(op.name, ()):
                 sim.unref(sid)
             continue
-        s = strat[n.name]
-        sim.where = n.name
-        prof = profiles[n.name]
-        inst = region.get(n.name)
+        s = strat[op.name]
+        sim.where = op.name
+        prof = op.prof
+        inst = op.instance if op.instance in recompute else None
         if inst is not None and inst not in seen_regions:
             # the first backward of a checkpointed block recomputes its forward: what it saves
             # comes back, and goes again as backward passes its savers
@@ -331,35 +378,31 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                 saved_at.setdefault(saver, []).append(sim.alloc(size, "bwd", 1))
             sim.check(extra_bwd=region_temp.get(inst, 0.0), phase="backward")
         out_lay = next((o for o in s.outs if o is not None), None)
-        shrink = scale(n.name) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
-        regather = sum(regathered.get(n.name, ()))
-        ins = tensor_inputs(n)
-        new_grads = []
-        for i, a in enumerate(ins):
-            u, j = producer_of(a)
-            meta = meta_of(a)
-            if meta is None or not a.meta.get("autopar.needs_grad") or not meta.is_floating:
+        shrink = (inv_m if op.batch else 1.0) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
+        regather = regathered.get(op.name, 0.0)
+        aliased = {al for al in prof.aliases if al is not None}
+        for i, inp in enumerate(op.ins):
+            if not inp.grad:
                 continue
-            prod_sid = val.get((u.name, j))
-            lin = s.ins[i] if i < len(s.ins) else None
-            lout = out_layout(a)
-            g_bytes = _local_bytes(meta, lin if lin is not None else lout, mesh) * scale(a.name)
-            alias = any(al == i for al in prof.aliases if al is not None)
-            if alias and not arrived[n.name][i][2]:
+            if i in aliased and not resharded[op.name][i]:
                 continue  # a view's input gradient is a view of its output gradient
-            g = sim.alloc(g_bytes, "bwd")
-            new_grads.append(g)
+            scale = inv_m if inp.batch else 1.0
+            lin = s.ins[i] if i < len(s.ins) else None
+            lout = layout_of(inp)
+            g = sim.alloc(sizes.local(inp.meta, lin if lin is not None else lout) * scale, "bwd")
             sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
             gin = s.grad_ins[i] if i < len(s.grad_ins) else None
-            if lin is not None and lout is not None and gin is not None and gin != grad_layout(lout):
-                g2 = sim.alloc(_local_bytes(meta, grad_layout(lout), mesh) * scale(a.name), "bwd")
-                staging = reshard_staging_bytes(meta.shape, meta.itemsize, gin, grad_layout(lout), mesh) * scale(a.name)
-                sim.check(extra_bwd=regather + staging, phase="backward")
+            deferred = inp.param and lin is not None and gin is not None and \
+                pure_all_reduce_axes(lout, lin, gin, grad_layout(lout)) is not None  # summed by GradSync
+            if lin is not None and lout is not None and gin is not None and gin != grad_layout(lout) and not deferred:
+                g2 = sim.alloc(sizes.local(inp.meta, grad_layout(lout)) * scale, "bwd")
+                _, staging = sizes.reshard(inp.meta, float(inp.meta.itemsize), gin, grad_layout(lout))
+                sim.check(extra_bwd=regather + staging * scale, phase="backward")
                 sim.free(g)
                 g = g2
-            is_param = u.op == "placeholder" and u.meta.get("autopar.kind") == "param"
-            if is_param:
-                if strat[u.name].zero_stage == 2:
+            prod_sid = val.get((inp.producer, inp.index))
+            if inp.param:
+                if strat[inp.producer].zero_stage == 2:
                     # no gradient buffer to add into: autograd keeps the incoming gradient, copied
                     # to the parameter's layout, until its reduce-scatter completes
                     sim.check(extra_bwd=sim.size[g] + prof.bwd_temp * shrink, phase="backward")
@@ -368,40 +411,37 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                         sim.free(inflight.pop(0))
                 else:
                     sim.free(g)  # accumulated into the persistent gradient buffer
-            elif prod_sid is not None and prod_sid in grad_of and grad_of[prod_sid] in sim.size:
+            elif prod_sid is not None and grad_of.get(prod_sid) in sim.size:
                 sim.free(g)  # added into the value's gradient
             elif prod_sid is not None:
                 grad_of[prod_sid] = g
             else:
                 sim.free(g)
         sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
-        for sid in saved_at.get(n.name, ()):
+        for sid in saved_at.get(op.name, ()):
             sim.unref(sid)
-        for j in range(len(n.meta.get("autopar.outputs") or ())):
-            sid = val.get((n.name, j))
-            if sid is not None and sid in grad_of and not any(al is not None for al in prof.aliases):
-                sim.free(grad_of.pop(sid))
-        if inst is not None and first_of_region.get(inst) == n.name:
+        if not aliased:
+            for j in range(len(op.outs)):
+                sid = val.get((op.name, j))
+                if sid is not None and sid in grad_of:
+                    sim.free(grad_of.pop(sid))
+        if inst is not None and first_of_region.get(inst) == op.name:
             for sid in region_inputs.get(inst, ()):
                 sim.unref(sid)
     for g in inflight:
         sim.free(g)
     # ------------------------------------------------------------------ optimizer
     persistent = persistent_bytes(problem, choice)
-    opt = ctx.optimizer
-    shard_bytes = []
-    gathers = [0.0]
-    for nd in traced.graph.nodes:
-        if nd.meta.get("autopar.kind") != "param" or not nd.meta.get("autopar.requires_grad", True):
+    shard_bytes, gathers = [], [0.0]
+    for name, meta, trainable in sk.params:
+        if not trainable:
             continue
-        st = strat[nd.name]
-        meta = nd.meta["autopar.outputs"][0]
+        st = strat[name]
         state = state_layout(meta.shape, st.outs[0], st.zero_axes) or st.outs[0]
         shard_bytes.append(_local_bytes(meta, state, mesh))
         if st.zero_axes:
-            gathers.append(_zero_gather_bytes(meta, st, mesh))
-    opt_temp = opt.step_temporary_bytes(shard_bytes)
-    opt_step = max(opt_temp, max(gathers))
+            gathers.append(_zero_gather_bytes(meta, st, mesh, shard_bytes[-1]))
+    opt_step = max(problem.ctx.optimizer.step_temporary_bytes(shard_bytes), max(gathers))
     peak = max(sim.max["total"], opt_step)
     phase = sim.max_phase if sim.max["total"] >= opt_step else "optimizer"
     categories = dict(persistent)
@@ -409,14 +449,12 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     return MemoryEstimate(sum(persistent.values()) + peak, categories, phase)
 
 
-def _zero_gather_bytes(meta: TensorMeta, s, mesh) -> float:
+def _zero_gather_bytes(meta: TensorMeta, s, mesh, shard: float) -> float:
     """Transient of ZeRO-1/2's post-step all-gather of one parameter: the gathered (padded)
-    tensor, plus a copy where the state dim is not dim 0 (moved to the front and back)."""
+    tensor, plus a copy of the shard where the state dim is not dim 0 (moved to the front)."""
     local = local_shape(meta.shape, s.outs[0], mesh)
-    from autopar.layouts import state_dim
-
     d = state_dim(meta.shape, s.outs[0])
     n = math.prod(mesh[a] for a in s.zero_axes)
     rows = -(-local[d] // n) * n
-    padded = _numel(local) // max(local[d], 1) * rows * meta.itemsize
-    return padded * (2 if d != 0 else 1)
+    padded = math.prod(local) // max(local[d], 1) * rows * meta.itemsize
+    return padded + (shard if d != 0 else 0.0)

@@ -10,6 +10,7 @@ overlap model lives in the ILP objective.
 """
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from collections import defaultdict
@@ -22,15 +23,9 @@ import torch.fx as fx
 from autopar.ir import param_cast_dtype
 from autopar.layouts import grad_layout, replicated
 from autopar.planner.blocks import BlockInfo
-from autopar.planner.costing import (
-    CostContext,
-    VIEW_OPS,
-    node_compute_time,
-    param_memory,
-    reshard_time,
-    saved_activation_bytes,
-    saves_inputs,
-)
+from autopar.layouts import local_shape, split_factor
+from autopar.planner.costing import CostContext, VIEW_OPS, node_compute_time, param_memory, reshard_time
+from autopar.planner.op_memory import op_memory
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
 from autopar.trace import TracedGraph, tensor_inputs
@@ -88,6 +83,21 @@ class Problem:
     traced: TracedGraph | None = None  # the whole graph (nodes holds representatives only)
     blocks: BlockInfo | None = None
 
+    def block_instances(self) -> tuple[str, ...]:
+        """Every instance of every repeated block, in the order the model runs them."""
+        if self.blocks is None:
+            return ()
+        order = {p: i for i, p in enumerate(dict.fromkeys(self.blocks.instance_of.values()))}
+        return tuple(sorted((p for ps in self.blocks.blocks.values() for p in ps), key=lambda p: order.get(p, 0)))
+
+    def recomputed_share(self, name: str, recompute: frozenset[str]) -> float:
+        """Of the instances sharing node ``name``'s decisions, the share checkpointed."""
+        inst = self.blocks.instance_of.get(name) if self.blocks is not None else None
+        for prefixes in (self.blocks.blocks.values() if inst is not None else ()):
+            if inst in prefixes:
+                return sum(1 for p in prefixes if p in recompute) / len(prefixes)
+        return 0.0
+
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The chosen strategy of any node (its representative's)."""
         r = self.blocks.rep[name] if self.blocks is not None else name
@@ -116,16 +126,6 @@ def batch_derived(traced: TracedGraph) -> set[str]:
     return out
 
 
-def _is_alias_node(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.target is operator.getitem or _op_name(n) in VIEW_OPS)
-
-
-def _storage_root(n: fx.Node) -> fx.Node:
-    while _is_alias_node(n):
-        n = n.args[0]
-    return n
-
-
 def build_problem(
     traced: TracedGraph,
     blocks: BlockInfo,
@@ -138,23 +138,9 @@ def build_problem(
 ) -> Problem:
     graph = traced.graph
     rep, count = blocks.rep, blocks.count
-    saved_roots: set[str] = set()
-    for n in graph.nodes:
-        if saves_inputs(n):
-            for a in tensor_inputs(n):
-                root = _storage_root(a)
-                if root.op == "call_function":
-                    saved_roots.add(root.name)
-        if n.op == "call_function" and _op_name(n) in ("scaled_dot_product_attention", "softmax", "_softmax"):
-            saved_roots.add(n.name)
-
-    # under recompute a block keeps only what leaves it (the next block's input) for backward
-    block_outputs = {
-        n.name
-        for n in graph.nodes
-        if n.name in blocks.instance_of
-        and any(blocks.instance_of.get(user.name) != blocks.instance_of[n.name] for user in n.users)
-    }
+    autocast = ctx.policy.torch_compute_dtype if ctx.policy.mixed else None
+    batch = batch_derived(traced)
+    kept_inputs = _checkpoint_inputs(traced, blocks)
     nodes: dict[str, NodeVar] = {}
     cache = strategy_cache if strategy_cache is not None else {}
     for n in graph.nodes:
@@ -191,15 +177,14 @@ def build_problem(
             elif kind == "op":
                 f, b = node_compute_time(n, s, ctx)
                 fwd[i], bwd[i] = f * c, b * c
-                bytes_ = sum(
-                    saved_activation_bytes(m, lay, ctx)
-                    for m, lay in zip(n.meta["autopar.outputs"], s.outs)
-                    if m is not None and lay is not None
-                ) / microbatches
+                own = saved_bytes(n, s, ctx, op_memory(n, autocast), batch, microbatches)
                 if recompute and in_block:
-                    saved[i] = bytes_ * (c if n.name in block_outputs else (1 if n.name in saved_roots else 0))
-                elif n.name in saved_roots:
-                    saved[i] = bytes_ * c
+                    # checkpointed: every instance keeps only its inputs; one instance's saved set
+                    # exists at a time, recomputed in backward
+                    saved[i] = own + c * sum(_input_bytes(n, k, s, ctx, batch, microbatches)
+                                             for k in kept_inputs.get(n.name, ()))
+                else:
+                    saved[i] = own * c
         if recompute and in_block:
             fwd_extra = fwd.copy()
             bwd = bwd + fwd_extra  # recomputed forward runs inside backward
@@ -208,6 +193,61 @@ def build_problem(
     _merge_followers(traced, blocks, nodes, ctx)
     edges = _build_edges(traced, blocks, nodes, ctx, microbatches)
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
+
+
+def _input_bytes(n: fx.Node, i: int, s: Strategy, ctx: CostContext, batch: set[str], microbatches: int,
+                 itemsize: float | None = None) -> float:
+    """Local bytes of input ``i`` of ``n`` as ``n`` receives it (strategy ``s``)."""
+    a = tensor_inputs(n)[i]
+    meta = (a.meta.get("autopar.outputs") or (None,))[0]
+    if meta is None:
+        return 0.0
+    lay = s.ins[i] if i < len(s.ins) else None
+    shape = local_shape(meta.shape, lay, ctx.mesh_shape) if lay is not None else meta.shape
+    return math.prod(shape) * (itemsize or meta.itemsize) / (microbatches if a.name in batch else 1)
+
+
+def saved_bytes(n: fx.Node, s: Strategy, ctx: CostContext, prof, batch: set[str], microbatches: int) -> float:
+    """Bytes ``n``'s backward keeps under strategy ``s``, at the layouts it keeps them in (what it
+    received, what it produced; ``planner.op_memory``). A parameter it keeps is the parameter
+    itself (state, or gathered again in backward); a cast copy of it is counted."""
+    ins = tensor_inputs(n)
+    out_lay = next((o for o in s.outs if o is not None), None)
+    split = split_factor(out_lay, ctx.mesh_shape) if out_lay is not None else 1
+    scale = 1.0 / microbatches if n.name in batch else 1.0
+    total = 0.0
+    for e in prof.saved:
+        if e[0] == "in" and e[1] < len(ins):
+            if ins[e[1]].meta.get("autopar.kind") not in ("param", "buffer"):
+                total += _input_bytes(n, e[1], s, ctx, batch, microbatches)
+        elif e[0] == "cast" and e[1] < len(ins):
+            total += _input_bytes(n, e[1], s, ctx, batch, microbatches, e[2])
+        elif e[0] == "out":
+            metas = n.meta.get("autopar.outputs") or ()
+            if e[1] < len(metas) and metas[e[1]] is not None and e[1] < len(s.outs) and s.outs[e[1]] is not None:
+                total += math.prod(local_shape(metas[e[1]].shape, s.outs[e[1]], ctx.mesh_shape)) * metas[e[1]].itemsize * scale
+        elif e[0] == "new":
+            total += e[1] * scale / split
+    return total
+
+
+def _checkpoint_inputs(traced: TracedGraph, blocks: BlockInfo) -> dict[str, list[int]]:
+    """Per node of a block instance: the inputs that are values made outside the instance and
+    first read here (what a checkpointed instance keeps for backward, counted once)."""
+    out: dict[str, list[int]] = {}
+    seen: set[tuple[str, str]] = set()
+    for n in traced.graph.nodes:
+        inst = blocks.instance_of.get(n.name)
+        if inst is None or n.op != "call_function":
+            continue
+        for i, a in enumerate(tensor_inputs(n)):
+            u, _ = producer_of(a)
+            if blocks.instance_of.get(u.name) == inst or u.meta.get("autopar.kind") in ("param", "buffer"):
+                continue
+            if (inst, a.name) not in seen:
+                seen.add((inst, a.name))
+                out.setdefault(n.name, []).append(i)
+    return out
 
 
 def _is_alias_getitem(n: fx.Node) -> bool:

@@ -26,7 +26,8 @@ from autopar.plan import (
 from autopar.planner.blocks import BlockInfo, find_repeated_blocks
 from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
-from autopar.planner.evaluate import Evaluation, evaluate, incident_edges, model_flops, node_alternatives
+from autopar.planner.comm_model import predict_comm_bytes
+from autopar.planner.evaluate import Evaluation, autocast_dtype, evaluate, incident_edges, model_flops, node_alternatives
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
 from autopar.planner.problem import Problem, build_problem, producer_of
 from autopar.strategies import Strategy
@@ -169,7 +170,7 @@ def _prefixes(module: str) -> list[str]:
     return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
-def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
+def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], microbatches: int = 1):
     dp_a, tp_a = 0, 1
     out_pins = {}
     for pattern, axes in c.outputs:
@@ -192,6 +193,10 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]):
         if kind == "param":
             lay = s.outs[0]
             fqn = node.meta["autopar.fqn"]
+            if s.zero_stage == 1 and c.zero != 1 and microbatches == 1:
+                # ZeRO-1 keeps whole gradients and moves more bytes than ZeRO-2 (all-reduce, then
+                # all-gather); it can only win when gradients accumulate over microbatches
+                return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
             meta = node.meta["autopar.outputs"][0]
             if (c.tp or 1) > 1 and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard):
                 if any(d % mesh[tp_a] == 0 for d in meta.shape):
@@ -259,7 +264,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
                            CostContext(mesh, AXES, cluster, policy, optimizer))
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
-        strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache,
+        strategy_filter=_make_filter(traced, c, mesh, micro), strategy_cache=cache,
     )
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
@@ -282,8 +287,35 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     if budget is not None and ev.peak_bytes > budget:
         raise InfeasibleProblem("memory", f"peak {ev.peak_bytes / 2**30:.2f} GiB incl. transients exceeds the "
                                           f"{budget / 2**30:.2f} GiB budget")
+    if recompute and c.recompute is None:
+        ev = _fewest_recomputed(problem, sol.choice, ev, budget)
     sol.memory_slack_bytes = float("inf") if unconstrained else sol.memory_slack_bytes
     return _Attempt(mesh, recompute, micro, problem, sol, ev)
+
+
+def _fewest_recomputed(problem: Problem, choice: dict[str, int], ev: Evaluation, budget: float | None) -> Evaluation:
+    """Checkpoint only as many block instances as the memory budget needs (the first ones of each
+    block: their activations live longest), keeping the strategies; each instance not recomputed
+    saves its forward pass in backward. ``Constraints(recompute=True)`` keeps all of them."""
+    instances = problem.block_instances()
+    if budget is None or not instances:
+        return ev
+
+    def first(share: float) -> frozenset[str]:
+        chosen = set()
+        for prefixes in problem.blocks.blocks.values():
+            chosen.update(prefixes[: math.ceil(share * len(prefixes) - 1e-9)])
+        return frozenset(chosen)
+
+    steps = max(len(ps) for ps in problem.blocks.blocks.values())
+    lo, hi = 0, steps  # the fewest instances (per block, out of ``steps``) whose peak fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if evaluate(problem, choice, first(mid / steps)).peak_bytes <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return evaluate(problem, choice, first(lo / steps)) if lo < steps else ev
 
 
 def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: dict) -> tuple[int, int] | None:
@@ -375,11 +407,12 @@ def search_plan(
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         for mesh in meshes:
             for micro in _microbatch_counts(batch, mesh[0]):
-                label = f"dp={mesh[0]} tp={mesh[1]} recompute=True microbatches={micro}"
+                label = f"dp={mesh[0]} tp={mesh[1]} recompute={bool(blocks.blocks) if c.recompute is None else c.recompute} microbatches={micro}"
                 if progress:
                     progress(label)
                 try:
-                    attempts.append(_solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, bool(blocks.blocks),
+                    attempts.append(_solve_attempt(traced, blocks, cluster, policy, optimizer, mesh,
+                                                   bool(blocks.blocks) if c.recompute is None else c.recompute,
                                                    micro, c, budget, solver, cache))
                     outcomes.append((label, f"{attempts[-1].evaluation.step_time_s * 1e3:.3f} ms/step"))
                     break
@@ -440,7 +473,9 @@ def _predicted(att: _Attempt) -> Predicted:
         overlappable_comm_s=_r(ev.overlap_s),
         peak_memory_bytes=_r(ev.peak_bytes),
         memory_bytes=tuple((k, _r(v)) for k, v in ev.memory.categories.items()),
-        comm_bytes=tuple((k, float(v)) for k, v in sorted(ev.comm_bytes.items())),
+        comm_bytes=tuple((k, float(v)) for k, v in sorted(
+            predict_comm_bytes(att.problem, att.solution.choice, att.evaluation.recompute,
+                               autocast_dtype=autocast_dtype(att.problem)).items())),
         model_flops=_r(flops),
         mfu=_r(mfu),
     )
@@ -590,8 +625,8 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
     return Plan(
         fingerprint=fp, versions=versions, model_class=traced.model_class, cluster_json=cluster.to_json(),
         precision=precision, optimizer=optimizer.name, optimizer_spec=optimizer, constraints=cjson, mesh_axes=mesh_axes,
-        microbatches=att.microbatches, recompute=att.recompute, schedule=None, stages=(stage,),
-        recompute_blocks=tuple(sorted(p for ps in blocks.blocks.values() for p in ps)) if att.recompute else (),
+        microbatches=att.microbatches, recompute=bool(att.evaluation.recompute), schedule=None, stages=(stage,),
+        recompute_blocks=tuple(p for p in att.problem.block_instances() if p in att.evaluation.recompute),
         predicted=predicted, baseline=baseline, solver=report,
         free_step_time_s=_r(free_time) if free_time is not None else None, notes=tuple(notes),
     )

@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "fidelity_model", "fidelity_worker", "fidelity_suite"]
+__all__ = ["FAMILIES", "fidelity_model", "fidelity_worker", "fidelity_suite", "fidelity_misses", "worst_rank",
+           "CATEGORIES", "MIB"]
+
+MIB = 2.0**20
+CATEGORIES = ("params", "grads", "optimizer_state", "activations", "backward", "optimizer_step")
 
 MEGATRON_MLP = {"layers.*.up.weight": {"tp": "S(0)"}, "layers.*.down.weight": {"tp": "S(1)"}}
 MEGATRON_GPT = {"blocks.*.attn.qkv.weight": {"tp": "S(0)"}, "blocks.*.attn.proj.weight": {"tp": "S(1)"},
@@ -101,3 +105,64 @@ def fidelity_suite(cases: list[tuple]) -> list[dict[str, Any]]:
         r["model"], r["family"] = model_name, family
         results.append(r)
     return results
+
+
+def fidelity_misses(r: dict, peak_tol: float = 0.15, category_tol: float = 0.20) -> list[str]:
+    """How one rank's result misses the goal (peak within ``peak_tol``, each category within
+    ``category_tol`` or 1 MiB, bytes per collective kind equal); empty when it meets it."""
+    bad = []
+    ratio = r["peak"] / r["predicted_peak"] if r["predicted_peak"] else float("inf")
+    if not 1 / (1 + peak_tol) <= ratio <= 1 + peak_tol:
+        bad.append(f"peak {r['peak'] / MIB:.2f} MiB vs predicted {r['predicted_peak'] / MIB:.2f} ({ratio:.2f}x)")
+    for c in CATEGORIES:
+        got, want = r["categories"].get(c, 0.0), r["predicted_categories"].get(c, 0.0)
+        if abs(got - want) > max(category_tol * want, MIB):
+            bad.append(f"{c} {got / MIB:.2f} vs {want / MIB:.2f} MiB")
+    predicted = {k: int(v) for k, v in r["predicted_comm_bytes"].items() if v}
+    if r["comm_bytes"] != predicted:
+        bad.append(f"collective bytes {r['comm_bytes']} vs predicted {predicted}")
+    return bad
+
+
+def worst_rank(per_rank: list[dict]) -> dict:
+    """The rank whose measured peak is furthest above its prediction."""
+    return max(per_rank, key=lambda r: r["peak"] / max(r["predicted_peak"], 1.0))
+
+
+def tight_memory_worker(memory_bytes: int, constraints: dict | None = None, steps: int = 4) -> dict[str, Any]:
+    """Plan the fidelity GPT for a cluster whose devices have ``memory_bytes``, train it beside a
+    single-device reference (SGD with momentum), and measure a step's peak against the budget."""
+    import copy
+    import dataclasses
+
+    import autopar
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+    from autopar.runtime.parity import relative_error
+
+    model, inputs, target, loss_fn = fidelity_model("gpt")
+    ref = copy.deepcopy(model)
+    base = autopar.Cluster.local()
+    cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=memory_bytes))
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    pm = autopar.compile(model, cluster, inputs, example_target=target, loss_fn=loss_fn, optimizer=make_opt,
+                         constraints=autopar.Constraints(**(constraints or {})))
+    ref_opt = make_opt(list(ref.parameters()))
+    loss_err = 0.0
+    for step in range(steps):
+        if step == steps - 1:
+            m = pm.measure_step(*inputs, target=target)
+            got = m.loss
+        else:
+            got = pm.train_step(*inputs, target=target)
+        ref_opt.zero_grad()
+        want = loss_fn(ref(*inputs), target)
+        want.backward()
+        ref_opt.step()
+        loss_err = max(loss_err, abs(got - float(want)) / abs(float(want)))
+    full = pm.full_state_dict()
+    param_err = max(relative_error(full[k], v) for k, v in ref.state_dict().items())
+    out = {"recompute_blocks": pm.plan.recompute_blocks, "mesh": pm.plan.mesh, "loss_err": loss_err,
+           "param_err": param_err, "peak": m.memory.peak_bytes, "predicted_peak": m.predicted_peak_bytes,
+           "budget": memory_bytes * USABLE_MEMORY_FRACTION}
+    pm.close()
+    return out

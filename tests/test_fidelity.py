@@ -1,0 +1,93 @@
+"""The plan's promises, measured: per-rank peak memory and memory by category within tolerance,
+and the bytes of every collective kind equal to the prediction, on 4 real gloo processes.
+
+``benchmarks/memory_fidelity.py`` runs every plan family on both models; CI runs this subset
+(each family at least once across the two models).
+"""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.runtime.fidelity import fidelity_misses, fidelity_suite, worst_rank
+
+CASES = [
+    ("mlp", "zero1"),
+    ("mlp", "zero3"),
+    ("mlp", "dp_tp"),
+    ("mlp", "tp"),
+    ("gpt", "dp"),
+    ("gpt", "zero2"),
+    ("gpt", "sp"),
+    ("gpt", "recompute"),
+    ("gpt", "micro2"),
+    ("gpt", "bf16"),
+]
+
+
+@pytest.mark.slow
+def test_measured_memory_and_collective_bytes_match_the_plan():
+    results = autopar.launch(fidelity_suite, 4, CASES)
+    failures = []
+    for i, (model, family) in enumerate(CASES):
+        per_rank = [rank[i] for rank in results]
+        for r in per_rank:  # every rank moves exactly the predicted bytes
+            predicted = {k: int(v) for k, v in r["predicted_comm_bytes"].items() if v}
+            assert r["comm_bytes"] == predicted, (model, family, r["comm_bytes"], predicted)
+        for miss in fidelity_misses(worst_rank(per_rank)):
+            failures.append(f"{model} {family}: {miss}")
+    # the families exercise what they claim to
+    by = {(m, f): results[0][i] for i, (m, f) in enumerate(CASES)}
+    assert by[("gpt", "recompute")]["recompute"] and by[("gpt", "micro2")]["microbatches"] == 2
+    assert by[("gpt", "recompute")]["peak"] < by[("gpt", "dp")]["peak"]  # recompute saves memory
+    assert by[("mlp", "zero3")]["categories"]["params"] < by[("mlp", "zero1")]["categories"]["params"] / 3
+    assert by[("gpt", "zero2")]["categories"]["grads"] < by[("gpt", "dp")]["categories"]["grads"] / 3
+    assert "reduce_scatter" in by[("gpt", "zero2")]["comm_bytes"]
+    assert not failures, "\n".join(failures)
+
+
+def _plan_peak(memory_bytes=None, **constraints):
+    import dataclasses
+
+    from autopar.runtime.fidelity import fidelity_model
+
+    model, inputs, target, loss_fn = fidelity_model("gpt")
+    cluster = autopar.Cluster.local(4)
+    if memory_bytes is not None:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=memory_bytes))
+    return autopar.plan(model, cluster, inputs, loss_fn=loss_fn, example_target=target,
+                        constraints=autopar.Constraints(**constraints))
+
+
+@pytest.mark.slow
+def test_memory_that_only_recompute_fits_gets_a_recomputing_plan_that_trains_exactly():
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+    from autopar.runtime.fidelity import tight_memory_worker
+
+    # 3% above the leanest plan that recomputes every block (the whole batch at once): no plan
+    # without recompute fits there
+    everything = _plan_peak(recompute=True, microbatches=1).predicted.peak_memory_bytes
+    memory = int(everything * 1.03 / USABLE_MEMORY_FRACTION)
+    with pytest.raises(autopar.NoFeasiblePlanError):
+        _plan_peak(memory, recompute=False, microbatches=1)
+    results = autopar.launch(tight_memory_worker, 4, memory, {"microbatches": 1})
+    for r in results:
+        assert r["recompute_blocks"], r  # only a recomputing plan fits
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+        assert r["peak"] <= r["budget"], r  # what it measured stays within the usable memory
+        assert abs(r["peak"] / r["predicted_peak"] - 1) <= 0.15, r
+
+
+def test_recompute_is_chosen_per_block_not_all_or_nothing():
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    fixed = {"dp": 4, "zero": 0, "microbatches": 1}  # only recompute can save memory here
+    every = _plan_peak(recompute=True, **fixed)
+    none = _plan_peak(recompute=False, **fixed)
+    assert every.recompute_blocks == ("blocks.0", "blocks.1") and none.recompute_blocks == ()
+    # between the two: recomputing one block of two is enough, and cheaper than both
+    between = (every.predicted.peak_memory_bytes + none.predicted.peak_memory_bytes) / 2
+    p = _plan_peak(int(between / USABLE_MEMORY_FRACTION), **fixed)
+    assert p.recompute_blocks == ("blocks.0",), p.recompute_blocks
+    assert p.predicted.peak_memory_bytes <= between
+    assert none.predicted.step_time_s < p.predicted.step_time_s < every.predicted.step_time_s
