@@ -45,8 +45,6 @@ def compile(
     >>> # loss = pm.train_step(idx, target=tgt)
     """
     from autopar.cost_models.memory import describe_optimizer, precision_policy
-    from autopar.passes import run_passes
-    from autopar.passes.context import PassContext
 
     if example_target is None:
         raise AutoparError("compile needs example_target= (a target batch for loss_fn) to trace the training step")
@@ -66,47 +64,106 @@ def compile(
                              device_type=cluster.device_type, autocast_dtype=autocast)
         if plan is None:
             plan = _plan_on_rank0(traced, cluster, with_annotations(constraints or Constraints(), model), policy, spec)
-    loss_reduction = "mean"
-    if plan.microbatches > 1:
-        # the program runs one microbatch: trace again at that size (same graph, same node names)
-        m = plan.microbatches
-        loss_reduction = _loss_reduction(traced)
-        inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        for x in list(inputs) + [example_target]:
-            if isinstance(x, torch.Tensor) and x.shape[0] % m:
-                raise ConstraintError(f"microbatches={m} does not divide the batch dim of an input of shape {tuple(x.shape)}")
-        traced = trace_model(model, tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) else x for x in inputs),
-                             loss_fn=loss_fn, example_target=example_target[: example_target.shape[0] // m],
-                             device_type=cluster.device_type, autocast_dtype=autocast)
     _check_same_plan(plan)
     from torch.distributed.device_mesh import init_device_mesh
 
     names = tuple(a for a, _ in plan.mesh_axes)
     mesh = init_device_mesh(device.type, tuple(s for _, s in plan.mesh_axes), mesh_dim_names=names)
-    ctx = PassContext.for_stage(plan, 0)
-    program = run_passes(copy.deepcopy(traced.gm), ctx)
+    inputs = _as_tuple(example_inputs)
+    traced, program, loss_reduction = build_program(model, inputs, example_target, loss_fn, traced, plan,
+                                                    cluster.device_type, autocast)
+    shapes = tuple(_meta_copy(x) for x in inputs), _meta_copy(example_target)
+
+    def eval_program():
+        return _eval_program(model, shapes[0], shapes[1], loss_fn, plan, cluster, policy, spec, autocast)
+
     return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
-                         optimizer=optimizer, device=device, precision=plan.precision, loss_reduction=loss_reduction)
+                         optimizer=optimizer, device=device, precision=plan.precision, loss_reduction=loss_reduction,
+                         eval_program=eval_program)
 
 
-def _plan_on_rank0(traced, cluster: Cluster, constraints: Constraints, policy, spec) -> Plan:
+def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, device_type: str, autocast):
+    """This rank's program for ``plan``: (traced graph at the size the program runs, program, loss
+    reduction over microbatches). With microbatches the model is traced again at one slice's size
+    (same graph, same node names); the passes then apply the plan."""
+    from autopar.passes import run_passes
+    from autopar.passes.context import PassContext
+
+    loss_reduction = "mean"
+    if plan.microbatches > 1:
+        m = plan.microbatches
+        loss_reduction = _loss_reduction(traced)
+        for x in list(inputs) + [target]:
+            if isinstance(x, torch.Tensor) and x.shape[0] % m:
+                raise ConstraintError(f"microbatches={m} does not divide the batch dim of an input of shape {tuple(x.shape)}")
+        traced = trace_model(model, tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) else x for x in inputs),
+                             loss_fn=loss_fn, example_target=target[: target.shape[0] // m],
+                             device_type=device_type, autocast_dtype=autocast)
+    program = run_passes(copy.deepcopy(traced.gm), PassContext.for_stage(plan, 0))
+    return traced, program, loss_reduction
+
+
+def _eval_program(model, inputs, target, loss_fn, plan: Plan, cluster: Cluster, policy, spec, autocast):
+    """The evaluation program: the model traced in ``eval()`` mode (BatchNorm uses its running
+    statistics, dropout is off), planned with every parameter pinned to the layout it is stored
+    in (so the training shards serve it as they are) on the training mesh."""
+    from autopar.layouts import format_placement, parse_layout
+
+    was_training = model.training
+    model.eval()
+    try:
+        with cyclic_gc_paused(), torch.no_grad():
+            traced = trace_model(model, inputs, loss_fn=loss_fn, example_target=target,
+                                 device_type=cluster.device_type, autocast_dtype=autocast)
+    finally:
+        model.train(was_training)
+    sizes = dict(plan.mesh_axes)
+    pins = {fqn: {axis: format_placement(p) for (axis, n), p in zip(plan.mesh_axes, parse_layout(pp.layout)) if n > 1}
+            for fqn, pp in plan.params.items()}
+    pins = {k: v for k, v in pins.items() if v}
+    constraints = Constraints(dp=sizes.get("dp"), tp=sizes.get("tp"), microbatches=plan.microbatches, recompute=False,
+                              placements=pins)
+    eval_plan = _plan_on_rank0(traced, cluster, constraints, policy, spec, baseline=False)
+    traced, program, loss_reduction = build_program(model, inputs, target, loss_fn, traced, eval_plan,
+                                                    cluster.device_type, autocast)
+    return eval_plan, traced, program, loss_reduction
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _meta_copy(x):
+    """A shape-and-dtype stand-in for an example input (tracing needs no values)."""
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+def _plan_on_rank0(traced, cluster: Cluster, constraints: Constraints, policy, spec, baseline: bool = True) -> Plan:
     """Plan on rank 0 only and broadcast the plan: solvers stopped by a time limit need not agree,
-    and every rank must run the same plan. A planning error on rank 0 is raised on every rank."""
+    and every rank must run the same plan. A planning error on rank 0 is raised on every rank
+    (the same autopar error; any other failure as a RuntimeError naming it), never a hang."""
     from autopar.planner.search import search_plan
 
     outcome: list = [None]
+    failure = None
     if dist.get_rank() == 0:
         try:
             outcome[0] = ("plan", search_plan(traced, cluster, constraints=constraints, precision=policy,
-                                              optimizer=spec, _with_free=False).to_json())
-        except AutoparError as exc:
-            outcome[0] = ("error", type(exc).__name__, str(exc))
+                                              optimizer=spec, _with_free=False, _with_baseline=baseline).to_json())
+        except Exception as exc:  # noqa: BLE001 - every rank must learn that planning failed
+            failure = exc
+            outcome[0] = ("error", type(exc).__name__ if isinstance(exc, AutoparError) else "", str(exc))
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0][0] == "error":
+        if failure is not None:
+            raise failure
         import autopar.errors as errors
 
-        raise getattr(errors, outcome[0][1], AutoparError)(outcome[0][2])
+        kind = getattr(errors, outcome[0][1], None) if outcome[0][1] else None
+        if kind is None:
+            raise RuntimeError(f"planning failed on rank 0: {outcome[0][2]}")
+        raise kind(outcome[0][2])
     return Plan.from_json(outcome[0][1])
 
 

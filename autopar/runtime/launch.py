@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -59,7 +60,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) 
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        result = fn(*args)
+        # pickled here, by value: torch's queue would share tensors through file descriptors that
+        # die with this process
+        result = pickle.dumps(fn(*args))
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - sent back to the parent with its traceback
         queue.put((rank, False, traceback.format_exc()))
@@ -89,7 +92,7 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0) -> li
     for _ in range(nproc):
         rank, ok, value = queue.get()
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
             break

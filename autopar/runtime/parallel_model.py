@@ -36,6 +36,22 @@ __all__ = ["ParallelModel", "StepMeasurement"]
 
 
 @dataclass(frozen=True)
+class _Program:
+    """A per-rank program with what running it needs (training, or evaluation in eval mode)."""
+
+    plan: Any
+    traced: Any
+    program: fx.GraphModule
+    loss_reduction: str
+    input_layouts: dict
+    loss_layout: Any
+
+    @property
+    def placeholders(self) -> list[str]:
+        return [n.name for n in self.program.graph.nodes if n.op == "placeholder"]
+
+
+@dataclass(frozen=True)
 class StepMeasurement:
     """One measured training step on this rank, beside the plan's prediction.
 
@@ -65,7 +81,8 @@ class ParallelModel:
     """A model compiled for this rank. Build it with ``autopar.compile``."""
 
     def __init__(self, *, plan, traced, program: fx.GraphModule, device_mesh, model: torch.nn.Module,
-                 optimizer: Callable, device: torch.device, precision: str, loss_reduction: str = "mean"):
+                 optimizer: Callable, device: torch.device, precision: str, loss_reduction: str = "mean",
+                 eval_program: Callable | None = None):
         from autopar.cost_models.memory import precision_policy
 
         self.plan = plan
@@ -78,7 +95,6 @@ class ParallelModel:
         self._policy = precision_policy(precision)
         self._loss_reduction = loss_reduction  # how microbatch losses combine: "mean" or "sum"
         self._model_keys = list(model.state_dict().keys())
-        self._placeholders = [n.name for n in program.graph.nodes if n.op == "placeholder"]
         self._gathers_params = any(n.kwargs.get("param") for g in program.modules() if isinstance(g, fx.GraphModule)
                                    for n in g.graph.nodes if n.op == "call_function" and n.target is reshard)
         self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes
@@ -87,14 +103,15 @@ class ParallelModel:
         deferred = program.meta.get(GRAD_SYNC_KEY, {})
         self.store = ParamStore(plan=plan, traced=traced, model=model, comm=self.comm, device=device,
                                 order=_backward_order(program, deferred))
-        self._layouts = dict(self.store.layouts)
-        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
-        for name in traced.input_names + ([traced.target_name] if traced.target_name else []):
-            self._layouts[name] = parse_layout(layouts[name])
+        self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
         self._grad_sync = GradSync(self.store, deferred, self.comm)
         self._loss_layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
         self.optimizer = optimizer(self.store.optimizer_params())
         self._tracker: MemoryTracker | None = None
+        self._eval_builder = eval_program
+        self._eval: _Program | None = None
+        self._train = _Program(plan, traced, program, loss_reduction, self._input_layouts(plan, traced),
+                               self._loss_layout)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -109,18 +126,24 @@ class ParallelModel:
         self.close()
 
     # ------------------------------------------------------------------ steps
-    def _args(self, inputs: tuple, target: Any) -> list:
-        names = self._traced.input_names
+    @staticmethod
+    def _input_layouts(plan, traced) -> dict:
+        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        return {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name] if name}
+
+    def _args(self, inputs: tuple, target: Any, prog: "_Program | None" = None) -> list:
+        prog = prog or self._train
+        names = prog.traced.input_names
         if len(inputs) != len(names):
             raise AutoparError(f"train_step got {len(inputs)} inputs; the model was compiled with {len(names)}")
         feed = dict(zip(names, inputs))
-        if self._traced.target_name is not None:
+        if prog.traced.target_name is not None:
             if target is None:
                 raise AutoparError("train_step needs target= (the loss_fn's second argument)")
-            feed[self._traced.target_name] = target
+            feed[prog.traced.target_name] = target
         args = []
         slots, buffers = self.store.slots, self.store.buffers
-        for ph in self._placeholders:
+        for ph in prog.placeholders:
             if ph in slots:
                 args.append(slots[ph].local)
             elif ph in buffers:
@@ -128,20 +151,22 @@ class ParallelModel:
             else:
                 x = feed[ph]
                 if isinstance(x, torch.Tensor):
-                    x = shard_tensor(x.to(self._device), self._layouts[ph], self.comm)
+                    x = shard_tensor(x.to(self._device), prog.input_layouts[ph], self.comm)
                 args.append(x)
         return args
 
-    def _run(self, args):
+    def _run(self, args, program: fx.GraphModule | None = None):
         from autopar.runtime.param_regather import regather_saved_params
 
-        # saved-tensor hooks only where a parameter is gathered (ZeRO-3): they cost a Python call
-        # per saved tensor
-        with regather_saved_params() if self._gathers_params else contextlib.nullcontext():
+        program = program if program is not None else self.program
+        # saved-tensor hooks only where a parameter is gathered (ZeRO-3) and autograd records:
+        # they cost a Python call per saved tensor
+        regather = self._gathers_params and torch.is_grad_enabled()
+        with regather_saved_params() if regather else contextlib.nullcontext():
             if self._policy.mixed:
                 with torch.autocast(self._device.type, dtype=self._policy.torch_compute_dtype):
-                    return self.program(*args)
-            return self.program(*args)
+                    return program(*args)
+            return program(*args)
 
     def _phase(self, name: str):
         return self._tracker.phase(name) if self._tracker is not None else contextlib.nullcontext()
@@ -206,18 +231,28 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
+        """The global loss on ``inputs`` with the model in ``eval()`` mode (BatchNorm running
+        statistics, no dropout), without gradients. Call it on every rank. The first call traces
+        and plans the evaluation graph (parameters stay where training keeps them)."""
+        if self._eval is None:
+            if self._eval_builder is None:
+                raise AutoparError("this ParallelModel was built without an evaluation program; use autopar.compile")
+            plan, traced, program, reduction = self._eval_builder()
+            layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
+            self._eval = _Program(plan, traced, program, reduction, self._input_layouts(plan, traced), layout)
+        prog = self._eval
         micro = self._microbatches(inputs, target)
-        weight = 1.0 / len(micro) if self._loss_reduction == "mean" else 1.0
+        weight = 1.0 / len(micro) if prog.loss_reduction == "mean" else 1.0
         total = 0.0
         with active_mesh(self.comm):
             for x, t in micro:
-                loss = self._run(self._args(x, t))
+                loss = self._run(self._args(x, t, prog), prog.program)
                 if isinstance(loss, (tuple, list)):
                     loss = loss[0]
-                value, pending = self._reduce_loss_async(loss)
+                value, pending = self._reduce_loss_async(loss, prog.loss_layout)
                 for w in pending:
                     w.wait()
-                total += float(self._finish_loss(value))
+                total += float(self._finish_loss(value, prog.loss_layout))
         return total * weight
 
     # ------------------------------------------------------------------ measurement
@@ -267,11 +302,11 @@ class ParallelModel:
         return [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
     # ------------------------------------------------------------------ the loss value
-    def _partial_axes(self) -> list[tuple[int, str]]:
-        if self._loss_layout is None:
+    def _partial_axes(self, layout=None) -> list[tuple[int, str]]:
+        layout = layout if layout is not None else self._loss_layout
+        if layout is None:
             return []
-        return [(a, p.reduce_op) for a, p in enumerate(self._loss_layout)
-                if isinstance(p, Partial) and self.comm.sizes[a] > 1]
+        return [(a, p.reduce_op) for a, p in enumerate(layout) if isinstance(p, Partial) and self.comm.sizes[a] > 1]
 
     def _loss_grad_scale(self) -> float:
         """d(global loss)/d(local loss): 1/n for each axis the loss is averaged over."""
@@ -281,15 +316,15 @@ class ParallelModel:
                 scale /= self.comm.sizes[a]
         return scale
 
-    def _reduce_loss_async(self, loss: torch.Tensor):
+    def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
         value = loss.detach().clone().reshape(1).float()
-        works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes()[:1]]
+        works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
         return value, [w for w in works if w is not None]
 
-    def _finish_loss(self, value: torch.Tensor) -> float:
-        for a, _ in self._partial_axes()[1:]:
+    def _finish_loss(self, value: torch.Tensor, layout=None) -> float:
+        for a, _ in self._partial_axes(layout)[1:]:
             self.comm.all_reduce(value, a)
-        for a, op in self._partial_axes():
+        for a, op in self._partial_axes(layout):
             if op == "avg":
                 value = value / self.comm.sizes[a]
         return float(value)
@@ -317,13 +352,14 @@ class ParallelModel:
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) tensors under the user's ``model.state_dict()`` keys, on every rank."""
+        """Full (gathered) copies under the user's ``model.state_dict()`` keys, on every rank."""
         full: dict[str, torch.Tensor] = {}
         ndim = len(self.comm.sizes)
         for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
             shape = self._shapes[ph]
             steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
-            full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).cpu()
+            # a copy: for a replicated tensor no step runs, and the live parameter would be returned
+            full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).to("cpu", copy=True)
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
 
 

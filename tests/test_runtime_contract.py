@@ -1,0 +1,180 @@
+"""What a user can count on from the runtime, on real gloo processes: replicas start equal however
+each process seeded, one plan for all ranks made once, evaluation in eval mode, the user's state
+dict keys, a process group the user made, and planning errors raised on every rank."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.runtime.parity import relative_error
+from autopar.runtime.zoo import ManualAttentionGPT, SmallCNN, TinyLlama
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+
+def _cnn_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+class _DropoutMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(12, 32), torch.nn.Linear(32, 4)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def seeds_and_plans_worker():
+    """Every rank seeds differently (as users often do); only rank 0 may plan."""
+    import os
+
+    rank = int(os.environ["RANK"])
+    if rank != 0:
+        import autopar.planner.search as search
+
+        def refuse(*a, **k):
+            raise AssertionError("only rank 0 plans")
+        search.search_plan = refuse
+    torch.manual_seed(1000 + rank)
+    model = SmallCNN()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    x, t = _cnn_batch()
+    pm = autopar.compile(model, autopar.Cluster.local(), (x,), example_target=t,
+                         loss_fn=torch.nn.functional.cross_entropy, optimizer=_sgd,
+                         constraints=autopar.Constraints(dp=2, tp=1))
+    start = pm.full_state_dict()
+    losses = [pm.train_step(x, target=t) for _ in range(3)]
+    # evaluation runs the model in eval mode (BatchNorm's running statistics) and leaves them alone
+    before = pm.full_state_dict()
+    evaluated = pm.eval_step(x, target=t)
+    after = pm.full_state_dict()
+    out = {"initial": initial, "start": start, "losses": losses, "eval": evaluated, "trained": before,
+           "eval_changed": sorted(k for k in before if not torch.equal(before[k], after[k]))}
+    pm.close()
+    return out
+
+
+def _reference(initial: dict, steps: int):
+    model = SmallCNN()
+    model.load_state_dict(initial)
+    opt = _sgd(list(model.parameters()))
+    x, t = _cnn_batch()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        evaluated = float(torch.nn.functional.cross_entropy(model(x), t))
+    return model, losses, evaluated
+
+
+@pytest.mark.slow
+def test_replicas_start_from_rank0_weights_one_plan_and_eval_mode():
+    results = autopar.launch(seeds_and_plans_worker, 2)
+    r0, r1 = results
+    # the ranks built different weights, but train from rank 0's
+    assert not torch.equal(r0["initial"]["conv1.weight"], r1["initial"]["conv1.weight"])
+    for k, v in r0["initial"].items():
+        assert torch.equal(r0["start"][k], v) and torch.equal(r1["start"][k], v), k
+    ref, losses, evaluated = _reference(r0["initial"], 3)
+    for got, want in zip(r0["losses"], losses):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert r0["losses"] == r1["losses"]
+    for k, v in ref.state_dict().items():
+        assert relative_error(r0["trained"][k], v) <= 1e-5, k  # running statistics included
+    # eval_step: the eval-mode loss (running statistics, not the batch's), nothing updated
+    assert abs(r0["eval"] - evaluated) <= 1e-5 * abs(evaluated) and r0["eval"] == r1["eval"]
+    assert r0["eval_changed"] == []
+
+
+def user_group_worker():
+    """The user initialises the process group before compiling (without torchrun's variables in
+    the cluster spec: Cluster.local(n) with the group's size)."""
+    import os
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    torch.manual_seed(0)
+    model = ManualAttentionGPT()
+    x = torch.randint(0, 128, (8, 16))
+    pm = autopar.compile(model, autopar.Cluster.local(dist.get_world_size()), (x,), example_target=x,
+                         loss_fn=lambda lg, t: torch.nn.functional.cross_entropy(lg.reshape(-1, 128), t.reshape(-1)),
+                         optimizer=_sgd)
+    pm.train_step(x, target=x)
+    keys = list(pm.state_dict())
+    full = list(pm.full_state_dict())
+    pm.close()
+    return keys, full, list(model.state_dict())
+
+
+@pytest.mark.slow
+def test_compile_accepts_a_group_the_user_initialised_and_keeps_state_dict_keys():
+    for keys, full, model_keys in autopar.launch(user_group_worker, 2):
+        # tied weights appear under both keys, in the model's order, exactly as model.state_dict()
+        assert keys == model_keys and full == model_keys
+        assert "lm_head.weight" in keys and "wte.weight" in keys
+
+
+def planning_error_worker():
+    model = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    try:
+        autopar.compile(model, autopar.Cluster.local(), (x,), example_target=x, loss_fn=torch.nn.functional.mse_loss,
+                        optimizer=_sgd, constraints=autopar.Constraints(dp=2, tp=2))
+    except autopar.AutoparError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_a_planning_error_on_rank0_is_raised_on_every_rank():
+    results = autopar.launch(planning_error_worker, 2, timeout_s=120)
+    assert all(r is not None and r[0] == "ConstraintError" and "dp=2 x tp=2 = 4" in r[1] for r in results), results
+
+
+# ------------------------------------------------------------------ one process
+
+
+@pytest.fixture
+def world1():
+    yield autopar.Cluster.local(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_eval_step_turns_dropout_off(world1):
+    torch.manual_seed(0)
+    model = _DropoutMLP()
+    ref = copy.deepcopy(model).eval()
+    x, t = torch.randn(16, 12), torch.randn(16, 4)
+    pm = autopar.compile(model, world1, (x,), example_target=t, loss_fn=torch.nn.functional.mse_loss,
+                         optimizer=_sgd)
+    got = [pm.eval_step(x, target=t) for _ in range(2)]
+    with torch.no_grad():
+        want = float(torch.nn.functional.mse_loss(ref(x), t))
+    assert got[0] == got[1] and abs(got[0] - want) <= 1e-6 * abs(want)
+    assert model.training  # the user's module is left in the mode it was in
+
+
+def test_state_dict_leaves_out_non_persistent_buffers(world1):
+    torch.manual_seed(0)
+    model = TinyLlama()
+    x = torch.randint(0, 128, (4, 16))
+    pm = autopar.compile(model, world1, (x,), example_target=x,
+                         loss_fn=lambda lg, t: torch.nn.functional.cross_entropy(lg.reshape(-1, 128), t.reshape(-1)),
+                         optimizer=_sgd)
+    assert list(pm.state_dict()) == list(model.state_dict()) == list(pm.full_state_dict())
+    assert "cos" not in pm.state_dict()  # registered with persistent=False
