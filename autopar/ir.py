@@ -1,7 +1,8 @@
 """The contract between the passes (which write per-rank programs) and the runtime (which runs them).
 
-The graph target the passes insert for every layout change, ``reshard`` (implemented in
-``autopar.runtime.collectives``), and the ``GraphModule.meta`` keys the passes leave for the
+The graph targets the passes insert: ``reshard`` for every layout change (implemented in
+``autopar.runtime.collectives``), ``gather_param_start`` / ``gather_param_finish`` for prefetched
+parameter gathers (``autopar.runtime.prefetch``); and the ``GraphModule.meta`` keys the passes leave for the
 runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
 Rules both sides must apply identically (what the planner prices is what the passes emit) live
 here too.
@@ -12,8 +13,9 @@ import torch.fx as fx
 
 from autopar.layouts import Layout, Partial, Replicate, grad_layout
 from autopar.runtime.collectives import reshard
+from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "GRAD_SYNC_KEY",
+__all__ = ["reshard", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY"]
 
 GRAD_SYNC_KEY = "autopar.grad_sync"  # parameter placeholder -> mesh axes its gradient is all-reduced over
@@ -62,3 +64,22 @@ def pure_all_reduce_axes(src: Layout, dst: Layout, gsrc: Layout | None, gdst: La
         else:
             return None
     return tuple(axes) if axes else None
+
+
+def prefetchable_gather(shape, src: Layout, dst: Layout, gsrc: Layout | None, gdst: Layout | None, mesh_shape):
+    """``(axis, dim)`` when moving a parameter from ``src`` to ``dst`` is one all-gather (of
+    ``dim`` over ``axis``) whose gradient, if any, goes back by one reduce-scatter of the same dim
+    over the same axis: such a gather is issued one parameter ahead and waited for at its use, and
+    its gradient reduced asynchronously (``passes.prefetch_param_gathers``); None otherwise."""
+    from autopar.resharding import reshard_steps_for
+
+    fwd = [s for s in reshard_steps_for(shape, src, dst, mesh_shape) if mesh_shape[s.axis] > 1]
+    if len(fwd) != 1 or fwd[0].kind != "all_gather":
+        return None
+    axis, dim = fwd[0].axis, fwd[0].dim
+    if gsrc is not None and gdst is not None:
+        bwd = [s for s in reshard_steps_for(shape, gsrc, gdst, mesh_shape) if mesh_shape[s.axis] > 1]
+        if len(bwd) != 1 or bwd[0].kind != "reduce_scatter" or (bwd[0].axis, bwd[0].dim) != (axis, dim) \
+                or bwd[0].op != "sum":
+            return None
+    return axis, dim

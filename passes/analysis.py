@@ -7,26 +7,33 @@ import torch.fx as fx
 
 from autopar.layouts import parse_layout
 from autopar.resharding import reshard_steps_for
-from autopar.ir import GRAD_SYNC_KEY, reshard
+from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
 
 __all__ = ["count_collectives", "collective_nodes"]
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is reshard]
+    """The nodes that communicate (reshards and prefetched parameter gathers), in this program
+    and in the submodules it calls (checkpointed blocks)."""
+    return [n for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes
+            if n.op == "call_function" and (n.target is reshard or n.target is gather_param_start)]
 
 
 def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = None) -> Counter:
     """Collectives the program runs per step: ``{("forward" | "backward", kind): count}``.
 
     Gradient all-reduces deferred to the runtime's buckets (``defer_gradient_sync_pass``) count
-    as backward all-reduces, one per parameter and axis. ``mesh_shape`` is needed to count the
+    as backward all-reduces, one per parameter and axis; backward re-gathers are not counted. ``mesh_shape`` is needed to count the
     steps of unevenly sharded (ZeRO-3) parameters exactly.
     """
     counts: Counter = Counter()
     for axes in gm.meta.get(GRAD_SYNC_KEY, {}).values():
         counts[("backward", "all_reduce")] += len(axes)
     for n in collective_nodes(gm):
+        if n.target is gather_param_start:  # one all-gather; its gradient one reduce-scatter
+            counts[("forward", "all_gather")] += 1
+            counts[("backward", "reduce_scatter")] += int(bool(n.kwargs.get("grad")))
+            continue
         _, src, dst, gsrc, gdst = n.args
         shape = n.kwargs.get("shape")
         if shape is not None and not mesh_shape:

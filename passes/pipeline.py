@@ -11,6 +11,7 @@ from autopar.passes.defer_gradient_sync import defer_gradient_sync_pass
 from autopar.passes.insert_collectives import insert_collectives_pass
 from autopar.passes.localize_shapes import localize_shapes_pass
 from autopar.passes.outline_recompute import outline_recompute_pass
+from autopar.passes.prefetch_param_gathers import prefetch_param_gathers_pass
 
 __all__ = ["PASSES", "run_passes", "PassError"]
 
@@ -18,6 +19,7 @@ PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     localize_shapes_pass,
     insert_collectives_pass,
     defer_gradient_sync_pass,
+    prefetch_param_gathers_pass,
     eliminate_dead_code_pass,
     outline_recompute_pass,
 ]

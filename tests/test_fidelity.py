@@ -64,13 +64,14 @@ def test_memory_that_only_recompute_fits_gets_a_recomputing_plan_that_trains_exa
     from autopar.planner.search import USABLE_MEMORY_FRACTION
     from autopar.runtime.fidelity import tight_memory_worker
 
-    # 3% above the leanest plan that recomputes every block (the whole batch at once): no plan
-    # without recompute fits there
-    everything = _plan_peak(recompute=True, microbatches=1).predicted.peak_memory_bytes
+    # data parallel, the whole batch at once: 3% above the plan that recomputes every block, no
+    # plan without recompute fits
+    fixed = {"dp": 4, "zero": 0, "microbatches": 1}
+    everything = _plan_peak(recompute=True, **fixed).predicted.peak_memory_bytes
     memory = int(everything * 1.03 / USABLE_MEMORY_FRACTION)
     with pytest.raises(autopar.NoFeasiblePlanError):
-        _plan_peak(memory, recompute=False, microbatches=1)
-    results = autopar.launch(tight_memory_worker, 4, memory, {"microbatches": 1})
+        _plan_peak(memory, recompute=False, **fixed)
+    results = autopar.launch(tight_memory_worker, 4, memory, fixed)
     for r in results:
         assert r["recompute_blocks"], r  # only a recomputing plan fits
         assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r

@@ -2,8 +2,9 @@
 
 Problems are built directly from ``NodeVar`` / ``EdgeTable`` with random costs; the brute force
 enumerates every strategy assignment (followers take their root's index) and computes the
-objective of ``planner.evaluate``: compute + blocking + max(overlap - 0.8 compute, 0.05 overlap),
-subject to state + saved bytes <= budget.
+objective of ``planner.evaluate``: forward + backward compute + blocking + the exposed part of
+the forward, backward and last-microbatch overlap windows (``ilp.exposed_seconds``), subject to
+state + saved bytes <= budget.
 """
 import itertools
 import math
@@ -81,27 +82,34 @@ def random_problem(seed: int, n_nodes: int | None = None, with_followers: bool =
             kv = int(rng.integers(1, len(V.strategies) + 1))
             v_key = rng.integers(0, kv, len(V.strategies))
             v_key[: kv] = np.arange(kv)
-        # activation edges block, parameter edges overlap; some carry both
+        # activation edges block, parameter edges overlap in one of the three windows; some carry both
         mode = rng.integers(3)
-        blocking = rng.uniform(0, 3e-2, (ku, kv)) if mode != 1 else np.zeros((ku, kv))
-        overlap = rng.uniform(0, 8e-2, (ku, kv)) if mode != 0 else np.zeros((ku, kv))
-        kinds = [[{"all_gather": float(blocking[a, b] + overlap[a, b])} for b in range(kv)] for a in range(ku)]
-        edges.append(EdgeTable(u, v, 0, 0, 1, u_key.astype(np.int64), v_key.astype(np.int64), blocking, overlap, kinds))
-    return Problem(CTX, nodes, edges, recompute=False, microbatches=1)
+        zeros = np.zeros((ku, kv))
+        blocking = rng.uniform(0, 3e-2, (ku, kv)) if mode != 1 else zeros
+        windows = [rng.uniform(0, 8e-2, (ku, kv)) if mode != 0 and rng.random() < 0.6 else zeros for _ in range(3)]
+        kinds = [[{"all_gather": float(blocking[a, b] + sum(w[a, b] for w in windows))} for b in range(kv)]
+                 for a in range(ku)]
+        edges.append(EdgeTable(u, v, 0, 0, 1, u_key.astype(np.int64), v_key.astype(np.int64), blocking, windows[0],
+                               kinds, windows[1], windows[2]))
+    return Problem(CTX, nodes, edges, recompute=False, microbatches=int(rng.integers(1, 4)))
 
 
 def objective(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
     """(step seconds, memory bytes) of a full assignment: the evaluate() arithmetic."""
-    compute = sum(v.fwd_s[choice[n]] + v.bwd_s[choice[n]] for n, v in problem.nodes.items())
+    fwd = sum(v.fwd_s[choice[n]] for n, v in problem.nodes.items())
+    bwd = sum(v.bwd_s[choice[n]] for n, v in problem.nodes.items())
     memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
-    blocking = overlap = 0.0
+    blocking = of = ob = ol = 0.0
     for e in problem.edges:
         ku = int(e.u_key[choice[e.u]])
         kv = int(e.v_key[choice[e.v]]) if e.v is not None else 0
         blocking += e.blocking[ku, kv]
-        overlap += e.overlap[ku, kv]
-    exposed = max(overlap - OVERLAP_EFFICIENCY * compute, EXPOSED_FLOOR * overlap)
-    return compute + blocking + exposed, memory
+        get = lambda arr: 0.0 if arr is None else arr[ku, kv]  # noqa: E731
+        of, ob, ol = of + get(e.overlap), ob + get(e.overlap_bwd), ol + get(e.overlap_last)
+    m, eta, floor = problem.microbatches, OVERLAP_EFFICIENCY, EXPOSED_FLOOR
+    exposed_f = max(of - eta * fwd, floor * of)
+    exposed_b = max(ob + ol - eta * bwd, ol - eta / m * bwd, floor * (ob + ol))
+    return fwd + bwd + blocking + exposed_f + exposed_b, memory
 
 
 def assignments(problem: Problem):

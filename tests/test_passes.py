@@ -75,9 +75,15 @@ def test_zero3_shards_odd_parameters_unevenly_and_passes_their_shape(nproc):
     counts = count_collectives(gm, (nproc, 1))
     assert counts[("forward", "all_gather")] == n
     assert counts[("backward", "reduce_scatter")] == n
-    gathers = [g for g in gm.graph.nodes if g.meta.get("autopar.kind") == "reshard" and g.args[0].op == "placeholder"]
-    assert len(gathers) == n and all(g.kwargs["shape"] == tuple(g.args[0].meta["autopar.outputs"][0].shape)
-                                     for g in gathers)
+    # each parameter is gathered ahead of its use, padded to the gathered length it passes on
+    from autopar.ir import gather_param_finish, gather_param_start
+
+    starts = [g for g in gm.graph.nodes if g.target is gather_param_start]
+    assert len(starts) == n and all(g.args[0].op == "placeholder" for g in starts)
+    assert all(g.args[3] == g.args[0].meta["autopar.outputs"][0].shape[g.args[2]] for g in starts)
+    order = list(gm.graph.nodes)
+    for a, b in zip(starts[1:], [u for g in starts[:-1] for u in g.users if u.target is gather_param_finish]):
+        assert order.index(a) == order.index(b) + 1  # the next gather starts as the previous one is used
     # explain says so, with the padded size
     padded = -(-77 // nproc) * nproc
     assert f"dim 0 (77) over 'dp' ({nproc}), padded to {padded}" in plan.explain("up") or \

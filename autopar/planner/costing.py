@@ -25,7 +25,7 @@ from autopar.strategies import Strategy
 from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
-__all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "reshard_step_bytes",
+__all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "reshard_step_bytes", "bucketed_time",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
 
@@ -163,6 +163,22 @@ def _reshard_time(shape, per_elem, src, dst, ctx) -> dict[str, float]:
     groups = ctx.groups
     for kind, axis, nbytes in reshard_step_bytes(shape, per_elem, src, dst, ctx.mesh_shape):
         out[kind] = out.get(kind, 0.0) + collective_time(kind, nbytes, groups[axis], ctx.cluster)
+    return out
+
+
+def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> dict[str, float]:
+    """``reshard_time`` of a gradient reduced in the runtime's buckets (``runtime.grad_sync``):
+    bandwidth in full, latency as this tensor's share of a ``BUCKET_BYTES`` bucket's."""
+    from autopar.runtime.grad_sync import BUCKET_BYTES
+
+    if src == dst:
+        return {}
+    per = per_elem if per_elem is not None else meta.itemsize
+    out: dict[str, float] = {}
+    for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape):
+        latency = collective_time(kind, 0.0, ctx.groups[axis], ctx.cluster)
+        t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) - latency
+        out[kind] = out.get(kind, 0.0) + t + latency * min(1.0, nbytes / BUCKET_BYTES)
     return out
 
 

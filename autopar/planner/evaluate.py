@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 from autopar.planner.costing import node_flops
-from autopar.planner.ilp import EXPOSED_FLOOR, OVERLAP_EFFICIENCY
+from autopar.planner.ilp import exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
@@ -45,27 +45,34 @@ def _edge_keys(e, choice):
 def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> Evaluation:
     """``recompute``: the block instances checkpointed (default: all of them when the problem was
     priced with recompute; fewer take back their share of the recomputed forward)."""
-    compute = sum(v.fwd_s[choice[n]] + v.bwd_s[choice[n]] for n, v in problem.nodes.items())
+    fwd = sum(v.fwd_s[choice[n]] for n, v in problem.nodes.items())
+    bwd = sum(v.bwd_s[choice[n]] for n, v in problem.nodes.items())
     if problem.recompute and recompute is not None:
         for n, v in problem.nodes.items():
             if v.in_block:  # bwd_s includes one forward more for every instance
-                compute -= v.fwd_s[choice[n]] * (1.0 - problem.recomputed_share(n, recompute))
+                bwd -= v.fwd_s[choice[n]] * (1.0 - problem.recomputed_share(n, recompute))
     ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
-    blocking = overlap = 0.0
+    blocking = sum(v.comm_s[choice[n]] for n, v in problem.nodes.items() if v.comm_s is not None)
+    ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
     kinds: dict[str, float] = defaultdict(float)
     for e in problem.edges:
         ku, kv = _edge_keys(e, choice)
         blocking += e.blocking[ku, kv]
-        overlap += e.overlap[ku, kv]
+        for name in ovl:
+            arr = getattr(e, name)
+            if arr is not None:
+                ovl[name] += arr[ku, kv]
         for k, t in e.kinds[ku][kv].items():
             kinds[k] += t
-    exposed = max(overlap - OVERLAP_EFFICIENCY * compute, EXPOSED_FLOOR * overlap, 0.0)
+    exposed_f, exposed_b = exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], ovl["overlap_last"],
+                                           problem.microbatches)
+    compute = fwd + bwd
     return Evaluation(
-        step_time_s=compute + blocking + exposed,
+        step_time_s=compute + blocking + exposed_f + exposed_b,
         compute_s=compute,
         blocking_s=blocking,
-        overlap_s=overlap,
-        exposed_s=exposed,
+        overlap_s=sum(ovl.values()),
+        exposed_s=exposed_f + exposed_b,
         comm_by_kind=dict(sorted(kinds.items())),
         memory=(simulate_step_memory(problem, choice, recompute, autocast_dtype=autocast_dtype(problem))
                 if problem.traced is not None else MemoryEstimate(ilp_memory)),
@@ -104,7 +111,7 @@ def node_alternatives(problem: Problem, choice: dict[str, int], incident: dict, 
                     ku2, kv2 = int(e.u_key[s]), kv
                 else:
                     ku2, kv2 = ku, int(e.v_key[s])
-                dt += (e.blocking[ku2, kv2] + e.overlap[ku2, kv2]) - (e.blocking[ku, kv] + e.overlap[ku, kv])
+                dt += e.seconds(ku2, kv2) - e.seconds(ku, kv)
             dm = v.static_bytes[s] + v.saved_bytes[s] - base_m
             alts.append((dt, dm, s))
         alts.sort(key=lambda a: (a[0], a[1], a[2]))

@@ -9,14 +9,20 @@ deterministic, which the byte-identical Plan JSON needs.
 
 Objective (seconds, milliseconds inside the solver for numerical range)::
 
-    step = compute + blocking_comm + exposed
-    exposed >= overlappable_comm - OVERLAP_EFFICIENCY * compute
-    exposed >= EXPOSED_FLOOR * overlappable_comm
+    step = F + B + blocking + exposed_f + exposed_b
+    exposed_f >= ovl_f - OVERLAP_EFFICIENCY * F,          exposed_f >= EXPOSED_FLOOR * ovl_f
+    exposed_b >= ovl_b + ovl_l - OVERLAP_EFFICIENCY * B,  exposed_b >= EXPOSED_FLOOR * (ovl_b + ovl_l)
+    exposed_b >= ovl_l - OVERLAP_EFFICIENCY * B / m
 
-*Overlap model*: parameter all-gathers (prefetched ahead of use) and gradient reductions
-(bucketed, launched while backward continues) run concurrently with compute; up to
-``OVERLAP_EFFICIENCY`` of the compute time can hide them, and at least ``EXPOSED_FLOOR`` of them
-(the last bucket, the first gather) stays exposed. Activation resharding is on the critical path.
+*Overlap model*, following what the runtime runs asynchronously and when: ``F`` and ``B`` are
+forward and backward compute (all ``m`` microbatches). ``ovl_f``: parameter all-gathers issued
+one ahead of their use (``runtime.prefetch``) hide behind forward compute. ``ovl_b``: re-gathers
+prefetched in backward and asynchronous gradient reduce-scatters (ZeRO-2/3, every microbatch)
+hide behind backward compute. ``ovl_l``: the bucketed data-parallel all-reduce runs after the
+last microbatch's gradients exist, so only that microbatch's backward (``B / m``) can hide it.
+Up to ``OVERLAP_EFFICIENCY`` of a window hides communication and at least ``EXPOSED_FLOOR`` of it
+(the last bucket, the first gather) stays exposed. Everything else (activation resharding,
+synchronous collectives, ZeRO-1/2's all-gather after the optimizer step) blocks.
 
 Memory: sum of parameter/gradient/optimizer bytes and saved activations <= budget per device.
 """
@@ -30,12 +36,13 @@ from ortools.linear_solver import pywraplp
 
 from autopar.planner.problem import Problem
 
-__all__ = ["SolverConfig", "Solution", "solve", "OVERLAP_EFFICIENCY", "EXPOSED_FLOOR", "InfeasibleProblem"]
+__all__ = ["SolverConfig", "Solution", "solve", "OVERLAP_EFFICIENCY", "EXPOSED_FLOOR", "InfeasibleProblem",
+           "exposed_seconds"]
 
 OVERLAP_EFFICIENCY = 0.8
 EXPOSED_FLOOR = 0.05
-_NS = 1e3  # objective unit: milliseconds
-_KIB = 2.0**20  # memory unit: MiB
+_MS = 1e3  # objective unit: milliseconds
+_MIB = 2.0**20  # memory unit: MiB
 
 
 @dataclass(frozen=True)
@@ -79,10 +86,18 @@ class InfeasibleProblem(Exception):
 class _Model:
     m: "pywraplp.Solver"
     x: dict[str, list] = field(default_factory=dict)  # node -> per-strategy literal or constant 1
-    compute: list = field(default_factory=list)  # (coef_ns, literal|None)
+    fwd: list = field(default_factory=list)  # (coef_ms, literal|None)
+    bwd: list = field(default_factory=list)
     blocking: list = field(default_factory=list)
-    overlap: list = field(default_factory=list)
-    memory: list = field(default_factory=list)  # (kib, literal|None)
+    ovl_f: list = field(default_factory=list)  # the windows of the module docstring
+    ovl_b: list = field(default_factory=list)
+    ovl_l: list = field(default_factory=list)
+    memory: list = field(default_factory=list)  # (MiB, literal|None)
+
+    def edge_terms(self):
+        """(edge array name, the list its costs go to)."""
+        return (("blocking", self.blocking), ("overlap", self.ovl_f), ("overlap_bwd", self.ovl_b),
+                ("overlap_last", self.ovl_l))
 
 
 def _lin(terms):
@@ -119,8 +134,11 @@ def add_one_strategy_per_node(md: _Model, problem: Problem) -> None:
             md.m.Add(md.m.Sum(lits) == 1)
             md.x[name] = lits
         for i, lit in enumerate(md.x[name]):
-            md.compute.append((float(((v.fwd_s[i] + v.bwd_s[i]) * _NS)), lit))
-            md.memory.append((float(((v.static_bytes[i] + v.saved_bytes[i]) / _KIB)), lit))
+            md.fwd.append((float(v.fwd_s[i] * _MS), lit))
+            md.bwd.append((float(v.bwd_s[i] * _MS), lit))
+            if v.comm_s is not None:
+                md.blocking.append((float(v.comm_s[i] * _MS), lit))
+            md.memory.append((float(((v.static_bytes[i] + v.saved_bytes[i]) / _MIB)), lit))
 
 
 def _key_literals(md: _Model, lits: list, keys: np.ndarray, nkeys: int):
@@ -135,40 +153,36 @@ def add_edge_costs(md: _Model, problem: Problem) -> None:
     """Family *edge-consistency*: edge indicator e[ku,kv] marginals equal the endpoint choices."""
     for ei, e in enumerate(problem.edges):
         nu, nv = e.blocking.shape
+        terms = [(getattr(e, name), out) for name, out in md.edge_terms() if getattr(e, name) is not None]
+
+        def add(lit, ku, kv):
+            for arr, out in terms:
+                if arr[ku, kv]:
+                    out.append((float(arr[ku, kv] * _MS), lit))
+
         ulits = _key_literals(md, md.x[e.u], e.u_key, nu)
         vlits = _key_literals(md, md.x[e.v], e.v_key, nv) if e.v is not None else [[None]]
-        if np.all(e.blocking == e.blocking.flat[0]) and np.all(e.overlap == e.overlap.flat[0]):
-            c_b, c_o = e.blocking.flat[0], e.overlap.flat[0]
-            md.blocking.append((float((c_b * _NS)), None))
-            md.overlap.append((float((c_o * _NS)), None))
+        if all(np.all(arr == arr.flat[0]) for arr, _ in terms):
+            add(None, 0, 0)
             continue
         if e.v is not None and md.x[e.u] is md.x[e.v]:
             # both ends decided by the same literals: the cost is a function of that one choice
             for s, lit in enumerate(md.x[e.u]):
-                ku, kv = int(e.u_key[s]), int(e.v_key[s])
-                md.blocking.append((float((e.blocking[ku, kv] * _NS)), lit))
-                md.overlap.append((float((e.overlap[ku, kv] * _NS)), lit))
+                add(lit, int(e.u_key[s]), int(e.v_key[s]))
             continue
         u_const = len(md.x[e.u]) == 1
         v_const = e.v is None or len(md.x[e.v]) == 1
         if u_const or v_const:
             # cost depends on one side only: attach it to that side's literals directly
             if u_const and v_const:
-                ku, kv = int(e.u_key[0]), (int(e.v_key[0]) if e.v is not None else 0)
-                md.blocking.append((float((e.blocking[ku, kv] * _NS)), None))
-                md.overlap.append((float((e.overlap[ku, kv] * _NS)), None))
+                add(None, int(e.u_key[0]), int(e.v_key[0]) if e.v is not None else 0)
             elif u_const:
-                ku = int(e.u_key[0])
                 for s, lit in enumerate(md.x[e.v]):
-                    kv = int(e.v_key[s])
-                    md.blocking.append((float((e.blocking[ku, kv] * _NS)), lit))
-                    md.overlap.append((float((e.overlap[ku, kv] * _NS)), lit))
+                    add(lit, int(e.u_key[0]), int(e.v_key[s]))
             else:
                 kv = int(e.v_key[0]) if e.v is not None else 0
                 for s, lit in enumerate(md.x[e.u]):
-                    ku = int(e.u_key[s])
-                    md.blocking.append((float((e.blocking[ku, kv] * _NS)), lit))
-                    md.overlap.append((float((e.overlap[ku, kv] * _NS)), lit))
+                    add(lit, int(e.u_key[s]), kv)
             continue
         y = {}
         for a in range(nu):
@@ -179,8 +193,7 @@ def add_edge_costs(md: _Model, problem: Problem) -> None:
                     continue
                 lit = md.m.NumVar(0.0, 1.0, f"e{ei}[{a},{b}]")
                 y[a, b] = lit
-                md.blocking.append((float((e.blocking[a, b] * _NS)), lit))
-                md.overlap.append((float((e.overlap[a, b] * _NS)), lit))
+                add(lit, a, b)
         for a in range(nu):
             if ulits[a]:
                 md.m.Add(md.m.Sum([y[a, b] for b in range(nv) if (a, b) in y]) == md.m.Sum(ulits[a]))
@@ -195,21 +208,33 @@ def add_memory_limit(md: _Model, budget_bytes: float | None) -> None:
         return
     expr = _lin(md.memory)
     if isinstance(expr, (int, float)):  # every node has one strategy: nothing to choose
-        if expr > budget_bytes / _KIB:
-            raise InfeasibleProblem("memory", f"the only strategy assignment needs {expr * _KIB / 2**30:.2f} GiB "
+        if expr > budget_bytes / _MIB:
+            raise InfeasibleProblem("memory", f"the only strategy assignment needs {expr * _MIB / 2**30:.2f} GiB "
                                               f"per device, over the {budget_bytes / 2**30:.2f} GiB budget")
         return
-    md.m.Add(expr <= budget_bytes / _KIB)
+    md.m.Add(expr <= budget_bytes / _MIB)
 
 
-def add_overlap_objective(md: _Model) -> None:
+def add_overlap_objective(md: _Model, microbatches: int = 1) -> None:
     """Family *overlap*: exposed communication per the module's overlap model; minimise time."""
-    compute = _lin(md.compute)
-    overlap = _lin(md.overlap)
-    exposed = md.m.NumVar(0.0, md.m.infinity(), "exposed")
-    md.m.Add(exposed >= overlap - OVERLAP_EFFICIENCY * compute)
-    md.m.Add(exposed >= EXPOSED_FLOOR * overlap)
-    md.m.Minimize(compute + _lin(md.blocking) + exposed)
+    fwd, bwd = _lin(md.fwd), _lin(md.bwd)
+    ovl_f, ovl_b, ovl_l = _lin(md.ovl_f), _lin(md.ovl_b), _lin(md.ovl_l)
+    exposed_f = md.m.NumVar(0.0, md.m.infinity(), "exposed_f")
+    exposed_b = md.m.NumVar(0.0, md.m.infinity(), "exposed_b")
+    md.m.Add(exposed_f >= ovl_f - OVERLAP_EFFICIENCY * fwd)
+    md.m.Add(exposed_f >= EXPOSED_FLOOR * ovl_f)
+    md.m.Add(exposed_b >= ovl_b + ovl_l - OVERLAP_EFFICIENCY * bwd)
+    md.m.Add(exposed_b >= ovl_l - OVERLAP_EFFICIENCY / microbatches * bwd)
+    md.m.Add(exposed_b >= EXPOSED_FLOOR * (ovl_b + ovl_l))
+    md.m.Minimize(fwd + bwd + _lin(md.blocking) + exposed_f + exposed_b)
+
+
+def exposed_seconds(fwd: float, bwd: float, ovl_f: float, ovl_b: float, ovl_l: float, microbatches: int) -> tuple[float, float]:
+    """The overlap model in floating point: (exposed in the forward window, in the backward one)."""
+    f = max(ovl_f - OVERLAP_EFFICIENCY * fwd, EXPOSED_FLOOR * ovl_f, 0.0)
+    b = max(ovl_b + ovl_l - OVERLAP_EFFICIENCY * bwd, ovl_l - OVERLAP_EFFICIENCY / microbatches * bwd,
+            EXPOSED_FLOOR * (ovl_b + ovl_l), 0.0)
+    return f, b
 
 
 def solve(
@@ -231,7 +256,7 @@ def solve(
         md.m.Minimize(_lin(md.memory))
     else:
         add_memory_limit(md, budget_bytes)
-        add_overlap_objective(md)
+        add_overlap_objective(md, problem.microbatches)
     build_s = time.perf_counter() - t0
     solver.SetTimeLimit(int(config.time_limit_s * 1000))
     solver.SetNumThreads(int(config.threads))
@@ -249,8 +274,8 @@ def solve(
             choice[name] = 0
         else:
             choice[name] = max(range(len(lits)), key=lambda i: (lits[i].solution_value(), -i))
-    scale = _KIB if objective == "memory" else 1 / _NS
-    used = sum(c * (1.0 if lit is None else lit.solution_value()) for c, lit in md.memory) * _KIB
+    scale = _MIB if objective == "memory" else 1 / _MS
+    used = sum(c * (1.0 if lit is None else lit.solution_value()) for c, lit in md.memory) * _MIB
     slack = float("inf") if budget_bytes is None else budget_bytes - used
     return Solution(
         choice=choice,

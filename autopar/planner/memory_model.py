@@ -32,7 +32,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from autopar.ir import param_cast_dtype, pure_all_reduce_axes
+from autopar.ir import edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import Layout, Shard, grad_layout, local_shape, split_factor, state_dim, state_layout
 from autopar.planner.costing import reshard_staging_bytes
 from autopar.planner.op_memory import OpMemory, op_memory
@@ -42,7 +42,8 @@ from autopar.trace import TensorMeta, tensor_inputs
 
 __all__ = ["MemoryEstimate", "simulate_step_memory", "persistent_bytes"]
 
-_ZERO2_INFLIGHT = 2  # runtime.grad_sync.MAX_INFLIGHT
+from autopar.runtime.grad_sync import MAX_INFLIGHT as _ZERO2_INFLIGHT  # noqa: E402
+from autopar.runtime.prefetch import MAX_INFLIGHT as _ZERO3_INFLIGHT  # noqa: E402
 
 
 @dataclass
@@ -258,6 +259,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
         s = strat[inp.producer]
         return s.outs[inp.index] if inp.index < len(s.outs) else None
 
+    ops_by_name = {op.name: op for op in sk.ops}
     sim = _Sim(trace)
     val: dict[tuple, int | None] = {}  # (node, out index) -> storage id (None: not the step's)
     saved_at: dict[str, list[int]] = {}  # node -> storages released by its backward
@@ -275,6 +277,13 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             val[(name, 0)] = sim.alloc(sizes.local(meta, lay) * (inv_m if batch else 1.0), "fwd", n_uses)
         else:
             val[(name, 0)] = None  # parameters, buffers, whole inputs: not allocated by the step
+    # parameter gathers issued one ahead (runtime.prefetch): (op, input) in program order
+    ahead = [(op.name, i, op.instance) for op in sk.ops for i, inp in enumerate(op.ins)
+             if inp.param and _prefetched(inp, layout_of(inp), strat[op.name], i, sizes)]
+    # (not across the edge of a checkpointed block: its recomputation gathers again itself)
+    region = lambda inst: inst if inst in recompute else None  # noqa: E731
+    next_ahead = {(a[0], a[1]): b for a, b in zip(ahead, ahead[1:]) if region(a[2]) == region(b[2])}
+    early: dict[tuple[str, int], int] = {}  # gathers started before their op: (op, input) -> storage
     for op in sk.ops:
         s = strat[op.name]
         sim.where = op.name
@@ -282,6 +291,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
         arrive = []  # per input: (storage, bytes, resharded, regathered)
         first_new = sim.next
         comm_temp = 0.0
+        started = None
         for i, inp in enumerate(op.ins):
             src, dst = layout_of(inp), (s.ins[i] if i < len(s.ins) else None)
             if inp.meta is not None and src is not None and dst is not None and src != dst:
@@ -290,9 +300,17 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                 size = sizes.local(inp.meta, dst, per_elem) * scale
                 gathers, staging = sizes.reshard(inp.meta, per_elem, src, dst)
                 comm_temp = max(comm_temp, staging * scale)
-                arrive.append((sim.alloc(size, "fwd", 1), size, True, inp.param and gathers))
+                sid = early.pop((op.name, i), None)
+                arrive.append((sid if sid is not None else sim.alloc(size, "fwd", 1), size, True, inp.param and gathers))
+                started = next_ahead.get((op.name, i), started)
             else:
                 arrive.append((val.get((inp.producer, inp.index)), 0.0, False, False))
+        if started is not None:  # the next parameter's gather is under way while this op runs
+            nop = ops_by_name[started[0]]
+            ninp = nop.ins[started[1]]
+            nsize = sizes.local(ninp.meta, strat[nop.name].ins[started[1]],
+                                ninp.cast.itemsize if ninp.cast is not None else ninp.meta.itemsize)
+            early[(started[0], started[1])] = sim.alloc(nsize, "fwd", 1)
         resharded[op.name] = [a[2] for a in arrive]
         out_lay = next((o for o in s.outs if o is not None), None)
         shrink = (inv_m if op.batch else 1.0) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
@@ -361,6 +379,10 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     for op in sk.ops:
         if op.instance in recompute:
             first_of_region.setdefault(op.instance, op.name)
+    # backward gathers again, and starts the gather of the one before (runtime.param_regather)
+    with_regather = [op.name for op in sk.ops if regathered.get(op.name)]
+    regather_next = {b: regathered[a] for a, b in zip(with_regather, with_regather[1:])}
+    inflight3: list[int] = []  # gradients of gathered parameters being reduce-scattered
     for op in reversed(sk.ops):
         if not op.needs_grad:
             for sid in saved_at.get(op.name, ()):
@@ -379,7 +401,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             sim.check(extra_bwd=region_temp.get(inst, 0.0), phase="backward")
         out_lay = next((o for o in s.outs if o is not None), None)
         shrink = (inv_m if op.batch else 1.0) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
-        regather = regathered.get(op.name, 0.0)
+        regather = regathered.get(op.name, 0.0) + (regather_next.get(op.name, 0.0) if op.name in regathered else 0.0)
         aliased = {al for al in prof.aliases if al is not None}
         for i, inp in enumerate(op.ins):
             if not inp.grad:
@@ -392,6 +414,19 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             g = sim.alloc(sizes.local(inp.meta, lin if lin is not None else lout) * scale, "bwd")
             sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
             gin = s.grad_ins[i] if i < len(s.grad_ins) else None
+            if inp.param and _prefetched(inp, lout, s, i, sizes):
+                # reduce-scattered asynchronously from a copy in the reduce dtype, at most
+                # MAX_INFLIGHT pending (runtime.prefetch)
+                if inp.cast is not None or _prefetch_dim(inp, lout, s, i, sizes) != 0:  # a cast or strided copy
+                    ratio = problem.ctx.policy.torch_reduce_dtype.itemsize / inp.cast.itemsize if inp.cast is not None else 1.0
+                    send = sim.alloc(sim.size[g] * ratio, "bwd")
+                    sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
+                    sim.free(g)
+                    g = send
+                inflight3.append(g)
+                while len(inflight3) > _ZERO3_INFLIGHT + 1:
+                    sim.free(inflight3.pop(0))
+                continue
             deferred = inp.param and lin is not None and gin is not None and \
                 pure_all_reduce_axes(lout, lin, gin, grad_layout(lout)) is not None  # summed by GradSync
             if lin is not None and lout is not None and gin is not None and gin != grad_layout(lout) and not deferred:
@@ -428,7 +463,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
         if inst is not None and first_of_region.get(inst) == op.name:
             for sid in region_inputs.get(inst, ()):
                 sim.unref(sid)
-    for g in inflight:
+    for g in inflight + inflight3:
         sim.free(g)
     # ------------------------------------------------------------------ optimizer
     persistent = persistent_bytes(problem, choice)
@@ -447,6 +482,26 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     categories = dict(persistent)
     categories.update(activations=fwd_peak, backward=sim.max["bwd"], optimizer_step=opt_step)
     return MemoryEstimate(sum(persistent.values()) + peak, categories, phase)
+
+
+def _prefetch_dim(inp: _In, src, s, i: int, sizes: _Sizes) -> int | None:
+    """The dim of this parameter input's gather when it is issued ahead of its op
+    (``ir.prefetchable_gather``); None when it is not."""
+    dst = s.ins[i] if i < len(s.ins) else None
+    if inp.meta is None or src is None or dst is None or src == dst:
+        return None
+    edge = edge_reshard(src, dst, s.grad_ins[i] if i < len(s.grad_ins) else None, inp.grad)
+    if edge is None:
+        return None
+    key = ("prefetch", inp.meta.shape, edge)
+    if key not in sizes.memo:
+        found = prefetchable_gather(inp.meta.shape, *edge, sizes.mesh)
+        sizes.memo[key] = found[1] if found is not None else None
+    return sizes.memo[key]
+
+
+def _prefetched(inp: _In, src, s, i: int, sizes: _Sizes) -> bool:
+    return _prefetch_dim(inp, src, s, i, sizes) is not None
 
 
 def _zero_gather_bytes(meta: TensorMeta, s, mesh, shard: float) -> float:

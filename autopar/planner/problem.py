@@ -20,11 +20,11 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import param_cast_dtype
-from autopar.layouts import grad_layout, replicated
+from autopar.ir import edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
+from autopar.layouts import replicated
 from autopar.planner.blocks import BlockInfo
 from autopar.layouts import local_shape, split_factor
-from autopar.planner.costing import CostContext, VIEW_OPS, node_compute_time, param_memory, reshard_time
+from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, param_memory, reshard_time
 from autopar.planner.op_memory import op_memory
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
@@ -50,6 +50,7 @@ class NodeVar:
     excluded: list[tuple[str, str]] = field(default_factory=list)
     fallback: bool = False
     root: str | None = None  # set for followers: strategy i is paired with strategy i of ``root``
+    comm_s: np.ndarray | None = None  # blocking communication of the strategy itself (ZeRO-1/2's post-step gather)
 
 
 @dataclass
@@ -57,7 +58,9 @@ class EdgeTable:
     """Cost of one representative edge; ``count`` original edges share it.
 
     ``u_key[s]`` / ``v_key[s]``: key index of strategy s of the producer / consumer.
-    ``blocking[ku, kv]`` and ``overlap[ku, kv]``: seconds (already x count).
+    ``blocking[ku, kv]``: seconds on the critical path; ``overlap`` / ``overlap_bwd`` /
+    ``overlap_last``: seconds that can hide behind forward compute / backward compute / the last
+    microbatch's backward (``planner.ilp``), all already x count (None: nothing).
     ``kinds[ku][kv]``: seconds per collective kind (x count), for reports.
     """
 
@@ -71,6 +74,13 @@ class EdgeTable:
     blocking: np.ndarray
     overlap: np.ndarray
     kinds: list[list[dict[str, float]]]
+    overlap_bwd: np.ndarray | None = None
+    overlap_last: np.ndarray | None = None
+
+    def seconds(self, ku: int, kv: int) -> float:
+        """All communication of the pair, hidden or not."""
+        return float(sum(arr[ku, kv] for arr in (self.blocking, self.overlap, self.overlap_bwd, self.overlap_last)
+                         if arr is not None))
 
 
 @dataclass
@@ -170,10 +180,14 @@ def build_problem(
         bwd = np.zeros(k)
         static = np.zeros(k)
         saved = np.zeros(k)
+        comm = np.zeros(k)
         kind = n.meta.get("autopar.kind")
         for i, s in enumerate(strategies):
             if kind == "param":
-                static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, n.meta.get("autopar.requires_grad", True)) * c
+                trainable = n.meta.get("autopar.requires_grad", True)
+                static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
+                if trainable and s.zero_axes:
+                    comm[i] = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx) * c
             elif kind == "op":
                 f, b = node_compute_time(n, s, ctx)
                 fwd[i], bwd[i] = f * c, b * c
@@ -188,10 +202,11 @@ def build_problem(
         if recompute and in_block:
             fwd_extra = fwd.copy()
             bwd = bwd + fwd_extra  # recomputed forward runs inside backward
-        nodes[n.name] = NodeVar(n.name, n, c, strategies, fwd, bwd, static, saved, in_block, excluded, ns.fallback)
+        nodes[n.name] = NodeVar(n.name, n, c, strategies, fwd, bwd, static, saved, in_block, excluded, ns.fallback,
+                                comm_s=comm if comm.any() else None)
 
     _merge_followers(traced, blocks, nodes, ctx)
-    edges = _build_edges(traced, blocks, nodes, ctx, microbatches)
+    edges = _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
 
 
@@ -254,7 +269,7 @@ def _is_alias_getitem(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is operator.getitem
 
 
-def _build_edges(traced, blocks, nodes, ctx, microbatches) -> list[EdgeTable]:
+def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast) -> list[EdgeTable]:
     rep = blocks.rep
     grouped: dict[tuple, int] = defaultdict(int)
     for v in traced.graph.nodes:
@@ -273,21 +288,35 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches) -> list[EdgeTable]:
     for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
         if u not in nodes or (v is not None and v not in nodes):
             continue
-        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches)
+        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast)
         if table is not None:
             edges.append(table)
     # identical (u, v) edges collapse: the ILP simply sums them
     return edges
 
 
-def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int):
+def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int,
+                batch: set[str] = frozenset(), recompute: bool = False, autocast=None):
+    """Price one edge for every pair of (producer layout, consumer layout): the ``reshard`` the
+    passes will insert there (``ir.edge_reshard``), in the window the runtime runs it in.
+
+    Parameters (per microbatch, ``m`` times): a gather that ``ir.prefetchable_gather`` accepts is
+    issued ahead (forward window) and, when the consumer keeps the parameter for backward or
+    recomputes, gathered again in backward (backward window); its gradient's reduce-scatter is
+    asynchronous (backward window). A gradient that only needs summing is all-reduced once per
+    step by the bucketed ``GradSync`` (last-microbatch window, latency per bucket); ZeRO-2
+    reduce-scatters it every microbatch instead (backward window). Any other collective blocks.
+    Activations (blocking): a batch-derived value moves 1/m per microbatch, anything else whole
+    every microbatch; a checkpointed block's forward collectives run twice."""
     meta = U.node.meta["autopar.outputs"][idx] if idx < len(U.node.meta["autopar.outputs"]) else None
     if meta is None:
         return None
+    is_param = U.node.meta.get("autopar.kind") == "param"
     u_index: dict = {}
     u_key = np.zeros(len(U.strategies), dtype=np.int64)
     for s_i, s in enumerate(U.strategies):
-        u_key[s_i] = u_index.setdefault(s.outs[idx], len(u_index))
+        key = (s.outs[idx], s.zero_axes, s.zero_stage) if is_param else s.outs[idx]
+        u_key[s_i] = u_index.setdefault(key, len(u_index))
     u_layouts = list(u_index)
     ndim = len(ctx.mesh_shape)
     if V is None:
@@ -299,39 +328,81 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         for s_i, s in enumerate(V.strategies):
             v_key[s_i] = v_index.setdefault((s.ins[i], s.grad_ins[i]), len(v_index))
         v_layouts = list(v_index)
-    is_param = U.node.meta.get("autopar.kind") == "param"
-    needs_grad = U.node.meta.get("autopar.needs_grad", False) and meta.is_floating
+    needs_grad = bool(U.node.meta.get("autopar.needs_grad", False) and meta.is_floating)
+    m = float(microbatches)
+    in_recompute = recompute and V is not None and V.in_block
     fwd_per_elem = bwd_per_elem = None
+    saves = False
     if is_param:
         # a parameter is gathered in its own dtype, or cast to the consumer's compute dtype first
         # (mixed precision) and its gradient then reduced in the policy's reduce dtype
         cast = param_cast_dtype(U.node, V.node) if V is not None else None
         fwd_per_elem = float(cast.itemsize if cast is not None else meta.itemsize)
         bwd_per_elem = float(ctx.policy.torch_reduce_dtype.itemsize if cast is not None else meta.itemsize)
-    blocking = np.zeros((len(u_layouts), len(v_layouts)))
-    overlap = np.zeros_like(blocking)
+        saves = V is not None and any(e[0] in ("in", "cast") and e[1] == i for e in op_memory(V.node, autocast).saved)
+    arrays = {k: np.zeros((len(u_layouts), len(v_layouts))) for k in ("blocking", "overlap", "overlap_bwd", "overlap_last")}
     kinds: list[list[dict[str, float]]] = []
-    # parameters are gathered for each microbatch, and gathered again in backward (the gathered
-    # copy is freed after forward use, as FSDP's reshard_after_forward; see runtime.param_regather)
-    fwd_repeat = 2 * microbatches if is_param else 1
-    for a, lu in enumerate(u_layouts):
+    per_micro = 1.0 if U.name in batch else m  # how many times the traced-size bytes move
+    for a, key in enumerate(u_layouts):
+        lu = key[0] if is_param else key
+        zero_axes, zero_stage = (key[1], key[2]) if is_param else ((), 0)
         row = []
         for b, (lin, lgrad) in enumerate(v_layouts):
             per_kind: dict[str, float] = {}
-            if lin is not None and lu is not None:
-                for k, t in reshard_time(meta, lu, lin, ctx, fwd_per_elem).items():
-                    per_kind[k] = per_kind.get(k, 0.0) + t * fwd_repeat
-            if needs_grad and lgrad is not None and lu is not None:
-                for k, t in reshard_time(meta, lgrad, grad_layout(lu), ctx, bwd_per_elem).items():
-                    per_kind[k] = per_kind.get(k, 0.0) + t
-            total = sum(per_kind.values()) * count
-            if is_param:
-                overlap[a, b] = total
-            else:
-                blocking[a, b] = total
+
+            def add(times: dict, where: str, repeat: float):
+                for k, t in times.items():
+                    per_kind[k] = per_kind.get(k, 0.0) + t * repeat
+                    arrays[where][a, b] += t * repeat * count
+
+            edge = edge_reshard(lu, lin, lgrad, needs_grad) if lu is not None else None
+            if edge is not None:
+                src, dst, gsrc, gdst = edge
+                fwd = reshard_time(meta, src, dst, ctx, fwd_per_elem) if src != dst else {}
+                if not is_param:
+                    add(fwd, "blocking", per_micro * (2 if in_recompute else 1))
+                    if gsrc is not None:
+                        add(reshard_time(meta, gsrc, gdst, ctx), "blocking", per_micro)
+                else:
+                    ahead = prefetchable_gather(meta.shape, src, dst, gsrc, gdst, ctx.mesh_shape) is not None
+                    add(fwd, "overlap" if ahead else "blocking", m)
+                    if fwd and (in_recompute or saves):  # gathered again in backward
+                        add(fwd, "overlap_bwd" if ahead else "blocking", m)
+                    if gsrc is not None:
+                        summed = pure_all_reduce_axes(src, dst, gsrc, gdst)
+                        if summed is not None and zero_stage == 2:
+                            add(_zero2_reduce_time(meta, lu, summed, zero_axes, ctx), "overlap_bwd", m)
+                        elif summed is not None:
+                            add(bucketed_time(meta, gsrc, gdst, ctx, bwd_per_elem), "overlap_last", 1.0)
+                        else:
+                            add(reshard_time(meta, gsrc, gdst, ctx, bwd_per_elem), "overlap_bwd" if ahead else "blocking", m)
             row.append({k: t * count for k, t in per_kind.items()})
         kinds.append(row)
-    return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, blocking, overlap, kinds)
+    return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, arrays["blocking"],
+                     arrays["overlap"], kinds, arrays["overlap_bwd"], arrays["overlap_last"])
+
+
+def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[str, float]:
+    """ZeRO-2's gradient sync of a whole local gradient: reduce-scatter over its zero axes,
+    all-reduce over the others it is summed over (``runtime.grad_sync``)."""
+    from autopar.cost_models.communication import collective_time
+
+    nbytes = float(math.prod(local_shape(meta.shape, layout, ctx.mesh_shape)) * meta.itemsize)
+    out: dict[str, float] = {}
+    for a in axes:
+        kind = "reduce_scatter" if a in zero_axes else "all_reduce"
+        out[kind] = out.get(kind, 0.0) + collective_time(kind, nbytes, ctx.groups[a], ctx.cluster)
+    return out
+
+
+def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
+    """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking)."""
+    from autopar.cost_models.communication import collective_time
+
+    if not s.zero_axes:
+        return 0.0
+    nbytes = float(math.prod(local_shape(meta.shape, s.outs[0], ctx.mesh_shape)) * meta.itemsize)
+    return sum(collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
 
 
 def _is_follower_op(n: fx.Node) -> bool:
@@ -385,4 +456,6 @@ def _merge_followers(traced: TracedGraph, blocks: BlockInfo, nodes: dict[str, No
         V.strategies = [V.strategies[i] for i in picks]
         V.fwd_s, V.bwd_s = V.fwd_s[picks], V.bwd_s[picks]
         V.static_bytes, V.saved_bytes = V.static_bytes[picks], V.saved_bytes[picks]
+        if V.comm_s is not None:
+            V.comm_s = V.comm_s[picks]
         V.root = root

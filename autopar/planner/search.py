@@ -220,6 +220,12 @@ def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], mic
                     # a dim already sharded on 'tp' is not available to 'dp')
                     if shardable:
                         return "zero=3 shards every parameter on 'dp'"
+                if z == 3 and sharded_dp:
+                    # as FSDP2: the first dim left whole by 'tp' (dim 0 when it can), so gathers,
+                    # re-gathers and gradient reduce-scatters need no strided copies
+                    whole = tuple(p if a != dp_a else Replicate() for a, p in enumerate(lay))
+                    if lay[dp_a] != Shard(state_dim(meta.shape, whole) if state_dim(meta.shape, whole) is not None else -1):
+                        return "zero=3 shards a parameter's first whole dim on 'dp' (as FSDP2: no strided copies)"
         if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
             # (an op without a rule runs replicated whatever the plan: it is resliced after)
             out = next((o for o in s.outs if o is not None), None)

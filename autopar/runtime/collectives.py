@@ -208,8 +208,8 @@ def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, gr
         # a gathered parameter: backward gathers it again instead of keeping it (ZeRO-3)
         from autopar.runtime.param_regather import remember_gathered_param
 
-        def replay(local, fwd=fwd, comm=comm, shape=shape, dtype=dtype):
-            return apply_steps(local.to(dtype) if dtype is not None else local, fwd, comm, shape)
+        def replay(local, async_op=False, fwd=fwd, comm=comm, shape=shape, dtype=dtype):
+            return apply_steps(local.to(dtype) if dtype is not None else local, fwd, comm, shape)  # synchronously
 
         remember_gathered_param(out, x.detach(), replay)
     return out

@@ -66,6 +66,8 @@ class MeshComm:
         self.coords = tuple(int(c) for c in coords)
         self.stats = stats if stats is not None else CommStats()
         self.step_cache: dict = {}  # (src, dst, shape) -> reshard steps on this mesh
+        self.pending_gathers: dict = {}  # storage of a receive buffer -> gather under way (runtime.prefetch)
+        self.pending_grads: list = []  # gradient reduce-scatters under way (runtime.prefetch)
 
     @classmethod
     def from_device_mesh(cls, mesh) -> "MeshComm":
@@ -84,6 +86,8 @@ class MeshComm:
         """Forget the process groups (call before ``destroy_process_group``)."""
         self.groups = (None,) * len(self.sizes)
         self.step_cache.clear()
+        self.pending_gathers.clear()
+        self.pending_grads.clear()
 
     # ------------------------------------------------------------------ collectives
     def _group(self, axis: int):

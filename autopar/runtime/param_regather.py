@@ -6,7 +6,9 @@ backward and ZeRO-3 would save nothing. ``regather_saved_params`` installs
 ``saved_tensors_hooks``: when autograd saves any tensor whose *storage* is that of a gathered
 parameter (the tensor itself, a view, a transpose), only the local shard and the view's geometry
 are kept, and backward gathers again and re-applies the geometry. This is FSDP's
-``reshard_after_forward``; the planner prices the second gather.
+``reshard_after_forward``; the planner prices the second gather. When backward unpacks one, the
+gather of the one packed before it (the next backward needs) is started asynchronously, as FSDP's
+backward prefetch does, where its gather can run asynchronously (``runtime.prefetch``).
 """
 from __future__ import annotations
 
@@ -32,12 +34,27 @@ def remember_gathered_param(gathered: torch.Tensor, local: torch.Tensor, replay)
     _GATHERED[st._cdata] = (weakref.ref(st), local, replay)
 
 
-class _Regather:
-    __slots__ = ("local", "replay", "size", "stride", "offset")
+_PACKED: list = [None]  # the forward being recorded: its _Sequence
 
-    def __init__(self, local, replay, t: torch.Tensor):
+
+class _Sequence:
+    """Weak references to one forward's _Regather objects, in the order it saved them (no cycle
+    keeps a prefetched buffer alive), and the one whose gather was started ahead (at most one)."""
+
+    __slots__ = ("items", "ahead")
+
+    def __init__(self):
+        self.items: list = []
+        self.ahead = None
+
+
+class _Regather:
+    __slots__ = ("local", "replay", "size", "stride", "offset", "seq", "index", "pending", "done", "__weakref__")
+
+    def __init__(self, local, replay, t: torch.Tensor, seq: _Sequence):
         self.local, self.replay = local, replay
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.seq, self.index, self.pending, self.done = seq, len(seq.items), None, False
 
 
 def _pack(t: torch.Tensor):
@@ -46,21 +63,38 @@ def _pack(t: torch.Tensor):
     st = t.untyped_storage()
     entry = _GATHERED.get(st._cdata)
     if entry is not None and entry[0]() is st:
-        return _Regather(entry[1], entry[2], t)
+        seq = _PACKED[0]
+        obj = _Regather(entry[1], entry[2], t, seq)
+        seq.items.append(weakref.ref(obj))
+        return obj
     return t
 
 
 def _unpack(obj):
-    if isinstance(obj, _Regather):
-        with torch.no_grad():
-            full = obj.replay(obj.local)
-        return full.as_strided(obj.size, obj.stride, obj.offset)
-    return obj
+    if not isinstance(obj, _Regather):
+        return obj
+    with torch.no_grad():
+        got = obj.pending if obj.pending is not None else obj.replay(obj.local)
+        full = got.wait() if hasattr(got, "wait") else got
+        obj.pending, obj.done = None, True
+        seq = obj.seq
+        if seq.ahead is not None and (seq.ahead() is None or seq.ahead() is obj or seq.ahead().done):
+            seq.ahead = None
+        j = obj.index - 1  # the one backward will need next: start its gather now (one at a time)
+        while seq.ahead is None and j >= 0:
+            nxt = seq.items[j]()
+            if nxt is not None and not nxt.done and nxt.pending is None:
+                nxt.pending = nxt.replay(nxt.local, async_op=True)
+                seq.ahead = weakref.ref(nxt)
+            j -= 1
+    return full.as_strided(obj.size, obj.stride, obj.offset)
 
 
 @contextlib.contextmanager
 def regather_saved_params():
     _ACTIVE[0] += 1
+    if _ACTIVE[0] == 1:
+        _PACKED[0] = _Sequence()  # kept alive by the saved tensors that point to it, until backward frees them
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield
@@ -68,3 +102,4 @@ def regather_saved_params():
         _ACTIVE[0] -= 1
         if not _ACTIVE[0]:
             _GATHERED.clear()
+            _PACKED[0] = None

@@ -1,0 +1,128 @@
+"""Parameter gathers issued ahead of their use; their gradients reduced asynchronously (ZeRO-3).
+
+``gather_param_start(x, ...)`` starts the all-gather of a parameter shard and returns the buffer
+it lands in; ``gather_param_finish(buf, ...)`` waits for it and returns the gathered parameter
+(a view of the buffer). The passes (``prefetch_param_gathers_pass``) put each start right after
+the previous gather's finish, so one gather is in flight while the op before its use computes:
+FSDP's forward prefetch. In backward the gradient of the gathered parameter is reduce-scattered
+asynchronously (at most ``MAX_INFLIGHT`` pending, each keeping its full gradient alive) and added
+to the shard's gradient buffer when it completes; ``drain_gradient_reductions`` finishes them all
+before the optimizer step. Only public c10d calls with ``async_op=True`` are used (gloo and NCCL).
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.runtime.collectives import current_mesh
+from autopar.runtime.comm import MeshComm
+
+__all__ = ["gather_param_start", "gather_param_finish", "start_gather", "drain_gradient_reductions", "MAX_INFLIGHT"]
+
+MAX_INFLIGHT = 1  # gradient reduce-scatters pending at once (each keeps a whole gradient alive)
+
+
+class PendingGather:
+    """An all-gather under way: ``out`` is the receive buffer (the gathered dim first, padded)."""
+
+    __slots__ = ("out", "work", "send")
+
+    def __init__(self, out, work, send):
+        self.out, self.work, self.send = out, work, send
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.send = None
+        return self.out
+
+
+def start_gather(x: torch.Tensor, dim: int, comm: MeshComm, axis: int, size: int | None,
+                 async_op: bool = True) -> PendingGather:
+    """Start gathering ``dim`` of ``x`` over ``axis`` (each shard padded to ``ceil(size / n)``
+    rows when ``size``, the gathered length, does not divide evenly)."""
+    n = comm.sizes[axis]
+    front = x.movedim(dim, 0).contiguous()
+    rows = front.shape[0] if size is None else -(-size // n)
+    if front.shape[0] != rows:
+        front = torch.cat([front, front.new_zeros((rows - front.shape[0],) + tuple(front.shape[1:]))])
+    out = torch.empty((n * rows,) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
+    return PendingGather(out, comm.all_gather(out, front, axis, async_op=async_op), front)
+
+
+def _view(buf: torch.Tensor, dim: int, size: int | None) -> torch.Tensor:
+    return (buf[:size] if size is not None else buf).movedim(0, dim)
+
+
+class _PendingGrad:
+    __slots__ = ("work", "out", "send", "grad", "dim", "length")
+
+    def __init__(self, work, out, send, grad, dim, length):
+        self.work, self.out, self.send, self.grad, self.dim, self.length = work, out, send, grad, dim, length
+
+    def complete(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.grad.movedim(self.dim, 0).add_(self.out[: self.length])
+        self.send = self.out = None
+
+
+class _GatherStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim, size, dtype, reduce_dtype, comm):
+        ctx.param, ctx.axis, ctx.dim, ctx.reduce_dtype, ctx.comm = x, axis, dim, reduce_dtype, comm
+        pend = start_gather(x.to(dtype) if dtype is not None else x, dim, comm, axis, size)
+        comm.pending_gathers[pend.out.untyped_storage()._cdata] = pend
+        return pend.out
+
+    @staticmethod
+    def backward(ctx, g):
+        # the gradient of the padded, gathered buffer: every rank sums it and keeps its block
+        comm, param = ctx.comm, ctx.param
+        send = g.contiguous()
+        if ctx.reduce_dtype is not None:
+            send = send.to(ctx.reduce_dtype)
+        n = comm.sizes[ctx.axis]
+        out = torch.empty((send.shape[0] // n,) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
+        work = comm.reduce_scatter(out, send, ctx.axis, async_op=True)
+        comm.pending_grads.append(_PendingGrad(work, out, send, param.grad, ctx.dim, param.shape[ctx.dim]))
+        while len(comm.pending_grads) > MAX_INFLIGHT:
+            comm.pending_grads.pop(0).complete()
+        return (None,) * 7  # added to the parameter's gradient buffer when the reduction completes
+
+
+def gather_param_start(x: torch.Tensor, axis: int, dim: int, size: int | None = None, dtype=None,
+                       reduce_dtype=None, grad: bool = True) -> torch.Tensor:
+    """Start gathering parameter shard ``x`` (cast to ``dtype`` first); returns the receive buffer
+    for ``gather_param_finish``. With ``grad`` the gradient is reduce-scattered asynchronously into
+    ``x.grad`` (a persistent buffer, see ``ParamStore``) in ``reduce_dtype``."""
+    from autopar.runtime.param_regather import remember_gathered_param
+
+    comm = current_mesh()
+    if grad and x.requires_grad and torch.is_grad_enabled():
+        buf = _GatherStart.apply(x, axis, dim, size, dtype, reduce_dtype, comm)
+    else:
+        pend = start_gather(x.to(dtype) if dtype is not None else x, dim, comm, axis, size)
+        comm.pending_gathers[pend.out.untyped_storage()._cdata] = pend
+        buf = pend.out
+
+    def replay(local, async_op=False, dim=dim, comm=comm, axis=axis, size=size, dtype=dtype):
+        pend = start_gather(local.to(dtype) if dtype is not None else local, dim, comm, axis, size, async_op)
+        return pend if async_op else pend.wait()
+
+    remember_gathered_param(buf, x.detach(), replay)
+    return buf
+
+
+def gather_param_finish(buf: torch.Tensor, dim: int, size: int | None = None) -> torch.Tensor:
+    """Wait for the gather that fills ``buf``; the gathered parameter (a view of ``buf``)."""
+    pend = current_mesh().pending_gathers.pop(buf.untyped_storage()._cdata, None)
+    if pend is not None:
+        pend.wait()
+    return _view(buf, dim, size)
+
+
+def drain_gradient_reductions(comm: MeshComm) -> None:
+    """Finish every pending gradient reduce-scatter (before the optimizer reads the gradients)."""
+    while comm.pending_grads:
+        comm.pending_grads.pop(0).complete()
