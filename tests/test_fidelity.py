@@ -22,6 +22,8 @@ CASES = [
     ("gpt", "recompute"),
     ("gpt", "micro2"),
     ("gpt", "bf16"),
+    ("mlp", "bf16_dp_bf16_reduce"),
+    ("gpt", "bf16_zero3_bf16_reduce"),
 ]
 
 

@@ -93,7 +93,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
         deferred = len(axes) == 1 and None not in axes and all(e is not None for _, e in uses)
         if deferred and node.meta.get("autopar.requires_grad", True):
             (axes,) = axes
-            local = math.prod(local_shape(meta.shape, s.outs[0], mesh)) * meta.itemsize
+            local = math.prod(local_shape(meta.shape, s.outs[0], mesh)) * _reduce_itemsize(meta, problem)
             if s.zero_stage == 2:
                 out["all_reduce"] += sum(local for a in axes if a not in s.zero_axes)
                 out["reduce_scatter"] += _reduce_scatter_bytes(meta, s, mesh, axes) * m
@@ -122,6 +122,13 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
 def _saves_input(node, i: int, autocast_dtype) -> bool:
     """Whether ``node``'s backward keeps input ``i`` (or a cast copy of it)."""
     return any(e[0] in ("in", "cast") and e[1] == i for e in op_memory(node, autocast_dtype).saved)
+
+
+def _reduce_itemsize(meta, problem) -> int:
+    """Bytes per element of a gradient summed by ``GradSync``: the policy's reduce dtype under
+    mixed precision, else the gradient's own."""
+    policy = problem.ctx.policy
+    return policy.torch_reduce_dtype.itemsize if policy.mixed else meta.itemsize
 
 
 def _zero_levels(meta, s, mesh) -> list[tuple[int, int, float]]:

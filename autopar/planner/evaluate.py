@@ -52,6 +52,8 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
             if v.in_block:  # bwd_s includes one forward more for every instance
                 bwd -= v.fwd_s[choice[n]] * (1.0 - problem.recomputed_share(n, recompute))
     ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
+    ilp_memory += max((v.transient_bytes[choice[n]] for n, v in problem.nodes.items() if v.transient_bytes is not None),
+                      default=0.0)
     blocking = sum(v.comm_s[choice[n]] for n, v in problem.nodes.items() if v.comm_s is not None)
     ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
     kinds: dict[str, float] = defaultdict(float)

@@ -24,7 +24,9 @@ Up to ``OVERLAP_EFFICIENCY`` of a window hides communication and at least ``EXPO
 (the last bucket, the first gather) stays exposed. Everything else (activation resharding,
 synchronous collectives, ZeRO-1/2's all-gather after the optimizer step) blocks.
 
-Memory: sum of parameter/gradient/optimizer bytes and saved activations <= budget per device.
+Memory: parameter/gradient/optimizer bytes + saved activations + the largest working set of one
+op <= budget per device (``planner.memory_model`` then simulates the step and the search tightens
+the budget by what this linear model missed).
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ class _Model:
     ovl_b: list = field(default_factory=list)
     ovl_l: list = field(default_factory=list)
     memory: list = field(default_factory=list)  # (MiB, literal|None)
+    working_sets: list = field(default_factory=list)  # per node: [(MiB, literal|None)]
 
     def edge_terms(self):
         """(edge array name, the list its costs go to)."""
@@ -139,6 +142,8 @@ def add_one_strategy_per_node(md: _Model, problem: Problem) -> None:
             if v.comm_s is not None:
                 md.blocking.append((float(v.comm_s[i] * _MS), lit))
             md.memory.append((float(((v.static_bytes[i] + v.saved_bytes[i]) / _MIB)), lit))
+        if v.transient_bytes is not None:
+            md.working_sets.append([(float(v.transient_bytes[i] / _MIB), lit) for i, lit in enumerate(md.x[name])])
 
 
 def _key_literals(md: _Model, lits: list, keys: np.ndarray, nkeys: int):
@@ -207,12 +212,18 @@ def add_memory_limit(md: _Model, budget_bytes: float | None) -> None:
     if budget_bytes is None:
         return
     expr = _lin(md.memory)
-    if isinstance(expr, (int, float)):  # every node has one strategy: nothing to choose
-        if expr > budget_bytes / _MIB:
-            raise InfeasibleProblem("memory", f"the only strategy assignment needs {expr * _MIB / 2**30:.2f} GiB "
-                                              f"per device, over the {budget_bytes / 2**30:.2f} GiB budget")
+    # the largest working set of one op, on top of what is kept (one variable, bounded by each)
+    floor = max((_lin(ws) for ws in md.working_sets if isinstance(_lin(ws), (int, float))), default=0.0)
+    varying = [ws for ws in md.working_sets if not isinstance(_lin(ws), (int, float))]
+    if isinstance(expr, (int, float)) and not varying:  # every node has one strategy: nothing to choose
+        if expr + floor > budget_bytes / _MIB:
+            raise InfeasibleProblem("memory", f"the only strategy assignment needs {(expr + floor) * _MIB / 2**30:.2f} "
+                                              f"GiB per device, over the {budget_bytes / 2**30:.2f} GiB budget")
         return
-    md.m.Add(expr <= budget_bytes / _MIB)
+    working = md.m.NumVar(floor, md.m.infinity(), "working_set")
+    for ws in varying:
+        md.m.Add(working >= _lin(ws))
+    md.m.Add(expr + working <= budget_bytes / _MIB)
 
 
 def add_overlap_objective(md: _Model, microbatches: int = 1) -> None:

@@ -411,14 +411,19 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             scale = inv_m if inp.batch else 1.0
             lin = s.ins[i] if i < len(s.ins) else None
             lout = layout_of(inp)
-            g = sim.alloc(sizes.local(inp.meta, lin if lin is not None else lout) * scale, "bwd")
+            # (a parameter cast before its prefetched gather gets its gradient in the cast dtype)
+            cast_grad = inp.cast is not None and inp.param and _prefetched(inp, lout, s, i, sizes)
+            g = sim.alloc(sizes.local(inp.meta, lin if lin is not None else lout,
+                                      inp.cast.itemsize if cast_grad else None) * scale, "bwd")
             sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
             gin = s.grad_ins[i] if i < len(s.grad_ins) else None
             if inp.param and _prefetched(inp, lout, s, i, sizes):
                 # reduce-scattered asynchronously from a copy in the reduce dtype, at most
                 # MAX_INFLIGHT pending (runtime.prefetch)
-                if inp.cast is not None or _prefetch_dim(inp, lout, s, i, sizes) != 0:  # a cast or strided copy
-                    ratio = problem.ctx.policy.torch_reduce_dtype.itemsize / inp.cast.itemsize if inp.cast is not None else 1.0
+                reduce_size = problem.ctx.policy.torch_reduce_dtype.itemsize
+                recast = inp.cast is not None and reduce_size != inp.cast.itemsize
+                if recast or _prefetch_dim(inp, lout, s, i, sizes) != 0:  # a cast or strided copy
+                    ratio = reduce_size / inp.cast.itemsize if recast else 1.0
                     send = sim.alloc(sim.size[g] * ratio, "bwd")
                     sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
                     sim.free(g)
@@ -465,6 +470,10 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                 sim.unref(sid)
     for g in inflight + inflight3:
         sim.free(g)
+    policy = problem.ctx.policy
+    if policy.mixed:  # GradSync reduces buckets through copies in the reduce dtype
+        sim.where = "gradient buckets"
+        sim.check(extra_bwd=_wire_bytes(sk, strat, problem, sizes, policy.torch_reduce_dtype.itemsize), phase="backward")
     # ------------------------------------------------------------------ optimizer
     persistent = persistent_bytes(problem, choice)
     shard_bytes, gathers = [], [0.0]
@@ -502,6 +511,40 @@ def _prefetch_dim(inp: _In, src, s, i: int, sizes: _Sizes) -> int | None:
 
 def _prefetched(inp: _In, src, s, i: int, sizes: _Sizes) -> bool:
     return _prefetch_dim(inp, src, s, i, sizes) is not None
+
+
+def _wire_bytes(sk: _Skeleton, strat: dict, problem: Problem, sizes: _Sizes, wire_itemsize: int) -> float:
+    """Peak bytes of ``GradSync``'s reduce-dtype copies: its buckets (data-parallel gradients in
+    reverse order of first use, cut as ``grad_sync.bucket_full`` cuts them), ``WIRE_BUCKETS`` alive."""
+    from autopar.runtime.grad_sync import WIRE_BUCKETS, bucket_full
+
+    first_use: dict[str, int] = {}
+    deferred: dict[str, set] = {}
+    for k, op in enumerate(sk.ops):
+        s = strat[op.name]
+        for i, inp in enumerate(op.ins):
+            if not inp.param:
+                continue
+            first_use.setdefault(inp.producer, k)
+            lout = strat[inp.producer].outs[0]
+            edge = edge_reshard(lout, s.ins[i] if i < len(s.ins) else None,
+                                s.grad_ins[i] if i < len(s.grad_ins) else None, inp.grad)
+            deferred.setdefault(inp.producer, set()).add(pure_all_reduce_axes(*edge) if edge is not None else None)
+    buckets: list[float] = []
+    cur, cur_axes = None, None
+    for name, meta, trainable in sorted(sk.params, key=lambda p: -first_use.get(p[0], -1)):
+        axes = deferred.get(name, {None})
+        st = strat[name]
+        if not trainable or len(axes) != 1 or None in axes or st.zero_stage == 2 or meta.itemsize <= wire_itemsize:
+            cur = None
+            continue
+        local = sizes.local(meta, st.outs[0])
+        if cur is None or axes != cur_axes or bucket_full(buckets[cur], len(buckets)):
+            buckets.append(0.0)
+            cur, cur_axes = len(buckets) - 1, axes
+        buckets[cur] += local
+    ratio = lambda b: b / 4 * wire_itemsize  # noqa: E731 - fp32 gradients on a narrower wire
+    return max((sum(ratio(b) for b in buckets[k: k + WIRE_BUCKETS]) for k in range(len(buckets))), default=0.0)
 
 
 def _zero_gather_bytes(meta: TensorMeta, s, mesh, shard: float) -> float:

@@ -51,6 +51,7 @@ class NodeVar:
     fallback: bool = False
     root: str | None = None  # set for followers: strategy i is paired with strategy i of ``root``
     comm_s: np.ndarray | None = None  # blocking communication of the strategy itself (ZeRO-1/2's post-step gather)
+    transient_bytes: np.ndarray | None = None  # the op's working set while it runs (not x count: one runs at a time)
 
 
 @dataclass
@@ -181,6 +182,7 @@ def build_problem(
         static = np.zeros(k)
         saved = np.zeros(k)
         comm = np.zeros(k)
+        transient = np.zeros(k)
         kind = n.meta.get("autopar.kind")
         for i, s in enumerate(strategies):
             if kind == "param":
@@ -191,7 +193,9 @@ def build_problem(
             elif kind == "op":
                 f, b = node_compute_time(n, s, ctx)
                 fwd[i], bwd[i] = f * c, b * c
-                own = saved_bytes(n, s, ctx, op_memory(n, autocast), batch, microbatches)
+                prof = op_memory(n, autocast)
+                own = saved_bytes(n, s, ctx, prof, batch, microbatches)
+                transient[i] = working_set_bytes(n, s, ctx, prof, batch, microbatches)
                 if recompute and in_block:
                     # checkpointed: every instance keeps only its inputs; one instance's saved set
                     # exists at a time, recomputed in backward
@@ -203,7 +207,7 @@ def build_problem(
             fwd_extra = fwd.copy()
             bwd = bwd + fwd_extra  # recomputed forward runs inside backward
         nodes[n.name] = NodeVar(n.name, n, c, strategies, fwd, bwd, static, saved, in_block, excluded, ns.fallback,
-                                comm_s=comm if comm.any() else None)
+                                comm_s=comm if comm.any() else None, transient_bytes=transient if transient.any() else None)
 
     _merge_followers(traced, blocks, nodes, ctx)
     edges = _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
@@ -244,6 +248,22 @@ def saved_bytes(n: fx.Node, s: Strategy, ctx: CostContext, prof, batch: set[str]
         elif e[0] == "new":
             total += e[1] * scale / split
     return total
+
+
+def working_set_bytes(n: fx.Node, s: Strategy, ctx: CostContext, prof, batch: set[str], microbatches: int) -> float:
+    """What ``n`` allocates while it runs, beyond what is kept: its outputs and their gradients at
+    its layouts, inputs that arrive resharded, and its kernels' temporaries (``planner.op_memory``).
+    The step's transient peak is the largest of these (``planner.memory_model`` has the exact one)."""
+    out_lay = next((o for o in s.outs if o is not None), None)
+    split = split_factor(out_lay, ctx.mesh_shape) if out_lay is not None else 1
+    scale = 1.0 / microbatches if n.name in batch else 1.0
+    outs = 0.0
+    for j, (m, lay) in enumerate(zip(n.meta.get("autopar.outputs") or (), s.outs)):
+        if m is not None and lay is not None and (j >= len(prof.aliases) or prof.aliases[j] is None):
+            outs += math.prod(local_shape(m.shape, lay, ctx.mesh_shape)) * m.itemsize * scale
+    ins = sum(_input_bytes(n, i, s, ctx, batch, microbatches) for i, a in enumerate(tensor_inputs(n))
+              if i < len(s.ins) and s.ins[i] is not None and a.meta.get("autopar.kind") != "param")
+    return 2.0 * outs + ins + (prof.fwd_temp + prof.bwd_temp) * scale / split
 
 
 def _checkpoint_inputs(traced: TracedGraph, blocks: BlockInfo) -> dict[str, list[int]]:
@@ -372,8 +392,9 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
                         summed = pure_all_reduce_axes(src, dst, gsrc, gdst)
                         if summed is not None and zero_stage == 2:
                             add(_zero2_reduce_time(meta, lu, summed, zero_axes, ctx), "overlap_bwd", m)
-                        elif summed is not None:
-                            add(bucketed_time(meta, gsrc, gdst, ctx, bwd_per_elem), "overlap_last", 1.0)
+                        elif summed is not None:  # GradSync sums in the policy's reduce dtype
+                            wire = float(ctx.policy.torch_reduce_dtype.itemsize if ctx.policy.mixed else meta.itemsize)
+                            add(bucketed_time(meta, gsrc, gdst, ctx, wire), "overlap_last", 1.0)
                         else:
                             add(reshard_time(meta, gsrc, gdst, ctx, bwd_per_elem), "overlap_bwd" if ahead else "blocking", m)
             row.append({k: t * count for k, t in per_kind.items()})
@@ -458,4 +479,6 @@ def _merge_followers(traced: TracedGraph, blocks: BlockInfo, nodes: dict[str, No
         V.static_bytes, V.saved_bytes = V.static_bytes[picks], V.saved_bytes[picks]
         if V.comm_s is not None:
             V.comm_s = V.comm_s[picks]
+        if V.transient_bytes is not None:
+            V.transient_bytes = V.transient_bytes[picks]
         V.root = root

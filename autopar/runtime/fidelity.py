@@ -45,6 +45,8 @@ def FAMILIES(model: str, world: int = 4) -> dict[str, tuple[dict, str]]:
         "recompute": ({"dp": world, "zero": 0, "recompute": True}, "fp32"),
         "micro2": ({"dp": world, "zero": 0, "microbatches": 2}, "fp32"),
         "bf16": ({"dp": world, "zero": 0}, "bf16-mixed"),
+        "bf16_zero3_bf16_reduce": ({"dp": world, "zero": 3}, "bf16-mixed-reduce-bf16"),
+        "bf16_dp_bf16_reduce": ({"dp": world, "zero": 0}, "bf16-mixed-reduce-bf16"),
     }
 
 

@@ -27,21 +27,28 @@ from autopar.runtime.collectives import reduce_scatter_dim, slice_dim
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.param_store import ParamStore
 
-__all__ = ["GradSync", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT"]
+__all__ = ["GradSync", "plan_buckets", "bucket_full", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT", "WIRE_BUCKETS"]
 
 BUCKET_BYTES = 4 * 2**20  # DDP uses 25 MiB; smaller buckets overlapped better on gloo here (benchmarks/README.md)
 FIRST_BUCKET_BYTES = 2**20  # as DDP: a small first bucket starts communication early
 MAX_INFLIGHT = 2  # ZeRO-2 reduce-scatters pending at once (each holds one full gradient)
+WIRE_BUCKETS = 2  # buckets alive at once as copies in a narrower reduce dtype
 
 
 class _Bucket:
-    __slots__ = ("dtype", "start", "numel", "axes", "members", "ready", "work")
+    __slots__ = ("dtype", "start", "numel", "axes", "members", "ready", "work", "wire")
 
     def __init__(self, dtype, start, axes):
         self.dtype, self.start, self.numel, self.axes = dtype, start, 0, axes
         self.members: set[str] = set()
         self.ready = 0
         self.work = None
+        self.wire = None  # the bucket cast to the reduce dtype, while it is reduced
+
+
+def bucket_full(nbytes: int, buckets: int) -> bool:
+    """Whether a bucket holding ``nbytes`` takes no more gradients, when ``buckets`` exist."""
+    return nbytes >= (FIRST_BUCKET_BYTES if buckets <= 1 else BUCKET_BYTES)
 
 
 def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> list[_Bucket]:
@@ -56,9 +63,8 @@ def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> lis
             continue
         dtype, off, n = store.grad_range(ph)
         axes = deferred[ph]
-        cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
         if (cur is None or cur.dtype != dtype or cur.axes != axes or cur.start + cur.numel != off
-                or cur.numel * s.local.element_size() >= cap):
+                or bucket_full(cur.numel * s.local.element_size(), len(buckets))):
             cur = _Bucket(dtype, off, axes)
             buckets.append(cur)
         cur.numel += n
@@ -67,9 +73,11 @@ def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> lis
 
 
 class GradSync:
-    def __init__(self, store: ParamStore, deferred: dict[str, tuple[int, ...]], comm: MeshComm):
+    def __init__(self, store: ParamStore, deferred: dict[str, tuple[int, ...]], comm: MeshComm,
+                 reduce_dtype: torch.dtype | None = None):
         self.store = store
         self.comm = comm
+        self.reduce_dtype = reduce_dtype  # data-parallel sums in this dtype (None: the gradient's)
         self.buckets = plan_buckets(store, deferred)
         self._bucket_of = {ph: b for b in self.buckets for ph in b.members}
         self._zero2 = {ph: deferred.get(ph, ()) for ph in store.grad_order if store.slots[ph].zero_stage == 2}
@@ -95,7 +103,26 @@ class GradSync:
 
     def _launch(self, b: _Bucket) -> None:
         view = self.store.flat_grad(b.dtype)[b.start: b.start + b.numel]
+        if self.reduce_dtype is not None and self.reduce_dtype != b.dtype:
+            # as FSDP2's reduce_dtype: fewer bytes on the wire; at most WIRE_BUCKETS such copies
+            # are alive (earlier ones are finished first)
+            wired = [w for w in self.buckets if w.wire is not None]
+            for w in wired[: max(0, len(wired) - WIRE_BUCKETS + 1)]:
+                self._finish_bucket(w)
+            b.wire = view.to(self.reduce_dtype)
+            view = b.wire
         b.work = self.comm.all_reduce(view, b.axes[0], async_op=True)
+
+    def _finish_bucket(self, b: _Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+        view = self.store.flat_grad(b.dtype)[b.start: b.start + b.numel]
+        for a in b.axes[1:]:  # further axes reduce after the first (rare: 2-D data parallel)
+            self.comm.all_reduce(b.wire if b.wire is not None else view, a)
+        if b.wire is not None:
+            view.copy_(b.wire)
+        b.work, b.wire = None, None
+        b.ready = -1  # done for this step
 
     def _reduce_scatter(self, ph: str) -> None:
         s = self.store.slots[ph]
@@ -143,15 +170,11 @@ class GradSync:
     def finish(self) -> None:
         """After the last backward: launch what never filled, then wait for every reduction."""
         for b in self.buckets:
-            if b.work is None:
+            if b.work is None and b.ready != -1:
                 self._launch(b)
         for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-            view = self.store.flat_grad(b.dtype)[b.start: b.start + b.numel]
-            for a in b.axes[1:]:  # further axes reduce after the first (rare: 2-D data parallel)
-                self.comm.all_reduce(view, a)
-            b.work = None
+            if b.ready != -1:
+                self._finish_bucket(b)
         self.drain()
 
     def drain(self) -> None:

@@ -109,7 +109,8 @@ class ParallelModel:
         self.store = ParamStore(plan=plan, traced=traced, model=model, comm=self.comm, device=device,
                                 order=_backward_order(program, deferred))
         self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
-        self._grad_sync = GradSync(self.store, deferred, self.comm)
+        self._grad_sync = GradSync(self.store, deferred, self.comm,
+                                   self._policy.torch_reduce_dtype if self._policy.mixed else None)
         self._loss_layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
         self.optimizer = optimizer(self.store.optimizer_params())
         self._tracker: MemoryTracker | None = None
