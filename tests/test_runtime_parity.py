@@ -1,8 +1,8 @@
 """Parity of the sharded program with single-device training, on real gloo processes.
 
-Each rank compiles the model under a forced plan family, trains 5 AdamW steps (SGD for the
-nanoGPT-style model, see ``parity_suite``) on the global batches, and also trains a single-device
-reference; the loss at every step and every parameter
+Each rank compiles the model under a forced plan family, trains 5 steps with AdamW and again with
+SGD with momentum (SGD only for the nanoGPT-style model, see ``parity_suite``) on the global
+batches, and also trains a single-device reference; the loss at every step and every parameter
 after the last step must agree within 1e-5 relative (per tensor, see ``relative_error``).
 All families of one world size share one launch to keep CI time down.
 """
@@ -62,7 +62,7 @@ CASES_4 = [
 def _check(results):
     failures = []
     for r in results:
-        label = f"{r['case']} {r['constraints']} on mesh {r['mesh']}"
+        label = f"{r['case']} {r['constraints']} ({r['optimizer']}) on mesh {r['mesh']}"
         if r["missing"]:
             failures.append(f"{label}: full_state_dict lacks {r['missing']}")
         if r["dtensor_mismatch"]:
@@ -85,4 +85,5 @@ def test_parity_four_ranks():
     results = autopar.launch(parity_suite, 4, CASES_4)
     _check(results[0])
     meshes = {(r["case"], str(r["constraints"])): r["mesh"] for r in results[0]}
+    assert {r["optimizer"] for r in results[0]} == {"adamw", "sgd"}
     assert meshes[("gpt", str({"dp": 2, "tp": 2}))] == {"dp": 2, "tp": 2}

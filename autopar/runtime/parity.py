@@ -93,20 +93,23 @@ def _tuple_loss(out, target):
     return gpt_loss(logits, target) + aux
 
 
-def parity_suite(cases: list[tuple], steps: int = 5) -> list[dict[str, Any]]:
-    """Run several (case, constraints[, "sgd"]) parity checks in one process group.
+def parity_suite(cases: list[tuple], steps: int = 5, optimizers: tuple[str, ...] = ("adamw", "sgd")) -> list[dict[str, Any]]:
+    """Run (case, constraints[, optimizer]) parity checks in one process group, each with every
+    optimizer in ``optimizers`` unless the case names one: AdamW, and SGD with momentum (Adam
+    normalises each gradient entry, which would hide a wrong gradient scale; SGD does not).
 
-    AdamW is the default. ``manual_gpt`` (nanoGPT's biased q/k/v projection) is checked with SGD:
-    its key bias has an exactly-zero true gradient (softmax ignores a shift along the keys), so
-    Adam normalises float noise of ~1e-10 into full-size updates that differ with summation order
-    (~1e-4 relative on that one tensor, in data parallel as much as in tensor parallel).
+    ``manual_gpt`` (nanoGPT's biased q/k/v projection) is checked with SGD only: its key bias has
+    an exactly-zero true gradient (softmax ignores a shift along the keys), so Adam normalises
+    float noise of ~1e-10 into full-size updates that differ with summation order (~1e-4 relative
+    on that one tensor, in data parallel as much as in tensor parallel).
     """
     out = []
     for case, constraints, *opt in cases:
-        r = parity_worker(case, constraints, steps, opt=opt[0] if opt else "adamw", lr=0.1 if opt == ["sgd"] else 1e-3)
-        r.pop("program")
-        r["case"], r["constraints"] = case, constraints
-        out.append(r)
+        for name in (opt[0],) if opt else optimizers:
+            r = parity_worker(case, constraints, steps, opt=name, lr=0.05 if name == "sgd" else 1e-3)
+            r.pop("program")
+            r["case"], r["constraints"], r["optimizer"] = case, constraints, name
+            out.append(r)
     return out
 
 
@@ -119,7 +122,7 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
     if opt == "adamw":
         make_opt = lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)  # noqa: E731
     else:
-        make_opt = lambda ps: torch.optim.SGD(ps, lr=lr)  # noqa: E731
+        make_opt = lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)  # noqa: E731
     cluster = autopar.Cluster.local() if device == "cpu" else autopar.Cluster.preset("dgx-h100").with_nodes(1)
     x0, t0 = batches[0]
     pm = autopar.compile(model, cluster, (x0,), example_target=t0, loss_fn=loss_fn, optimizer=make_opt,
