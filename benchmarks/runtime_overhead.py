@@ -6,7 +6,9 @@ Three pairs, each measured in the same run, interleaved (A, B, A, B, ...) to sha
 * autopar forced data parallel (dp=N, zero=0)     vs torch DDP
 * autopar forced ZeRO-3 (dp=N, zero=3)            vs torch FSDP2 ``fully_shard``
 * autopar forced tensor parallel (tp=N, Megatron) vs ``parallelize_module`` (Colwise/Rowwise)
-Prints the median step times and the ratio autopar / torch (goal: <= 1.05).
+Prints the median step times and the ratio autopar / torch (goal: <= 1.05). Like for like: both
+sides return the global loss as a float on every rank (the torch side all-reduces it
+asynchronously where each rank saw part of the batch; under tensor parallelism it is whole).
 """
 from __future__ import annotations
 
@@ -62,14 +64,23 @@ def worker(dim, layers, batch, steps):
                              constraints=autopar.Constraints(**constraints))
         return lambda: pm.train_step(x, target=t)
 
-    def eager_step(model, inputs, target):
+    def eager_step(model, inputs, target, global_loss: bool):
+        """A torch training step doing what autopar's train_step does: the step, and the global
+        loss value as a float on every rank (averaged over the data-parallel ranks, reduced
+        asynchronously while the step runs, as autopar reduces it)."""
         o = opt(list(model.parameters()))
 
         def step():
             o.zero_grad(set_to_none=True)
             loss = mlp_loss(model(inputs), target)
+            value = loss.detach().clone()
+            work = dist.all_reduce(value, async_op=True) if global_loss else None
             loss.backward()
             o.step()
+            if work is not None:
+                work.wait()
+                value /= dist.get_world_size()
+            return float(value)
         return step
 
     rank = dist.get_rank()
@@ -77,7 +88,7 @@ def worker(dim, layers, batch, steps):
     results = {}
     # 1. data parallel vs DDP
     ddp = DDP(_model(dim, layers))
-    pairs = {"data parallel vs DDP": (autopar_step({"dp": n, "tp": 1, "zero": 0}), eager_step(ddp, x[lo:hi], t[lo:hi]))}
+    pairs = {"data parallel vs DDP": (autopar_step({"dp": n, "tp": 1, "zero": 0}), eager_step(ddp, x[lo:hi], t[lo:hi], True))}
     # 2. ZeRO-3 vs FSDP2
     from torch.distributed.fsdp import fully_shard
 
@@ -87,7 +98,7 @@ def worker(dim, layers, batch, steps):
         fully_shard(layer["up"], mesh=mesh)
         fully_shard(layer["down"], mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
-    pairs["zero=3 vs FSDP2 fully_shard"] = (autopar_step({"dp": n, "zero": 3}), eager_step(fsdp, x[lo:hi], t[lo:hi]))
+    pairs["zero=3 vs FSDP2 fully_shard"] = (autopar_step({"dp": n, "zero": 3}), eager_step(fsdp, x[lo:hi], t[lo:hi], True))
     # 3. tensor parallel vs parallelize_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -97,7 +108,7 @@ def worker(dim, layers, batch, steps):
         plan[f"layers.{i}.up"] = ColwiseParallel()
         plan[f"layers.{i}.down"] = RowwiseParallel()
     parallelize_module(tp, mesh, plan)
-    pairs["tensor parallel vs parallelize_module"] = (autopar_step({"tp": n, "placements": megatron}), eager_step(tp, x, t))
+    pairs["tensor parallel vs parallelize_module"] = (autopar_step({"tp": n, "placements": megatron}), eager_step(tp, x, t, False))
     for name, (a, b) in pairs.items():
         ta, tb = [], []
         for _ in range(2):  # interleave to share drift
