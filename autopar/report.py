@@ -42,9 +42,13 @@ def plan_summary(plan) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_axes)
     lines.append(f"autopar plan {plan.fingerprint} for {plan.model_class} on {cluster.name}: "
                  f"{cluster.nodes} node(s) x {cluster.devices_per_node} {cluster.device.name}")
+    rc = "off"
+    if plan.recompute_blocks:
+        rc = f"{len(plan.recompute_blocks)} block(s): {', '.join(plan.recompute_blocks[:4])}" + (
+            ", ..." if len(plan.recompute_blocks) > 4 else "")
     lines.append(f"mesh {mesh} | precision {plan.precision} | optimizer {plan.optimizer} | "
-                 f"recompute {'on' if plan.recompute else 'off'} | microbatches {plan.microbatches}")
-    zero = sorted({a for pp in plan.params.values() for a in pp.zero_axes})
+                 f"recompute {rc} | microbatches {plan.microbatches}")
+    zero = sorted({f"{a} (ZeRO-{pp.zero_stage})" for pp in plan.params.values() for a in pp.zero_axes})
     sharded = sum(1 for pp in plan.params.values() if "S(" in pp.layout)
     lines.append(f"parameters: {len(plan.params)} tensors, {sharded} sharded"
                  + (f", optimizer state sharded on {zero}" if zero else ""))
@@ -77,8 +81,14 @@ def plan_summary(plan) -> str:
     lines.append(f"predicted step time  {_ms(p.step_time_s)}  = compute {_ms(p.compute_s)} + blocking comm "
                  f"{_ms(p.blocking_comm_s)} + exposed overlappable comm {_ms(p.exposed_comm_s)}")
     lines.append(f"communication        {comm}")
+    if p.comm_bytes:
+        lines.append("bytes per step       " + ", ".join(f"{k} {_gib(v)}" for k, v in p.comm_bytes)
+                     + " (per device; measure with ParallelModel.measure_step)")
+    mem = dict(p.memory_bytes)
+    kept = ("params", "grads", "optimizer_state")
     lines.append(f"peak memory / device {_gib(p.peak_memory_bytes)} of {_gib(cluster.device.memory_bytes)} "
-                 f"({', '.join(f'{k} {_gib(v)}' for k, v in p.memory_bytes)})")
+                 f"(kept: {', '.join(f'{k} {_gib(mem[k])}' for k in kept if k in mem)}; most at once during the step: "
+                 f"{', '.join(f'{k} {_gib(v)}' for k, v in mem.items() if k not in kept)})")
     lines.append(f"model FLOPs / step   {p.model_flops:.3e}  MFU {p.mfu * 100:.1f}%")
     b = plan.baseline
     if b.predicted is not None:

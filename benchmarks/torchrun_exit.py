@@ -64,6 +64,7 @@ def main() -> int:
                 print(f"run {i + 1:>3}/{a.runs}: {status}", flush=True)
                 if done.returncode != 0:
                     failures.append(i + 1)
+                    print("\n".join(f"    | {line}" for line in done.stderr.splitlines()[-25:]), flush=True)
         finally:
             if burner is not None:
                 burner.terminate()

@@ -12,7 +12,7 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.cost_models import CommGroup, collective_time, precision_policy
-from autopar.layouts import Partial, R, Replicate, Shard
+from autopar.layouts import Partial, R, Shard
 from autopar.planner.costing import CostContext, reshard_time
 from autopar.resharding import ReshardStep, layout_after, reshard_steps
 from autopar.trace import TensorMeta

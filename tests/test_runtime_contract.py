@@ -148,12 +148,6 @@ def test_a_planning_error_on_rank0_is_raised_on_every_rank():
 # ------------------------------------------------------------------ one process
 
 
-@pytest.fixture
-def world1():
-    yield autopar.Cluster.local(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
 
 def test_eval_step_turns_dropout_off(world1):
     torch.manual_seed(0)

@@ -5,19 +5,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.runtime.parity import relative_error
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 from examples.mlp import MLP, example_batch as mlp_batch, mlp_loss
 
-
-@pytest.fixture
-def world1():
-    yield autopar.Cluster.local(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _opt(ps):

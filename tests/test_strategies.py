@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.layouts import Partial, R, Shard, divides_evenly, format_layout
+from autopar.layouts import Partial, R, Shard, divides_evenly
 from autopar.strategies.rules import OpView
-from autopar.strategies import Strategy, UnknownOpWarning, enumerate_strategies
+from autopar.strategies import UnknownOpWarning, enumerate_strategies
 from autopar.strategies.reshape import reshape_dim_map, reshape_groups
 from autopar.strategies.rules import rule_for
 from autopar.trace import trace_model

@@ -57,6 +57,8 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
     blocking = sum(v.comm_s[choice[n]] for n, v in problem.nodes.items() if v.comm_s is not None)
     ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
     kinds: dict[str, float] = defaultdict(float)
+    if blocking:
+        kinds["all_gather"] += blocking  # ZeRO-1/2's post-step gathers
     for e in problem.edges:
         ku, kv = _edge_keys(e, choice)
         blocking += e.blocking[ku, kv]

@@ -11,8 +11,13 @@ Bytes follow nccl-tests' "size" convention, the same the planner prices with: al
 buffer, all-gather the gathered (output) buffer, reduce-scatter the input buffer, all-to-all the
 send buffer; padded sizes where a dim is sharded unevenly. A mesh axis of size 1 runs nothing.
 
-Invariant: a ``MeshComm`` holds process groups only until ``close()``; hooks and caches elsewhere
-reach it through weak references, so nothing keeps gloo alive past ``destroy_process_group``.
+Invariant: a ``MeshComm`` built from a device mesh holds no process group, only group *names*,
+looked up when a collective runs: after the user's ``destroy_process_group`` nothing of autopar
+keeps a gloo group (and its worker threads) alive. One that is kept alive into interpreter
+shutdown can abort the process: its worker thread, destroying a finished work, releases a tensor
+that needs the GIL while the main thread is finalizing, and exits inside a destructor
+(``std::terminate``; seen about once in 40 two-process runs under CPU contention, traced with a
+core dump).
 """
 from __future__ import annotations
 
@@ -52,6 +57,16 @@ class CommStats:
         return {k: int(self.bytes[k]) for k in COLLECTIVE_KINDS if self.calls[k]}
 
 
+def _resolve(name: str):
+    """The live process group called ``name`` (a registry lookup; private in torch 2.11-2.13)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except Exception:  # noqa: BLE001 - destroyed or unknown: say so plainly
+        raise RuntimeError(f"process group {name!r} no longer exists (was destroy_process_group called?)") from None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -61,7 +76,7 @@ class MeshComm:
 
     def __init__(self, groups: Sequence, sizes: Sequence[int], coords: Sequence[int],
                  stats: CommStats | None = None):
-        self.groups = tuple(groups)
+        self.groups = tuple(groups)  # process groups, or their names (looked up per collective)
         self.sizes = tuple(int(s) for s in sizes)
         self.coords = tuple(int(c) for c in coords)
         self.stats = stats if stats is not None else CommStats()
@@ -73,7 +88,7 @@ class MeshComm:
     def from_device_mesh(cls, mesh) -> "MeshComm":
         names = mesh.mesh_dim_names
         return cls(
-            groups=tuple(mesh.get_group(n) for n in names),
+            groups=tuple(mesh.get_group(n).group_name for n in names),
             sizes=tuple(mesh.size(i) for i in range(len(names))),
             coords=tuple(mesh.get_local_rank(n) for n in names),
         )
@@ -94,35 +109,31 @@ class MeshComm:
         g = self.groups[axis]
         if g is None:
             raise RuntimeError("this autopar model was closed: its process groups are released")
-        return g
+        return _resolve(g) if isinstance(g, str) else g
+
+    def _run(self, kind: str, nbytes: int, call, out: torch.Tensor | None, inp: torch.Tensor, axis: int,
+             async_op: bool):
+        """Count and issue one collective on ``axis`` (on a one-rank axis: ``out`` takes ``inp``)."""
+        if self.sizes[axis] == 1:
+            if out is not None:
+                out.copy_(inp)
+            return None
+        self.stats.record(kind, nbytes)
+        args = (inp,) if out is None else (out, inp)
+        return call(*args, group=self._group(axis), async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, axis: int, *, async_op: bool = False):
         """Sum ``t`` in place over ``axis``."""
-        if self.sizes[axis] == 1:
-            return None
-        self.stats.record("all_reduce", _nbytes(t))
-        return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
+        return self._run("all_reduce", _nbytes(t), dist.all_reduce, None, t, axis, async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
         """Concatenate every rank's ``inp`` (equal sizes) along dim 0 into ``out``."""
-        if self.sizes[axis] == 1:
-            out.copy_(inp)
-            return None
-        self.stats.record("all_gather", _nbytes(out))
-        return _all_gather_single(out, inp, group=self._group(axis), async_op=async_op)
+        return self._run("all_gather", _nbytes(out), _all_gather_single, out, inp, axis, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
         """Sum ``inp`` over ``axis``; this rank keeps block ``coord`` of dim 0 in ``out``."""
-        if self.sizes[axis] == 1:
-            out.copy_(inp)
-            return None
-        self.stats.record("reduce_scatter", _nbytes(inp))
-        return _reduce_scatter_single(out, inp, group=self._group(axis), async_op=async_op)
+        return self._run("reduce_scatter", _nbytes(inp), _reduce_scatter_single, out, inp, axis, async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
         """Block k of ``inp``'s dim 0 goes to rank k; block k of ``out`` comes from rank k."""
-        if self.sizes[axis] == 1:
-            out.copy_(inp)
-            return None
-        self.stats.record("all_to_all", _nbytes(inp))
-        return dist.all_to_all_single(out, inp, group=self._group(axis), async_op=async_op)
+        return self._run("all_to_all", _nbytes(inp), dist.all_to_all_single, out, inp, axis, async_op)

@@ -119,6 +119,7 @@ class ParallelModel:
         self._train = _Program(plan, traced, program, loss_reduction, self._input_layouts(plan, traced),
                                self._loss_layout)
         _LIVE.add(self)
+        _EXIT_STATE["used"] = True
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -383,12 +384,25 @@ _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """Release every open model's process groups while the interpreter is whole: left to module
-    teardown, a gloo group destroyed after ``destroy_process_group`` aborted the process now and
-    then ("terminate called without an active exception"; 3 of 30 two-process runs under CPU
-    contention, 0 of 30 with this)."""
+    """At interpreter exit, before finalization: close every open model, then release the GIL for
+    a moment.
+
+    Why the pause: a gloo worker thread that finishes the script's last collective (typically a
+    final ``dist.barrier()``) releases the works it captured; releasing a tensor that has a Python
+    object needs the GIL. If the main thread holds the GIL into finalization, that thread is made
+    to exit while inside a C++ destructor and the process aborts ("terminate called without an
+    active exception"; traced with a core dump: ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
+    ``gil_scoped_acquire`` -> ``pthread_exit``). About 1 run in 40 under CPU contention did; the
+    pause lets the thread take the GIL and finish first."""
     for pm in list(_LIVE):
         pm.close()
+    if _EXIT_STATE["used"]:  # closed by the user or just now: its last collective may still be finishing
+        time.sleep(_EXIT_PAUSE_S)
+
+
+_EXIT_PAUSE_S = 0.05
+_EXIT_STATE = {"used": False}  # set once any ParallelModel was built in this process
 
 
 def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:
