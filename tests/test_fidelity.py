@@ -6,6 +6,8 @@ and the bytes of every collective kind equal to the prediction, on 4 real gloo p
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import autopar
@@ -94,3 +96,35 @@ def test_recompute_is_chosen_per_block_not_all_or_nothing():
     assert p.recompute_blocks == ("blocks.0",), p.recompute_blocks
     assert p.predicted.peak_memory_bytes <= between
     assert none.predicted.step_time_s < p.predicted.step_time_s < every.predicted.step_time_s
+
+
+@pytest.mark.parametrize("curve", ["linear", "convex", "concave", "steps"])
+def test_fewest_recomputed_instances_match_brute_force(monkeypatch, curve):
+    """The interpolation search over how many block instances to recompute finds the same fewest
+    count as trying every count, whatever the shape of the (falling) peak curve."""
+    from types import SimpleNamespace
+
+    from autopar.planner import search
+
+    n = 24
+    shape = {"linear": lambda f: f, "convex": lambda f: f ** 3, "concave": lambda f: f ** 0.3,
+             "steps": lambda f: math.floor(f * 4) / 4}[curve]
+    prefixes = [f"blocks.{i}" for i in range(n)]
+    problem = SimpleNamespace(block_instances=lambda: prefixes, blocks=SimpleNamespace(blocks={"b": prefixes}))
+    calls = []
+
+    def peak(k):  # falls from 2.0 (none recomputed) to 1.0 (all)
+        return 1.0 + shape(1 - k / n)
+
+    def fake_evaluate(_problem, _choice, recompute):
+        calls.append(len(recompute))
+        return SimpleNamespace(peak_bytes=peak(len(recompute)), recompute=recompute)
+
+    monkeypatch.setattr(search, "evaluate", fake_evaluate)
+    for budget in [1.0 + i / 97 for i in range(98)]:
+        calls.clear()
+        ev = search._fewest_recomputed(problem, {}, fake_evaluate(None, None, frozenset(prefixes)), budget)
+        want = min(k for k in range(n + 1) if peak(k) <= budget)
+        assert len(ev.recompute) == want, (budget, len(ev.recompute), want)
+        assert ev.recompute == frozenset(prefixes[:want])
+        assert len(calls) <= 2 + 2 * math.ceil(math.log2(n)) + 1
