@@ -279,3 +279,21 @@ def test_gradient_accumulation_is_chosen_when_activations_do_not_fit():
     plan = autopar.plan(model, tight, (idx,), loss_fn=gpt_loss, example_target=tgt)
     assert plan.microbatches > 1
     assert plan.predicted.peak_memory_bytes <= memory * USABLE_MEMORY_FRACTION
+
+
+def test_a_constant_made_in_forward_is_planned_and_simulated():
+    """``torch.tensor(...)`` inside forward becomes a graph constant (get_attr), not an input; the
+    step's memory simulation must treat it as whole on every rank (a KeyError before)."""
+
+    class WithConstant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+    x = torch.randn(8, 8)
+    p = autopar.plan(WithConstant(), Cluster.local(2), (x,), example_target=x,
+                     loss_fn=lambda y, t: (y - t).square().mean())
+    assert p.predicted.peak_memory_bytes > 0

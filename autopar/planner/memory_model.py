@@ -256,7 +256,9 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     strat.update({op.name: problem.strategy_of(op.name, choice) for op in sk.ops})
 
     def layout_of(inp: _In):
-        s = strat[inp.producer]
+        s = strat.get(inp.producer)
+        if s is None:  # a constant of the graph (get_attr): whole on every rank, not the step's
+            return None
         return s.outs[inp.index] if inp.index < len(s.outs) else None
 
     ops_by_name = {op.name: op for op in sk.ops}
