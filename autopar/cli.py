@@ -38,7 +38,7 @@ def _cmd_plan(args) -> int:
     model, inputs = made[0], made[1]
     loss_fn, target = (made[2], made[3]) if len(made) == 4 else (None, None)
     if args.cluster == "local":
-        cluster = autopar.Cluster.local(args.nproc or 4)
+        cluster = autopar.Cluster.local(4 if args.nproc is None else args.nproc)
     else:
         cluster = autopar.Cluster.preset(args.cluster, nodes=args.nodes)
     constraints = autopar.Constraints(dp=args.dp, tp=args.tp, zero=args.zero,

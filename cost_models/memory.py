@@ -179,6 +179,10 @@ def describe_optimizer(factory: Callable[[list], Any], device: str = "cpu") -> O
 
     from autopar.runtime.memory import MemoryTracker
 
+    if isinstance(factory, torch.optim.Optimizer):
+        raise ConstraintError(
+            f"optimizer= got a {type(factory).__name__} instance; autopar builds the optimizer over each rank's "
+            f"shards, so pass a factory instead: optimizer=lambda ps: torch.optim.{type(factory).__name__}(ps, ...)")
     peaks, states, name = [], 0, "optimizer"
     for count in (1, 2, 4):
         ps = [torch.nn.Parameter(torch.zeros(_PROBE, device=device)) for _ in range(count)]

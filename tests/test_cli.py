@@ -33,6 +33,12 @@ def test_plan_reports_bad_constraints_as_an_error(capsys):
     assert "tp=3 does not divide the 4 devices" in capsys.readouterr().err
 
 
+def test_plan_refuses_zero_processes(capsys):
+    assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "Cluster.local" in err and "0" in err, err
+
+
 def test_plan_rejects_a_bad_factory():
     with pytest.raises(SystemExit, match="MODULE:FACTORY"):
         main(["plan", "examples.gpt"])
