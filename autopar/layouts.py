@@ -143,6 +143,11 @@ def local_shape(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: S
     return tuple(-(-s // c) for s, c in zip(shape, counts))
 
 
+def local_numel(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """Elements of the local shard (``local_shape``) of a tensor of global ``shape``."""
+    return math.prod(local_shape(shape, layout, mesh_shape))
+
+
 def uneven_dims(shape: Sequence[int], layouts: Iterable[Sequence[Placement] | None],
                 mesh_shape: Sequence[int]) -> frozenset[tuple[int, int]]:
     """``(axis, dim)`` pairs where one of ``layouts`` shards ``dim`` of ``shape`` on ``axis`` unevenly.

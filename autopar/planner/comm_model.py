@@ -23,7 +23,7 @@ import operator
 from collections import defaultdict
 
 from autopar.ir import edge_reshard, param_cast_dtype, pure_all_reduce_axes
-from autopar.layouts import Partial, Shard, local_shape, replicated, state_dim
+from autopar.layouts import Partial, Shard, local_numel, local_shape, replicated, state_dim
 from autopar.planner.costing import reshard_step_bytes
 from autopar.planner.op_memory import op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
@@ -93,7 +93,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
         deferred = len(axes) == 1 and None not in axes and all(e is not None for _, e in uses)
         if deferred and node.meta.get("autopar.requires_grad", True):
             (axes,) = axes
-            local = math.prod(local_shape(meta.shape, s.outs[0], mesh)) * _reduce_itemsize(meta, problem)
+            local = local_numel(meta.shape, s.outs[0], mesh) * _reduce_itemsize(meta, problem)
             if s.zero_stage == 2:
                 out["all_reduce"] += sum(local for a in axes if a not in s.zero_axes)
                 out["reduce_scatter"] += _reduce_scatter_bytes(meta, s, mesh, axes) * m

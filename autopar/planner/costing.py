@@ -19,7 +19,7 @@ from autopar.cost_models.communication import CommGroup, axis_group, collective_
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
-from autopar.layouts import Layout, local_shape, split_factor, state_layout
+from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
 from autopar.strategies.rules import OpView, _op_name
@@ -211,8 +211,8 @@ def reshard_staging_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh
     carried = 0.0  # an intermediate result from the previous step
     for k, step in enumerate(steps):
         after = layout_after(cur, step)
-        inp = math.prod(local_shape(shape, cur, mesh_shape)) * per_elem
-        out = math.prod(local_shape(shape, after, mesh_shape)) * per_elem
+        inp = local_numel(shape, cur, mesh_shape) * per_elem
+        out = local_numel(shape, after, mesh_shape) * per_elem
         final = k == len(steps) - 1
         extra = 0.0
         n = mesh_shape[step.axis]
@@ -236,11 +236,11 @@ def param_state_bytes(meta: TensorMeta, strategy: Strategy, ctx: CostContext, tr
     """Persistent bytes per device of one parameter: its local weights, gradient and optimizer
     state (``cost_models.memory``: gradients in the parameter's dtype, ZeRO-1/2 state and ZeRO-2
     gradients on ``layouts.state_layout``, the largest shard where a dim is cut unevenly)."""
-    numel = math.prod(local_shape(meta.shape, strategy.outs[0], ctx.mesh_shape))  # the largest shard
+    numel = local_numel(meta.shape, strategy.outs[0], ctx.mesh_shape)  # the largest shard
     if not trainable:
         return {"params": numel * meta.itemsize, "grads": 0.0, "optimizer_state": 0.0}
     state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
-    state_numel = math.prod(local_shape(meta.shape, state, ctx.mesh_shape)) if state is not None else numel
+    state_numel = local_numel(meta.shape, state, ctx.mesh_shape) if state is not None else numel
     grad_numel = state_numel if strategy.zero_stage == 2 else numel
     return {
         "params": numel * meta.itemsize,

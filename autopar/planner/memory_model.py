@@ -414,17 +414,18 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             lin = s.ins[i] if i < len(s.ins) else None
             lout = layout_of(inp)
             # (a parameter cast before its prefetched gather gets its gradient in the cast dtype)
-            cast_grad = inp.cast is not None and inp.param and _prefetched(inp, lout, s, i, sizes)
+            prefetch_dim = _prefetch_dim(inp, lout, s, i, sizes) if inp.param else None
+            cast_grad = inp.cast is not None and prefetch_dim is not None
             g = sim.alloc(sizes.local(inp.meta, lin if lin is not None else lout,
                                       inp.cast.itemsize if cast_grad else None) * scale, "bwd")
             sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")
             gin = s.grad_ins[i] if i < len(s.grad_ins) else None
-            if inp.param and _prefetched(inp, lout, s, i, sizes):
+            if prefetch_dim is not None:
                 # reduce-scattered asynchronously from a copy in the reduce dtype, at most
                 # MAX_INFLIGHT pending (runtime.prefetch)
                 reduce_size = problem.ctx.policy.torch_reduce_dtype.itemsize
                 recast = inp.cast is not None and reduce_size != inp.cast.itemsize
-                if recast or _prefetch_dim(inp, lout, s, i, sizes) != 0:  # a cast or strided copy
+                if recast or prefetch_dim != 0:  # a cast or strided copy
                     ratio = reduce_size / inp.cast.itemsize if recast else 1.0
                     send = sim.alloc(sim.size[g] * ratio, "bwd")
                     sim.check(extra_bwd=prof.bwd_temp * shrink + regather, phase="backward")

@@ -21,9 +21,8 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.ir import edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
-from autopar.layouts import replicated
+from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.planner.blocks import BlockInfo
-from autopar.layouts import local_shape, split_factor
 from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, param_memory, reshard_time
 from autopar.planner.op_memory import op_memory
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
@@ -244,7 +243,7 @@ def saved_bytes(n: fx.Node, s: Strategy, ctx: CostContext, prof, batch: set[str]
         elif e[0] == "out":
             metas = n.meta.get("autopar.outputs") or ()
             if e[1] < len(metas) and metas[e[1]] is not None and e[1] < len(s.outs) and s.outs[e[1]] is not None:
-                total += math.prod(local_shape(metas[e[1]].shape, s.outs[e[1]], ctx.mesh_shape)) * metas[e[1]].itemsize * scale
+                total += local_numel(metas[e[1]].shape, s.outs[e[1]], ctx.mesh_shape) * metas[e[1]].itemsize * scale
         elif e[0] == "new":
             total += e[1] * scale / split
     return total
@@ -260,7 +259,7 @@ def working_set_bytes(n: fx.Node, s: Strategy, ctx: CostContext, prof, batch: se
     outs = 0.0
     for j, (m, lay) in enumerate(zip(n.meta.get("autopar.outputs") or (), s.outs)):
         if m is not None and lay is not None and (j >= len(prof.aliases) or prof.aliases[j] is None):
-            outs += math.prod(local_shape(m.shape, lay, ctx.mesh_shape)) * m.itemsize * scale
+            outs += local_numel(m.shape, lay, ctx.mesh_shape) * m.itemsize * scale
     ins = sum(_input_bytes(n, i, s, ctx, batch, microbatches) for i, a in enumerate(tensor_inputs(n))
               if i < len(s.ins) and s.ins[i] is not None and a.meta.get("autopar.kind") != "param")
     return 2.0 * outs + ins + (prof.fwd_temp + prof.bwd_temp) * scale / split
@@ -408,7 +407,7 @@ def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[
     all-reduce over the others it is summed over (``runtime.grad_sync``)."""
     from autopar.cost_models.communication import collective_time
 
-    nbytes = float(math.prod(local_shape(meta.shape, layout, ctx.mesh_shape)) * meta.itemsize)
+    nbytes = float(local_numel(meta.shape, layout, ctx.mesh_shape) * meta.itemsize)
     out: dict[str, float] = {}
     for a in axes:
         kind = "reduce_scatter" if a in zero_axes else "all_reduce"
@@ -422,7 +421,7 @@ def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
 
     if not s.zero_axes:
         return 0.0
-    nbytes = float(math.prod(local_shape(meta.shape, s.outs[0], ctx.mesh_shape)) * meta.itemsize)
+    nbytes = float(local_numel(meta.shape, s.outs[0], ctx.mesh_shape) * meta.itemsize)
     return sum(collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
 
 

@@ -7,36 +7,32 @@ spanning nodes is tried only when the user asks for it.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy, optimizer_spec, precision_policy
 from autopar.errors import ConstraintError, NoFeasiblePlanError
-from autopar.layouts import Layout, Replicate, Shard, format_layout, parse_placement, state_dim
+from autopar.layouts import format_layout
 from autopar.plan import (
     Alternative, Baseline, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of,
 )
 from autopar.planner.blocks import BlockInfo, find_repeated_blocks
+from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
 from autopar.planner.comm_model import predict_comm_bytes
 from autopar.planner.evaluate import Evaluation, autocast_dtype, evaluate, incident_edges, model_flops, node_alternatives
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
 from autopar.planner.problem import Problem, build_problem, producer_of
-from autopar.strategies import Strategy
-from autopar.strategies.rules import rule_for
-from autopar.trace import TracedGraph, tensor_inputs
+from autopar.trace import TracedGraph
 
 __all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
 
-AXES = ("dp", "tp")
 # Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
 # CUDA context and library workspaces (cuBLAS, NCCL buffers).
 USABLE_MEMORY_FRACTION = 0.9
@@ -86,174 +82,6 @@ def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
     return [(world // t, t) for t in tps]
 
 
-def _matches(fqn: str, pattern: str) -> bool:
-    return fqn == pattern or fnmatch.fnmatchcase(fqn, pattern)
-
-
-def _pin_layout_ok(layout: Layout, axes: tuple, mesh_shape) -> bool:
-    for axis_name, text in axes:
-        a = AXES.index(axis_name)
-        want = parse_placement(text)
-        if mesh_shape[a] == 1:
-            continue
-        if layout[a] != want:
-            return False
-    return True
-
-
-def _validate_pins(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]) -> None:
-    fqns = list(traced.param_fqns.values())
-    for pattern, axes in c.placements:
-        if not any(_matches(f, pattern) for f in fqns):
-            raise ConstraintError(f"placement pin {pattern!r} matches no parameter; parameters look like {fqns[:4]}")
-        for axis_name, text in axes:
-            if axis_name not in AXES:
-                raise ConstraintError(f"placement pin {pattern!r} names mesh axis {axis_name!r}; the axes are {list(AXES)}")
-            p = parse_placement(text)
-            if mesh[AXES.index(axis_name)] == 1 and not isinstance(p, Replicate):
-                raise ConstraintError(
-                    f"placement pin {pattern!r} shards on axis {axis_name!r}, but that axis has size 1 in this "
-                    f"plan ({dict(zip(AXES, mesh))}); set {axis_name}= to more than 1 or drop the pin"
-                )
-    modules = {n.meta.get("autopar.module", "") for n in traced.graph.nodes}
-    for pattern, axes in c.outputs:
-        if not any(_matches(m, pattern) for m in modules):
-            raise ConstraintError(f"output pin for module {pattern!r} matches no module of the model")
-
-
-def _check_heads(traced: TracedGraph, c: Constraints) -> None:
-    if not c.tp or c.tp == 1:
-        return
-    for n in traced.graph.nodes:
-        if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
-            q = tensor_inputs(n)[0].meta["autopar.outputs"][0]
-            heads = q.shape[1]
-            if heads % c.tp:
-                raise ConstraintError(
-                    f"tp={c.tp} cannot split attention in module '{n.meta.get('autopar.module')}': it has "
-                    f"{heads} heads, not divisible by {c.tp}; use a tp dividing {heads}"
-                )
-
-
-def _output_nodes_of(traced: TracedGraph, pattern: str) -> set[str]:
-    """Per module instance matching ``pattern``: its last op node (the module's output)."""
-    last: dict[str, str] = {}
-    for n in traced.graph.nodes:
-        m = n.meta.get("autopar.module", "")
-        if n.op != "call_function" or n.meta.get("autopar.kind") != "op":
-            continue
-        parts = m.split(".") if m else []
-        for k in range(len(parts), 0, -1):
-            prefix = ".".join(parts[:k])
-            if _matches(prefix, pattern):
-                last[prefix] = n.name
-                break
-    return set(last.values())
-
-
-def pin_key(c: Constraints):
-    """A function naming the pins that apply to a node (so pinned blocks do not share decisions)."""
-    if not c.placements and not c.outputs:
-        return None
-
-    def key(node: fx.Node) -> tuple:
-        fqn = node.meta.get("autopar.fqn", "")
-        module = node.meta.get("autopar.module", "")
-        return (tuple(g for g, _ in c.placements if fqn and _matches(fqn, g)),
-                tuple(g for g, _ in c.outputs if _matches(module, g) or any(_matches(p, g) for p in _prefixes(module))))
-
-    return key
-
-
-def _prefixes(module: str) -> list[str]:
-    parts = module.split(".") if module else []
-    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
-
-
-def _make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], microbatches: int = 1):
-    dp_a, tp_a = 0, 1
-    out_pins = {}
-    for pattern, axes in c.outputs:
-        for name in _output_nodes_of(traced, pattern):
-            out_pins[name] = axes
-
-    data_nodes: set[str] = set()  # values computed from the batch (inputs / target)
-    for n in traced.graph.nodes:
-        if n.meta.get("autopar.kind") in ("input", "target") or any(a.name in data_nodes for a in tensor_inputs(n)):
-            data_nodes.add(n.name)
-
-    def allowed(node: fx.Node, s: Strategy) -> str | None:
-        kind = node.meta.get("autopar.kind")
-        if kind in ("input", "target"):
-            lay = s.outs[0]
-            if c.dp is not None and mesh[dp_a] > 1 and lay[dp_a] != Shard(0):
-                return f"dp={c.dp} shards the batch (dim 0) of every input on axis 'dp'"
-            if c.tp is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():
-                return f"tp={c.tp} keeps inputs whole on axis 'tp' (tensor parallel, not data parallel)"
-        if kind == "param":
-            lay = s.outs[0]
-            fqn = node.meta["autopar.fqn"]
-            if s.zero_stage == 1 and c.zero != 1 and microbatches == 1:
-                # ZeRO-1 keeps whole gradients and moves more bytes than ZeRO-2 (all-reduce, then
-                # all-gather); it can only win when gradients accumulate over microbatches
-                return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
-            meta = node.meta["autopar.outputs"][0]
-            if (c.tp or 1) > 1 and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard):
-                if any(d % mesh[tp_a] == 0 for d in meta.shape):
-                    return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"
-            for pattern, axes in c.placements:
-                if _matches(fqn, pattern) and not _pin_layout_ok(lay, axes, mesh):
-                    return f"pinned to {dict(axes)}"
-            z = c.zero
-            if z is not None and mesh[dp_a] > 1:
-                sharded_dp = isinstance(lay[dp_a], Shard)
-                zero_dp = dp_a in s.zero_axes
-                # a parameter with no whole dim larger than 1 (a scalar, a bias already split on
-                # 'tp') has nothing to shard on 'dp': every stage keeps it replicated there
-                shardable = state_dim(meta.shape, lay) is not None
-                if z == 0 and (sharded_dp or zero_dp):
-                    return "zero=0 keeps parameters and optimizer state replicated on 'dp'"
-                if z in (1, 2) and shardable and not (zero_dp and s.zero_stage == z):
-                    return f"zero={z} shards optimizer state{' and gradients' if z == 2 else ''} on 'dp' with parameters replicated there"
-                if z == 3 and not sharded_dp:
-                    # (a dim that does not divide evenly is sharded unevenly, padded as FSDP2 does;
-                    # a dim already sharded on 'tp' is not available to 'dp')
-                    if shardable:
-                        return "zero=3 shards every parameter on 'dp'"
-                if z == 3 and sharded_dp:
-                    # as FSDP2: the first dim left whole by 'tp' (dim 0 when it can), so gathers,
-                    # re-gathers and gradient reduce-scatters need no strided copies
-                    whole = tuple(p if a != dp_a else Replicate() for a, p in enumerate(lay))
-                    if lay[dp_a] != Shard(state_dim(meta.shape, whole) if state_dim(meta.shape, whole) is not None else -1):
-                        return "zero=3 shards a parameter's first whole dim on 'dp' (as FSDP2: no strided copies)"
-        if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
-            # (an op without a rule runs replicated whatever the plan: it is resliced after)
-            out = next((o for o in s.outs if o is not None), None)
-            meta = node.meta["autopar.outputs"][0]
-            if out is not None and isinstance(out[dp_a], Replicate) and meta is not None and meta.numel > 1:
-                return f"dp={c.dp} keeps batch-derived values split on axis 'dp'"
-        if kind == "op" and c.dp is not None and mesh[dp_a] > 1:
-            # data parallel: every op uses whole weights on 'dp' (stored sharded there only under ZeRO-3,
-            # and then gathered before use), so activations keep their batch shards
-            for arg, lay in zip(tensor_inputs(node), s.ins):
-                if arg.meta.get("autopar.kind") == "param" and lay is not None and not isinstance(lay[dp_a], Replicate):
-                    return f"dp={c.dp} uses whole weights on axis 'dp'"
-        if kind == "op" and (c.tp or 1) > 1:
-            # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
-            # FSDP on the tp axis, which zero= expresses)
-            for arg, lay in zip(tensor_inputs(node), s.ins):
-                if arg.meta.get("autopar.kind") == "param" and lay is not None:
-                    shape = arg.meta["autopar.outputs"][0].shape
-                    if len(shape) >= 2 and any(d % mesh[tp_a] == 0 for d in shape) and not isinstance(lay[tp_a], Shard):
-                        return f"tp={c.tp} computes with weights sharded on 'tp'"
-        if node.name in out_pins and kind == "op":
-            if not _pin_layout_ok(s.outs[0], out_pins[node.name], mesh):
-                return f"output pinned to {dict(out_pins[node.name])}"
-        return None
-
-    return allowed
-
-
 @dataclass
 class _Attempt:
     mesh: tuple[int, int]
@@ -270,7 +98,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
                            CostContext(mesh, AXES, cluster, policy, optimizer))
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
-        strategy_filter=_make_filter(traced, c, mesh, micro), strategy_cache=cache,
+        strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,
     )
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
@@ -396,9 +224,9 @@ def search_plan(
     optimizer = optimizer_spec(optimizer)
     c = constraints
     meshes = mesh_candidates(cluster, c)
-    _check_heads(traced, c)
+    check_heads(traced, c)
     for mesh in meshes:
-        _validate_pins(traced, c, mesh)
+        validate_pins(traced, c, mesh)
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     cache: dict = {}
@@ -435,14 +263,14 @@ def search_plan(
     batch = _global_batch(traced)
     if not attempts and c.microbatches is None and batch:
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
+        recompute = bool(blocks.blocks) if c.recompute is None else c.recompute
         for mesh in meshes:
             for micro in _microbatch_counts(batch, mesh[0]):
-                label = f"dp={mesh[0]} tp={mesh[1]} recompute={bool(blocks.blocks) if c.recompute is None else c.recompute} microbatches={micro}"
+                label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
                 if progress:
                     progress(label)
                 try:
-                    attempts.append(_solve_attempt(traced, blocks, cluster, policy, optimizer, mesh,
-                                                   bool(blocks.blocks) if c.recompute is None else c.recompute,
+                    attempts.append(_solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute,
                                                    micro, c, budget, solver, cache))
                     outcomes.append((label, f"{attempts[-1].evaluation.step_time_s * 1e3:.3f} ms/step"))
                     break
@@ -523,7 +351,7 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
             try:
                 ctx = CostContext(mesh, AXES, cluster, policy, optimizer)
                 problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=_leanest_micro(traced, mesh, c),
-                                        strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache)
+                                        strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
                 sol = solve(problem, None, solver, objective="memory")
                 need = min(need, evaluate(problem, sol.choice).peak_bytes)
             except InfeasibleProblem:
@@ -568,7 +396,7 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
         for mesh in mesh_candidates(bigger, c):
             ctx = CostContext(mesh, AXES, bigger, policy, optimizer)
             problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=_leanest_micro(traced, mesh, c),
-                                    strategy_filter=_make_filter(traced, c, mesh), strategy_cache=cache)
+                                    strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
             try:
                 sol = solve(problem, None, solver, objective="memory")
             except InfeasibleProblem:
