@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from autopar.api import cyclic_gc_paused
 from autopar.errors import AutoparError
 from autopar.ir import GRAD_SYNC_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
 from autopar.layouts import Partial, chunk_range, parse_layout, replicated
@@ -53,6 +54,14 @@ class _Program:
     @property
     def placeholders(self) -> list[str]:
         return [n.name for n in self.program.graph.nodes if n.op == "placeholder"]
+
+    @classmethod
+    def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str) -> "_Program":
+        """With the layouts the plan gives the inputs and target, and the loss's layout."""
+        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        inputs = {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name] if name}
+        loss = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
+        return cls(plan, traced, program, loss_reduction, inputs, loss)
 
 
 @dataclass(frozen=True)
@@ -111,13 +120,11 @@ class ParallelModel:
         self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
         self._grad_sync = GradSync(self.store, deferred, self.comm,
                                    self._policy.torch_reduce_dtype if self._policy.mixed else None)
-        self._loss_layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
         self.optimizer = optimizer(self.store.optimizer_params())
         self._tracker: MemoryTracker | None = None
         self._eval_builder = eval_program
         self._eval: _Program | None = None
-        self._train = _Program(plan, traced, program, loss_reduction, self._input_layouts(plan, traced),
-                               self._loss_layout)
+        self._train = _Program.of(plan, traced, program, loss_reduction)
         _LIVE.add(self)
         _EXIT_STATE["used"] = True
 
@@ -136,11 +143,6 @@ class ParallelModel:
         self.close()
 
     # ------------------------------------------------------------------ steps
-    @staticmethod
-    def _input_layouts(plan, traced) -> dict:
-        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
-        return {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name] if name}
-
     def _args(self, inputs: tuple, target: Any, prog: "_Program | None" = None) -> list:
         prog = prog or self._train
         names = prog.traced.input_names
@@ -248,9 +250,7 @@ class ParallelModel:
         if self._eval is None:
             if self._eval_builder is None:
                 raise AutoparError("this ParallelModel was built without an evaluation program; use autopar.compile")
-            plan, traced, program, reduction = self._eval_builder()
-            layout = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
-            self._eval = _Program(plan, traced, program, reduction, self._input_layouts(plan, traced), layout)
+            self._eval = _Program.of(*self._eval_builder())
         prog = self._eval
         micro = self._microbatches(inputs, target)
         weight = 1.0 / len(micro) if prog.loss_reduction == "mean" else 1.0
@@ -280,25 +280,22 @@ class ParallelModel:
             torch.cuda.reset_peak_memory_stats(self._device)
             base = torch.cuda.memory_allocated(self._device)
         gc.collect()  # what earlier steps left to the cyclic collector is gone before we measure,
-        gc_was_on = gc.isenabled()
-        gc.disable()  # and it cannot run mid-step: frees happen when references drop, every run alike
-        with tracker:
-            for category, tensors in self.store.persistent_tensors().items():
-                tracker.register(tensors, category)
-            tracker.register(self._optimizer_state(), "optimizer_state")
-            self.comm.stats.reset()
-            self._tracker = tracker
-            t0 = time.perf_counter()
-            try:
-                loss = self.train_step(*inputs, target=target)
-            finally:
-                self._tracker = None
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            tracker.register(self._optimizer_state(), "optimizer_state")
-        if gc_was_on:
-            gc.enable()
+        with cyclic_gc_paused():  # and it cannot run mid-step: frees happen when references drop, every run alike
+            with tracker:
+                for category, tensors in self.store.persistent_tensors().items():
+                    tracker.register(tensors, category)
+                tracker.register(self._optimizer_state(), "optimizer_state")
+                self.comm.stats.reset()
+                self._tracker = tracker
+                t0 = time.perf_counter()
+                try:
+                    loss = self.train_step(*inputs, target=target)
+                finally:
+                    self._tracker = None
+                if cuda:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - t0
+                tracker.register(self._optimizer_state(), "optimizer_state")
         device_peak = None
         if cuda:
             device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
@@ -319,7 +316,7 @@ class ParallelModel:
 
     # ------------------------------------------------------------------ the loss value
     def _partial_axes(self, layout=None) -> list[tuple[int, str]]:
-        layout = layout if layout is not None else self._loss_layout
+        layout = layout if layout is not None else self._train.loss_layout
         if layout is None:
             return []
         return [(a, p.reduce_op) for a, p in enumerate(layout) if isinstance(p, Partial) and self.comm.sizes[a] > 1]

@@ -50,6 +50,18 @@ def start_gather(x: torch.Tensor, dim: int, comm: MeshComm, axis: int, size: int
     return PendingGather(out, comm.all_gather(out, front, axis, async_op=async_op), front)
 
 
+def _cast(x: torch.Tensor, dtype) -> torch.Tensor:
+    return x.to(dtype) if dtype is not None else x
+
+
+def _start_registered(x: torch.Tensor, axis: int, dim: int, size: int | None, dtype, comm: MeshComm) -> torch.Tensor:
+    """Start the gather of ``x`` (cast to ``dtype``) and register it for ``gather_param_finish``,
+    keyed by its receive buffer's storage; returns the buffer."""
+    pend = start_gather(_cast(x, dtype), dim, comm, axis, size)
+    comm.pending_gathers[pend.out.untyped_storage()._cdata] = pend
+    return pend.out
+
+
 def _view(buf: torch.Tensor, dim: int, size: int | None) -> torch.Tensor:
     return (buf[:size] if size is not None else buf).movedim(0, dim)
 
@@ -71,9 +83,7 @@ class _GatherStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, size, dtype, reduce_dtype, comm):
         ctx.param, ctx.axis, ctx.dim, ctx.reduce_dtype, ctx.comm = x, axis, dim, reduce_dtype, comm
-        pend = start_gather(x.to(dtype) if dtype is not None else x, dim, comm, axis, size)
-        comm.pending_gathers[pend.out.untyped_storage()._cdata] = pend
-        return pend.out
+        return _start_registered(x, axis, dim, size, dtype, comm)
 
     @staticmethod
     def backward(ctx, g):
@@ -102,12 +112,10 @@ def gather_param_start(x: torch.Tensor, axis: int, dim: int, size: int | None = 
     if grad and x.requires_grad and torch.is_grad_enabled():
         buf = _GatherStart.apply(x, axis, dim, size, dtype, reduce_dtype, comm)
     else:
-        pend = start_gather(x.to(dtype) if dtype is not None else x, dim, comm, axis, size)
-        comm.pending_gathers[pend.out.untyped_storage()._cdata] = pend
-        buf = pend.out
+        buf = _start_registered(x, axis, dim, size, dtype, comm)
 
     def replay(local, async_op=False, dim=dim, comm=comm, axis=axis, size=size, dtype=dtype):
-        pend = start_gather(local.to(dtype) if dtype is not None else local, dim, comm, axis, size, async_op)
+        pend = start_gather(_cast(local, dtype), dim, comm, axis, size, async_op)
         return pend if async_op else pend.wait()
 
     remember_gathered_param(buf, x.detach(), replay)
