@@ -13,6 +13,9 @@ __all__ = [
     "ConstraintError",
     "NoFeasiblePlanError",
     "PlanFormatError",
+    "WorkerFailedError",
+    "CollectiveError",
+    "InputMismatchError",
 ]
 
 
@@ -38,3 +41,18 @@ class NoFeasiblePlanError(AutoparError):
 
 class PlanFormatError(AutoparError):
     """A serialized plan is malformed or has an unsupported schema version."""
+
+
+class WorkerFailedError(AutoparError, RuntimeError):
+    """A process started by ``autopar.launch`` raised, died without a result (killed, crashed,
+    ``os._exit``) or did not finish in time. Also a ``RuntimeError``, as launch raised before."""
+
+
+class CollectiveError(AutoparError, RuntimeError):
+    """A collective in a training step timed out or lost a peer: the ranks did not all run the
+    same step (one skipped it, stopped, or died). Also a ``RuntimeError``, as torch raises it."""
+
+
+class InputMismatchError(AutoparError):
+    """A batch given to a step does not match the compiled example (number of inputs, shape,
+    dtype), or the ranks hold different batches where every rank must hold the same one."""

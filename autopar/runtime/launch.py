@@ -4,19 +4,23 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
+from multiprocessing.connection import wait
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, WorkerFailedError
 
-__all__ = ["init_distributed", "launch", "free_port", "run_script"]
+__all__ = ["init_distributed", "launch", "free_port", "run_script", "collective_timeout_s",
+           "DEFAULT_COLLECTIVE_TIMEOUT_S"]
 
 
 def free_port() -> int:
@@ -25,10 +29,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+"""How long a collective waits for the other ranks before it fails (gloo's own default is 30
+minutes: a rank that skipped a step would hang the others that long)."""
+COLLECTIVE_TIMEOUT_ENV = "AUTOPAR_COLLECTIVE_TIMEOUT_S"
+
+# the timeout of the default process group when autopar made it: (id of that group, seconds)
+_GROUP_TIMEOUT: dict[str, Any] = {"group": None, "timeout_s": None}
+
+
+def collective_timeout_s(timeout_s: float | None = None) -> float:
+    """The collective timeout to use: ``timeout_s`` if given, else ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``,
+    else ``DEFAULT_COLLECTIVE_TIMEOUT_S`` (300 s)."""
+    source = "collective_timeout_s"
+    if timeout_s is None:
+        text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+        if not text:
+            return DEFAULT_COLLECTIVE_TIMEOUT_S
+        source = f"${COLLECTIVE_TIMEOUT_ENV}"
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            raise AutoparError(f"{source}={text!r} is not a number of seconds; e.g. {COLLECTIVE_TIMEOUT_ENV}=300") from None
+    if not timeout_s > 0:
+        raise AutoparError(f"{source} must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def group_timeout_s() -> float | None:
+    """The collective timeout of the current default process group if autopar initialised it
+    (None for a group the user made: its timeout is the user's)."""
+    if dist.is_initialized() and _GROUP_TIMEOUT["group"] == id(dist.group.WORLD):
+        return _GROUP_TIMEOUT["timeout_s"]
+    return None
+
+
 def init_distributed(backend: str, world_size: int, timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment (or a 1-process world).
 
     The cluster's world size must match the launch; a mismatch is a clear error, not a hang.
+    Collectives time out after ``timeout_s`` (default: ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else
+    ``DEFAULT_COLLECTIVE_TIMEOUT_S`` = 300 s). A group that is already initialised keeps its own.
     """
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
@@ -37,8 +78,8 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
                 "processes; use Cluster.local() (it reads WORLD_SIZE) or launch that many processes"
             )
         return
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-    kwargs = {"timeout": timeout} if timeout else {}
+    seconds = collective_timeout_s(timeout_s)
+    kwargs = {"timeout": datetime.timedelta(seconds=seconds)}
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if world_size != 1:
             raise AutoparError(
@@ -46,62 +87,136 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
                 f"`torchrun --nproc-per-node {world_size} script.py` or autopar.launch(fn, {world_size})"
             )
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs)
-        return
-    if int(os.environ["WORLD_SIZE"]) != world_size:
-        raise AutoparError(
-            f"the cluster spec has {world_size} devices but WORLD_SIZE={os.environ['WORLD_SIZE']}; "
-            "use Cluster.local() or launch that many processes"
-        )
-    dist.init_process_group(backend, **kwargs)
+    else:
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise AutoparError(
+                f"the cluster spec has {world_size} devices but WORLD_SIZE={os.environ['WORLD_SIZE']}; "
+                "use Cluster.local() or launch that many processes"
+            )
+        dist.init_process_group(backend, **kwargs)
+    _GROUP_TIMEOUT.update(group=id(dist.group.WORLD), timeout_s=seconds)
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, conn, release, timeout_s: float) -> None:
+    """One rank: run ``fn``, send (rank, ok, pickled result or traceback) to the parent, then tear
+    the process group down. The closing barrier runs only once the parent says every rank has
+    returned (``release``): a barrier entered while a peer is still inside ``fn`` could pair with
+    that peer's collective, and after a failure the peers may never arrive."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    ok = False
     try:
-        # pickled here, by value: torch's queue would share tensors through file descriptors that
-        # die with this process
-        result = pickle.dumps(fn(*args))
-        queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - sent back to the parent with its traceback
-        queue.put((rank, False, traceback.format_exc()))
+        try:
+            # pickled here, by value: torch's queue would share tensors through file descriptors that
+            # die with this process
+            message = (rank, True, pickle.dumps(fn(*args)))
+            ok = True
+        except BaseException:  # noqa: BLE001 - sent back to the parent with its traceback
+            message = (rank, False, traceback.format_exc())
+        conn.send(message)
+        conn.close()
     finally:
         if dist.is_initialized():
             try:
-                dist.barrier()  # no rank tears gloo down while another still talks to it
+                if ok and release.wait(timeout_s):
+                    dist.barrier()  # no rank tears gloo down while another still talks to it
             finally:
                 dist.destroy_process_group()
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "an unknown exit code"
+    if code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"exit code {code} (signal {-code})"
+    return f"exit code {code}"
+
+
+def _collect(procs: list, readers: list, timeout_s: float) -> dict[int, Any]:
+    """Every rank's result, waiting on the result pipes and the process sentinels together (no
+    polling loop). Raises ``WorkerFailedError`` as soon as a rank fails or dies without a result,
+    or when ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(enumerate(readers))
+    results: dict[int, Any] = {}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            done = sorted(results)
+            raise WorkerFailedError(
+                f"ranks {sorted(pending)} did not finish within {timeout_s:g} s"
+                + (f" (ranks {done} returned)" if done else "")
+                + "; a rank waiting in a collective for a peer that never arrives fails after the collective "
+                f"timeout (${COLLECTIVE_TIMEOUT_ENV}); pass a larger timeout_s= to launch if the work needs it"
+            )
+        ready = set(wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=left))
+        deaths, failures = [], []
+        for r in sorted(pending):
+            conn = pending[r]
+            if conn not in ready and procs[r].sentinel not in ready:
+                continue
+            message = None
+            if conn.poll():
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):  # its end closed mid-message: it died
+                    message = None
+            if message is None:
+                procs[r].join(timeout=1)
+                deaths.append(f"rank {r} died with {_exit_description(procs[r].exitcode)} before returning a result")
+            elif message[1]:
+                results[r] = pickle.loads(message[2])
+            else:
+                failures.append(f"rank {r} failed:\n{message[2]}")
+            del pending[r]
+        if deaths or failures:
+            raise WorkerFailedError("\n".join(deaths + failures))
+    return results
 
 
 def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local processes (ranks 0..nproc-1); return their results.
 
-    ``fn`` must be importable (a module-level function). A failure in any rank raises with that
-    rank's traceback.
+    ``fn`` must be importable (a module-level function). Never hangs: a rank that raises, or dies
+    without a result (killed, crashed, ``os._exit``), or ranks still running after ``timeout_s``
+    seconds stop every rank and raise ``WorkerFailedError`` (a ``RuntimeError``) naming the
+    ranks, with the failing rank's traceback or its exit code and signal.
+
+    >>> # autopar.launch(worker, 2, timeout_s=120)  # [worker() on rank 0, worker() on rank 1]
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    for _ in range(nproc):
-        rank, ok, value = queue.get()
+    release = ctx.Event()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, pipes[r][1], release, timeout_s))
+             for r in range(nproc)]
+    ok = False
+    try:
+        for p in procs:
+            p.start()
+        for _, writer in pipes:
+            writer.close()  # the workers hold theirs: a worker's end closing means it is gone
+        results = _collect(procs, [reader for reader, _ in pipes], timeout_s)
+        ok = True
+    finally:
         if ok:
-            results[rank] = pickle.loads(value)
-        else:
-            errors.append(f"rank {rank} failed:\n{value}")
-            break
-    for p in procs:
-        p.join(timeout=5 if errors else timeout_s)
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
+            release.set()  # every rank returned: their closing barriers can all meet
+        grace = time.monotonic() + (max(30.0, min(timeout_s, 120.0)) if ok else 0.0)
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
     return [results[r] for r in range(nproc)]
 
 
