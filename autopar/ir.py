@@ -1,7 +1,7 @@
 """The contract between the passes (which write per-rank programs) and the runtime (which runs them).
 
 The graph targets the passes insert: ``reshard`` for every layout change (implemented in
-``autopar.runtime.collectives``), ``gather_param_start`` / ``gather_param_finish`` for prefetched
+``autopar.runtime.collectives``), ``sharded_batch_norm`` for a batch norm over a split batch, ``gather_param_start`` / ``gather_param_finish`` for prefetched
 parameter gathers (``autopar.runtime.prefetch``); and the ``GraphModule.meta`` keys the passes leave for the
 runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
 Rules both sides must apply identically (what the planner prices is what the passes emit) live
@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.layouts import Layout, Partial, Replicate, grad_layout
+from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "GRAD_SYNC_KEY",
+__all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY"]
 
 GRAD_SYNC_KEY = "autopar.grad_sync"  # parameter placeholder -> mesh axes its gradient is all-reduced over

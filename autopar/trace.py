@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
+from autopar.functionalize import functionalize_inplace
 
 __all__ = ["TensorMeta", "TracedGraph", "trace_model", "tensor_inputs"]
 
@@ -398,6 +399,7 @@ def trace_model(
             ph.meta["autopar.fqn"] = fqn
         ph.meta["autopar.module"] = fqn.rpartition(".")[0] if fqn else ""
 
+    functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
     _annotate_nodes(gm.graph, module_prefix)
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]

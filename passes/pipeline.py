@@ -12,11 +12,13 @@ from autopar.passes.insert_collectives import insert_collectives_pass
 from autopar.passes.localize_shapes import localize_shapes_pass
 from autopar.passes.outline_recompute import outline_recompute_pass
 from autopar.passes.prefetch_param_gathers import prefetch_param_gathers_pass
+from autopar.passes.sync_batch_norm import sync_batch_norm_pass
 
 __all__ = ["PASSES", "run_passes", "PassError"]
 
 PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     localize_shapes_pass,
+    sync_batch_norm_pass,
     insert_collectives_pass,
     defer_gradient_sync_pass,
     prefetch_param_gathers_pass,

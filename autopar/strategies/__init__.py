@@ -175,6 +175,11 @@ def enumerate_strategies(
             continue
         if any(not _is_all_r(per_axis[a]) for a in trivial_axes):
             continue  # a size-1 axis only carries Replicate
+        bad = next((a for a, o in enumerate(per_axis) if o.divides and o.divides % mesh_shape[a]), None)
+        if bad is not None:
+            excluded.append((f"out {', '.join(format_layout(o) for o in outs if o is not None)}",
+                             f"axis '{axis_names[bad]}' of size {mesh_shape[bad]} does not divide {per_axis[bad].divides} groups"))
+            continue
         reason = None
         for meta, layout in list(zip(view.in_metas, ins)) + list(zip(metas, outs)):
             if meta is not None and layout is not None:

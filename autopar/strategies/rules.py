@@ -37,6 +37,7 @@ class AxisOption:
 
     ins: tuple[Placement | None, ...]
     outs: tuple[Placement, ...]
+    divides: int = 0  # when set, the option is valid only on axes whose size divides it (conv groups)
 
 
 class OpView:
@@ -448,35 +449,77 @@ def slice_like(op: OpView) -> list[AxisOption]:
     return _slicing_dim_rule(op, dim, removes_dim=name in ("select", "unbind"))
 
 
+def _is_legacy_empty(m: TensorMeta | None) -> bool:
+    """A 1-D tensor of size 0: ``cat`` skips it whatever the other operands' rank (Hugging Face
+    KV caches start as ``torch.tensor([])`` and are concatenated onto)."""
+    return m is not None and m.shape == (0,)
+
+
 def cat_like(op: OpView) -> list[AxisOption]:
+    """cat / stack: shard any dim other than the joined one on every operand; legacy empty
+    operands (see ``_is_legacy_empty``) stay replicated (they hold nothing)."""
     metas = op.in_metas
-    nd = len(metas[0].shape)
     name = _op_name(op.node)
+    full = [m for m in metas if m is not None and not (name != "stack" and _is_legacy_empty(m))]
+    if not full:
+        return []
+    nd = len(full[0].shape)
+    if any(len(m.shape) != nd for m in full):
+        return []
     dim = op.arg("dim", 0)
     options = []
     if name == "stack":
         dim = _norm_dim(dim, nd + 1)
         for d in range(nd):
+            if full[0].shape[d] == 1:
+                continue
             od = d if d < dim else d + 1
             options.append(AxisOption((Shard(d),) * len(metas), (Shard(od),)))
     else:
         dim = _norm_dim(dim, nd)
         for d in range(nd):
-            if d != dim and all(len(m.shape) == nd for m in metas):
-                options.append(AxisOption((Shard(d),) * len(metas), (Shard(d),)))
+            if d == dim or full[0].shape[d] == 1:
+                continue
+            ins = tuple(R if _is_legacy_empty(m) else Shard(d) for m in metas)
+            options.append(AxisOption(ins, (Shard(d),)))
+        options.append(AxisOption(tuple(R if _is_legacy_empty(m) else Partial("sum") for m in metas),
+                                  (Partial("sum"),)))
     return options
 
 
 def convolution(op: OpView) -> list[AxisOption]:
     """conv{1,2,3}d(x[N, C, *], w[O, C/g, *], b[O]): batch, output channels, or (groups=1) input
-    channels, which leave the output Partial (the bias then enters Partial too)."""
+    channels, which leave the output Partial (the bias then enters Partial too).
+
+    Grouped and depthwise convolutions (groups g > 1) are channel-parallel instead: each rank
+    takes whole groups (x, w, b and the output all split on channels), valid on an axis whose
+    size divides g; ``localize_shapes_pass`` then runs the local conv with g / n groups.
+    """
     has_bias = len(op.inputs) > 2
     tail = (R,) if has_bias else ()
     options = [AxisOption((Shard(0), R) + tail, (Shard(0),))]
-    if op.arg("groups", 1) == 1:
+    groups = op.arg("groups", 1)
+    if groups == 1:
         options.append(AxisOption((R, Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),)))
         options.append(AxisOption((Shard(1), Shard(1)) + ((Partial("sum"),) if has_bias else ()), (Partial("sum"),)))
+    else:
+        options.append(AxisOption((Shard(1), Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),), divides=groups))
+    x = op.in_metas[0]
+    for d in range(2, len(x.shape) if x is not None else 0):  # spatial dims: only 1x1 kernels are local
+        w = op.in_metas[1]
+        if w is not None and all(k == 1 for k in w.shape[2:]) and _conv_is_pointwise(op):
+            options.append(AxisOption((Shard(d), R) + tail, (Shard(d),)))
     return options
+
+
+def _conv_is_pointwise(op: OpView) -> bool:
+    """A 1x1 convolution with stride 1 and no padding maps each spatial position to itself."""
+    def ones(v, value):
+        if isinstance(v, str):
+            return v in ("valid", "same")  # no padding for a 1x1 kernel either way
+        v = v if isinstance(v, (list, tuple)) else [v]
+        return all(int(x) == value for x in v)
+    return ones(op.arg("stride", 1), 1) and ones(op.arg("padding", 0), 0) and ones(op.arg("dilation", 1), 1)
 
 
 def pooling(op: OpView) -> list[AxisOption]:
@@ -485,6 +528,35 @@ def pooling(op: OpView) -> list[AxisOption]:
     spatial = {"1d": 1, "2d": 2, "3d": 3}.get(_op_name(op.node)[-2:], 2)
     lead = len(x.shape) - spatial
     return [AxisOption((Shard(d),), (Shard(d),) * len(op.out_metas)) for d in range(lead) if x.shape[d] != 1]
+
+
+def batch_norm(op: OpView) -> list[AxisOption]:
+    """batch_norm(x[N, C, *], weight, bias, running_mean, running_var, training, ...).
+
+    Channels: x, weight and bias split on C (statistics are per channel, so each rank's are
+    exact). Batch or spatial dims: x split, weight and bias whole; in training the statistics
+    then span the shards, which ``sync_batch_norm_pass`` provides (two small all-reduces of C
+    values, SyncBatchNorm-style) with no activation gather. In training the running statistics
+    stay whole on every rank (they are updated in place, and a shard would be a copy); in eval
+    they are only read and follow the channel split.
+    """
+    x = op.in_metas[0]
+    if x is None or len(x.shape) < 2:
+        return []
+    training = bool(op.arg("training", False))
+    idx = {name: op.input_index(name) for name in ("weight", "bias", "running_mean", "running_var")}
+
+    def option(x_p, param_p, stat_p, out_p):
+        ins = [None] * len(op.inputs)
+        ins[0] = x_p
+        for name, i in idx.items():
+            if i is not None:
+                ins[i] = stat_p if name.startswith("running") else param_p
+        return AxisOption(tuple(ins), (out_p,) * len(op.out_metas))
+
+    options = [option(Shard(1), Shard(0), R if training else Shard(0), Shard(1))] if x.shape[1] > 1 else []
+    options += [option(Shard(d), R, R, Shard(d)) for d in range(len(x.shape)) if d != 1 and x.shape[d] > 1]
+    return options
 
 
 def repeat_interleave(op: OpView) -> list[AxisOption]:
@@ -527,6 +599,54 @@ def sdpa(op: OpView) -> list[AxisOption]:
     return options
 
 
+def along_dim(op: OpView) -> list[AxisOption]:
+    """cumsum / cumprod / diff / flip / sort-like ops along ``dim``: any other dim may be split
+    (every tensor operand split alike: ``diff``'s prepend/append have the input's other dims)."""
+    x = op.in_metas[0]
+    dim = op.arg("dim", op.arg("dims", -1))
+    dims = {_norm_dim(d, len(x.shape)) for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+    options = []
+    for d in range(len(x.shape)):
+        if d in dims or x.shape[d] == 1:
+            continue
+        ins = tuple(Shard(d) if m is not None and len(m.shape) == len(x.shape) and m.shape[d] == x.shape[d] else R
+                    for m in op.in_metas)
+        if any(p == R for p in ins):
+            continue
+        options.append(AxisOption(ins, (Shard(d),) * len(op.out_metas)))
+    return options
+
+
+def gather(op: OpView) -> list[AxisOption]:
+    """gather(x, dim, index): any dim but ``dim`` where index and x have the same size."""
+    x, idx = op.in_metas[0], op.in_metas[1]
+    dim = _norm_dim(op.arg("dim"), len(x.shape))
+    return [AxisOption((Shard(d), Shard(d)), (Shard(d),)) for d in range(len(x.shape))
+            if d != dim and x.shape[d] > 1 and idx.shape[d] == x.shape[d]]
+
+
+def index(op: OpView) -> list[AxisOption]:
+    """x[..., idx, ...] (``aten.index.Tensor``, adjacent index tensors): a dim that no index
+    touches may be split (the index tensors stay whole); it keeps its place before the indexed
+    dims or moves by the broadcast index rank after them."""
+    x = op.in_metas[0]
+    indices = op.arg("indices")
+    if x is None or not isinstance(indices, (list, tuple)):
+        return []
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if not used or used != list(range(used[0], used[-1] + 1)):
+        return []
+    out_rank, lead, n_used = len(op.out.shape), used[0], len(used)
+    idx_rank = out_rank - (len(x.shape) - n_used)
+    options = []
+    for d in range(len(x.shape)):
+        if lead <= d <= used[-1] or x.shape[d] == 1:
+            continue
+        od = d if d < lead else d - n_used + idx_rank
+        options.append(AxisOption((Shard(d),) + (R,) * (len(op.inputs) - 1), (Shard(od),)))
+    return options
+
+
 def replicated_only(op: OpView) -> list[AxisOption]:
     return []
 
@@ -559,6 +679,14 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "split_with_sizes": slice_like, "chunk": slice_like, "unbind": slice_like,
     "cat": cat_like, "concat": cat_like, "stack": cat_like,
     "embedding": embedding,
+    "batch_norm": batch_norm,
+    "cumsum": along_dim, "cumprod": along_dim, "diff": along_dim, "flip": along_dim, "logcumsumexp": along_dim,
+    "gather": gather, "index": index,
+    "where": pointwise, "masked_fill": pointwise, "hardswish": pointwise, "hardsigmoid": pointwise,
+    "hardtanh": pointwise, "relu6": pointwise, "logical_and": pointwise, "logical_or": pointwise,
+    "logical_not": pointwise, "logical_xor": pointwise, "bitwise_and": pointwise, "bitwise_or": pointwise,
+    "bitwise_not": pointwise, "eq": pointwise, "ne": pointwise, "lt": pointwise, "le": pointwise, "gt": pointwise,
+    "ge": pointwise, "clamp": pointwise, "clamp_min": pointwise, "clamp_max": pointwise,
     "repeat_interleave": repeat_interleave,
     "conv1d": convolution, "conv2d": convolution, "conv3d": convolution,
     "max_pool1d": pooling, "max_pool2d": pooling, "max_pool3d": pooling, "max_pool2d_with_indices": pooling,

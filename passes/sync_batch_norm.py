@@ -1,0 +1,36 @@
+"""Give a batch norm whose input the plan splits the statistics of the whole batch."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.ir import sharded_batch_norm
+from autopar.layouts import R, Shard, format_layout, parse_layout
+from autopar.passes.context import PassContext
+from autopar.strategies.rules import _op_name
+
+__all__ = ["sync_batch_norm_pass"]
+
+
+def sync_batch_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Requires: plan layouts for every op node. Guarantees: every training-mode ``batch_norm``
+    whose input is split on some mesh axis runs ``sharded_batch_norm``, which all-reduces its
+    statistics over the axes splitting the batch or spatial dims and keeps the (whole) running
+    statistics equal on every rank. Why: a local batch norm over a shard normalises with that
+    shard's statistics, which is not the single-device program (``rules.batch_norm``)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _op_name(node) != "batch_norm":
+            continue
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+        text = ctx.node(node.name).ins[0]
+        if not training or not text.startswith("["):
+            continue
+        layout = parse_layout(text)
+        if all(p == R for p in layout):
+            continue
+        sync = tuple(a for a, p in enumerate(layout) if isinstance(p, Shard) and p.dim != 1 and ctx.mesh_shape[a] > 1)
+        channels = tuple(Shard(0) if isinstance(p, Shard) and p.dim == 1 else R for p in layout)
+        node.target = sharded_batch_norm
+        node.kwargs = {**node.kwargs, "sync_axes": sync,
+                       "channel_layout": format_layout(channels) if any(p != R for p in channels) else None}
+    gm.recompile()
+    return gm
