@@ -4,6 +4,12 @@ Invariants:
 * ``to_json()`` is deterministic: the same inputs give byte-identical JSON (timings measured while
   planning live in ``timings``, which is not serialised and not compared).
 * ``Plan.from_json(p.to_json()) == p``.
+* ``fingerprint`` identifies what runs: a hash of ``inputs_fingerprint`` (what was planned: the
+  graph, shapes, cluster, constraints, precision, optimizer, versions; given by the planner) and of
+  every decision the plan holds (mesh, per-node and per-parameter layouts, ZeRO, microbatches,
+  recompute, ...; predictions and explanations excluded). It is derived on construction, so a
+  plan changed by ``dataclasses.replace`` or an edited JSON file gets a new one, and ranks that
+  hold different plans are refused by ``compile`` instead of deadlocking.
 * ``stages`` is a list even though today every plan has one stage: pipeline plans (roadmap) add
   more, each with its own submesh and node placements.
 """
@@ -136,6 +142,14 @@ class Plan:
     recompute_blocks: tuple[str, ...] = ()  # block instances run under activation checkpointing
     schema_version: int = SCHEMA_VERSION
     timings: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # the hash of the planning inputs; "" when constructed by the planner, which passes that hash
+    # as ``fingerprint`` (see __post_init__)
+    inputs_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        inputs = self.inputs_fingerprint or self.fingerprint
+        object.__setattr__(self, "inputs_fingerprint", inputs)
+        object.__setattr__(self, "fingerprint", fingerprint_of(inputs, _decisions_json(self)))
 
     # ----------------------------------------------------------------- accessors
     @property
@@ -229,6 +243,30 @@ def fingerprint_of(*parts: str) -> str:
     return h.hexdigest()[:16]
 
 
+# what a plan holds besides its decisions: hashes, predictions and explanations of the choice
+_NOT_DECISIONS = {
+    Plan: {"fingerprint", "inputs_fingerprint", "timings", "predicted", "baseline", "solver", "free_step_time_s",
+           "notes"},
+    NodePlacement: {"compute_s", "alternatives", "excluded"},
+    ParamPlacement: {"bytes_per_device"},
+}
+
+
+def _decisions(v: Any) -> Any:
+    """``_encode`` of a plan without what ``_NOT_DECISIONS`` names (a field added to the plan is
+    a decision, and hashed, unless listed there)."""
+    if hasattr(v, "__dataclass_fields__"):
+        skip = _NOT_DECISIONS.get(type(v), ())
+        return {f.name: _decisions(getattr(v, f.name)) for f in fields(v) if f.name not in skip}
+    if isinstance(v, (list, tuple)):
+        return [_decisions(x) for x in v]
+    return _encode(v)
+
+
+def _decisions_json(plan: "Plan") -> str:
+    return json.dumps(_decisions(plan), sort_keys=True, separators=(",", ":"))
+
+
 def _encode(v: Any) -> Any:
     if hasattr(v, "__dataclass_fields__"):
         return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name != "timings"}
@@ -251,7 +289,7 @@ def _decode_plan(d: dict) -> Plan:
     def build(cls, obj):
         kwargs = {}
         for f in fields(cls):
-            if f.name == "timings":
+            if f.name in ("timings", "inputs_fingerprint"):
                 continue
             kwargs[f.name] = obj[f.name]
         return kwargs
@@ -293,6 +331,8 @@ def _decode_plan(d: dict) -> Plan:
     k["solver"] = SolverReport(**{**build(SolverReport, s), "candidates": _tuplify(s["candidates"])})
     k["notes"] = tuple(d["notes"])
     k["recompute_blocks"] = tuple(d.get("recompute_blocks", ()))
+    # plans written before the fingerprint covered decisions hold only the inputs' hash
+    k["inputs_fingerprint"] = d.get("inputs_fingerprint", "")
     if d.get("optimizer_spec") is not None:
         from autopar.cost_models.memory import OptimizerSpec
 

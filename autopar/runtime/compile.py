@@ -203,9 +203,16 @@ def _loss_reduction(traced) -> str:
 
 
 def _check_same_plan(plan: Plan) -> None:
-    """All ranks must run the same plan: compare fingerprints (a mismatch is a clear error)."""
+    """All ranks must run the same plan: compare fingerprints. The fingerprint covers the plan's
+    decisions (``autopar.plan``), so a plan changed or edited on one rank is refused here with a
+    clear error on every rank, instead of deadlocking in the first step's collectives."""
     prints = [None] * dist.get_world_size()
     dist.all_gather_object(prints, plan.fingerprint)
     if len(set(prints)) != 1:
-        raise AutoparError(f"ranks planned differently (plan fingerprints {sorted(set(prints))}); "
-                           "pass the same plan= to every rank")
+        others = [f"{p} on rank {r}" for r, p in enumerate(prints) if p != prints[0]]
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more ranks" if len(others) > 4 else "")
+        raise AutoparError(
+            f"ranks planned differently: plan fingerprint {prints[0]} on rank 0 but {shown}; every rank must run "
+            "the same plan: pass the same plan= to every rank (one Plan.from_json file, unchanged), or no plan= "
+            "(rank 0 plans for all)"
+        )
