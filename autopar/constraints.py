@@ -7,19 +7,30 @@ the same by glob over ``state_dict`` names: ``{"blocks.*.mlp.fc.weight": {"tp": 
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 import torch
 
 from autopar.errors import ConstraintError
-from autopar.layouts import format_placement, parse_placement
+from autopar.layouts import Partial, Placement, Shard, format_placement, parse_placement
 
-__all__ = ["Constraints", "annotate", "collect_annotations", "with_annotations", "SCHEDULES"]
+__all__ = ["Constraints", "annotate", "collect_annotations", "with_annotations", "SCHEDULES", "MESH_AXES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+# The mesh axes a placement can name (the planner's ``constraint_filter.AXES``; a test keeps them
+# equal). Checked here, where a pin is written, so a bad axis is refused at ``annotate`` /
+# ``Constraints(...)`` rather than deep inside the solver.
+MESH_AXES = ("dp", "tp")
 _ANNOTATION_ATTR = "_autopar_annotations"
+_PLACEMENT_FORMS = "'R' (replicated), 'S(<dim>)' (sharded on tensor dim <dim>, e.g. 'S(0)'), 'P(sum)' or 'P(avg)' (partial, outputs only)"
+_AXIS_HINTS = {
+    "pp": "pipeline stages are not a placement: they are set with Constraints(pp=...)",
+    "ep": "expert parallelism is not a placement axis: it is set with Constraints(ep=...) and borrows the dp x tp devices",
+}
 
 
 def _check_degree(name: str, value) -> None:
@@ -29,22 +40,86 @@ def _check_degree(name: str, value) -> None:
         raise ConstraintError(f"Constraints.{name} must be a positive integer or None, got {value!r}")
 
 
-def _freeze_pins(pins: Mapping[str, Mapping[str, str]] | None) -> tuple:
+def _axis_error(where: str, axis) -> ConstraintError:
+    known = " and ".join(repr(a) for a in MESH_AXES)
+    hint = _AXIS_HINTS.get(axis, f"pin on one of {known}")
+    return ConstraintError(f"{where} names mesh axis {axis!r}, which does not exist: the mesh axes are {known}; {hint}")
+
+
+def _placement_hint(text: str) -> str:
+    """A suggestion for a placement written in torch's spelling ("Shard(0)", "Replicate()")."""
+    body = text.strip()
+    low = body.lower().replace(" ", "")
+    for prefix in ("shard(", "s("):
+        if low.startswith(prefix) and low.endswith(")"):
+            inner = low[len(prefix):-1].removeprefix("dim=")
+            return f" (did you mean 'S({inner})'?)" if inner.lstrip("-").isdigit() else ""
+    if low in ("replicate()", "replicate", "r()", "replicated"):
+        return " (did you mean 'R'?)"
+    if low.startswith("partial"):
+        return " (did you mean 'P(sum)'?)"
+    return ""
+
+
+def _parse_pin(where: str, text, *, param: bool) -> Placement:
+    """One placement of a pin, from its text ("R", "S(0)", "P(sum)") or a torch placement object."""
+    if isinstance(text, str):
+        try:
+            p = parse_placement(text)
+        except ValueError:
+            raise ConstraintError(
+                f"{where}: bad placement {text!r}{_placement_hint(text)}. The accepted forms are {_PLACEMENT_FORMS}; "
+                "torch.distributed.tensor placement objects (Shard(0), Replicate()) are accepted too"
+            ) from None
+    elif isinstance(text, Placement):
+        p = text
+    else:
+        raise ConstraintError(
+            f"{where}: a placement must be a string such as 'S(0)' or 'R' (or a torch.distributed.tensor "
+            f"placement), got {type(text).__name__} {text!r}. The accepted forms are {_PLACEMENT_FORMS}"
+        )
+    try:
+        format_placement(p)
+    except TypeError:
+        raise ConstraintError(f"{where}: unsupported placement {p!r}; the accepted forms are {_PLACEMENT_FORMS}") from None
+    if isinstance(p, Shard) and p.dim < 0:
+        raise ConstraintError(
+            f"{where}: placement {format_placement(p)!r} counts dims from the end; write the dim counted from 0 "
+            f"(for a 2-d weight, S({2 + p.dim}) instead of S({p.dim}))"
+        )
+    if param and isinstance(p, Partial):
+        raise ConstraintError(
+            f"{where}: a parameter cannot be {format_placement(p)!r} (partial sums exist only for computed values); "
+            "pin a parameter 'R' (whole) or 'S(<dim>)' (sharded)"
+        )
+    return p
+
+
+def _freeze_pins(pins: Mapping[str, Mapping[str, str]] | None, *, param: bool = True, what: str = "placement pin",
+                 where: str | None = None) -> tuple:
+    """Validated ``((pattern, ((axis, "S(0)"), ...)), ...)``; errors say ``where`` (default: the pin)."""
     if not pins:
         return ()
+    if not isinstance(pins, Mapping):
+        raise ConstraintError(
+            f"{what}s must be a dict from names to {{mesh axis: placement}}, e.g. {{'fc.weight': {{'tp': 'S(0)'}}}}; "
+            f"got {type(pins).__name__}"
+        )
     out = []
-    for pattern, axes in sorted(pins.items()):
+    for pattern, axes in sorted(pins.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(pattern, str):
+            raise ConstraintError(f"{what} keys must be name strings (globs allowed, e.g. 'blocks.*.fc.weight'), got {pattern!r}")
         if not isinstance(axes, Mapping) or not axes:
             raise ConstraintError(
-                f"placement pin for {pattern!r} must map mesh axis names to placements, "
+                f"{where or f'{what} for {pattern!r}'} must map mesh axis names to placements, "
                 f"e.g. {{'tp': 'S(0)'}}; got {axes!r}"
             )
         frozen = []
-        for axis, text in sorted(axes.items()):
-            try:
-                p = parse_placement(text) if isinstance(text, str) else text
-            except ValueError as exc:
-                raise ConstraintError(f"placement pin for {pattern!r} on axis {axis!r}: {exc}") from None
+        for axis, text in sorted(axes.items(), key=lambda kv: str(kv[0])):
+            at = where or f"{what} {pattern!r}"
+            if axis not in MESH_AXES:
+                raise _axis_error(at, axis)
+            p = _parse_pin(f"{at} on axis {axis!r}", text, param=param)
             frozen.append((axis, format_placement(p)))
         out.append((pattern, tuple(frozen)))
     return tuple(out)
@@ -78,10 +153,21 @@ class Constraints:
             raise ConstraintError(f"Constraints.recompute must be True, False or None, got {self.recompute!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConstraintError(f"unknown schedule {self.schedule!r}; known schedules: {', '.join(SCHEDULES)}")
-        if isinstance(self.placements, Mapping):
-            object.__setattr__(self, "placements", _freeze_pins(self.placements))
-        if isinstance(self.outputs, Mapping):
-            object.__setattr__(self, "outputs", _freeze_pins(self.outputs))
+        for name, param in (("placements", True), ("outputs", False)):
+            value = getattr(self, name)
+            what = "placement pin" if param else "output pin"
+            if isinstance(value, tuple):  # the frozen form ((glob, ((axis, placement), ...)), ...): check it too
+                try:
+                    value = {g: dict(axes) for g, axes in value}
+                except (TypeError, ValueError):
+                    raise ConstraintError(
+                        f"Constraints.{name} must be a dict such as {{'fc.weight': {{'tp': 'S(0)'}}}}, got {value!r}"
+                    ) from None
+            if not isinstance(value, Mapping) and value:
+                raise ConstraintError(
+                    f"Constraints.{name} must be a dict such as {{'fc.weight': {{'tp': 'S(0)'}}}}, got {type(value).__name__}"
+                )
+            object.__setattr__(self, name, _freeze_pins(value, param=param, what=what))
 
     def is_free(self) -> bool:
         return self == Constraints()
@@ -127,6 +213,28 @@ class Constraints:
         return "Constraints(" + ", ".join(items) + ")"
 
 
+_FIELDS = tuple(f.name for f in fields(Constraints))
+_dataclass_init = Constraints.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _constraints_init(self, *args, **kwargs):
+    """The dataclass ``__init__``, but an unknown keyword is a ConstraintError naming the known ones."""
+    unknown = [k for k in kwargs if k not in _FIELDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConstraintError(
+            f"Constraints got an unknown setting {unknown[0]!r}; {hint}the settings are {', '.join(_FIELDS)}"
+        )
+    if len(args) > len(_FIELDS):
+        raise ConstraintError(f"Constraints takes at most {len(_FIELDS)} settings ({', '.join(_FIELDS)}); pass them by name")
+    _dataclass_init(self, *args, **kwargs)
+
+
+Constraints.__init__ = _constraints_init
+
+
 def annotate(module: torch.nn.Module, *, output: Mapping[str, str] | None = None, **params: Mapping[str, str]) -> torch.nn.Module:
     """Pin placements for ``module``: its parameters by name, or its ``output``, per mesh axis.
 
@@ -135,6 +243,8 @@ def annotate(module: torch.nn.Module, *, output: Mapping[str, str] | None = None
     >>> fc._autopar_annotations["weight"]
     (('tp', 'S(0)'),)
     """
+    if not isinstance(module, torch.nn.Module):
+        raise ConstraintError(f"annotate needs a torch.nn.Module (the layer whose parameters or output to pin), got {type(module).__name__}")
     own = dict(module.named_parameters(recurse=False))
     notes = dict(getattr(module, _ANNOTATION_ATTR, {}))
     for name, axes in params.items():
@@ -142,9 +252,10 @@ def annotate(module: torch.nn.Module, *, output: Mapping[str, str] | None = None
             raise ConstraintError(
                 f"annotate: {type(module).__name__} has no parameter {name!r}; its parameters are {sorted(own)}"
             )
-        notes[name] = _freeze_pins({name: axes})[0][1]
+        notes[name] = _freeze_pins({name: axes}, where=f"annotate: the pin of {type(module).__name__}.{name}")[0][1]
     if output is not None:
-        notes["__output__"] = _freeze_pins({"output": output})[0][1]
+        notes["__output__"] = _freeze_pins({"output": output}, param=False,
+                                              where=f"annotate: the output pin of {type(module).__name__}")[0][1]
     setattr(module, _ANNOTATION_ATTR, notes)
     return module
 
