@@ -64,6 +64,11 @@ def _check_int(owner: str, field: str, value: Any, hint: str) -> int:
     return int(value)
 
 
+def _is_fraction(value: Any) -> bool:
+    """A real number in (0, 1] (not a bool, not NaN)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 < float(value) <= 1.0
+
+
 def _check_name(owner: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ClusterSpecError(f"{owner}.name must be a non-empty string, got {value!r}")
@@ -111,7 +116,7 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec", self.name)
-        if self.matmul_efficiency is not None and not (0.0 < float(self.matmul_efficiency) <= 1.0):
+        if self.matmul_efficiency is not None and not _is_fraction(self.matmul_efficiency):
             raise ClusterSpecError(
                 f"DeviceSpec.matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in large matmuls"
@@ -145,9 +150,7 @@ class LinkSpec:
                           "pass bytes/s per device per direction, e.g. 300e9 for NVLink 3")
         lat = _check_float("LinkSpec", "latency", self.latency,
                            "pass seconds per message hop, e.g. 5e-6")
-        if self.efficiency is not None and not (
-            isinstance(self.efficiency, numbers.Real) and 0.0 < float(self.efficiency) <= 1.0
-        ):
+        if self.efficiency is not None and not _is_fraction(self.efficiency):
             raise ClusterSpecError(
                 f"LinkSpec.efficiency must be in (0, 1] or None, got {self.efficiency!r}; it is the "
                 "achieved fraction of the link bandwidth in large collectives"
