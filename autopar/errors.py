@@ -13,6 +13,7 @@ __all__ = [
     "ConstraintError",
     "NoFeasiblePlanError",
     "PlanFormatError",
+    "PlanMismatchError",
     "WorkerFailedError",
     "CollectiveError",
     "InputMismatchError",
@@ -56,3 +57,7 @@ class CollectiveError(AutoparError, RuntimeError):
 class InputMismatchError(AutoparError):
     """A batch given to a step does not match the compiled example (number of inputs, shape,
     dtype), or the ranks hold different batches where every rank must hold the same one."""
+
+
+class PlanMismatchError(PlanFormatError):
+    """A plan does not describe the model it is applied to (other parameters, shapes or graph)."""

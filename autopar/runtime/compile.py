@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any, Callable
 
@@ -9,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster
-from autopar.api import cyclic_gc_paused
+from autopar.api import check_cluster_arg, check_fits_cluster, check_model_args, cyclic_gc_paused, trace_checked
 from autopar.constraints import Constraints, with_annotations
-from autopar.errors import AutoparError, ConstraintError
+from autopar.errors import AutoparError, ConstraintError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
 from autopar.runtime.parallel_model import ParallelModel
@@ -46,24 +47,35 @@ def compile(
     """
     from autopar.cost_models.memory import describe_optimizer, precision_policy
 
+    # every argument is checked before the process group starts (each rank checks the same inputs)
+    check_cluster_arg(cluster)
     if example_target is None:
         raise AutoparError("compile needs example_target= (a target batch for loss_fn) to trace the training step")
+    check_model_args(model, example_inputs, loss_fn, example_target, needs_loss=True)
+    if isinstance(optimizer, str):
+        raise ConstraintError(
+            f"compile's optimizer= must be a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), not the "
+            f"name {optimizer!r}: compile builds the optimizer over each rank's shards (names are for autopar.plan, which only prices them)"
+        )
+    _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster)
     init_distributed(cluster.backend, cluster.world_size, collective_timeout_s)
     if cluster.device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    if plan is not None and plan.world_size != cluster.world_size:
-        raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}")
     policy = precision_policy(plan.precision if plan is not None else precision)
     autocast = policy.torch_compute_dtype if policy.mixed else None
     spec = describe_optimizer(optimizer, device.type)  # what the plan prices is the optimizer that runs
     with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
-        traced = trace_model(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                             device_type=cluster.device_type, autocast_dtype=autocast)
+        traced = trace_checked(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                               device_type=cluster.device_type, autocast_dtype=autocast)
         if plan is None:
-            plan = _plan_on_rank0(traced, cluster, with_annotations(constraints or Constraints(), model), policy, spec)
+            constraints = with_annotations(constraints or Constraints(), model)
+            check_fits_cluster(traced, cluster, constraints)
+            plan = _plan_on_rank0(traced, cluster, constraints, policy, spec)
+        else:
+            check_plan_fits_model(plan, traced)
     _check_same_plan(plan)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -80,6 +92,73 @@ def compile(
     return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
                          optimizer=optimizer, device=device, precision=plan.precision, loss_reduction=loss_reduction,
                          eval_program=eval_program)
+
+
+def _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster: Cluster) -> None:
+    """What ``compile`` would otherwise ignore silently or fail on deep inside: a plan that is not a
+    Plan, settings a given plan already fixes, a timeout that is not a duration."""
+    from autopar.cost_models.memory import precision_policy
+
+    if constraints is not None and not isinstance(constraints, Constraints):
+        raise ConstraintError(f"constraints must be autopar.Constraints, got {type(constraints).__name__}")
+    asked = precision_policy(precision)  # an unknown name is refused even when a plan is given
+    t = collective_timeout_s
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
+        raise ConstraintError(f"collective_timeout_s must be a positive number of seconds or None, got {t!r}")
+    if plan is None:
+        return
+    if not isinstance(plan, Plan):
+        hint = (" (that looks like a plan's JSON: pass autopar.Plan.from_json(text))" if isinstance(plan, str) else "")
+        raise PlanFormatError(f"plan= must be an autopar.Plan, got {type(plan).__name__}{hint}")
+    if plan.world_size != cluster.world_size:
+        raise ConstraintError(f"the plan is for {plan.world_size} devices but the cluster has {cluster.world_size}; "
+                              "re-plan for this cluster, or compile without plan= to plan here")
+    if constraints is not None and not constraints.is_free():
+        raise ConstraintError(
+            f"compile got both plan= and constraints={constraints}; a plan already fixes every choice (it was made under "
+            f"{plan.constraints}). Re-plan with autopar.plan(..., constraints=...), or pass only constraints= to plan here"
+        )
+    if precision != "fp32" and asked.name != plan.precision:
+        raise ConstraintError(
+            f"compile got precision={asked.name!r} but the plan was made for {plan.precision!r}; re-plan with "
+            f"autopar.plan(..., precision={asked.name!r}), or drop precision= to train as planned"
+        )
+
+
+def check_plan_fits_model(plan: Plan, traced) -> None:
+    """A given plan must describe this model: the same parameters with the same shapes, and a
+    placement for every node of its training graph. Otherwise the passes would fail on the first
+    missing name (or, worse, shard tensors by another model's shapes)."""
+    have = {n.meta["autopar.fqn"]: tuple(n.meta["autopar.outputs"][0].shape)
+            for n in traced.graph.nodes if n.meta.get("autopar.kind") == "param"}
+    planned = {fqn: tuple(p.shape) for fqn, p in plan.params.items()}
+    missing = [f for f in have if f not in planned]
+    unexpected = [f for f in planned if f not in have]
+    reshaped = [f"{f!r} is {have[f]} here but {planned[f]} in the plan" for f in have if f in planned and have[f] != planned[f]]
+    nodes = plan.nodes
+    unplanned = [n.name for n in traced.graph.nodes if n.op != "output" and n.name not in nodes]
+    if not (missing or unexpected or reshaped or unplanned):
+        return
+
+    def some(names: list) -> str:
+        return ", ".join(repr(x) for x in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} parameters of this model are not in the plan ({some(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} planned parameters are not in this model ({some(unexpected)})")
+    if reshaped:
+        problems.append(f"{len(reshaped)} parameters changed shape ({'; '.join(reshaped[:3])})")
+    if unplanned and not (missing or unexpected or reshaped):
+        problems.append(f"its training graph has {len(unplanned)} steps the plan does not place ({some(unplanned)}): "
+                        "the forward pass or the loss differs from the one planned")
+    which = (f"a model of class {plan.model_class}, but this model is of class {traced.model_class}"
+             if plan.model_class != traced.model_class else f"a different {plan.model_class}")
+    raise PlanMismatchError(
+        f"the plan was made for {which}: {'; '.join(problems)}. Re-plan for this model "
+        "(autopar.plan(model, cluster, example_inputs, ...)), or compile without plan= to plan here"
+    )
 
 
 def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, device_type: str, autocast):
