@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 __all__ = ["main"]
@@ -31,7 +32,18 @@ def _load_factory(spec: str):
 
 def _cmd_plan(args) -> int:
     import autopar
+    from autopar.errors import ClusterSpecError, ConstraintError
 
+    # flags that would be ignored, and an output path that cannot be written, are refused before planning
+    if args.cluster != "local" and args.nproc is not None:
+        raise ClusterSpecError(f"--nproc applies to --cluster local; a {args.cluster} cluster is sized with --nodes N")
+    if args.cluster == "local" and args.nodes != 1:
+        raise ClusterSpecError("--nodes applies to preset clusters; size --cluster local with --nproc N")
+    if args.output:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConstraintError(f"--output {args.output!r}: cannot write there (folder {folder!r} does not exist or is "
+                                  "not writable); create it or choose another path")
     made = _load_factory(args.factory)()
     if not isinstance(made, tuple) or len(made) not in (2, 4):
         raise SystemExit("autopar: the factory must return (model, example_inputs) or (model, example_inputs, loss_fn, example_target)")
@@ -46,13 +58,17 @@ def _cmd_plan(args) -> int:
     plan = autopar.plan(model, cluster, inputs, loss_fn=loss_fn, example_target=target, precision=args.precision,
                         optimizer=args.optimizer, constraints=constraints, verbose=args.verbose)
     print(plan.summary())
-    if args.explain is not None:
-        print()
-        print(plan.explain(args.explain))
     if args.output:
         with open(args.output, "w") as f:
             f.write(plan.to_json())
         print(f"\nplan written to {args.output}")
+    if args.explain is not None:
+        try:
+            text = plan.explain(args.explain)
+        except KeyError as exc:  # the module path names nothing in the model
+            raise ConstraintError(f"--explain {args.explain!r}: {exc.args[0] if exc.args else exc}") from None
+        print()
+        print(text)
     return 0
 
 
@@ -95,17 +111,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check_nproc(nproc: int) -> None:
+    from autopar.errors import ClusterSpecError
+
+    if nproc < 1:
+        raise ClusterSpecError(f"--nproc must be at least 1 (the number of local processes to launch), got {nproc}")
+
+
 def _cmd_demo(args) -> int:
     """Plan and train the example GPT on ``--nproc`` local CPU processes under torchrun/gloo."""
     from autopar.runtime.launch import run_script
 
+    _check_nproc(args.nproc)
     print(f"autopar demo: torchrun --nproc-per-node {args.nproc} -m examples.demo", flush=True)
     return run_script("examples.demo", args.nproc, [], module=True)
 
 
 def _cmd_run(args) -> int:
+    from autopar.errors import AutoparError
     from autopar.runtime.launch import run_script
 
+    _check_nproc(args.nproc)
+    if not os.path.isfile(args.script):
+        raise AutoparError(f"no training script {args.script!r} (looked in {os.getcwd()!r}); pass the path of a Python file")
     return run_script(args.script, args.nproc, args.script_args)
 
 
