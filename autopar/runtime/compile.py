@@ -33,12 +33,20 @@ def compile(
     plan: Plan | None = None,
     precision: str = "fp32",
     collective_timeout_s: float | None = None,
+    check_inputs: str | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's sharded training program. Call it in every process.
 
     ``optimizer`` maps a parameter list to a ``torch.optim.Optimizer``; ``loss_fn(output,
     target)`` returns a scalar. The process group is initialised here if needed (gloo on CPU,
     NCCL on CUDA, from the cluster spec).
+
+    ``collective_timeout_s``: how long a collective waits for the other ranks before the step
+    fails (default ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s; a group the user initialised
+    keeps its own). ``check_inputs``: every step's batch must match the example's shapes and
+    dtypes; the ranks also compare their batches (which must be the same global batch) on the
+    first two steps ("first", the default), on every step ("always", also with ``AUTOPAR_DEBUG=1``)
+    or never ("never").
 
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local(), (idx,), example_target=tgt,
@@ -91,7 +99,7 @@ def compile(
 
     return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
                          optimizer=optimizer, device=device, precision=plan.precision, loss_reduction=loss_reduction,
-                         eval_program=eval_program)
+                         eval_program=eval_program, example=shapes, check_inputs=check_inputs)
 
 
 def _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster: Cluster) -> None:
