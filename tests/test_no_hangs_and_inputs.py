@@ -240,6 +240,26 @@ def test_compile_sets_the_collective_timeout_of_the_group_it_makes(world1, monke
     pm.close()
 
 
+def test_torch_collective_failures_become_collective_errors():
+    from autopar.errors import CollectiveError
+    from autopar.runtime.parallel_model import _collective_failures
+
+    skip = r"every rank must call train_step the same number of times with its batch \(did one rank skip a step, or die\?\)"
+    with pytest.raises(CollectiveError, match=r"train_step on rank 0 waited longer than the process group's timeout "
+                       r"for the other ranks in a collective: " + skip):
+        with _collective_failures("train_step"):
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+    with pytest.raises(CollectiveError, match=r"eval_step on rank 0 lost the connection to another rank in a collective "
+                       r"\(that rank stopped or died\)") as info:
+        with _collective_failures("eval_step"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16282")
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied$") as info:
+        with _collective_failures("train_step"):  # any other error passes through as it is
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert not isinstance(info.value, CollectiveError)
+
+
 # ----------------------------------------------------------------------------- batches and plans, two processes
 
 

@@ -364,8 +364,7 @@ class ParallelModel:
             values = list(inputs) + ([target] if ex.has_target else [])
             for j, x in enumerate(values):
                 vec[1 + 3 * j: 4 + 3 * j] = _checksum(x)
-        device = self._device if self._device.type != "cpu" else torch.device("cpu")
-        mine = torch.tensor(vec, dtype=torch.int64, device=device)
+        mine = torch.tensor(vec, dtype=torch.int64, device=self._device)  # NCCL gathers device tensors
         world = dist.get_world_size()
         rows = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine)  # the default group: every rank of the plan holds the same batch
