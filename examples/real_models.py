@@ -87,7 +87,8 @@ def _hf_model(name: str) -> nn.Module:
     if name == "phi":
         return _decoder("PhiConfig", "PhiForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
     if name == "phi3":
-        return _decoder("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, pad_token_id=0)
+        return _decoder("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
     if name == "gemma":
         return _decoder("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=2, head_dim=16)
     if name == "vit":

@@ -202,7 +202,7 @@ def test_uneven_dims_are_excluded_with_a_reason():
 
 
 @pytest.mark.parametrize("fn, opname", [
-    (lambda s, x: torch.cumsum(x, 1), "cumsum"),
+    (lambda s, x: torch.cummax(x, 1)[0], "cummax"),
     (lambda s, x: torch.sort(x, -1)[0], "sort"),
 ])
 def test_op_without_rule_falls_back_to_replicated_with_warning(fn, opname):
@@ -249,3 +249,90 @@ def test_placeholder_options():
     x = strategies_of(tg.node("input_0"))
     assert {s.outs[0] for s in x.strategies} == {(R,), (Shard(0),), (Shard(1),)}
     assert all(not s.zero_axes for s in x.strategies)  # only parameters are ZeRO-sharded
+
+
+# --------------------------------------------------------------------------- what real models contain
+def test_cat_onto_an_empty_cache_shards_the_other_operand():
+    """Hugging Face KV caches: cat(tensor([]), k[B, H, T, D], dim=-2)."""
+    m = Fn(lambda s, k: torch.cat([k.new_zeros(0), k], dim=-2) * 2)
+    tg = trace_model(m, torch.randn(4, 2, 6, 8))
+    got = io(strategies_of(one_op(tg, "cat")))
+    assert ((R, Shard(0)), (Shard(0),)) in got and ((R, Shard(1)), (Shard(1),)) in got
+    assert ((R, Shard(3)), (Shard(3),)) in got
+    assert not any(o == (Shard(2),) for _, o in got)  # never the joined dim
+
+
+def test_stack_skips_size_one_dims():
+    m = Fn(lambda s, a, b: torch.stack([a, b], 1))
+    tg = trace_model(m, (torch.randn(4, 1, 6), torch.randn(4, 1, 6)))
+    got = io(strategies_of(one_op(tg, "stack")))
+    assert ((Shard(0), Shard(0)), (Shard(0),)) in got and ((Shard(2), Shard(2)), (Shard(3),)) in got
+    assert not any(i == (Shard(1), Shard(1)) for i, _ in got)
+
+
+@pytest.mark.parametrize("groups, tp, channel_parallel", [(8, 2, True), (8, 4, True), (2, 4, False), (1, 2, False)])
+def test_grouped_conv_is_channel_parallel_where_the_axis_divides_the_groups(groups, tp, channel_parallel):
+    m = Fn(lambda s, x: s.conv(x), conv=nn.Conv2d(8, 16, 3, padding=1, groups=groups))
+    tg = trace_model(m, torch.randn(4, 8, 6, 6))
+    ns = strategies_of(one_op(tg, "conv2d"), ((tp,), ("tp",)))
+    channel = ((Shard(1), Shard(0), Shard(0)), (Shard(1),))
+    assert (channel in io(ns)) == channel_parallel
+    if groups > 1:  # a grouped conv never splits its input channels into partial sums
+        assert not any(o == (P,) for _, o in io(ns))
+        if not channel_parallel:
+            assert any("does not divide 2 groups" in why for _, why in ns.excluded)
+
+
+def test_depthwise_conv_runs_with_local_groups():
+    """The pass rewrites groups to the local count; the local conv equals the global one's shard."""
+    from autopar.passes.localize_shapes import _conv_groups, _set_conv_groups
+
+    m = Fn(lambda s, x: s.conv(x), conv=nn.Conv2d(8, 8, 3, padding=1, groups=8))
+    tg = trace_model(m, torch.randn(2, 8, 5, 5))
+    node = one_op(tg, "conv2d")
+    assert _conv_groups(node) == 8
+    _set_conv_groups(node, 4)
+    assert _conv_groups(node) == 4
+    x, conv = torch.randn(2, 8, 5, 5), m.conv
+    local = F.conv2d(x[:, 4:], conv.weight[4:], conv.bias[4:], padding=1, groups=4)
+    torch.testing.assert_close(local, conv(x)[:, 4:])
+
+
+def test_batch_norm_splits_channels_or_the_batch_and_keeps_running_stats_whole_in_training():
+    m = Fn(lambda s, x: s.bn(x), bn=nn.BatchNorm2d(8))
+    tg = trace_model(m, torch.randn(4, 8, 6, 6))
+    got = io(strategies_of(one_op(tg, "batch_norm")))
+    assert ((Shard(1), Shard(0), Shard(0), R, R), (Shard(1),)) in got
+    assert ((Shard(0), R, R, R, R), (Shard(0),)) in got and ((Shard(2), R, R, R, R), (Shard(2),)) in got
+    assert not any(i[3] == Shard(0) for i, _ in got)  # running stats are updated in place: never a copy
+    tg = trace_model(m.eval(), torch.randn(4, 8, 6, 6))
+    assert ((Shard(1), Shard(0), Shard(0), Shard(0), Shard(0)), (Shard(1),)) in io(strategies_of(one_op(tg, "batch_norm")))
+
+
+@pytest.mark.parametrize("fn, opname, free, fixed", [
+    (lambda s, x: torch.cumsum(x, 1), "cumsum", {0, 2}, 1),
+    (lambda s, x: torch.diff(x, dim=2), "diff", {0, 1}, 2),
+    (lambda s, x: torch.gather(x, 1, (x > 0).long()), "gather", {0, 2}, 1),
+])
+def test_ops_along_a_dim_split_every_other_dim(fn, opname, free, fixed):
+    tg = trace_model(Fn(fn), torch.randn(4, 6, 8))
+    outs = {o[0] for _, o in io(strategies_of(one_op(tg, opname)))}
+    assert {Shard(d) for d in free} <= outs and Shard(fixed) not in outs
+
+
+def test_mask_ops_have_rules():
+    def fn(s, x):
+        mask = torch.logical_and(x > 0, x < 1)
+        return torch.where(mask, F.hardswish(x), x[torch.arange(4), 0:1].sum())
+    tg = trace_model(Fn(fn), torch.randn(4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownOpWarning)
+        for n in ops(tg):
+            enumerate_strategies(n, (2,), ("tp",))
+
+
+def test_advanced_index_keeps_untouched_dims_splittable():
+    tg = trace_model(Fn(lambda s, x: x[:, torch.tensor([0, 2])]), torch.randn(4, 6, 8))
+    got = io(strategies_of(one_op(tg, "index")))
+    assert ((Shard(0), R), (Shard(0),)) in got and ((Shard(2), R), (Shard(2),)) in got
+    assert not any(i[0] == Shard(1) for i, _ in got)

@@ -234,3 +234,35 @@ def test_tensor_inputs_memo_follows_rewrites_and_dies_with_its_graph():
     del gm, x, lin, relu
     gc.collect()
     assert ref() is None  # the memo lives in node.meta and holds no graph alive
+
+
+def test_in_place_ops_on_temporaries_become_out_of_place():
+    """``out += identity`` and ``ReLU(inplace=True)``: rewritten where no alias can see the write;
+    later readers of the mutated value read the new node; buffer updates stay in place."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.bn = nn.BatchNorm1d(8)
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            out = self.bn(self.fc(x))
+            out += x
+            view = out[:, :4]
+            y = self.relu(out)
+            view.mul_(2)  # a write through a view: left as traced
+            return y.sum() + view.sum()
+
+    m = Block()
+    tg = trace_model(m, torch.randn(4, 8))
+    names = [str(n.target) for n in tg.graph.nodes if n.op == "call_function"]
+    assert "aten.add.Tensor" in names and "aten.relu.default" not in names  # relu_ reads a viewed value
+    assert "aten.mul_.Tensor" in names and "aten.relu_.default" in names
+    assert any("add_" in t for t in names)  # num_batches_tracked += 1 stays in place
+    x = torch.randn(4, 8)
+    ref = m(x)
+    params = [p for p in m.parameters()] + [b.clone() for b in m.buffers()]
+    torch.testing.assert_close(tg.gm(*params, x), ref)
