@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")  # a test dependency (pyproject [test]); never downloads weights
-
 import autopar
 from autopar.runtime.parity import parity_suite
 from examples.real_models import CNN_MODELS, HF_MODELS, REAL_MODELS
