@@ -166,13 +166,12 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
         x, t = batches[s % len(batches)]
         args = x if isinstance(x, tuple) else (x,)
         got = pm.train_step(*args, target=t)
-        for m, o, a, tt in ((ref, ref_opt, args, t), (exact, exact_opt, _to_double(args), _to_double(t))):
+        for m, o, a, tt in ((exact, exact_opt, _to_double(args), _to_double(t)), (ref, ref_opt, args, t)):
             o.zero_grad()
             want = loss_fn(m(*a), tt)
             want.backward()
             o.step()
-            if m is ref:
-                want = float(want.detach())
+        want = float(want.detach())  # the float32 reference's
         losses.append((got, want))
         loss_err = max(loss_err, abs(got - want) / max(abs(want), 1e-12))
     full = pm.full_state_dict()
