@@ -26,6 +26,8 @@ CASES = [
     ("gpt", "bf16"),
     ("mlp", "bf16_dp_bf16_reduce"),
     ("gpt", "bf16_zero3_bf16_reduce"),
+    ("cnn", "dp"),
+    ("cnn", "dp_tp"),
 ]
 
 

@@ -28,7 +28,7 @@ SP_MLP = {"layers.*.norm": {"tp": "S(1)"}}
 
 
 def _megatron(model: str) -> dict:
-    return MEGATRON_MLP if model == "mlp" else MEGATRON_GPT
+    return {"mlp": MEGATRON_MLP, "gpt": MEGATRON_GPT}.get(model, {})
 
 
 # plan family -> (constraints for the model, precision)
@@ -68,6 +68,11 @@ def fidelity_model(name: str, seed: int = 0):
         idx = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), generator=g)
         tgt = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), generator=g)
         return GPT(cfg), (idx,), tgt, gpt_loss
+    if name == "cnn":  # BatchNorm over split batches, depthwise convolutions, in-place residuals
+        from examples.real_models import MobileNetV3Tiny
+
+        x = torch.randn(16, 3, 16, 16, generator=g)
+        return MobileNetV3Tiny(), (x,), torch.randint(0, 10, (16,), generator=g), torch.nn.functional.cross_entropy
     raise ValueError(f"unknown fidelity model {name!r}")
 
 
