@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.runtime.parity import parity_suite
+from autopar.runtime.parity import parity_failures, parity_suite
 from examples.real_models import CNN_MODELS, HF_MODELS, REAL_MODELS
 
 TOL = 1e-5
@@ -30,16 +30,10 @@ def _run(names):
     failures, sharded = [], {n: 0 for n in names}
     for r in results:
         name = r["case"][5:]
-        label = f"{name} {r['constraints'] or 'free plan'} ({r['optimizer']}) on mesh {r['mesh']}"
         sharded[name] += len(r["sharded_params"])
-        if r["missing"]:
-            failures.append(f"{label}: full_state_dict lacks {r['missing']}")
-        if r["dtensor_mismatch"]:
-            failures.append(f"{label}: state_dict() DTensors differ from full_state_dict for {r['dtensor_mismatch']}")
-        if not (r["loss_err"] <= TOL and r["param_err"] <= TOL):
-            failures.append(f"{label}: loss err {r['loss_err']:.2e}, param err {r['param_err']:.2e} (worst {r['worst'][:2]})")
+        failures += parity_failures(r, TOL)
         if r["constraints"] == FORCED and r["mesh"] != FORCED:
-            failures.append(f"{label}: the forced plan runs on mesh {r['mesh']}")
+            failures.append(f"{name} {FORCED}: the forced plan runs on mesh {r['mesh']}")
     failures += [f"{n}: neither plan shards a parameter" for n, k in sharded.items() if not k]
     assert not failures, "\n".join(failures)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.runtime.parity import parity_suite
+from autopar.runtime.parity import parity_failures, parity_suite
 
 TOL = 1e-5
 MEGATRON_MLP = {"layers.*.up.weight": {"tp": "S(0)"}, "layers.*.down.weight": {"tp": "S(1)"}}
@@ -60,15 +60,7 @@ CASES_4 = [
 
 
 def _check(results):
-    failures = []
-    for r in results:
-        label = f"{r['case']} {r['constraints']} ({r['optimizer']}) on mesh {r['mesh']}"
-        if r["missing"]:
-            failures.append(f"{label}: full_state_dict lacks {r['missing']}")
-        if r["dtensor_mismatch"]:
-            failures.append(f"{label}: state_dict() DTensors differ from full_state_dict for {r['dtensor_mismatch']}")
-        if not (r["loss_err"] <= TOL and r["param_err"] <= TOL):
-            failures.append(f"{label}: loss err {r['loss_err']:.2e}, param err {r['param_err']:.2e} (worst {r['worst'][:2]})")
+    failures = [line for r in results for line in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)
 
 

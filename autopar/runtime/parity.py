@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["parity_worker", "parity_suite", "build_case", "relative_error"]
+__all__ = ["parity_worker", "parity_suite", "parity_failures", "build_case", "relative_error"]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-3) -> float:
@@ -100,6 +100,20 @@ def _tuple_loss(out, target):
 
     logits, aux = out
     return gpt_loss(logits, target) + aux
+
+
+def parity_failures(result: dict[str, Any], tol: float = 1e-5) -> list[str]:
+    """What a ``parity_suite`` result got wrong, one line each (empty: exact within ``tol``)."""
+    label = f"{result['case']} {result['constraints'] or 'free plan'} ({result['optimizer']}) on mesh {result['mesh']}"
+    failures = []
+    if result["missing"]:
+        failures.append(f"{label}: full_state_dict lacks {result['missing']}")
+    if result["dtensor_mismatch"]:
+        failures.append(f"{label}: state_dict() DTensors differ from full_state_dict for {result['dtensor_mismatch']}")
+    if not (result["loss_err"] <= tol and result["param_err"] <= tol):
+        failures.append(f"{label}: loss err {result['loss_err']:.2e}, param err {result['param_err']:.2e} "
+                        f"(worst {result['worst'][:2]})")
+    return failures
 
 
 def parity_suite(cases: list[tuple], steps: int = 5, optimizers: tuple[str, ...] = ("adamw", "sgd")) -> list[dict[str, Any]]:
