@@ -16,7 +16,16 @@ import torch.fx as fx
 
 from autopar.trace import tensor_inputs
 
-__all__ = ["BlockInfo", "find_repeated_blocks"]
+__all__ = ["BlockInfo", "find_repeated_blocks", "MIN_INSTANCES_RENAMED_CONSTANTS"]
+
+# Instances that differ only in the names of their graph constants (get_attr targets such as
+# ``_tensor_constant0`` / ``_tensor_constant2``: Hugging Face decoders' per-layer KV-cache
+# tensors) share decisions from this many instances on. With two, each instance is a boundary
+# of the stack (the first follows the embedding, the last feeds the head) and often wants
+# other layouts: sharing the two layers of the two-layer decoders of examples/real_models.py
+# made their plans up to 6% slower (Phi, Gemma), for at most half the variables. Instances
+# identical including those names share from two, as always.
+MIN_INSTANCES_RENAMED_CONSTANTS = 3
 
 
 @dataclass(frozen=True)
@@ -47,13 +56,17 @@ def _node_path(node: fx.Node) -> str:
     return node.meta.get("autopar.module", "") or ""
 
 
-def _signature(nodes: list[fx.Node], prefix: str, extra=None) -> tuple:
+def _signature(nodes: list[fx.Node], prefix: str, extra=None, constant_names: bool = True) -> tuple:
+    """``constant_names=False``: a graph constant (get_attr) counts by shape and dtype only."""
     index = {n: i for i, n in enumerate(nodes)}
     sig = [tuple(extra(n) for n in nodes)] if extra is not None else []
     for n in nodes:
         if n.op == "placeholder":
             rel = n.meta.get("autopar.fqn", "")[len(prefix):]
             sig.append(("ph", rel, n.meta["autopar.outputs"]))
+            continue
+        if n.op == "get_attr" and not constant_names:
+            sig.append(("get_attr", n.meta.get("autopar.outputs")))
             continue
         ins = tuple(("in", index[a]) if a in index else ("ext",) for a in tensor_inputs(n))
         consts = tuple(
@@ -85,7 +98,16 @@ def find_repeated_blocks(graph: fx.Graph, node_key=None) -> BlockInfo:
         groups: dict[tuple, list[str]] = defaultdict(list)
         for prefix, nodes in instances.items():
             groups[_signature(nodes, prefix + ".", node_key)].append(prefix)
-        for sig, prefixes in groups.items():
+        # instances left alone, grouped again with constants by shape only
+        renamed: dict[tuple, list[str]] = defaultdict(list)
+        for sig, prefixes in list(groups.items()):
+            if len(prefixes) == 1:
+                del groups[sig]
+                p = prefixes[0]
+                renamed[_signature(instances[p], p + ".", node_key, constant_names=False)].append(p)
+        classes = [ps for ps in groups.values()]
+        classes += [ps for ps in renamed.values() if len(ps) >= MIN_INSTANCES_RENAMED_CONSTANTS]
+        for prefixes in sorted(classes, key=lambda ps: list(instances).index(ps[0])):
             if len(prefixes) < 2:
                 continue
             first = instances[prefixes[0]]
