@@ -303,3 +303,51 @@ def test_small_edge_cost_differences_are_kept():
     # the solver's objective must account for the edge it chose, and the choice be optimal
     assert math.isclose(sol.objective_s, objective(p, sol.choice)[0], rel_tol=1e-6)
     assert math.isclose(objective(p, sol.choice)[0], best_t, rel_tol=1e-6)
+
+
+@pytest.fixture
+def fixing_always(monkeypatch):
+    """Reduced-cost fixing on every problem (it is skipped below FIXING_MIN_COLUMNS columns)."""
+    from autopar.planner import ilp
+
+    monkeypatch.setattr(ilp, "FIXING_MIN_COLUMNS", 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS + [10, 11, 12, 13])
+@pytest.mark.parametrize("bind", [False, True])
+def test_reduced_cost_fixing_keeps_the_optimum(seed, bind, fixing_always):
+    """The LP pass (relaxation, incumbent, columns dropped by reduced cost) then the MIP over the
+    kept columns: still the brute-force optimum, proven, with or without a binding memory limit."""
+    p = random_problem(seed, n_nodes=6)
+    least, at_opt = memory_range(p)
+    budget = (least + at_opt) / 2 if bind else None
+    best = brute_force(p, budget)
+    sol = solve(p, budget, SolverConfig(prove_limit=0))
+    got_t, got_m = objective(p, sol.choice)
+    assert sol.status == "OPTIMAL" and sol.gap == 0.0
+    assert budget is None or got_m <= budget * (1 + 1e-9)
+    assert math.isclose(got_t, best[0], rel_tol=1e-6), (got_t, best[0])
+    assert math.isclose(sol.objective_s, best[0], rel_tol=1e-6)
+    for n, v in p.nodes.items():
+        if v.root is not None:
+            assert sol.choice[n] == sol.choice[v.root]
+
+
+def test_unproven_plan_reports_a_valid_gap(fixing_always):
+    """With the proof MIP refused, the plan is FEASIBLE and its bound (the LP's) is a true lower
+    bound: the brute-force optimum lies between bound and objective. (A problem whose LP is
+    tight needs no proof MIP and stays OPTIMAL.)"""
+    unproven = 0
+    for seed in SEEDS + [11, 27]:  # (11 and 27 have a loose LP)
+        p = random_problem(seed, n_nodes=6)
+        best_t = brute_force(p, None)[0]
+        sol = solve(p, None, SolverConfig(prove_limit=1e-12))
+        assert sol.bound_s <= best_t * (1 + 1e-9) <= sol.objective_s * (1 + 1e-9) + 1e-12
+        assert math.isclose(objective(p, sol.choice)[0], sol.objective_s, rel_tol=1e-6)
+        if sol.status == "FEASIBLE":
+            unproven += 1
+            assert sol.unproven_columns > 1 and sol.gap > 0
+            assert sol.gap == pytest.approx((sol.objective_s - sol.bound_s) / sol.objective_s)
+        else:
+            assert math.isclose(sol.objective_s, best_t, rel_tol=1e-6)
+    assert unproven >= 2
