@@ -217,6 +217,7 @@ def search_plan(
     progress=None,
     _with_baseline: bool = True,
     _with_free: bool = True,
+    _cache: dict | None = None,
 ) -> Plan:
     t_start = time.perf_counter()
     policy = precision_policy(precision)
@@ -229,7 +230,9 @@ def search_plan(
         validate_pins(traced, c, mesh)
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
-    cache: dict = {}
+    # strategies per (node, mesh) and one CostContext per mesh (with its memo of priced reshards),
+    # shared with the baseline and the comparison search without constraints
+    cache: dict = _cache if _cache is not None else {}
     attempts: list[_Attempt] = []
     outcomes: list[tuple[str, str]] = []
     failures: list[InfeasibleProblem] = []
@@ -259,7 +262,8 @@ def search_plan(
             attempts.append(att)
             if not recompute and att.solution.memory_slack_bytes == float("inf"):
                 fits_without_recompute = True
-            outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"))
+            outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"
+                                    + _solver_note(att.solution, solver)))
     batch = _global_batch(traced)
     if not attempts and c.microbatches is None and batch:
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
@@ -272,7 +276,8 @@ def search_plan(
                 try:
                     attempts.append(_solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute,
                                                    micro, c, budget, solver, cache))
-                    outcomes.append((label, f"{attempts[-1].evaluation.step_time_s * 1e3:.3f} ms/step"))
+                    outcomes.append((label, f"{attempts[-1].evaluation.step_time_s * 1e3:.3f} ms/step"
+                                            + _solver_note(attempts[-1].solution, solver)))
                     break
                 except InfeasibleProblem as exc:
                     outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
@@ -286,7 +291,7 @@ def search_plan(
     if _with_free and not c.is_free():
         try:
             free = search_plan(traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer,
-                               solver=solver, _with_baseline=False, _with_free=False)
+                               solver=solver, _with_baseline=False, _with_free=False, _cache=cache)
             free_time = free.predicted.step_time_s
         except NoFeasiblePlanError:
             free_time = None
@@ -294,6 +299,14 @@ def search_plan(
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
     return plan
+
+
+def _solver_note(sol: Solution, config: SolverConfig) -> str:
+    """What an outcome says about its solve: nothing when proven optimal."""
+    if not sol.time_limit_hit:
+        return ""
+    return (f"; the ILP solver stopped at its {config.time_limit_s:g} s time limit with a plan {sol.gap * 100:.2f}% "
+            f"above its lower bound (status {sol.status}): another run may find a different plan")
 
 
 def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) -> Baseline:
@@ -478,6 +491,14 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
     fallbacks = sorted({str(v.node.target) for v in problem.nodes.values() if v.fallback and v.node.op == "call_function"})
     if fallbacks:
         notes.append("ops without a sharding rule run replicated: " + ", ".join(fallbacks))
+    limited = [label for label, outcome in outcomes if "time limit" in outcome]
+    if att.solution.time_limit_hit:
+        notes.append(f"not proven optimal: the ILP solver stopped at its time limit (SolverConfig.time_limit_s) with "
+                     f"this plan {att.solution.gap * 100:.2f}% above its lower bound; planning again may give a "
+                     "different plan (a longer time limit proves it)")
+    elif limited:
+        notes.append(f"the ILP solver stopped at its time limit for {len(limited)} other candidate(s) "
+                     f"({'; '.join(limited[:3])}): one of them might be faster than this plan")
     if any("cross_entropy" in str(v.node.target) or "nll_loss" in str(v.node.target) for v in problem.nodes.values()):
         notes.append("a batch-sharded mean loss is averaged per shard: exact unless targets use ignore_index")
     return Plan(
