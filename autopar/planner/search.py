@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -92,10 +93,45 @@ class _Attempt:
     evaluation: Evaluation
 
 
+# Pure memos shared by every plan of the process, least recently used dropped first: a
+# CostContext per (mesh, cluster, precision, optimizer), whose memo of reshard prices depends on
+# tensor shapes and layouts only; and per planning inputs (graph, cluster, precision, optimizer,
+# solver) the results that do not depend on the constraints: the naive data-parallel baseline
+# and the step time of the plan without constraints. Planning a model again (with other
+# constraints, or compile() after plan()) skips those searches.
+_CONTEXTS: OrderedDict = OrderedDict()
+_RESULTS: OrderedDict = OrderedDict()
+_MEMO_SIZE = 8
+
+
+def _memo(table: OrderedDict, key, make):
+    if key in table:
+        table.move_to_end(key)
+        return table[key]
+    value = table[key] = make()
+    while len(table) > _MEMO_SIZE:
+        table.popitem(last=False)
+    return value
+
+
+def cost_context(mesh, cluster, policy, optimizer) -> CostContext:
+    """The process's CostContext for these (its reshard prices are shared by every plan)."""
+    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer), lambda: CostContext(mesh, AXES, cluster, policy, optimizer))
+
+
+def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer, solver) -> str:
+    """What a search without constraints depends on: the graph with every ``autopar.*`` fact
+    the tracer recorded per node, the cluster, precision, optimizer and solver settings."""
+    parts = [traced.gm.code, repr((traced.has_loss, tuple(traced.input_names)))]
+    for n in traced.graph.nodes:
+        meta = sorted((k, repr(v)) for k, v in n.meta.items() if k.startswith("autopar."))
+        parts.append(f"{n.name}|{n.op}|{n.target}|{meta}")
+    return fingerprint_of("\n".join(parts), cluster.to_json(), precision, repr(optimizer), repr(solver))
+
+
 def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
-    # one context per mesh for the whole search: its reshard-price memo is shared by all attempts
-    ctx = cache.setdefault(("cost-context", mesh, cluster, policy, optimizer),
-                           CostContext(mesh, AXES, cluster, policy, optimizer))
+    # one context per mesh (shared by every attempt and plan): its reshard-price memo
+    ctx = cost_context(mesh, cluster, policy, optimizer)
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
         strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,
@@ -286,15 +322,25 @@ def search_plan(
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
     strategy_s = time.perf_counter() - t_start
 
-    baseline = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) if _with_baseline else Baseline("naive data parallel", None, False, "not computed")
+    results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
+    if _with_baseline:
+        if "baseline" not in results:
+            results["baseline"] = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache)
+        baseline = results["baseline"]
+    else:
+        baseline = Baseline("naive data parallel", None, False, "not computed")
+    if c.is_free():
+        results["free"] = best.evaluation.step_time_s
     free_time = None
     if _with_free and not c.is_free():
-        try:
-            free = search_plan(traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer,
-                               solver=solver, _with_baseline=False, _with_free=False, _cache=cache)
-            free_time = free.predicted.step_time_s
-        except NoFeasiblePlanError:
-            free_time = None
+        if "free" not in results:
+            try:
+                free = search_plan(traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer,
+                                   solver=solver, _with_baseline=False, _with_free=False, _cache=cache)
+                results["free"] = free.predicted.step_time_s
+            except NoFeasiblePlanError:
+                results["free"] = None
+        free_time = results["free"]
     plan = _extract(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes)
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
@@ -303,10 +349,12 @@ def search_plan(
 
 def _solver_note(sol: Solution, config: SolverConfig) -> str:
     """What an outcome says about its solve: nothing when proven optimal."""
-    if not sol.time_limit_hit:
-        return ""
-    return (f"; the ILP solver stopped at its {config.time_limit_s:g} s time limit with a plan {sol.gap * 100:.2f}% "
-            f"above its lower bound (status {sol.status}): another run may find a different plan")
+    if sol.time_limit_hit:
+        return (f"; the ILP solver stopped at its {config.time_limit_s:g} s time limit with a plan {sol.gap * 100:.2f}% "
+                f"above its lower bound (status {sol.status}): another run may find a different plan")
+    if sol.status != "OPTIMAL":
+        return f"; not proven optimal: at most {sol.gap * 100:.2f}% above the LP bound"
+    return ""
 
 
 def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) -> Baseline:
@@ -362,7 +410,7 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
     for mesh in meshes:
         for recompute in ([True, False] if blocks.blocks else [False]):
             try:
-                ctx = CostContext(mesh, AXES, cluster, policy, optimizer)
+                ctx = cost_context(mesh, cluster, policy, optimizer)
                 problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=_leanest_micro(traced, mesh, c),
                                         strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
                 sol = solve(problem, None, solver, objective="memory")
@@ -496,7 +544,11 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
         notes.append(f"not proven optimal: the ILP solver stopped at its time limit (SolverConfig.time_limit_s) with "
                      f"this plan {att.solution.gap * 100:.2f}% above its lower bound; planning again may give a "
                      "different plan (a longer time limit proves it)")
-    elif limited:
+    elif att.solution.status != "OPTIMAL":
+        notes.append(f"not proven optimal: this plan is at most {att.solution.gap * 100:.2f}% slower than the best "
+                     f"(by the ILP's LP bound); proving it would take a MIP over {att.solution.unproven_columns} "
+                     "columns, predicted too slow (SolverConfig(prove_limit=0) runs it)")
+    if limited and not att.solution.time_limit_hit:
         notes.append(f"the ILP solver stopped at its time limit for {len(limited)} other candidate(s) "
                      f"({'; '.join(limited[:3])}): one of them might be faster than this plan")
     if any("cross_entropy" in str(v.node.target) or "nll_loss" in str(v.node.target) for v in problem.nodes.values()):
