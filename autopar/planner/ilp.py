@@ -46,7 +46,8 @@ more, ``solve`` runs:
    ``SolverConfig.prove_limit`` (measured on ``examples/real_models.py``: up to 60 took under
    1 s, 100-500 took 0.4-20 s). Otherwise the plan is reported as FEASIBLE with its gap to ``z``
    (an upper bound on the true gap; where the proof was run, the heuristic's plan was the
-   optimum in 17 of 20 problems).
+   optimum in 17 of 20 problems), and ``Solution.prove`` runs the proof later: the search runs
+   it for the plan it chose, up to ``SolverConfig.prove_best_limit``.
 
 Every step is deterministic (one thread, no time-dependent stop unless the time limit is hit,
 which the Solution records), so planning twice gives the same plan.
@@ -58,6 +59,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from ortools.linear_solver import pywraplp
@@ -83,7 +85,8 @@ class SolverConfig:
     ``reduced_cost_fixing``: the LP pass before the MIP (module docstring); off, every model is
     solved as one MIP. ``prove_limit``: the LP pass proves a plan optimal when the proof MIP's
     columns x relative gap to the LP bound is at most this (0: always); otherwise the plan is
-    reported with that gap (FEASIBLE)."""
+    reported with that gap (FEASIBLE). ``prove_best_limit``: the search proves the plan it
+    chose (only that one) up to this effort."""
 
     time_limit_s: float = 20.0
     threads: int = 1
@@ -91,6 +94,7 @@ class SolverConfig:
     backend: str = "CBC"  # any pywraplp MIP backend: "CBC", "SCIP", "HIGHS"
     reduced_cost_fixing: bool = True
     prove_limit: float = 60.0
+    prove_best_limit: float = 250.0
 
 
 @dataclass
@@ -108,6 +112,8 @@ class Solution:
     columns: int = 0  # columns of the full model (num_vars: those of the last MIP solved)
     lp_s: float = 0.0  # the LP pass (relaxation, incumbent, restricted MIP) inside solve_s
     unproven_columns: int = 0  # >0: the proof MIP would have had this many columns and was skipped
+    proof_effort: float = 0.0  # that MIP's predicted effort (columns x relative gap)
+    prove: Callable[[], "Solution"] | None = field(default=None, repr=False, compare=False)  # runs it
 
     @property
     def gap(self) -> float:
@@ -700,9 +706,19 @@ def solve(
     md = _build(problem, budget_bytes, objective)
     build_s = time.perf_counter() - t0
     if objective == "time" and config.reduced_cost_fixing and len(md.lb) >= FIXING_MIN_COLUMNS:
-        out = _solve_lp_first(md, problem, budget_bytes, config)
-        if out is not None:
-            return _solution(md, problem, budget_bytes, objective, build_s, time.perf_counter() - t0 - build_s, *out)
+        found = _solve_lp_first(md, problem, budget_bytes, config)
+        if found is not None:
+            out, later, effort = found
+            sol = _solution(md, problem, budget_bytes, objective, build_s, time.perf_counter() - t0 - build_s, *out)
+            if later is not None:
+                def prove(solve_s=sol.solve_s):
+                    t = time.perf_counter()
+                    res = later()
+                    return _solution(md, problem, budget_bytes, objective, build_s,
+                                     solve_s + time.perf_counter() - t, *res)
+
+                sol.proof_effort, sol.prove = effort, prove
+            return sol
     t1 = time.perf_counter()
     r = _run_mip(md, None, config)
     if r.choice is None:
@@ -777,8 +793,9 @@ def _restricted_config(config: SolverConfig) -> SolverConfig:
 
 
 def _solve_lp_first(md: _Model, problem: Problem, budget_bytes: float | None, config: SolverConfig):
-    """The LP pass of the module docstring. Returns the arguments of ``_solution`` after
-    ``build_s, solve_s``, or None to solve the whole model as one MIP instead."""
+    """The LP pass of the module docstring. Returns (the arguments of ``_solution`` after
+    ``build_s, solve_s``; the proof MIP, to run later, when predicted too costly now, else
+    None; its predicted effort), or None to solve the whole model as one MIP instead."""
     t0 = time.perf_counter()
     lp, cols = _instantiate(md, "CLP", relax=True)
     status = lp.Solve()
@@ -819,12 +836,17 @@ def _solve_lp_first(md: _Model, problem: Problem, budget_bytes: float | None, co
     keep = ~((kind != _AUX) & (lp_x < 1e-9) & (z + reduced > cut)) | columns_of(choice)
     left = int(keep.sum())
     gap = (value - z) / value if value > 0 else 0.0
-    if config.prove_limit and left * gap > config.prove_limit:
-        return choice, value, z, False, hit_limit, lp_s, left
-    p = _run_mip(md, keep, config)
-    if p.status == pywraplp.Solver.INFEASIBLE:
-        return choice, value, value, True, hit_limit, lp_s, 0  # nothing beats the incumbent
-    if p.choice is not None and p.value < value:
-        choice, value = p.choice, p.value
-    proven = p.status == pywraplp.Solver.OPTIMAL
-    return choice, value, value if proven else max(z, min(p.bound, value)), proven, hit_limit or not proven, lp_s, 0
+
+    def proof():
+        p = _run_mip(md, keep, config)
+        if p.status == pywraplp.Solver.INFEASIBLE:
+            return choice, value, value, True, hit_limit, lp_s, 0  # nothing beats the incumbent
+        best_choice, best_value = (p.choice, p.value) if p.choice is not None and p.value < value else (choice, value)
+        proven = p.status == pywraplp.Solver.OPTIMAL
+        return (best_choice, best_value, best_value if proven else max(z, min(p.bound, best_value)), proven,
+                hit_limit or not proven, lp_s, 0)
+
+    effort = left * gap
+    if config.prove_limit and effort > config.prove_limit:
+        return (choice, value, z, False, hit_limit, lp_s, left), proof, effort
+    return proof(), None, 0.0

@@ -163,6 +163,30 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     return _Attempt(mesh, recompute, micro, problem, sol, ev)
 
 
+def _prove_best(att: _Attempt, c: Constraints, budget: float | None, solver: SolverConfig, outcomes) -> _Attempt:
+    """Run the proof MIP the solve skipped (``ilp.solve``) for the chosen plan only, when its
+    predicted effort is within ``SolverConfig.prove_best_limit``: the plan becomes OPTIMAL, or a
+    better one replaces it (if the step simulation agrees it fits)."""
+    sol = att.solution
+    if sol.prove is None or not (sol.proof_effort <= solver.prove_best_limit):
+        return att
+    proven = sol.prove()
+    proven.memory_slack_bytes = sol.memory_slack_bytes
+    ev = att.evaluation
+    if proven.choice != sol.choice:
+        ev = evaluate(att.problem, proven.choice)
+        if budget is not None and ev.peak_bytes > budget:
+            return att  # the linear memory model missed: keep the plan that fits
+        if att.recompute and c.recompute is None:
+            ev = _fewest_recomputed(att.problem, proven.choice, ev, budget)
+    label = f"dp={att.mesh[0]} tp={att.mesh[1]} recompute={att.recompute} microbatches={att.microbatches}"
+    for i, (lab, _) in enumerate(outcomes):
+        if lab == label:
+            outcomes[i] = (lab, f"{ev.step_time_s * 1e3:.3f} ms/step, peak {ev.peak_bytes / 2**30:.2f} GiB"
+                           + _solver_note(proven, solver))
+    return _Attempt(att.mesh, att.recompute, att.microbatches, att.problem, proven, ev)
+
+
 def _fewest_recomputed(problem: Problem, choice: dict[str, int], ev: Evaluation, budget: float | None) -> Evaluation:
     """Checkpoint only as many block instances as the memory budget needs (the first ones of each
     block: their activations live longest), keeping the strategies; each instance not recomputed
@@ -320,6 +344,7 @@ def search_plan(
     if not attempts:
         _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
+    best = _prove_best(best, c, budget, solver, outcomes)
     strategy_s = time.perf_counter() - t_start
 
     results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
