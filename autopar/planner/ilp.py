@@ -316,20 +316,32 @@ def add_edge_costs(md: _Model, problem: Problem) -> None:
         vlits = _key_literals(md.x[e.v], e.v_key, nv)
         # keys in use, grouped where their cost rows (columns) are identical in every array
         stack = np.stack([arr for arr, _ in terms], axis=-1)
-        ugroups = _groups([a for a in range(nu) if ulits[a]], lambda a: stack[a, [b for b in range(nv) if vlits[b]]])
-        vgroups = _groups([b for b in range(nv) if vlits[b]], lambda b: stack[[a for a in range(nu) if ulits[a]], b])
-        urow = {a: _Expr() for a in range(len(ugroups))}
-        vrow = {b: _Expr() for b in range(len(vgroups))}
-        for a, (ka, _) in enumerate(ugroups):
-            for b, (kb, _) in enumerate(vgroups):
-                lit = md.col(_Y, 0.0, 1.0, f"e{ei}[{a},{b}]")
-                add(lit, ka, kb)
-                urow[a].coefs[lit] = 1.0
-                vrow[b].coefs[lit] = 1.0
+        used_u = [a for a in range(nu) if ulits[a]]
+        used_v = [b for b in range(nv) if vlits[b]]
+        ugroups = _groups(used_u, lambda a: stack[a, used_v])
+        vgroups = _groups(used_v, lambda b: stack[used_u, b])
+        ka = [k for k, _ in ugroups]
+        kb = [k for k, _ in vgroups]
+        first = len(md.lb)
+        n_u, n_v = len(ka), len(kb)
+        n = n_u * n_v
+        md.lb.extend([0.0] * n)
+        md.ub.extend([1.0] * n)
+        md.kind.extend([_Y] * n)
+        md.names.extend([""] * n)
+        # the indicator of group pair (a, b) is column first + a * n_v + b
+        for arr, out in terms:
+            vals = (arr[np.ix_(ka, kb)] * _MS).ravel()
+            nz = np.flatnonzero(vals)
+            out.extend(zip(vals[nz].tolist(), (nz + first).tolist()))
         for a, (_, members) in enumerate(ugroups):
-            md.row(0.0, 0.0, urow[a].add(((-1.0, c) for k in members for c in ulits[k])), "edge-consistency")
+            row = _Expr()
+            row.coefs = dict.fromkeys(range(first + a * n_v, first + (a + 1) * n_v), 1.0)
+            md.row(0.0, 0.0, row.add(((-1.0, c) for k in members for c in ulits[k])), "edge-consistency")
         for b, (_, members) in enumerate(vgroups):
-            md.row(0.0, 0.0, vrow[b].add(((-1.0, c) for k in members for c in vlits[k])), "edge-consistency")
+            row = _Expr()
+            row.coefs = dict.fromkeys(range(first + b, first + n, n_v), 1.0)
+            md.row(0.0, 0.0, row.add(((-1.0, c) for k in members for c in vlits[k])), "edge-consistency")
 
 
 def _groups(keys: list[int], row) -> list[tuple[int, list[int]]]:
