@@ -278,7 +278,8 @@ def search_plan(
     _with_baseline: bool = True,
     _with_free: bool = True,
     _cache: dict | None = None,
-) -> Plan:
+    _step_time_only: bool = False,
+) -> Plan | float:
     t_start = time.perf_counter()
     policy = precision_policy(precision)
     precision = policy.name
@@ -345,6 +346,8 @@ def search_plan(
         _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
     best = _prove_best(best, c, budget, solver, outcomes)
+    if _step_time_only:
+        return best.evaluation.step_time_s
     strategy_s = time.perf_counter() - t_start
 
     results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
@@ -360,9 +363,9 @@ def search_plan(
     if _with_free and not c.is_free():
         if "free" not in results:
             try:
-                free = search_plan(traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer,
-                                   solver=solver, _with_baseline=False, _with_free=False, _cache=cache)
-                results["free"] = free.predicted.step_time_s
+                results["free"] = search_plan(traced, cluster, constraints=Constraints(), precision=precision,
+                                              optimizer=optimizer, solver=solver, _with_baseline=False, _with_free=False,
+                                              _cache=cache, _step_time_only=True)
             except NoFeasiblePlanError:
                 results["free"] = None
         free_time = results["free"]
