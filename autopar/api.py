@@ -240,15 +240,6 @@ def _divisors(n: int, limit: int = 64) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _batch_of(traced: TracedGraph) -> int | None:
-    """The global batch: dim 0 of the first input with a shape (what data parallel splits)."""
-    for name in traced.input_names:
-        m = traced.node(name).meta["autopar.outputs"][0]
-        if m is not None and m.shape:
-            return m.shape[0]
-    return None
-
-
 def check_fits_cluster(traced: TracedGraph, cluster: Cluster, c: Constraints) -> None:
     """Refuse, before the search, what no plan can serve: pins naming dims a tensor does not have,
     microbatch and dp degrees that do not divide the batch, and a cluster too large for the model.
@@ -265,7 +256,7 @@ def check_fits_cluster(traced: TracedGraph, cluster: Cluster, c: Constraints) ->
     params = {n.meta["autopar.fqn"]: n.meta["autopar.outputs"][0].shape
               for n in traced.graph.nodes if n.meta.get("autopar.kind") == "param"}
     _check_pin_dims(traced, params, c)
-    batch = _batch_of(traced)
+    batch = traced.global_batch
     if batch is not None:
         m = c.microbatches
         if m is not None and batch % m:

@@ -81,6 +81,15 @@ class TracedGraph:
     def graph(self) -> fx.Graph:
         return self.gm.graph
 
+    @property
+    def global_batch(self) -> int | None:
+        """Dim 0 of the first input with a shape (what data parallel splits); None if no input has one."""
+        for name in self.input_names:
+            m = self.node(name).meta["autopar.outputs"][0]
+            if m is not None and m.shape:
+                return m.shape[0]
+        return None
+
     def node(self, name: str) -> fx.Node:
         for n in self.gm.graph.nodes:
             if n.name == name:

@@ -258,14 +258,6 @@ def _candidates(c: Constraints, has_blocks: bool):
     return [(r, m) for r in recomputes for m in micros]
 
 
-def _global_batch(traced: TracedGraph) -> int | None:
-    for name in traced.input_names:
-        m = traced.node(name).meta["autopar.outputs"][0]
-        if m is not None and m.shape:
-            return m.shape[0]
-    return None
-
-
 def search_plan(
     traced: TracedGraph,
     cluster: Cluster,
@@ -325,7 +317,7 @@ def search_plan(
                 fits_without_recompute = True
             outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"
                                     + _solver_note(att.solution, solver)))
-    batch = _global_batch(traced)
+    batch = traced.global_batch
     if not attempts and c.microbatches is None and batch:
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         recompute = bool(blocks.blocks) if c.recompute is None else c.recompute
@@ -388,7 +380,7 @@ def _solver_note(sol: Solution, config: SolverConfig) -> str:
 def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) -> Baseline:
     world = cluster.world_size
     c = Constraints(dp=world, tp=1, zero=0, recompute=False, microbatches=1)
-    batch = _global_batch(traced)
+    batch = traced.global_batch
     if batch is not None and batch % world:
         return Baseline("naive data parallel", None, False,
                         f"not expressible: the global batch {batch} does not divide over {world} devices")
@@ -468,7 +460,7 @@ def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -
     """The most microbatches the batch allows on this mesh (the least activation memory)."""
     if c.microbatches is not None:
         return c.microbatches
-    counts = _microbatch_counts(_global_batch(traced) or 1, mesh[0])
+    counts = _microbatch_counts(traced.global_batch or 1, mesh[0])
     return counts[-1] if counts else 1
 
 
