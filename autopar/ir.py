@@ -1,9 +1,9 @@
 """The contract between the passes (which write per-rank programs) and the runtime (which runs them).
 
 The graph targets the passes insert: ``reshard`` for every layout change (implemented in
-``autopar.runtime.collectives``), ``sharded_batch_norm`` for a batch norm over a split batch, ``gather_param_start`` / ``gather_param_finish`` for prefetched
-parameter gathers (``autopar.runtime.prefetch``); and the ``GraphModule.meta`` keys the passes leave for the
-runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
+``autopar.runtime.collectives``), ``sharded_batch_norm`` for a batch norm over a split batch,
+``gather_param_start`` / ``gather_param_finish`` for prefetched parameter gathers
+(``autopar.runtime.prefetch``); and the ``GraphModule.meta`` keys the passes leave for the runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
 Rules both sides must apply identically (what the planner prices is what the passes emit) live
 here too.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.layouts import Layout, Partial, Replicate, grad_layout
+from autopar.layouts import Layout, Partial, Replicate, Shard, grad_layout
 from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "GRAD_SYNC_KEY",
+__all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY"]
 
 GRAD_SYNC_KEY = "autopar.grad_sync"  # parameter placeholder -> mesh axes its gradient is all-reduced over
@@ -65,6 +65,16 @@ def pure_all_reduce_axes(src: Layout, dst: Layout, gsrc: Layout | None, gdst: La
         else:
             return None
     return tuple(axes) if axes else None
+
+
+def batch_norm_split(layout: Layout, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(sync_axes, channel_axes)`` of a training batch norm whose input has ``layout``: the mesh
+    axes (of size > 1) splitting its batch or spatial dims, over which ``sharded_batch_norm``
+    all-reduces the statistics, and those splitting its channels, over which it gathers them to
+    update the whole running statistics. ``passes.sync_batch_norm`` emits and the planner's
+    comm model prices with this one rule."""
+    split = [(a, p.dim == 1) for a, (p, k) in enumerate(zip(layout, mesh_shape)) if isinstance(p, Shard) and k > 1]
+    return tuple(a for a, ch in split if not ch), tuple(a for a, ch in split if ch)
 
 
 def prefetchable_gather(shape, src: Layout, dst: Layout, gsrc: Layout | None, gdst: Layout | None, mesh_shape):

@@ -33,7 +33,8 @@ def _set_conv_groups(node: fx.Node, groups: int) -> None:
 def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Requires: plan layouts for every op node. Guarantees: ops whose arguments spell the output
     shape get the local output shape (a ``-1`` is replaced too), ``unflatten`` its local
-    sizes, and a grouped convolution split on channels its local number of groups. Why: the graph was traced at global sizes; each rank computes on its shard.
+    sizes, and a grouped convolution split on channels its local number of groups. Why: the
+    graph was traced at global sizes; each rank computes on its shard.
     """
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("autopar.kind") != "op":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.ir import sharded_batch_norm
+from autopar.ir import batch_norm_split, sharded_batch_norm
 from autopar.layouts import R, Shard, format_layout, parse_layout
 from autopar.passes.context import PassContext
 from autopar.strategies.rules import _op_name
@@ -24,13 +24,12 @@ def sync_batch_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         text = ctx.node(node.name).ins[0]
         if not training or not text.startswith("["):
             continue
-        layout = parse_layout(text)
-        if all(p == R for p in layout):
+        sync, channel_axes = batch_norm_split(parse_layout(text), ctx.mesh_shape)
+        if not sync and not channel_axes:
             continue
-        sync = tuple(a for a, p in enumerate(layout) if isinstance(p, Shard) and p.dim != 1 and ctx.mesh_shape[a] > 1)
-        channels = tuple(Shard(0) if isinstance(p, Shard) and p.dim == 1 else R for p in layout)
+        channels = tuple(Shard(0) if a in channel_axes else R for a in range(len(ctx.mesh_shape)))
         node.target = sharded_batch_norm
         node.kwargs = {**node.kwargs, "sync_axes": sync,
-                       "channel_layout": format_layout(channels) if any(p != R for p in channels) else None}
+                       "channel_layout": format_layout(channels) if channel_axes else None}
     gm.recompile()
     return gm

@@ -23,7 +23,7 @@ import math
 import operator
 from collections import defaultdict
 
-from autopar.ir import edge_reshard, param_cast_dtype, pure_all_reduce_axes
+from autopar.ir import batch_norm_split, edge_reshard, param_cast_dtype, pure_all_reduce_axes
 from autopar.layouts import Partial, Shard, local_numel, local_shape, replicated, state_dim
 from autopar.planner.costing import reshard_step_bytes
 from autopar.planner.op_memory import op_memory
@@ -136,14 +136,12 @@ def _batch_norm_sync_bytes(node, s, mesh) -> list[tuple[str, float, bool]]:
     view = OpView(node)
     if not view.arg("training", False):
         return []
-    layout, channels = s.ins[0], view.in_metas[0].shape[1]
-    split = math.prod(k for p, k in zip(layout, mesh) if isinstance(p, Shard) and p.dim == 1)
-    sync = [a for a, (p, k) in enumerate(zip(layout, mesh)) if isinstance(p, Shard) and p.dim != 1 and k > 1]
-    local = channels // split * 4
+    sync, channel_axes = batch_norm_split(s.ins[0], mesh)
+    channels = view.in_metas[0].shape[1]
+    local = channels // math.prod(mesh[a] for a in channel_axes) * 4
     out = [("all_reduce", 2.0 * local, True), ("all_reduce", 2.0 * local, False)] * len(sync)
-    if split > 1 and view.input_index("running_mean") is not None:
-        out.append(("all_gather", 2.0 * channels * 4 * sum(1 for p, k in zip(layout, mesh)
-                                                        if isinstance(p, Shard) and p.dim == 1 and k > 1), True))
+    if channel_axes and view.input_index("running_mean") is not None:
+        out.append(("all_gather", 2.0 * channels * 4 * len(channel_axes), True))
     return out
 
 

@@ -36,11 +36,8 @@ class _SyncBatchNorm(torch.autograd.Function):
     shard's partial sums (their layout is Partial on ``axes``, reduced by gradient sync)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, axes, comm):
+    def forward(ctx, x, weight, bias, eps, count, axes, comm):
         dims = [0] + list(range(2, x.dim()))
-        count = x.numel() // max(x.shape[1], 1)
-        for a in axes:
-            count *= comm.sizes[a]
         shape = [1, -1] + [1] * (x.dim() - 2)
         mean = _all_reduce(x.sum(dims, dtype=torch.float32), axes, comm) / count
         centred = x.float() - mean.view(shape)
@@ -68,7 +65,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         dx = (dy - total[0].view(shape) - xhat * total[1].view(shape)) * scale.view(shape)
         dw = local[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = local[0].to(x.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx.to(x.dtype), dw, db, None, None, None
+        return dx.to(x.dtype), dw, db, None, None, None, None
 
 
 def sharded_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True, *,
@@ -80,12 +77,12 @@ def sharded_batch_norm(x, weight, bias, running_mean, running_var, training, mom
         return torch.ops.aten.batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps,
                                          cudnn_enabled)
     comm = current_mesh()
-    y, mean, var = _SyncBatchNorm.apply(x, weight, bias, eps, tuple(sync_axes), comm)
+    count = x.numel() // max(x.shape[1], 1)  # values per channel over all shards
+    for a in sync_axes:
+        count *= comm.sizes[a]
+    y, mean, var = _SyncBatchNorm.apply(x, weight, bias, eps, count, tuple(sync_axes), comm)
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
-            count = x.numel() // max(x.shape[1], 1)
-            for a in sync_axes:
-                count *= comm.sizes[a]
             m, v = mean, var * (count / max(count - 1, 1))
             if channel_layout is not None:  # every rank updates every channel (tiny gathers)
                 src = parse_layout(channel_layout)

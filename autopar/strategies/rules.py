@@ -504,11 +504,10 @@ def convolution(op: OpView) -> list[AxisOption]:
         options.append(AxisOption((Shard(1), Shard(1)) + ((Partial("sum"),) if has_bias else ()), (Partial("sum"),)))
     else:
         options.append(AxisOption((Shard(1), Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),), divides=groups))
-    x = op.in_metas[0]
-    for d in range(2, len(x.shape) if x is not None else 0):  # spatial dims: only 1x1 kernels are local
-        w = op.in_metas[1]
-        if w is not None and all(k == 1 for k in w.shape[2:]) and _conv_is_pointwise(op):
-            options.append(AxisOption((Shard(d), R) + tail, (Shard(d),)))
+    x, w = op.in_metas[0], op.in_metas[1]
+    if x is not None and w is not None and all(k == 1 for k in w.shape[2:]) and _conv_is_pointwise(op):
+        # a 1x1 kernel with stride 1 and no padding keeps each spatial position local
+        options += [AxisOption((Shard(d), R) + tail, (Shard(d),)) for d in range(2, len(x.shape))]
     return options
 
 
@@ -682,11 +681,10 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "batch_norm": batch_norm,
     "cumsum": along_dim, "cumprod": along_dim, "diff": along_dim, "flip": along_dim, "logcumsumexp": along_dim,
     "gather": gather, "index": index,
+    # elementwise ops torch does not tag pointwise on every overload (the tagged ones need no entry)
     "where": pointwise, "masked_fill": pointwise, "hardswish": pointwise, "hardsigmoid": pointwise,
-    "hardtanh": pointwise, "relu6": pointwise, "logical_and": pointwise, "logical_or": pointwise,
-    "logical_not": pointwise, "logical_xor": pointwise, "bitwise_and": pointwise, "bitwise_or": pointwise,
-    "bitwise_not": pointwise, "eq": pointwise, "ne": pointwise, "lt": pointwise, "le": pointwise, "gt": pointwise,
-    "ge": pointwise, "clamp": pointwise, "clamp_min": pointwise, "clamp_max": pointwise,
+    "hardtanh": pointwise, "bitwise_and": pointwise, "bitwise_or": pointwise,
+    "eq": pointwise, "ne": pointwise, "lt": pointwise, "le": pointwise, "gt": pointwise, "ge": pointwise,
     "repeat_interleave": repeat_interleave,
     "conv1d": convolution, "conv2d": convolution, "conv3d": convolution,
     "max_pool1d": pooling, "max_pool2d": pooling, "max_pool3d": pooling, "max_pool2d_with_indices": pooling,
