@@ -25,7 +25,7 @@ from autopar.strategies import Strategy
 from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
-__all__ = ["CostContext", "node_flops", "node_compute_time", "reshard_time", "reshard_step_bytes", "bucketed_time",
+__all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "reshard_time", "reshard_step_bytes", "bucketed_time",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
 
@@ -115,10 +115,17 @@ def node_bytes(node: fx.Node, ctx: CostContext) -> float:
     return total
 
 
-def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
-    """(forward, backward) seconds of the node's local work under ``strategy``."""
+def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float]:
+    """(global forward flops, kind, global bytes): what ``node_compute_time`` divides by a split."""
     flops, kind = node_flops(node)
-    nbytes = node_bytes(node, ctx)
+    return flops, kind, node_bytes(node, ctx)
+
+
+def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
+                      work: tuple[float, str, float] | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of the node's local work under ``strategy`` (``work``: the
+    node's ``node_work``, when the caller prices many strategies of one node)."""
+    flops, kind, nbytes = work if work is not None else node_work(node, ctx)
     if flops == 0.0 and nbytes == 0.0:
         return 0.0, 0.0
     ref = next((o for o in strategy.outs if o is not None), None)

@@ -23,7 +23,7 @@ import torch.fx as fx
 from autopar.ir import edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.planner.blocks import BlockInfo
-from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, param_memory, reshard_time
+from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work, param_memory, reshard_time
 from autopar.planner.op_memory import op_memory
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
@@ -184,6 +184,7 @@ def build_problem(
         transient = np.zeros(k)
         kind = n.meta.get("autopar.kind")
         prof = op_memory(n, autocast) if kind == "op" else None
+        work = node_work(n, ctx) if kind == "op" else None
         for i, s in enumerate(strategies):
             if kind == "param":
                 trainable = n.meta.get("autopar.requires_grad", True)
@@ -191,7 +192,7 @@ def build_problem(
                 if trainable and s.zero_axes:
                     comm[i] = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx) * c
             elif kind == "op":
-                f, b = node_compute_time(n, s, ctx)
+                f, b = node_compute_time(n, s, ctx, work)
                 fwd[i], bwd[i] = f * c, b * c
                 own = saved_bytes(n, s, ctx, prof, batch, microbatches)
                 transient[i] = working_set_bytes(n, s, ctx, prof, batch, microbatches)
