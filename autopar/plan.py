@@ -110,6 +110,12 @@ class Baseline:
 
 @dataclass(frozen=True)
 class SolverReport:
+    """How the ILP of the chosen plan ended. ``status``: OPTIMAL (proven) or FEASIBLE; ``gap``:
+    (objective - bound) / objective, where ``bound_s`` is the best lower bound the solver proved
+    (the LP relaxation's, when the proof MIP did not run); ``stopped``: why it stopped —
+    "optimal", "time limit" (``SolverConfig.time_limit_s``: another run may differ) or "proof
+    skipped" (the proof MIP was predicted slower than ``SolverConfig.prove_limit`` allows)."""
+
     status: str
     gap: float
     objective_s: float
@@ -117,6 +123,7 @@ class SolverReport:
     num_vars: int
     num_constraints: int
     candidates: tuple[tuple[str, str], ...]  # (mesh/recompute description, outcome)
+    stopped: str = "optimal"
 
 
 @dataclass(frozen=True)
@@ -291,6 +298,8 @@ def _decode_plan(d: dict) -> Plan:
         for f in fields(cls):
             if f.name in ("timings", "inputs_fingerprint"):
                 continue
+            if f.name == "stopped" and f.name not in obj:
+                continue  # plans written before the solver said why it stopped (set below)
             kwargs[f.name] = obj[f.name]
         return kwargs
 
@@ -328,7 +337,8 @@ def _decode_plan(d: dict) -> Plan:
     b = d["baseline"]
     k["baseline"] = Baseline(b["name"], predicted(b["predicted"]), b["fits"], b["note"])
     s = d["solver"]
-    k["solver"] = SolverReport(**{**build(SolverReport, s), "candidates": _tuplify(s["candidates"])})
+    stopped = s.get("stopped", "optimal" if s["status"] == "OPTIMAL" else "not recorded")
+    k["solver"] = SolverReport(**{**build(SolverReport, s), "candidates": _tuplify(s["candidates"]), "stopped": stopped})
     k["notes"] = tuple(d["notes"])
     k["recompute_blocks"] = tuple(d.get("recompute_blocks", ()))
     # plans written before the fingerprint covered decisions hold only the inputs' hash

@@ -102,7 +102,9 @@ def plan_summary(plan) -> str:
         pct = 100 * extra / plan.free_step_time_s if plan.free_step_time_s else 0.0
         lines.append(f"constraints ({_constraints_text(plan.constraints)}) cost {_ms(extra)} (+{pct:.1f}%) vs the free optimum {_ms(plan.free_step_time_s)}")
     s = plan.solver
-    lines.append(f"solver {s.status}, gap {s.gap * 100:.2f}%, {s.num_vars} variables; candidates tried: {len(s.candidates)}")
+    why = "" if s.stopped == "optimal" else f" (stopped: {s.stopped}; gap to the best lower bound proved)"
+    lines.append(f"solver {s.status}, gap {s.gap * 100:.2f}%{why}, {s.num_vars} variables; "
+                 f"candidates tried: {len(s.candidates)}")
     for note in plan.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -297,3 +297,26 @@ def test_a_constant_made_in_forward_is_planned_and_simulated():
     p = autopar.plan(WithConstant(), Cluster.local(2), (x,), example_target=x,
                      loss_fn=lambda y, t: (y - t).square().mean())
     assert p.predicted.peak_memory_bytes > 0
+
+
+def test_solver_report_says_why_the_solver_stopped():
+    """A plan proven optimal says so; one whose proof MIP was skipped says that and reports its
+    gap to the LP bound; both survive the JSON round trip (plans without the field still load)."""
+    import json
+
+    from autopar.planner.ilp import SolverConfig
+
+    proven = plan_gpt(cluster=Cluster.local(4))
+    assert proven.solver.status == "OPTIMAL" and proven.solver.stopped == "optimal" and proven.solver.gap == 0.0
+    skipped = plan_gpt(cluster=Cluster.local(4), solver=SolverConfig(prove_limit=1e-12, prove_best_limit=1e-12))
+    assert skipped.solver.status == "FEASIBLE"  # this GPT's LP is loose (its overlap terms)
+    assert skipped.solver.stopped == "proof skipped"
+    assert skipped.solver.bound_s < skipped.solver.objective_s
+    assert skipped.solver.gap == pytest.approx(1 - skipped.solver.bound_s / skipped.solver.objective_s, rel=1e-3)
+    assert "stopped: proof skipped" in skipped.summary()
+    again = autopar.Plan.from_json(skipped.to_json())
+    assert again.solver == skipped.solver
+    old = json.loads(skipped.to_json())
+    del old["solver"]["stopped"]
+    expected = "optimal" if skipped.solver.status == "OPTIMAL" else "not recorded"
+    assert autopar.Plan.from_json(json.dumps(old)).solver.stopped == expected
