@@ -16,7 +16,7 @@ from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "GRAD_SYNC_KEY",
+__all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY"]
 
 GRAD_SYNC_KEY = "autopar.grad_sync"  # parameter placeholder -> mesh axes its gradient is all-reduced over
@@ -75,6 +75,32 @@ def batch_norm_split(layout: Layout, mesh_shape) -> tuple[tuple[int, ...], tuple
     comm model prices with this one rule."""
     split = [(a, p.dim == 1) for a, (p, k) in enumerate(zip(layout, mesh_shape)) if isinstance(p, Shard) and k > 1]
     return tuple(a for a, ch in split if not ch), tuple(a for a, ch in split if ch)
+
+
+def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tuple[str, int, float, bool]]:
+    """What ``sharded_batch_norm`` moves per microbatch for ``node``, a batch norm whose input
+    arrives in ``layout``: ``(kind, mesh axis, bytes, whether forward moves them)`` (a checkpointed
+    block moves the forward ones twice). In training, on each axis splitting the batch or spatial
+    dims, all-reduces of the mean and the variance (C local channels, fp32) and in backward one of
+    the two gradient sums (2C); where channels are split, the whole running statistics (mean and
+    variance) are all-gathered to update them on every rank. The comm model counts these bytes
+    and the planner prices their time (blocking), from this one list."""
+    import math
+
+    from autopar.strategies.rules import OpView, _op_name
+
+    if layout is None or node.op != "call_function" or _op_name(node) != "batch_norm":
+        return []
+    view = OpView(node)
+    if not view.arg("training", False):
+        return []
+    sync, channel_axes = batch_norm_split(layout, mesh_shape)
+    channels = view.in_metas[0].shape[1]
+    local = channels // math.prod(mesh_shape[a] for a in channel_axes) * 4
+    out = [e for a in sync for e in (("all_reduce", a, 2.0 * local, True), ("all_reduce", a, 2.0 * local, False))]
+    if channel_axes and view.input_index("running_mean") is not None:
+        out += [("all_gather", a, 2.0 * channels * 4, True) for a in channel_axes]
+    return out
 
 
 def prefetchable_gather(shape, src: Layout, dst: Layout, gsrc: Layout | None, gdst: Layout | None, mesh_shape):

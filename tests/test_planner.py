@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import autopar
 from autopar import Cluster, ConstraintError, Constraints, NoFeasiblePlanError
+from autopar.layouts import R, Shard
 from autopar.cost_models import axis_group
 from autopar.planner.search import mesh_candidates
 
@@ -320,3 +321,56 @@ def test_solver_report_says_why_the_solver_stopped():
     del old["solver"]["stopped"]
     expected = "optimal" if skipped.solver.status == "OPTIMAL" else "not recorded"
     assert autopar.Plan.from_json(json.dumps(old)).solver.stopped == expected
+
+
+def test_batch_norm_statistics_sync_is_in_the_planned_step_time():
+    """A batch norm over a split batch all-reduces its statistics every step: the planner charges
+    that time to the strategy (blocking, in the ILP and the step evaluation alike), for exactly the
+    bytes the comm model counts, and nothing where the batch norm's input is whole."""
+    import torch.nn.functional as F
+
+    from autopar.cost_models.communication import collective_time
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.comm_model import predict_comm_bytes
+    from autopar.planner.evaluate import evaluate
+    from autopar.planner.problem import build_problem
+    from autopar.planner.search import cost_context
+    from autopar.trace import trace_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 8 * 8, 4))
+    traced = trace_model(model, (torch.randn(8, 3, 8, 8),), loss_fn=F.cross_entropy,
+                         example_target=torch.randint(0, 4, (8,)))
+    cluster = Cluster.local(2)
+    ctx = cost_context((2, 1), cluster, precision_policy("fp32"), optimizer_spec("sgd"))
+    problem = build_problem(traced, find_repeated_blocks(traced.graph), ctx, recompute=False, microbatches=2)
+    bn = next(v for v in problem.nodes.values() if "batch_norm" in str(v.node.target))
+    one_sync = collective_time("all_reduce", 2 * 16 * 4, ctx.groups[0], cluster)  # mean and variance, C fp32
+    gather_stats = collective_time("all_gather", 2 * 16 * 4, ctx.groups[0], cluster)  # whole running stats
+    seen = set()
+    for i, s in enumerate(bn.strategies):
+        priced = 0.0 if bn.comm_s is None else bn.comm_s[i]
+        p = s.ins[0][0]
+        if p in (Shard(0), Shard(2), Shard(3)):  # batch or spatial split: sync forward and backward, 2 microbatches
+            assert priced == pytest.approx(2 * 2 * one_sync)
+            assert bn.comm_kinds["all_reduce"][i] == pytest.approx(priced)
+        elif p == Shard(1):  # channels split: the running statistics gathered every microbatch
+            assert priced == pytest.approx(2 * gather_stats)
+            assert bn.comm_kinds["all_gather"][i] == pytest.approx(priced)
+        else:
+            assert priced == 0.0
+        seen.add(p)
+    assert {Shard(0), Shard(1), R} <= seen
+    # the ILP's objective is the evaluated step time (both charge the sync), and the comm model's
+    # bytes for the split differ from the whole input's by the sync's 2 x 2 x 2C fp32 values (and the
+    # affine weight and bias gradients, 2C, summed over the split batch once per step)
+    from autopar.planner.ilp import solve
+
+    sol = solve(problem, None)
+    assert sol.objective_s == pytest.approx(evaluate(problem, sol.choice).step_time_s, rel=1e-6)
+    split = next(i for i, s in enumerate(bn.strategies) if s.ins[0][0] == Shard(0))
+    whole = next(i for i, s in enumerate(bn.strategies) if s.ins[0][0] == R)
+    ar = [predict_comm_bytes(problem, {**sol.choice, bn.name: k}).get("all_reduce", 0.0) for k in (split, whole)]
+    assert ar[0] - ar[1] == pytest.approx(2 * 2 * 2 * 16 * 4 + 2 * 16 * 4)

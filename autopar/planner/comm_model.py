@@ -12,7 +12,7 @@ The same walk as the passes and the runtime, on the plan's layouts:
   (every microbatch, padded along the state dim, one level per zero axis); ZeRO-1/2 all-gather
   the updated shards after the step;
 * the loss value, a pending sum or mean over some axes, is all-reduced (4 bytes) per microbatch;
-* a batch norm over a split batch all-reduces its statistics (``_batch_norm_sync_bytes``).
+* a batch norm over a split batch all-reduces its statistics (``ir.batch_norm_sync``).
 
 Bytes follow nccl-tests' size convention, as ``runtime.comm`` counts them (all-gather: output,
 reduce-scatter: padded input, all-reduce / all-to-all: the buffer).
@@ -23,7 +23,7 @@ import math
 import operator
 from collections import defaultdict
 
-from autopar.ir import batch_norm_split, edge_reshard, param_cast_dtype, pure_all_reduce_axes
+from autopar.ir import batch_norm_sync, edge_reshard, param_cast_dtype, pure_all_reduce_axes
 from autopar.layouts import Partial, Shard, local_numel, local_shape, replicated, state_dim
 from autopar.planner.costing import reshard_step_bytes
 from autopar.planner.op_memory import op_memory
@@ -59,7 +59,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             continue
         s = problem.strategy_of(v.name, choice)
         in_region = blocks.instance_of.get(v.name) in recompute
-        for kind, nbytes, forward in _batch_norm_sync_bytes(v, s, mesh):
+        for kind, _, nbytes, forward in batch_norm_sync(v, s.ins[0] if s.ins else None, mesh):
             out[kind] += nbytes * m * (2.0 if in_region and forward else 1.0)
         for i, a in enumerate(tensor_inputs(v)):
             meta = (a.meta.get("autopar.outputs") or (None,))[0]
@@ -120,29 +120,6 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             else:
                 add(reshard_step_bytes(meta.shape, meta.itemsize, lay, replicated(len(lay)), mesh), m)
     return {k: v for k, v in out.items() if v}
-
-
-def _batch_norm_sync_bytes(node, s, mesh) -> list[tuple[str, float, bool]]:
-    """What ``runtime.batch_norm.sharded_batch_norm`` moves per microbatch for a training-mode
-    batch norm whose input the plan splits: on each axis splitting the batch or spatial dims,
-    all-reduces of the mean and the variance (C local channels, fp32) and in backward one of the
-    two gradient sums (2C); where channels are split, the whole running statistics are
-    all-gathered (mean and variance) to update them on every rank. Entries: (kind, bytes, whether
-    forward moves them: a checkpointed block moves those twice)."""
-    from autopar.strategies.rules import OpView, _op_name
-
-    if _op_name(node) != "batch_norm" or not s.ins or s.ins[0] is None:
-        return []
-    view = OpView(node)
-    if not view.arg("training", False):
-        return []
-    sync, channel_axes = batch_norm_split(s.ins[0], mesh)
-    channels = view.in_metas[0].shape[1]
-    local = channels // math.prod(mesh[a] for a in channel_axes) * 4
-    out = [("all_reduce", 2.0 * local, True), ("all_reduce", 2.0 * local, False)] * len(sync)
-    if channel_axes and view.input_index("running_mean") is not None:
-        out.append(("all_gather", 2.0 * channels * 4 * len(channel_axes), True))
-    return out
 
 
 def _saves_input(node, i: int, autocast_dtype) -> bool:

@@ -54,13 +54,15 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
     ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
     ilp_memory += max((v.transient_bytes[choice[n]] for n, v in problem.nodes.items() if v.transient_bytes is not None),
                       default=0.0)
-    # node-level communication: ZeRO-1/2's parameter all-gathers after the optimizer step
-    post_step = sum(v.comm_s[choice[n]] for n, v in problem.nodes.items() if v.comm_s is not None)
-    blocking = post_step
+    # node-level communication: ZeRO-1/2's parameter all-gathers after the optimizer step, batch
+    # norm statistics over a split batch
+    blocking = sum(v.comm_s[choice[n]] for n, v in problem.nodes.items() if v.comm_s is not None)
     ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
     kinds: dict[str, float] = defaultdict(float)
-    if post_step:
-        kinds["all_gather"] += post_step
+    for n, v in problem.nodes.items():
+        for k, arr in (v.comm_kinds or {}).items():
+            if arr[choice[n]]:
+                kinds[k] += arr[choice[n]]
     for e in problem.edges:
         ku, kv = _edge_keys(e, choice)
         blocking += e.blocking[ku, kv]

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
+from autopar.ir import batch_norm_sync, edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work, param_memory, reshard_time
@@ -49,8 +49,11 @@ class NodeVar:
     excluded: list[tuple[str, str]] = field(default_factory=list)
     fallback: bool = False
     root: str | None = None  # set for followers: strategy i is paired with strategy i of ``root``
-    comm_s: np.ndarray | None = None  # blocking communication of the strategy itself (ZeRO-1/2's post-step gather)
+    # blocking communication of the strategy itself (ZeRO-1/2's post-step gather, a batch norm's
+    # statistics sync), in total and per collective kind
+    comm_s: np.ndarray | None = None
     transient_bytes: np.ndarray | None = None  # the op's working set while it runs (not x count: one runs at a time)
+    comm_kinds: dict[str, np.ndarray] | None = None  # comm_s split by collective kind
 
 
 @dataclass
@@ -185,13 +188,18 @@ def build_problem(
         kind = n.meta.get("autopar.kind")
         prof = op_memory(n, autocast) if kind == "op" else None
         work = node_work(n, ctx) if kind == "op" else None
+        kinds: dict[str, np.ndarray] = {}
         for i, s in enumerate(strategies):
             if kind == "param":
                 trainable = n.meta.get("autopar.requires_grad", True)
                 static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
                 if trainable and s.zero_axes:
                     comm[i] = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx) * c
+                    kinds.setdefault("all_gather", np.zeros(k))[i] = comm[i]
             elif kind == "op":
+                for ck, seconds in own_sync_time(n, s, ctx, microbatches, recompute and in_block).items():
+                    comm[i] += seconds * c
+                    kinds.setdefault(ck, np.zeros(k))[i] += seconds * c
                 f, b = node_compute_time(n, s, ctx, work)
                 fwd[i], bwd[i] = f * c, b * c
                 own = saved_bytes(n, s, ctx, prof, batch, microbatches)
@@ -207,11 +215,25 @@ def build_problem(
             fwd_extra = fwd.copy()
             bwd = bwd + fwd_extra  # recomputed forward runs inside backward
         nodes[n.name] = NodeVar(n.name, n, c, strategies, fwd, bwd, static, saved, in_block, excluded, ns.fallback,
-                                comm_s=comm if comm.any() else None, transient_bytes=transient if transient.any() else None)
+                                comm_s=comm if comm.any() else None, transient_bytes=transient if transient.any() else None,
+                                comm_kinds=kinds or None)
 
     _merge_followers(traced, blocks, nodes, ctx)
     edges = _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
+
+
+def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, recomputed: bool) -> dict[str, float]:
+    """Seconds per collective kind of the collectives an op runs inside itself under ``s`` (a
+    batch norm over a split batch: ``ir.batch_norm_sync``), every microbatch; a recomputed
+    block runs the forward ones twice."""
+    from autopar.cost_models.communication import collective_time
+
+    out: dict[str, float] = {}
+    for kind, axis, nbytes, forward in batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape):
+        t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
+        out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)
+    return out
 
 
 def _input_bytes(n: fx.Node, i: int, s: Strategy, ctx: CostContext, batch: set[str], microbatches: int,
@@ -558,6 +580,8 @@ def _merge_followers(traced: TracedGraph, blocks: BlockInfo, nodes: dict[str, No
         V.static_bytes, V.saved_bytes = V.static_bytes[picks], V.saved_bytes[picks]
         if V.comm_s is not None:
             V.comm_s = V.comm_s[picks]
+        if V.comm_kinds is not None:
+            V.comm_kinds = {k: arr[picks] for k, arr in V.comm_kinds.items()}
         if V.transient_bytes is not None:
             V.transient_bytes = V.transient_bytes[picks]
         V.root = root
