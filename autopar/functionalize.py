@@ -23,7 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["functionalize_inplace"]
+__all__ = ["functionalize_inplace", "written_inputs", "written_edges"]
 
 
 def _schema(node: fx.Node):
@@ -36,6 +36,48 @@ def _mutates_first_arg(node: fx.Node) -> bool:
         return False
     info = schema.arguments[0].alias_info
     return bool(info is not None and info.is_write)
+
+
+def written_inputs(node: fx.Node) -> frozenset[int]:
+    """Positions, in ``trace.tensor_inputs(node)`` order, of the tensor arguments ``node`` writes
+    in place (what its schema marks ``Tensor(a!)``). The planner never reshards these: the op
+    would write into the copy and the tensor everyone else reads would not change."""
+    schema = _schema(node)
+    if schema is None or not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return frozenset()
+    from torch.utils import _pytree as pytree
+
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = [a.name for a in schema.arguments]
+    out, pos = set(), 0
+    for key, value in [(names[i] if i < len(names) else None, v) for i, v in enumerate(node.args)] + list(node.kwargs.items()):
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, fx.Node):
+                if key in written:
+                    out.add(pos)
+                pos += 1
+    return frozenset(out)
+
+
+def written_edges(graph: fx.Graph) -> dict[str, frozenset[int]]:
+    """Per node name, the positions of its tensor inputs whose storage is written in place: by the
+    node itself (``written_inputs``) or, for an op returning a view of its input, through that
+    view later. Moving such an input to another layout hands the op a copy, and the write would
+    miss the tensor the rest of the graph reads: the planner prices these moves out and the
+    passes refuse them."""
+    from autopar.trace import tensor_inputs
+
+    out: dict[str, set[int]] = {}
+    for n in graph.nodes:
+        for w in written_inputs(n):
+            consumer, pos = n, w
+            while True:
+                out.setdefault(consumer.name, set()).add(pos)
+                a = tensor_inputs(consumer)[pos]
+                if not _returns_alias(a) or a.target is operator.getitem or not tensor_inputs(a):
+                    break
+                consumer, pos = a, 0  # a view (or an in-place result) aliases its first input
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 def _returns_alias(node: fx.Node) -> bool:

@@ -5,6 +5,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.layouts import format_layout, parse_layout, replicated, uneven_dims
+from autopar.errors import NoFeasiblePlanError
+from autopar.functionalize import written_edges
 from autopar.ir import LOSS_LAYOUT_KEY, edge_reshard, param_cast_dtype, reshard
 from autopar.passes.context import PassContext
 
@@ -57,6 +59,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     """
     graph = gm.graph
     gm.meta.pop(LOSS_LAYOUT_KEY, None)
+    writes = written_edges(graph)  # before any reshard is inserted
     for node in list(graph.nodes):
         if node.op not in ("call_function", "output") or node.meta.get("autopar.kind") == "reshard":
             continue
@@ -94,6 +97,13 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
                                 None if gwant in (None, "any") else parse_layout(gwant), produces_grad)
             if edge is None:
                 return a
+            if node.op != "output" and i in writes.get(node.name, ()):
+                module = node.meta.get("autopar.module") or "<root>"
+                raise NoFeasiblePlanError(
+                    f"the plan moves '{a.name}' from {src} to {want} before {node.target} (node '{node.name}' in "
+                    f"module '{module}') writes it in place (or a view of it is written later): the write would "
+                    "land in a copy. The planner moves such a tensor only where no plan without the move exists: "
+                    "relax the constraints, or write the op out of place in the model")
             src, want, gsrc, gdst = (format_layout(x) if x is not None else None for x in edge)
             return _edge_call(graph, node, a, src, want, gsrc, gdst, ctx)
 

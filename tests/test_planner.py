@@ -374,3 +374,73 @@ def test_batch_norm_statistics_sync_is_in_the_planned_step_time():
     whole = next(i for i, s in enumerate(bn.strategies) if s.ins[0][0] == R)
     ar = [predict_comm_bytes(problem, {**sol.choice, bn.name: k}).get("all_reduce", 0.0) for k in (split, whole)]
     assert ar[0] - ar[1] == pytest.approx(2 * 2 * 2 * 16 * 4 + 2 * 16 * 4)
+
+
+def test_a_tensor_written_in_place_is_never_resharded_before_the_write():
+    """The op would write into the reshard's copy and readers of the original would miss it: every
+    layout pair that moves the written operand is priced out of the ILP, and a plan that still has
+    one is refused by the pass that would emit it, naming the op and its module. (That the plans
+    train exactly: ``write_view`` in tests/test_runtime_parity.py.)"""
+    import torch.nn.functional as F
+
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.errors import NoFeasiblePlanError
+    from autopar.functionalize import written_edges
+    from autopar.ir import edge_reshard
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.problem import REFUSED_RESHARD_S, build_problem
+    from autopar.planner.search import cost_context
+    from autopar.trace import trace_model
+
+    from autopar.runtime.zoo import WriteThroughView
+
+    torch.manual_seed(0)
+    model = WriteThroughView()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    traced = trace_model(model, (x,), loss_fn=F.cross_entropy, example_target=y)
+    written = next(n for n in traced.graph.nodes if str(n.target) == "aten.mul_.Tensor")
+    ctx = cost_context((2, 2), Cluster.local(4), precision_policy("fp32"), optimizer_spec("sgd"))
+    problem = build_problem(traced, find_repeated_blocks(traced.graph), ctx, recompute=False, microbatches=1)
+    edge = next(e for e in problem.edges if e.v == written.name and e.in_index == 0)
+    U, V = problem.nodes[edge.u], problem.nodes[edge.v]
+    refused = kept = 0
+    for su in U.strategies:
+        for sv in V.strategies:
+            ku = edge.u_key[U.strategies.index(su)]
+            kv = edge.v_key[V.strategies.index(sv)]
+            moves = edge_reshard(su.outs[edge.out_index], sv.ins[0], sv.grad_ins[0], True) is not None
+            if moves:
+                refused += 1
+                assert edge.blocking[ku, kv] >= REFUSED_RESHARD_S
+            else:
+                kept += 1
+                assert edge.blocking[ku, kv] < 1.0
+    assert refused and kept
+    # planned freely or data parallel, the write lands on the value the rest of the graph reads
+    for constraints in (Constraints(), Constraints(dp=4, zero=3)):
+        plan = autopar.plan(model, Cluster.local(4), x, loss_fn=F.cross_entropy, example_target=y,
+                            constraints=constraints)
+        placed = {p.name: p for p in plan.stages[0].nodes}
+        chain = written_edges(traced.graph)  # mul_ writes slice_1, a view of linear: both edges
+        assert chain == {written.name: {0}, written.args[0].name: {0}}
+        for name, positions in chain.items():
+            for pos in positions:
+                producer = [a for a in traced.graph.nodes if a.name == name][0].args[pos].name
+                assert placed[name].ins[pos] == placed[producer].outs[0], (constraints, name)
+        assert plan.predicted.step_time_s < 1.0
+    # under dp x tp with fc column parallel, every plan moves it: refused at planning
+    with pytest.raises(NoFeasiblePlanError, match=r"every plan under .* moves 'linear'.*aten.slice.Tensor"):
+        autopar.plan(model, Cluster.local(4), x, loss_fn=F.cross_entropy, example_target=y,
+                     constraints=Constraints(dp=2, tp=2))
+    # and the pass refuses a plan that moves it (here: edited by hand)
+    from autopar.passes.insert_collectives import insert_collectives_pass
+    from autopar.passes.context import PassContext
+    import dataclasses as dc
+
+    node = placed[written.name]
+    other = next(lay for lay in ("[R, S(1)]", "[S(1), R]", "[R, R]") if lay != node.ins[0])
+    bad_nodes = tuple(dc.replace(n, ins=(other,) + tuple(n.ins[1:])) if n.name == written.name else n
+                      for n in plan.stages[0].nodes)
+    bad = dc.replace(plan, stages=(dc.replace(plan.stages[0], nodes=bad_nodes),))
+    with pytest.raises(NoFeasiblePlanError, match=r"aten.mul_.Tensor \(node 'mul_'.*writes it in place"):
+        insert_collectives_pass(traced.gm, PassContext.for_stage(bad))

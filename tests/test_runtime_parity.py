@@ -56,6 +56,8 @@ CASES_4 = [
     ("tiny_llama", {"dp": 4, "zero": 3}),
     ("manual_gpt", {"dp": 2, "tp": 2}, "sgd"),
     ("cnn", {"dp": 2, "tp": 2}),
+    ("write_view", {}),
+    ("write_view", {"dp": 4, "zero": 3}),
 ]
 
 

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from autopar.ir import batch_norm_sync, edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
+from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work, param_memory, reshard_time
 from autopar.planner.op_memory import op_memory
@@ -327,10 +328,12 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
             u, idx = producer_of(a)
             grouped[(rep[u.name], idx, None, 0)] += 1
     edges = []
+    writes = written_edges(traced.graph)
     for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
         if u not in nodes or (v is not None and v not in nodes):
             continue
-        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast)
+        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
+                            written=v is not None and i in writes.get(v, ()))
         if table is not None:
             edges.append(table)
     # identical (u, v) edges collapse: the ILP simply sums them
@@ -338,7 +341,7 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
 
 
 def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int,
-                batch: set[str] = frozenset(), recompute: bool = False, autocast=None):
+                batch: set[str] = frozenset(), recompute: bool = False, autocast=None, written: bool = False):
     """Price one edge for every pair of (producer layout, consumer layout): the ``reshard`` the
     passes will insert there (``ir.edge_reshard``), in the window the runtime runs it in.
 
@@ -353,7 +356,10 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
 
     A pair's price depends only on the value (shape, bytes per element), the two layouts and
     the window rules, not on which edge it is: pairs are priced once per mesh (``_cell``, in
-    ``ctx.reshard_memo``) and shared by every edge and attempt that meets them."""
+    ``ctx.reshard_memo``) and shared by every edge and attempt that meets them.
+
+    ``written``: the consumer writes this input in place, or through a view of it
+    (``functionalize.written_edges``): every pair that moves it costs ``REFUSED_RESHARD_S``."""
     meta = U.node.meta["autopar.outputs"][idx] if idx < len(U.node.meta["autopar.outputs"]) else None
     if meta is None:
         return None
@@ -393,7 +399,7 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     else:
         per_micro = 1.0 if U.name in batch else m  # how many times the traced-size bytes move
         value = ("act", meta.shape, ctx.act_bytes(meta) / max(meta.numel, 1), needs_grad, per_micro,
-                 2.0 if in_recompute else 1.0)
+                 2.0 if in_recompute else 1.0, written)
         u_ids = [intern.setdefault(k, len(intern)) for k in u_layouts]
     v_ids = [(intern.setdefault(lin, len(intern)), intern.setdefault(lgrad, len(intern))) for lin, lgrad in v_layouts]
     nu, nv = len(u_layouts), len(v_layouts)
@@ -459,8 +465,10 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
 
     lin, lgrad = vkey
     if value[0] == "act":
-        _, _, _, needs_grad, per_micro, fwd_times = value
+        _, _, _, needs_grad, per_micro, fwd_times, written = value
         edge = edge_reshard(ukey, lin, lgrad, needs_grad) if ukey is not None else None
+        if edge is not None and written:
+            out.append(("blocking", REFUSED_RESHARD_S, ()))  # the op would write into a copy
         if edge is not None:
             src, dst, gsrc, gdst = edge
             add(reshard_time(meta, src, dst, ctx) if src != dst else {}, "blocking", per_micro * fwd_times)
@@ -487,6 +495,11 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
             else:
                 add(reshard_time(meta, gsrc, gdst, ctx, bwd_per_elem), "overlap_bwd" if ahead else "blocking", m)
     return tuple(out)
+
+
+# What a reshard of a tensor an op writes in place costs the ILP: no plan that needs one can win
+# while another exists (``insert_collectives_pass`` refuses a plan that has one).
+REFUSED_RESHARD_S = 1e6
 
 
 def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[str, float]:

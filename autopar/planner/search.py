@@ -29,7 +29,7 @@ from autopar.planner.costing import CostContext
 from autopar.planner.comm_model import predict_comm_bytes
 from autopar.planner.evaluate import Evaluation, autocast_dtype, evaluate, incident_edges, model_flops, node_alternatives
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
-from autopar.planner.problem import Problem, build_problem, producer_of
+from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem, producer_of
 from autopar.trace import TracedGraph
 
 __all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
@@ -337,6 +337,7 @@ def search_plan(
     if not attempts:
         _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
+    _refuse_moved_writes(best, c)
     best = _prove_best(best, c, budget, solver, outcomes)
     if _step_time_only:
         return best.evaluation.step_time_s
@@ -365,6 +366,25 @@ def search_plan(
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
     return plan
+
+
+def _refuse_moved_writes(att: _Attempt, c: Constraints) -> None:
+    """The best plan still moves a tensor an op writes in place (priced ``REFUSED_RESHARD_S``):
+    every plan allowed does, so none computes what the model computes."""
+    if att.evaluation.blocking_s < REFUSED_RESHARD_S:
+        return
+    choice = att.solution.choice
+    for e in att.problem.edges:
+        if e.v is None:
+            continue
+        ku, kv = int(e.u_key[choice[e.u]]), int(e.v_key[choice[e.v]])
+        if e.blocking[ku, kv] >= REFUSED_RESHARD_S:
+            v = att.problem.nodes[e.v].node
+            module = v.meta.get("autopar.module") or "<root>"
+            raise NoFeasiblePlanError(
+                f"every plan under {c} moves '{e.u}' to another layout before {v.target} (node '{v.name}' in module "
+                f"'{module}'), which writes it in place or returns a view of it that is written later: the write "
+                "would land in a copy. Relax the constraints, or write that op out of place in the model")
 
 
 def _solver_note(sol: Solution, config: SolverConfig) -> str:

@@ -66,6 +66,12 @@ def build_case(name: str, seed: int = 0):
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(8)]
         return SmallCNN(), batches, torch.nn.functional.cross_entropy
+    if name == "write_view":
+        from autopar.runtime.zoo import WriteThroughView
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(8)]
+        return WriteThroughView(), batches, torch.nn.functional.cross_entropy
     if name == "odd_mlp":
         from autopar.runtime.zoo import OddMLP
 

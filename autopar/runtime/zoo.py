@@ -165,6 +165,22 @@ class SmallCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class WriteThroughView(nn.Module):
+    """An in-place write the tracer must keep (a view sees it), read afterwards through the base:
+    the sharded program must write where every later reader reads."""
+
+    def __init__(self, d: int = 16, hidden: int = 32, out: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.out = nn.Linear(hidden, out)
+
+    def forward(self, x):
+        h = self.fc(x)
+        view = h[:, : h.shape[1] // 2]
+        view.mul_(2)
+        return self.out(torch.relu(h))
+
+
 class OddMLP(nn.Module):
     """Widths 21 -> 77 -> 21 -> 3: every weight and bias dim is odd, the head's bias has 3 entries."""
 
