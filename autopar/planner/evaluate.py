@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 from autopar.planner.costing import node_flops
-from autopar.planner.ilp import exposed_seconds
+from autopar.planner.overlap import exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 

@@ -66,13 +66,13 @@ from typing import Callable
 import numpy as np
 from ortools.linear_solver import pywraplp
 
+from autopar.planner.local_search import AssignmentCosts, improve
+from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY, exposed_seconds
 from autopar.planner.problem import Problem
 
 __all__ = ["SolverConfig", "Solution", "solve", "OVERLAP_EFFICIENCY", "EXPOSED_FLOOR", "InfeasibleProblem",
            "exposed_seconds"]
 
-OVERLAP_EFFICIENCY = 0.8
-EXPOSED_FLOOR = 0.05
 _MS = 1e3  # objective unit: milliseconds
 _MIB = 2.0**20  # memory unit: MiB
 # below this many columns the MIP is solved as it is (the LP pass would cost more than it saves)
@@ -406,14 +406,6 @@ def _pieces_b(ovl_b, ovl_l, bwd, microbatches):
             _Expr().add(ovl_b, EXPOSED_FLOOR).add(ovl_l, EXPOSED_FLOOR)]
 
 
-def exposed_seconds(fwd: float, bwd: float, ovl_f: float, ovl_b: float, ovl_l: float, microbatches: int) -> tuple[float, float]:
-    """The overlap model in floating point: (exposed in the forward window, in the backward one)."""
-    f = max(ovl_f - OVERLAP_EFFICIENCY * fwd, EXPOSED_FLOOR * ovl_f, 0.0)
-    b = max(ovl_b + ovl_l - OVERLAP_EFFICIENCY * bwd, ovl_l - OVERLAP_EFFICIENCY / microbatches * bwd,
-            EXPOSED_FLOOR * (ovl_b + ovl_l), 0.0)
-    return f, b
-
-
 # --------------------------------------------------------------------------- solving
 def _instantiate(md: _Model, backend: str, keep=None, relax: bool = False):
     """A pywraplp solver holding the model (only the columns ``keep`` marks, when given), and the
@@ -478,114 +470,6 @@ def _proto(md: _Model, arr: "_Rows", rows: np.ndarray, cols: np.ndarray, relax: 
     return model
 
 
-class _Costs:
-    """Per-problem tables of ``_Assignment``, built once per solve: node costs as tuples, edge
-    cells converted on first use."""
-
-    def __init__(self, problem: Problem):
-        self.p = problem
-        self.members: dict[str, list[str]] = {}
-        for n, v in problem.nodes.items():
-            self.members.setdefault(v.root or n, []).append(n)
-        self.node_cost = {}
-        for n, v in problem.nodes.items():
-            comm = v.comm_s if v.comm_s is not None else np.zeros(len(v.strategies))
-            self.node_cost[n] = list(zip(v.fwd_s.tolist(), v.bwd_s.tolist(), np.asarray(comm, dtype=float).tolist(),
-                                         (v.static_bytes + v.saved_bytes).tolist()))
-        self.edges: dict[str, list[int]] = {}
-        for i, e in enumerate(problem.edges):
-            for n in (e.u, e.v):
-                if n is None:
-                    continue
-                r = problem.nodes[n].root or n
-                lst = self.edges.setdefault(r, [])
-                if not lst or lst[-1] != i:
-                    lst.append(i)
-        self._cells: dict[tuple[int, int, int], tuple] = {}
-        self.ends = [(e.u, e.u_key.tolist(), e.v, e.v_key.tolist() if e.v is not None else None) for e in problem.edges]
-
-    def cell(self, i: int, ku: int, kv: int) -> tuple:
-        """(blocking, ovl_f, ovl_b, ovl_l) of edge ``i`` at keys (ku, kv)."""
-        key = (i, ku, kv)
-        hit = self._cells.get(key)
-        if hit is None:
-            e = self.p.edges[i]
-            hit = self._cells[key] = (float(e.blocking[ku, kv]),) + tuple(
-                0.0 if a is None else float(a[ku, kv]) for a in (e.overlap, e.overlap_bwd, e.overlap_last))
-        return hit
-
-
-class _Assignment:
-    """A full assignment and its cost components, updated incrementally when one root (with its
-    followers) changes strategy: the local search of ``_improve``. Seconds and bytes, the
-    arithmetic of ``planner.evaluate``; components as plain floats (fwd, bwd, blocking, ovl_f,
-    ovl_b, ovl_l, memory)."""
-
-    def __init__(self, problem: Problem, choice: dict[str, int], budget_bytes: float | None, costs=None):
-        self.p = problem
-        self.choice = choice
-        self.budget = budget_bytes
-        self.c = costs if costs is not None else _Costs(problem)
-        self.members, self.edges, self.node_cost = self.c.members, self.c.edges, self.c.node_cost
-        agg = [0.0] * 7
-        for n in problem.nodes:
-            f, b, c, m = self.node_cost[n][choice[n]]
-            agg[0] += f
-            agg[1] += b
-            agg[2] += c
-            agg[6] += m
-        for i in range(len(problem.edges)):
-            bl, of, ob, ol = self._edge(i)
-            agg[2] += bl
-            agg[3] += of
-            agg[4] += ob
-            agg[5] += ol
-        self.agg = agg
-
-    def _edge(self, i: int) -> tuple:
-        u, uk, v, vk = self.c.ends[i]
-        ch = self.choice
-        key = (i, uk[ch[u]], vk[ch[v]] if v is not None else 0)
-        hit = self.c._cells.get(key)
-        return hit if hit is not None else self.c.cell(*key)
-
-    def value(self) -> float | None:
-        """Objective in solver units (ms), None when over the memory budget."""
-        f, b, bl, of, ob, ol, mem = self.agg
-        if self.budget is not None:
-            working = max((v.transient_bytes[self.choice[n]] for n, v in self.p.nodes.items()
-                           if v.transient_bytes is not None), default=0.0)
-            if mem + working > self.budget:
-                return None
-        ef, eb = exposed_seconds(f, b, of, ob, ol, self.p.microbatches)
-        return (f + b + bl + ef + eb) * _MS
-
-    def move(self, root: str, s: int) -> None:
-        """Set ``root`` (and its followers) to strategy ``s``."""
-        agg = self.agg
-        es = self.edges.get(root, ())
-        for i in es:
-            bl, of, ob, ol = self._edge(i)
-            agg[2] -= bl
-            agg[3] -= of
-            agg[4] -= ob
-            agg[5] -= ol
-        for n in self.members[root]:
-            f0, b0, c0, m0 = self.node_cost[n][self.choice[n]]
-            f1, b1, c1, m1 = self.node_cost[n][s]
-            agg[0] += f1 - f0
-            agg[1] += b1 - b0
-            agg[2] += c1 - c0
-            agg[6] += m1 - m0
-            self.choice[n] = s
-        for i in es:
-            bl, of, ob, ol = self._edge(i)
-            agg[2] += bl
-            agg[3] += of
-            agg[4] += ob
-            agg[5] += ol
-
-
 def _rounding(md: _Model, lp_x) -> dict[str, int]:
     """Each node's strategy of largest LP value (the first among equals)."""
     choice = {}
@@ -598,34 +482,12 @@ def _rounding(md: _Model, lp_x) -> dict[str, int]:
 
 
 def _improve(md: _Model, problem: Problem, choice: dict[str, int], budget_bytes: float | None, costs=None):
-    """Single-root moves (a root and its followers together), the best per root, while they
-    lower the exact objective and keep the memory limit. Deterministic. Returns (choice,
-    objective) or None when ``choice`` itself breaks the memory limit."""
-    choice = dict(choice)
-    costs = costs if costs is not None else _Costs(problem)
-    state = _Assignment(problem, choice, budget_bytes, costs)
-    best = state.value()
-    if best is None:
-        return None
-    roots = [n for n, cols in md.x.items() if cols != [None] and problem.nodes[n].root is None]
-    for _ in range(10):  # passes
-        improved = False
-        for r in roots:
-            cur = pick = choice[r]
-            for s in range(len(md.x[r])):
-                if s == cur:
-                    continue
-                state.move(r, s)
-                val = state.value()
-                if val is not None and val < best - 1e-9 * max(1.0, abs(best)):
-                    best, pick, improved = val, s, True
-                state.move(r, cur)
-            if pick != cur:
-                state.move(r, pick)
-        if not improved:
-            break
-    # the exact value again, summed afresh (no drift from the incremental updates)
-    return dict(choice), _Assignment(problem, dict(choice), budget_bytes, costs).value()
+    """``local_search.improve`` over the roots the ILP decides; (choice, objective in ms) or None."""
+    roots = [(n, len(cols)) for n, cols in md.x.items() if cols != [None] and problem.nodes[n].root is None]
+    found = improve(problem, roots, choice, budget_bytes, costs)
+    if found is None or found[1] is None:
+        return found
+    return found[0], found[1] * _MS
 
 
 def _build(problem: Problem, budget_bytes: float | None, objective: str) -> _Model:
@@ -818,7 +680,7 @@ def _solve_lp_first(md: _Model, problem: Problem, budget_bytes: float | None, co
         return None
     lp_x, reduced, z, _ = _results(lp, cols, len(md.lb))
     kind = np.asarray(md.kind)
-    costs = _Costs(problem)
+    costs = AssignmentCosts(problem)
     rounded = _rounding(md, lp_x)
     hit_limit = False
 
