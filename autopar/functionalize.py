@@ -22,6 +22,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 __all__ = ["functionalize_inplace", "written_inputs", "written_edges"]
 
@@ -43,11 +44,9 @@ def written_inputs(node: fx.Node) -> frozenset[int]:
     in place (what its schema marks ``Tensor(a!)``). The planner never reshards these: the op
     would write into the copy and the tensor everyone else reads would not change."""
     schema = _schema(node)
-    if schema is None or not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write} if schema else set()
+    if not written:
         return frozenset()
-    from torch.utils import _pytree as pytree
-
-    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     names = [a.name for a in schema.arguments]
     out, pos = set(), 0
     for key, value in [(names[i] if i < len(names) else None, v) for i, v in enumerate(node.args)] + list(node.kwargs.items()):

@@ -19,6 +19,7 @@ pad to ``ceil(size / n)`` per rank (the runtime needs the global shape for them)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -79,7 +80,14 @@ _PRIORITY = {"slice": 0, "scale": 0, "all_reduce": 1, "reduce_scatter": 1, "all_
 
 def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement],
                   uneven: frozenset[tuple[int, int]] = frozenset()) -> list[ReshardStep]:
-    """Steps turning a tensor laid out ``src`` into ``dst`` (same mesh), in execution order."""
+    """Steps turning a tensor laid out ``src`` into ``dst`` (same mesh), in execution order (a
+    fresh list; computed once per distinct arguments: the planner prices the same layout pairs
+    tens of thousands of times)."""
+    return list(_reshard_steps(tuple(src), tuple(dst), frozenset(uneven)))
+
+
+@functools.lru_cache(maxsize=8192)
+def _reshard_steps(src: tuple, dst: tuple, uneven: frozenset) -> tuple[ReshardStep, ...]:
     if len(src) != len(dst):
         raise ValueError(f"layouts of different mesh rank: {src} vs {dst}")
     cur: list[Placement] = list(src)
@@ -106,7 +114,7 @@ def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement],
             a = min(pending)
             steps += _one_axis(a, cur[a], Replicate())
             cur[a] = Replicate()
-    return steps
+    return tuple(steps)
 
 
 def reshard_steps_for(shape: Sequence[int] | None, src: Sequence[Placement], dst: Sequence[Placement],

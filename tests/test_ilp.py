@@ -3,7 +3,7 @@
 Problems are built directly from ``NodeVar`` / ``EdgeTable`` with random costs; the brute force
 enumerates every strategy assignment (followers take their root's index) and computes the
 objective of ``planner.evaluate``: forward + backward compute + blocking + the exposed part of
-the forward, backward and last-microbatch overlap windows (``ilp.exposed_seconds``), subject to
+the forward, backward and last-microbatch overlap windows (``overlap.exposed_seconds``), subject to
 state + saved bytes <= budget.
 """
 import itertools

@@ -19,8 +19,8 @@ from autopar.cost_models.communication import CommGroup, axis_group, collective_
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
-from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout, uneven_dims
-from autopar.resharding import layout_after, reshard_steps
+from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
+from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
 from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
@@ -196,7 +196,7 @@ def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
     multiple of the group size, an all-reduce's or all-to-all's buffer."""
     out = []
     cur = src
-    for step in _steps(shape, src, dst, mesh_shape):
+    for step in reshard_steps_for(shape, src, dst, mesh_shape):
         if step.is_collective:
             local = list(local_shape(shape, cur, mesh_shape))  # the largest shard where uneven
             n = mesh_shape[step.axis]
@@ -209,25 +209,11 @@ def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
     return out
 
 
-_STEPS: dict = {}
-
-
-def _steps(shape, src: Layout, dst: Layout, mesh_shape) -> list:
-    """``resharding.reshard_steps_for``, memoised: the steps depend on the shape only through
-    which dims are split unevenly, so one computation serves every tensor of a layout pair."""
-    uneven = uneven_dims(shape, (src, dst), mesh_shape) if shape is not None else frozenset()
-    key = (tuple(src), tuple(dst), uneven)
-    hit = _STEPS.get(key)
-    if hit is None:
-        hit = _STEPS[key] = reshard_steps(src, dst, uneven)
-    return hit
-
-
 def reshard_staging_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> float:
     """Peak bytes a reshard allocates beyond its input and its final output, as
     ``runtime.collectives`` runs it: send copies of a dim that is not dim 0, padding of uneven
     dims, receive buffers, result copies, and the intermediate results of multi-step reshards."""
-    steps = _steps(shape, src, dst, mesh_shape)
+    steps = reshard_steps_for(shape, src, dst, mesh_shape)
     peak, cur = 0.0, src
     carried = 0.0  # an intermediate result from the previous step
     for k, step in enumerate(steps):

@@ -56,13 +56,14 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
                       default=0.0)
     # node-level communication: ZeRO-1/2's parameter all-gathers after the optimizer step, batch
     # norm statistics over a split batch
-    blocking = sum(v.comm_s[choice[n]] for n, v in problem.nodes.items() if v.comm_s is not None)
-    ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
+    blocking = 0.0
     kinds: dict[str, float] = defaultdict(float)
     for n, v in problem.nodes.items():
         for k, arr in (v.comm_kinds or {}).items():
             if arr[choice[n]]:
                 kinds[k] += arr[choice[n]]
+                blocking += arr[choice[n]]
+    ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
     for e in problem.edges:
         ku, kv = _edge_keys(e, choice)
         blocking += e.blocking[ku, kv]

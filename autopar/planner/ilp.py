@@ -67,11 +67,10 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autopar.planner.local_search import AssignmentCosts, improve
-from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY, exposed_seconds
+from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY
 from autopar.planner.problem import Problem
 
-__all__ = ["SolverConfig", "Solution", "solve", "OVERLAP_EFFICIENCY", "EXPOSED_FLOOR", "InfeasibleProblem",
-           "exposed_seconds"]
+__all__ = ["SolverConfig", "Solution", "solve", "OVERLAP_EFFICIENCY", "EXPOSED_FLOOR", "InfeasibleProblem"]
 
 _MS = 1e3  # objective unit: milliseconds
 _MIB = 2.0**20  # memory unit: MiB
@@ -112,7 +111,7 @@ class Solution:
     memory_slack_bytes: float = 0.0  # budget minus the ILP's memory at the optimum (inf: no limit)
     time_limit_hit: bool = False  # a MIP stopped at ``SolverConfig.time_limit_s`` (not reproducible)
     columns: int = 0  # columns of the full model (num_vars: those of the last MIP solved)
-    lp_s: float = 0.0  # the LP pass (relaxation, incumbent, restricted MIP) inside solve_s
+    lp_s: float = 0.0  # the LP pass (relaxation, rounding, restricted MIP, moves) inside solve_s
     unproven_columns: int = 0  # >0: the proof MIP would have had this many columns and was skipped
     proof_effort: float = 0.0  # that MIP's predicted effort (columns x relative gap)
     prove: Callable[[], "Solution"] | None = field(default=None, repr=False, compare=False)  # runs it
@@ -122,6 +121,14 @@ class Solution:
         if self.objective_s <= 0:
             return 0.0
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+    @property
+    def stopped(self) -> str:
+        """Why the solve ended (``plan.SolverReport.stopped``): "optimal", "time limit" or "proof
+        skipped" (the proof MIP predicted too costly, ``SolverConfig.prove_limit``)."""
+        if self.status == "OPTIMAL":
+            return "optimal"
+        return "time limit" if self.time_limit_hit else "proof skipped"
 
 
 class InfeasibleProblem(Exception):
@@ -260,11 +267,12 @@ def add_one_strategy_per_node(md: _Model, problem: Problem) -> None:
             cols = [md.col(_X, 0.0, 1.0, f"x[{name},{i}]") for i in range(len(v.strategies))]
             md.row(1.0, 1.0, _Expr((1.0, c) for c in cols), "one-strategy")
             md.x[name] = cols
+        comm = v.comm_s
         for i, lit in enumerate(md.x[name]):
             md.fwd.append((float(v.fwd_s[i] * _MS), lit))
             md.bwd.append((float(v.bwd_s[i] * _MS), lit))
-            if v.comm_s is not None:
-                md.blocking.append((float(v.comm_s[i] * _MS), lit))
+            if comm is not None:
+                md.blocking.append((float(comm[i] * _MS), lit))
             md.memory.append((float(((v.static_bytes[i] + v.saved_bytes[i]) / _MIB)), lit))
         if v.transient_bytes is not None:
             md.working_sets.append([(float(v.transient_bytes[i] / _MIB), lit) for i, lit in enumerate(md.x[name])])

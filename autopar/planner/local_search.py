@@ -26,7 +26,8 @@ class AssignmentCosts:
             self.members.setdefault(v.root or n, []).append(n)
         self.node_cost = {}
         for n, v in problem.nodes.items():
-            comm = v.comm_s if v.comm_s is not None else np.zeros(len(v.strategies))
+            comm = v.comm_s
+            comm = comm if comm is not None else np.zeros(len(v.strategies))
             self.node_cost[n] = list(zip(v.fwd_s.tolist(), v.bwd_s.tolist(), np.asarray(comm, dtype=float).tolist(),
                                          (v.static_bytes + v.saved_bytes).tolist()))
         self.edges: dict[str, list[int]] = {}

@@ -50,11 +50,15 @@ class NodeVar:
     excluded: list[tuple[str, str]] = field(default_factory=list)
     fallback: bool = False
     root: str | None = None  # set for followers: strategy i is paired with strategy i of ``root``
-    # blocking communication of the strategy itself (ZeRO-1/2's post-step gather, a batch norm's
-    # statistics sync), in total and per collective kind
-    comm_s: np.ndarray | None = None
     transient_bytes: np.ndarray | None = None  # the op's working set while it runs (not x count: one runs at a time)
-    comm_kinds: dict[str, np.ndarray] | None = None  # comm_s split by collective kind
+    # blocking communication of the strategy itself, seconds per collective kind (ZeRO-1/2's
+    # post-step all-gather, a batch norm's statistics sync); None: none
+    comm_kinds: dict[str, np.ndarray] | None = None
+
+    @property
+    def comm_s(self) -> np.ndarray | None:
+        """``comm_kinds`` summed over the kinds: per strategy, seconds (None: none)."""
+        return None if self.comm_kinds is None else sum(self.comm_kinds.values())
 
 
 @dataclass
@@ -184,7 +188,6 @@ def build_problem(
         bwd = np.zeros(k)
         static = np.zeros(k)
         saved = np.zeros(k)
-        comm = np.zeros(k)
         transient = np.zeros(k)
         kind = n.meta.get("autopar.kind")
         prof = op_memory(n, autocast) if kind == "op" else None
@@ -195,11 +198,10 @@ def build_problem(
                 trainable = n.meta.get("autopar.requires_grad", True)
                 static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
                 if trainable and s.zero_axes:
-                    comm[i] = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx) * c
-                    kinds.setdefault("all_gather", np.zeros(k))[i] = comm[i]
+                    seconds = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx)
+                    kinds.setdefault("all_gather", np.zeros(k))[i] = seconds * c
             elif kind == "op":
                 for ck, seconds in own_sync_time(n, s, ctx, microbatches, recompute and in_block).items():
-                    comm[i] += seconds * c
                     kinds.setdefault(ck, np.zeros(k))[i] += seconds * c
                 f, b = node_compute_time(n, s, ctx, work)
                 fwd[i], bwd[i] = f * c, b * c
@@ -216,8 +218,7 @@ def build_problem(
             fwd_extra = fwd.copy()
             bwd = bwd + fwd_extra  # recomputed forward runs inside backward
         nodes[n.name] = NodeVar(n.name, n, c, strategies, fwd, bwd, static, saved, in_block, excluded, ns.fallback,
-                                comm_s=comm if comm.any() else None, transient_bytes=transient if transient.any() else None,
-                                comm_kinds=kinds or None)
+                                transient_bytes=transient if transient.any() else None, comm_kinds=kinds or None)
 
     _merge_followers(traced, blocks, nodes, ctx)
     edges = _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
@@ -591,8 +592,6 @@ def _merge_followers(traced: TracedGraph, blocks: BlockInfo, nodes: dict[str, No
         V.strategies = [V.strategies[i] for i in picks]
         V.fwd_s, V.bwd_s = V.fwd_s[picks], V.bwd_s[picks]
         V.static_bytes, V.saved_bytes = V.static_bytes[picks], V.saved_bytes[picks]
-        if V.comm_s is not None:
-            V.comm_s = V.comm_s[picks]
         if V.comm_kinds is not None:
             V.comm_kinds = {k: arr[picks] for k, arr in V.comm_kinds.items()}
         if V.transient_bytes is not None:

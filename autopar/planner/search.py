@@ -569,9 +569,8 @@ def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, op
     stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records))
     predicted = _predicted(att)
     sol = att.solution
-    stopped = "optimal" if sol.status == "OPTIMAL" else ("time limit" if sol.time_limit_hit else "proof skipped")
     report = SolverReport(sol.status, _r(sol.gap), _r(sol.objective_s), _r(sol.bound_s), sol.num_vars, sol.num_constraints,
-                          tuple(outcomes), stopped)
+                          tuple(outcomes), sol.stopped)
     versions = (("autopar", _autopar_version()), ("torch", torch.__version__.split("+")[0]))
     from autopar.constraints import constraints_json
 

@@ -139,8 +139,6 @@ def enumerate_strategies(
                 strategies += [Strategy((), (layout,), (), zero, 1), Strategy((), (layout,), (), zero, 2)]
         return NodeStrategies(node.name, tuple(strategies), tuple(excluded))
 
-    n_out = len(metas)
-    trivial_axes = [a for a, n in enumerate(mesh_shape) if n == 1]
     all_r = tuple((R,) * ndim for _ in tensor_inputs(node))
     replicated = Strategy(
         ins=all_r,
