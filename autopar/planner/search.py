@@ -12,24 +12,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy, optimizer_spec, precision_policy
 from autopar.errors import ConstraintError, NoFeasiblePlanError
-from autopar.layouts import format_layout
-from autopar.plan import (
-    Alternative, Baseline, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of,
-)
-from autopar.planner.blocks import BlockInfo, find_repeated_blocks
+from autopar.plan import Baseline, Plan, fingerprint_of
+from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
-from autopar.planner.comm_model import predict_comm_bytes
-from autopar.planner.evaluate import Evaluation, autocast_dtype, evaluate, incident_edges, model_flops, node_alternatives
+from autopar.planner.evaluate import Evaluation, evaluate
+from autopar.planner.extract import extract_plan, predicted_of
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
-from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem, producer_of
+from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem
 from autopar.trace import TracedGraph
 
 __all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
@@ -38,10 +33,6 @@ __all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
 # CUDA context and library workspaces (cuBLAS, NCCL buffers).
 USABLE_MEMORY_FRACTION = 0.9
 _MEMORY_ROUNDS = 4  # ILP re-solves with a tightened budget when the simulated peak exceeds it
-
-
-def _r(x: float) -> float:
-    return float(f"{float(x):.9g}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -362,7 +353,7 @@ def search_plan(
             except NoFeasiblePlanError:
                 results["free"] = None
         free_time = results["free"]
-    plan = _extract(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes)
+    plan = extract_plan(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes)
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
     return plan
@@ -408,36 +399,12 @@ def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solve
         att = _solve_attempt(traced, blocks, cluster, policy, optimizer, (world, 1), False, 1, c, None, solver, cache)
     except InfeasibleProblem as exc:
         return Baseline("naive data parallel", None, False, f"not expressible: {exc.detail}")
-    pred = _predicted(att)
+    pred = predicted_of(att)
     fits = bool(att.evaluation.peak_bytes <= budget)
     note = "fits" if fits else (
         f"does not fit: needs {att.evaluation.peak_bytes / 2**30:.1f} GiB per device, has {budget / 2**30:.1f} GiB usable"
     )
     return Baseline("naive data parallel", pred, fits, note)
-
-
-def _predicted(att: _Attempt) -> Predicted:
-    ev = att.evaluation
-    ctx = att.problem.ctx
-    flops = model_flops(att.problem)
-    peak = ctx.cluster.device.peak_flops.for_dtype(ctx.policy.compute_dtype)
-    world = math.prod(ctx.mesh_shape)
-    mfu = flops / (ev.step_time_s * world * peak) if ev.step_time_s > 0 else 0.0
-    return Predicted(
-        step_time_s=_r(ev.step_time_s),
-        compute_s=_r(ev.compute_s),
-        comm_s=tuple((k, _r(v)) for k, v in sorted(ev.comm_by_kind.items())),
-        exposed_comm_s=_r(ev.exposed_s),
-        blocking_comm_s=_r(ev.blocking_s),
-        overlappable_comm_s=_r(ev.overlap_s),
-        peak_memory_bytes=_r(ev.peak_bytes),
-        memory_bytes=tuple((k, _r(v)) for k, v in ev.memory.categories.items()),
-        comm_bytes=tuple((k, float(v)) for k, v in sorted(
-            predict_comm_bytes(att.problem, att.solution.choice, att.evaluation.recompute,
-                               autocast_dtype=autocast_dtype(att.problem)).items())),
-        model_flops=_r(flops),
-        mfu=_r(mfu),
-    )
 
 
 def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures):
@@ -510,112 +477,3 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
                 return (f"The smallest {cluster.name} cluster that fits has {nodes} nodes "
                         f"({nodes * cluster.devices_per_node} devices): {how}.")
     return "No cluster of this preset up to 4096 nodes fits it: use a lower precision, an optimizer with less state, or a smaller model."
-
-
-def _extract(traced, blocks: BlockInfo, cluster, att: _Attempt, c, precision, optimizer, baseline, free_time, outcomes) -> Plan:
-    problem, choice = att.problem, att.solution.choice
-    incident = incident_edges(problem)
-    alts = node_alternatives(problem, choice, incident)
-    rep = blocks.rep
-    node_records = []
-    param_records = []
-    ctx = problem.ctx
-    from autopar.planner.costing import param_memory
-
-    for n in traced.graph.nodes:
-        if n.op == "output":
-            continue
-        r = rep[n.name]
-        if n.op == "call_function" and n.target.__class__.__name__ == "builtin_function_or_method" and n.target.__name__ == "getitem":
-            base, idx = producer_of(n)
-            v = problem.nodes[rep[base.name]]
-            s = v.strategies[choice[v.name]]
-            lay = s.outs[idx]
-            node_records.append(NodePlacement(n.name, "getitem", n.meta.get("autopar.module", ""),
-                                              (format_layout(lay) if lay is not None else "-",),
-                                              (format_layout(lay) if lay is not None else "-",),
-                                              (format_layout(lay) if lay is not None else "-",), r if r != n.name else ""))
-            continue
-        v = problem.nodes[r]
-        s = v.strategies[choice[r]]
-        share = 1.0 / v.count
-        alt_records = ()
-        if r == n.name:
-            alt_records = tuple(
-                Alternative(v.strategies[i].describe(), _r(dt), _r(dm)) for dt, dm, i in alts.get(r, [])
-            )
-        node_records.append(NodePlacement(
-            name=n.name,
-            op=str(n.target) if n.op == "call_function" else n.meta.get("autopar.kind", n.op),
-            module=n.meta.get("autopar.module", ""),
-            outs=tuple(format_layout(o) if o is not None else "-" for o in s.outs),
-            ins=tuple(format_layout(i) if i is not None else "any" for i in s.ins),
-            grad_ins=tuple(format_layout(g) if g is not None else "any" for g in s.grad_ins),
-            rep=r if r != n.name else "",
-            compute_s=_r((v.fwd_s[choice[r]] + v.bwd_s[choice[r]]) * share),
-            alternatives=alt_records,
-            excluded=tuple(v.excluded[:3]) if r == n.name else (),
-            fallback=v.fallback,
-        ))
-        if n.meta.get("autopar.kind") == "param":
-            meta = n.meta["autopar.outputs"][0]
-            param_records.append(ParamPlacement(
-                fqn=n.meta["autopar.fqn"], node=n.name, layout=format_layout(s.outs[0]),
-                zero_axes=tuple(AXES[a] for a in s.zero_axes), shape=meta.shape,
-                bytes_per_device=_r(param_memory(meta, s, ctx)),
-                zero_stage=s.zero_stage if s.zero_axes else 0,
-            ))
-    mesh_axes = tuple(zip(AXES, att.mesh))
-    stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records))
-    predicted = _predicted(att)
-    sol = att.solution
-    report = SolverReport(sol.status, _r(sol.gap), _r(sol.objective_s), _r(sol.bound_s), sol.num_vars, sol.num_constraints,
-                          tuple(outcomes), sol.stopped)
-    versions = (("autopar", _autopar_version()), ("torch", torch.__version__.split("+")[0]))
-    from autopar.constraints import constraints_json
-
-    cjson = constraints_json(c)
-    fp = fingerprint_of(traced.gm.code, _shapes_key(traced), cluster.to_json(), cjson, precision, repr(optimizer), repr(versions))
-    notes = []
-    fallbacks = sorted({str(v.node.target) for v in problem.nodes.values() if v.fallback and v.node.op == "call_function"})
-    if fallbacks:
-        notes.append("ops without a sharding rule run replicated: " + ", ".join(fallbacks))
-    limited = [label for label, outcome in outcomes if "time limit" in outcome]
-    if att.solution.time_limit_hit:
-        notes.append(f"not proven optimal: the ILP solver stopped at its time limit (SolverConfig.time_limit_s) with "
-                     f"this plan {att.solution.gap * 100:.2f}% above its lower bound; planning again may give a "
-                     "different plan (a longer time limit proves it)")
-    elif att.solution.status != "OPTIMAL":
-        notes.append(f"not proven optimal: this plan is at most {att.solution.gap * 100:.2f}% slower than the best "
-                     f"(by the ILP's LP bound); proving it would take a MIP over {att.solution.unproven_columns} "
-                     "columns, predicted too slow (SolverConfig(prove_limit=0) runs it)")
-    if limited and not att.solution.time_limit_hit:
-        notes.append(f"the ILP solver stopped at its time limit for {len(limited)} other candidate(s) "
-                     f"({'; '.join(limited[:3])}): one of them might be faster than this plan")
-    if any("cross_entropy" in str(v.node.target) or "nll_loss" in str(v.node.target) for v in problem.nodes.values()):
-        notes.append("a batch-sharded mean loss is averaged per shard: exact unless targets use ignore_index")
-    return Plan(
-        fingerprint=fp, versions=versions, model_class=traced.model_class, cluster_json=cluster.to_json(),
-        precision=precision, optimizer=optimizer.name, optimizer_spec=optimizer, constraints=cjson, mesh_axes=mesh_axes,
-        microbatches=att.microbatches, recompute=bool(att.evaluation.recompute), schedule=None, stages=(stage,),
-        recompute_blocks=tuple(p for p in att.problem.block_instances() if p in att.evaluation.recompute),
-        predicted=predicted, baseline=baseline, solver=report,
-        free_step_time_s=_r(free_time) if free_time is not None else None, notes=tuple(notes),
-    )
-
-
-def _shapes_key(traced: TracedGraph) -> str:
-    parts = []
-    for n in traced.graph.nodes:
-        outs = n.meta.get("autopar.outputs", ())
-        parts.append(f"{n.name}:{[(m.shape, str(m.dtype)) if m else None for m in outs]}")
-    return "|".join(parts)
-
-
-def _autopar_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("autopar")
-    except Exception:  # noqa: BLE001 - not installed (source checkout)
-        return "0+unknown"

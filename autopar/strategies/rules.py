@@ -16,88 +16,21 @@ localised) yields the local shard of the output in the stated placement.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-from autopar.layouts import Partial, Placement, R, Shard
+from autopar.layouts import Partial, R, Shard
+from autopar.strategies.conv_rules import batch_norm, convolution, pooling
+from autopar.strategies.op_view import AxisOption, OpView, _op_name
 from autopar.strategies.reshape import reshape_dim_map
-from autopar.trace import TensorMeta, tensor_inputs
+from autopar.trace import TensorMeta
 
+# ``AxisOption``, ``OpView`` and ``_op_name`` are re-exported: callers import the vocabulary with the rules
 __all__ = ["AxisOption", "OpView", "RULES", "rule_for", "FACTORY_OPS"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class AxisOption:
-    """Placements on one mesh axis: one per tensor input (``None`` = any, unused) and per output."""
-
-    ins: tuple[Placement | None, ...]
-    outs: tuple[Placement, ...]
-    divides: int = 0  # when set, the option is valid only on axes whose size divides it (conv groups)
-
-
-class OpView:
-    """Read-only view of an fx node for rules: schema-bound arguments and tensor metadata."""
-
-    def __init__(self, node: fx.Node):
-        self.node = node
-        self.inputs = tensor_inputs(node)
-        self.in_metas: list[TensorMeta | None] = [
-            _single_meta(n) for n in self.inputs
-        ]
-        self.out_metas: tuple[TensorMeta | None, ...] = node.meta["autopar.outputs"]
-        self._bound = _bind(node)
-
-    @property
-    def out(self) -> TensorMeta:
-        return self.out_metas[0]
-
-    def arg(self, name: str, default: Any = None) -> Any:
-        return self._bound.get(name, default)
-
-    def input_index(self, arg_name: str) -> int | None:
-        """Position in ``self.inputs`` of the tensor passed as ``arg_name`` (None if absent)."""
-        val = self._bound.get(arg_name)
-        if not isinstance(val, fx.Node):
-            return None
-        # positional occurrence order matches tensor_inputs order
-        for i, n in enumerate(self.inputs):
-            if n is val and self._occurrence_names[i] == arg_name:
-                return i
-        return None
-
-    @property
-    def _occurrence_names(self) -> list[str]:
-        names = []
-        for key, val in self._bound.items():
-            vals = val if isinstance(val, (list, tuple)) else [val]
-            names += [key for v in vals if isinstance(v, fx.Node)]
-        return names
-
-
-def _single_meta(n: fx.Node) -> TensorMeta | None:
-    outs = n.meta.get("autopar.outputs", ())
-    return outs[0] if len(outs) == 1 else None
-
-
-def _bind(node: fx.Node) -> dict[str, Any]:
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return {f"arg{i}": a for i, a in enumerate(node.args)} | dict(node.kwargs)
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -487,77 +420,6 @@ def cat_like(op: OpView) -> list[AxisOption]:
     return options
 
 
-def convolution(op: OpView) -> list[AxisOption]:
-    """conv{1,2,3}d(x[N, C, *], w[O, C/g, *], b[O]): batch, output channels, or (groups=1) input
-    channels, which leave the output Partial (the bias then enters Partial too).
-
-    Grouped and depthwise convolutions (groups g > 1) are channel-parallel instead: each rank
-    takes whole groups (x, w, b and the output all split on channels), valid on an axis whose
-    size divides g; ``localize_shapes_pass`` then runs the local conv with g / n groups.
-    """
-    has_bias = len(op.inputs) > 2
-    tail = (R,) if has_bias else ()
-    options = [AxisOption((Shard(0), R) + tail, (Shard(0),))]
-    groups = op.arg("groups", 1)
-    if groups == 1:
-        options.append(AxisOption((R, Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),)))
-        options.append(AxisOption((Shard(1), Shard(1)) + ((Partial("sum"),) if has_bias else ()), (Partial("sum"),)))
-    else:
-        options.append(AxisOption((Shard(1), Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),), divides=groups))
-    x, w = op.in_metas[0], op.in_metas[1]
-    if x is not None and w is not None and all(k == 1 for k in w.shape[2:]) and _conv_is_pointwise(op):
-        # a 1x1 kernel with stride 1 and no padding keeps each spatial position local
-        options += [AxisOption((Shard(d), R) + tail, (Shard(d),)) for d in range(2, len(x.shape))]
-    return options
-
-
-def _conv_is_pointwise(op: OpView) -> bool:
-    """A 1x1 convolution with stride 1 and no padding maps each spatial position to itself."""
-    def ones(v, value):
-        if isinstance(v, str):
-            return v in ("valid", "same")  # no padding for a 1x1 kernel either way
-        v = v if isinstance(v, (list, tuple)) else [v]
-        return all(int(x) == value for x in v)
-    return ones(op.arg("stride", 1), 1) and ones(op.arg("padding", 0), 0) and ones(op.arg("dilation", 1), 1)
-
-
-def pooling(op: OpView) -> list[AxisOption]:
-    """Pooling over the trailing spatial dims: batch and channel shards pass through."""
-    x = op.in_metas[0]
-    spatial = {"1d": 1, "2d": 2, "3d": 3}.get(_op_name(op.node)[-2:], 2)
-    lead = len(x.shape) - spatial
-    return [AxisOption((Shard(d),), (Shard(d),) * len(op.out_metas)) for d in range(lead) if x.shape[d] != 1]
-
-
-def batch_norm(op: OpView) -> list[AxisOption]:
-    """batch_norm(x[N, C, *], weight, bias, running_mean, running_var, training, ...).
-
-    Channels: x, weight and bias split on C (statistics are per channel, so each rank's are
-    exact). Batch or spatial dims: x split, weight and bias whole; in training the statistics
-    then span the shards, which ``sync_batch_norm_pass`` provides (two small all-reduces of C
-    values, SyncBatchNorm-style) with no activation gather. In training the running statistics
-    stay whole on every rank (they are updated in place, and a shard would be a copy); in eval
-    they are only read and follow the channel split.
-    """
-    x = op.in_metas[0]
-    if x is None or len(x.shape) < 2:
-        return []
-    training = bool(op.arg("training", False))
-    idx = {name: op.input_index(name) for name in ("weight", "bias", "running_mean", "running_var")}
-
-    def option(x_p, param_p, stat_p, out_p):
-        ins = [None] * len(op.inputs)
-        ins[0] = x_p
-        for name, i in idx.items():
-            if i is not None:
-                ins[i] = stat_p if name.startswith("running") else param_p
-        return AxisOption(tuple(ins), (out_p,) * len(op.out_metas))
-
-    options = [option(Shard(1), Shard(0), R if training else Shard(0), Shard(1))] if x.shape[1] > 1 else []
-    options += [option(Shard(d), R, R, Shard(d)) for d in range(len(x.shape)) if d != 1 and x.shape[d] > 1]
-    return options
-
-
 def repeat_interleave(op: OpView) -> list[AxisOption]:
     """repeat_interleave(x, int repeats, dim): every dim passes its shard through; on ``dim`` each
     rank's block of inputs becomes its block of outputs (repeats are consecutive)."""
@@ -698,13 +560,6 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "zeros_like": like_factory, "ones_like": like_factory, "empty_like": like_factory,
     "full_like": like_factory, "rand_like": like_factory, "randn_like": like_factory,
 }
-
-
-def _op_name(node: fx.Node) -> str:
-    t = node.target
-    if hasattr(t, "overloadpacket"):
-        return t.overloadpacket.__name__
-    return getattr(t, "__name__", str(t))
 
 
 def rule_for(node: fx.Node) -> Callable[[OpView], list[AxisOption]] | None:
