@@ -205,12 +205,12 @@ def test_each_step_checks_its_batch_against_the_compiled_example(world1):
 def test_a_non_tensor_input_must_keep_its_compiled_value():
     # (compile does not plan models with non-tensor inputs yet: the strategies need a tensor; the
     # check is ready for them) the traced program holds such a value as a constant
-    from autopar.runtime.parallel_model import _mismatch, _Value
+    from autopar.runtime.input_checks import Value, mismatch
 
-    assert _mismatch(3, _Value(3)) is None
-    assert _mismatch(4, _Value(3)) == "is 4, but the model was compiled with 3"
-    assert _mismatch(3.0, _Value(3)) is not None  # another type traces differently
-    assert _mismatch(torch.tensor(3), _Value(3)) is not None
+    assert mismatch(3, Value(3)) is None
+    assert mismatch(4, Value(3)) == "is 4, but the model was compiled with 3"
+    assert mismatch(3.0, Value(3)) is not None  # another type traces differently
+    assert mismatch(torch.tensor(3), Value(3)) is not None
 
 
 def test_check_inputs_names_its_modes(world1):
@@ -242,20 +242,20 @@ def test_compile_sets_the_collective_timeout_of_the_group_it_makes(world1, monke
 
 def test_torch_collective_failures_become_collective_errors():
     from autopar.errors import CollectiveError
-    from autopar.runtime.parallel_model import _collective_failures
+    from autopar.runtime.collective_errors import collective_failures
 
     skip = r"every rank must call train_step the same number of times with its batch \(did one rank skip a step, or die\?\)"
     with pytest.raises(CollectiveError, match=r"train_step on rank 0 waited longer than the process group's timeout "
                        r"for the other ranks in a collective: " + skip):
-        with _collective_failures("train_step"):
+        with collective_failures("train_step"):
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
     with pytest.raises(CollectiveError, match=r"eval_step on rank 0 lost the connection to another rank in a collective "
                        r"\(that rank stopped or died\)") as info:
-        with _collective_failures("eval_step"):
+        with collective_failures("eval_step"):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16282")
     assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied$") as info:
-        with _collective_failures("train_step"):  # any other error passes through as it is
+        with collective_failures("train_step"):  # any other error passes through as it is
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     assert not isinstance(info.value, CollectiveError)
 

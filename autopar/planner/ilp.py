@@ -1,6 +1,7 @@
 """The intra-op ILP: one strategy per node, priced edges, a memory limit. The only OR-Tools user.
 
-Three layers: ``build`` (one function per named constraint family), ``solve`` (a MIP solver through
+Three layers: ``planner.ilp_model.build_model`` (one function per named constraint family, the
+model as arrays), ``solve`` here (a MIP solver through
 OR-Tools' ``pywraplp``, CBC by default, with a time limit and thread count from ``SolverConfig``),
 and the caller extracts the chosen strategies. Strategy choices are binaries; edge indicators are
 continuous in [0, 1]: their marginals equal the endpoint binaries, which makes them integral.
@@ -67,13 +68,14 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autopar.planner.local_search import AssignmentCosts, improve
+from autopar.planner.ilp_model import (
+    COL_AUX, COL_INDICATOR, COL_STRATEGY, MIB, MS, IlpModel, InfeasibleProblem, build_model, model_proto,
+)
 from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY
 from autopar.planner.problem import Problem
 
 __all__ = ["SolverConfig", "Solution", "solve", "OVERLAP_EFFICIENCY", "EXPOSED_FLOOR", "InfeasibleProblem"]
 
-_MS = 1e3  # objective unit: milliseconds
-_MIB = 2.0**20  # memory unit: MiB
 # below this many columns the MIP is solved as it is (the LP pass would cost more than it saves)
 FIXING_MIN_COLUMNS = 1000
 _SUPPORT_EPS = 1e-6  # an LP value above this puts a strategy in the restricted MIP
@@ -131,291 +133,8 @@ class Solution:
         return "time limit" if self.time_limit_hit else "proof skipped"
 
 
-class InfeasibleProblem(Exception):
-    """Raised by ``solve``; ``family`` names the violated constraint family."""
-
-    def __init__(self, family: str, detail: str, nodes: list[str] = ()):
-        super().__init__(f"{family}: {detail}")
-        self.family = family
-        self.detail = detail
-        self.nodes = list(nodes)
-
-
-# --------------------------------------------------------------------------- the model as arrays
-# Columns are indices into _Model's arrays; a term is (coef, column or None for a constant).
-# Nothing here touches OR-Tools: ``_instantiate`` turns the arrays into a pywraplp model (all of
-# them, or the columns reduced-cost fixing kept).
-
-_X, _Y, _AUX = 0, 1, 2  # column kinds: strategy binaries, edge indicators, auxiliaries
-
-
-@dataclass
-class _Model:
-    lb: list = field(default_factory=list)
-    ub: list = field(default_factory=list)
-    kind: list = field(default_factory=list)
-    names: list = field(default_factory=list)
-    rows: list = field(default_factory=list)  # (lb, ub, [col], [coef], family)
-    objective: dict = field(default_factory=dict)  # col -> coef
-    offset: float = 0.0
-    x: dict[str, list] = field(default_factory=dict)  # node -> per-strategy column or None (constant 1)
-    fwd: list = field(default_factory=list)  # (coef_ms, column|None)
-    bwd: list = field(default_factory=list)
-    blocking: list = field(default_factory=list)
-    ovl_f: list = field(default_factory=list)  # the windows of the module docstring
-    ovl_b: list = field(default_factory=list)
-    ovl_l: list = field(default_factory=list)
-    memory: list = field(default_factory=list)  # (MiB, column|None)
-    working_sets: list = field(default_factory=list)  # per node: [(MiB, column|None)]
-
-    def col(self, kind: int, lb: float, ub: float, name: str) -> int:
-        self.lb.append(lb)
-        self.ub.append(ub)
-        self.kind.append(kind)
-        self.names.append(name)
-        return len(self.lb) - 1
-
-    def row(self, lb: float, ub: float, expr: "_Expr", family: str) -> None:
-        cols = list(expr.coefs)
-        self.rows.append((lb - expr.const, ub - expr.const, cols, [expr.coefs[c] for c in cols], family))
-
-    def arrays(self) -> "_Rows":
-        """The rows as flat numpy arrays (built once, after the families are added)."""
-        if getattr(self, "_rows_cache", None) is None or self._rows_cache[0] != len(self.rows):
-            lens = [len(r[2]) for r in self.rows]
-            ends = np.cumsum(lens, dtype=np.int64) if lens else np.zeros(0, dtype=np.int64)
-            starts = ends - np.asarray(lens, dtype=np.int64)
-            cols = np.fromiter((c for r in self.rows for c in r[2]), dtype=np.int64, count=int(sum(lens)))
-            coefs = np.fromiter((v for r in self.rows for v in r[3]), dtype=float, count=int(sum(lens)))
-            self._rows_cache = (len(self.rows), _Rows(starts, ends, cols, coefs, np.asarray(lens, dtype=np.int64),
-                                                      np.array([r[0] for r in self.rows], dtype=float),
-                                                      np.array([r[1] for r in self.rows], dtype=float)))
-        return self._rows_cache[1]
-
-    def edge_terms(self):
-        """(edge array name, the list its costs go to)."""
-        return (("blocking", self.blocking), ("overlap", self.ovl_f), ("overlap_bwd", self.ovl_b),
-                ("overlap_last", self.ovl_l))
-
-
-@dataclass
-class _Rows:
-    """The rows of a ``_Model`` in CSR form: row ``r``'s entries are ``cols[starts[r]:ends[r]]``."""
-
-    starts: np.ndarray
-    ends: np.ndarray
-    cols: np.ndarray
-    coefs: np.ndarray
-    lens: np.ndarray
-    row_lb: np.ndarray
-    row_ub: np.ndarray
-
-    def kept_per_row(self, entry_kept: np.ndarray) -> np.ndarray:
-        """How many of each row's entries are marked in ``entry_kept``."""
-        csum = np.concatenate([[0], np.cumsum(entry_kept, dtype=np.int64)])
-        return csum[self.ends] - csum[self.starts]
-
-
-class _Expr:
-    """A linear expression over columns: coefficients by column, plus a constant."""
-
-    __slots__ = ("coefs", "const")
-
-    def __init__(self, terms=(), scale: float = 1.0):
-        self.coefs: dict[int, float] = {}
-        self.const = 0.0
-        self.add(terms, scale)
-
-    def add(self, terms, scale: float = 1.0) -> "_Expr":
-        if isinstance(terms, _Expr):
-            self.const += scale * terms.const
-            terms = terms.coefs.items()
-            for c, v in terms:
-                self.coefs[c] = self.coefs.get(c, 0.0) + scale * v
-            return self
-        for coef, col in terms:
-            if coef == 0:
-                continue
-            if col is None:
-                self.const += scale * coef
-            else:
-                self.coefs[col] = self.coefs.get(col, 0.0) + scale * coef
-        return self
-
-    def is_constant(self) -> bool:
-        return not any(self.coefs.values())
-
-    def value(self, z) -> float:
-        return self.const + sum(v * z[c] for c, v in self.coefs.items())
-
-
-def add_one_strategy_per_node(md: _Model, problem: Problem) -> None:
-    """Family *one-strategy*: each representative node picks exactly one of its strategies."""
-    empty = [n for n, v in problem.nodes.items() if not v.strategies]
-    if empty:
-        reasons = []
-        for n in empty[:5]:
-            ex = problem.nodes[n].excluded
-            reasons.append(f"{n}: " + ("; ".join(r for _, r in ex[:3]) if ex else "no strategy"))
-        raise InfeasibleProblem("one-strategy", "no allowed strategy for " + " | ".join(reasons), empty)
-    for name, v in problem.nodes.items():
-        if v.root is not None:
-            md.x[name] = md.x[v.root]  # a follower shares its root's columns (same indexing)
-        elif len(v.strategies) == 1:
-            md.x[name] = [None]
-        else:
-            cols = [md.col(_X, 0.0, 1.0, f"x[{name},{i}]") for i in range(len(v.strategies))]
-            md.row(1.0, 1.0, _Expr((1.0, c) for c in cols), "one-strategy")
-            md.x[name] = cols
-        comm = v.comm_s
-        for i, lit in enumerate(md.x[name]):
-            md.fwd.append((float(v.fwd_s[i] * _MS), lit))
-            md.bwd.append((float(v.bwd_s[i] * _MS), lit))
-            if comm is not None:
-                md.blocking.append((float(comm[i] * _MS), lit))
-            md.memory.append((float(((v.static_bytes[i] + v.saved_bytes[i]) / _MIB)), lit))
-        if v.transient_bytes is not None:
-            md.working_sets.append([(float(v.transient_bytes[i] / _MIB), lit) for i, lit in enumerate(md.x[name])])
-
-
-def _key_literals(lits: list, keys: np.ndarray, nkeys: int):
-    """Per key: list of strategy columns with that key (None = constant)."""
-    out = [[] for _ in range(nkeys)]
-    for s, k in enumerate(keys):
-        out[int(k)].append(lits[s])
-    return out
-
-
-def add_edge_costs(md: _Model, problem: Problem) -> None:
-    """Family *edge-consistency*: edge indicator e[ku,kv] marginals equal the endpoint choices.
-
-    Keys no strategy uses, and pairs of keys whose costs are equal in every array (rows or
-    columns of the tables that coincide), share one indicator: exact, and fewer columns."""
-    for ei, e in enumerate(problem.edges):
-        nu, nv = e.blocking.shape
-        terms = [(getattr(e, name), out) for name, out in md.edge_terms() if getattr(e, name) is not None]
-
-        def add(lit, ku, kv):
-            for arr, out in terms:
-                if arr[ku, kv]:
-                    out.append((float(arr[ku, kv] * _MS), lit))
-
-        if all(np.all(arr == arr.flat[0]) for arr, _ in terms):
-            add(None, 0, 0)
-            continue
-        if e.v is not None and md.x[e.u] is md.x[e.v]:
-            # both ends decided by the same columns: the cost is a function of that one choice
-            for s, lit in enumerate(md.x[e.u]):
-                add(lit, int(e.u_key[s]), int(e.v_key[s]))
-            continue
-        u_const = len(md.x[e.u]) == 1
-        v_const = e.v is None or len(md.x[e.v]) == 1
-        if u_const or v_const:
-            # cost depends on one side only: attach it to that side's columns directly
-            if u_const and v_const:
-                add(None, int(e.u_key[0]), int(e.v_key[0]) if e.v is not None else 0)
-            elif u_const:
-                for s, lit in enumerate(md.x[e.v]):
-                    add(lit, int(e.u_key[0]), int(e.v_key[s]))
-            else:
-                kv = int(e.v_key[0]) if e.v is not None else 0
-                for s, lit in enumerate(md.x[e.u]):
-                    add(lit, int(e.u_key[s]), kv)
-            continue
-        ulits = _key_literals(md.x[e.u], e.u_key, nu)
-        vlits = _key_literals(md.x[e.v], e.v_key, nv)
-        # keys in use, grouped where their cost rows (columns) are identical in every array
-        stack = np.stack([arr for arr, _ in terms], axis=-1)
-        used_u = [a for a in range(nu) if ulits[a]]
-        used_v = [b for b in range(nv) if vlits[b]]
-        ugroups = _groups(used_u, lambda a: stack[a, used_v])
-        vgroups = _groups(used_v, lambda b: stack[used_u, b])
-        ka = [k for k, _ in ugroups]
-        kb = [k for k, _ in vgroups]
-        first = len(md.lb)
-        n_u, n_v = len(ka), len(kb)
-        n = n_u * n_v
-        md.lb.extend([0.0] * n)
-        md.ub.extend([1.0] * n)
-        md.kind.extend([_Y] * n)
-        md.names.extend([""] * n)
-        # the indicator of group pair (a, b) is column first + a * n_v + b
-        for arr, out in terms:
-            vals = (arr[np.ix_(ka, kb)] * _MS).ravel()
-            nz = np.flatnonzero(vals)
-            out.extend(zip(vals[nz].tolist(), (nz + first).tolist()))
-        for a, (_, members) in enumerate(ugroups):
-            row = _Expr()
-            row.coefs = dict.fromkeys(range(first + a * n_v, first + (a + 1) * n_v), 1.0)
-            md.row(0.0, 0.0, row.add(((-1.0, c) for k in members for c in ulits[k])), "edge-consistency")
-        for b, (_, members) in enumerate(vgroups):
-            row = _Expr()
-            row.coefs = dict.fromkeys(range(first + b, first + n, n_v), 1.0)
-            md.row(0.0, 0.0, row.add(((-1.0, c) for k in members for c in vlits[k])), "edge-consistency")
-
-
-def _groups(keys: list[int], row) -> list[tuple[int, list[int]]]:
-    """``keys`` grouped by identical ``row(key)`` arrays: (representative key, members), in order."""
-    index: dict[bytes, int] = {}
-    out: list[tuple[int, list[int]]] = []
-    for k in keys:
-        sig = np.ascontiguousarray(row(k)).tobytes()
-        if sig in index:
-            out[index[sig]][1].append(k)
-        else:
-            index[sig] = len(out)
-            out.append((k, [k]))
-    return out
-
-
-def add_memory_limit(md: _Model, budget_bytes: float | None) -> None:
-    """Family *memory*: per-device bytes of state and saved activations within the budget."""
-    if budget_bytes is None:
-        return
-    expr = _Expr(md.memory)
-    # the largest working set of one op, on top of what is kept (one variable, bounded by each)
-    exprs = [_Expr(ws) for ws in md.working_sets]
-    floor = max((w.const for w in exprs if w.is_constant()), default=0.0)
-    varying = [w for w in exprs if not w.is_constant()]
-    if expr.is_constant() and not varying:  # every node has one strategy: nothing to choose
-        if expr.const + floor > budget_bytes / _MIB:
-            raise InfeasibleProblem("memory", f"the only strategy assignment needs {(expr.const + floor) * _MIB / 2**30:.2f} "
-                                              f"GiB per device, over the {budget_bytes / 2**30:.2f} GiB budget")
-        return
-    working = md.col(_AUX, floor, np.inf, "working_set")
-    for w in varying:
-        md.row(0.0, np.inf, _Expr([(1.0, working)]).add(w, -1.0), "memory")
-    md.row(-np.inf, budget_bytes / _MIB, expr.add([(1.0, working)]), "memory")
-
-
-def add_overlap_objective(md: _Model, microbatches: int = 1) -> None:
-    """Family *overlap*: exposed communication per the module's overlap model; minimise time."""
-    fwd, bwd = _Expr(md.fwd), _Expr(md.bwd)
-    ovl_f, ovl_b, ovl_l = _Expr(md.ovl_f), _Expr(md.ovl_b), _Expr(md.ovl_l)
-    exposed_f = md.col(_AUX, 0.0, np.inf, "exposed_f")
-    exposed_b = md.col(_AUX, 0.0, np.inf, "exposed_b")
-    ef, eb = _Expr([(1.0, exposed_f)]), _Expr([(1.0, exposed_b)])
-    for piece in _pieces_f(ovl_f, fwd):
-        md.row(0.0, np.inf, _Expr().add(ef).add(piece, -1.0), "overlap")
-    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches):
-        md.row(0.0, np.inf, _Expr().add(eb).add(piece, -1.0), "overlap")
-    obj = _Expr().add(fwd).add(bwd).add(_Expr(md.blocking)).add(ef).add(eb)
-    md.objective, md.offset = obj.coefs, obj.const
-
-
-def _pieces_f(ovl_f, fwd):
-    """exposed_f >= each of these (``exposed_seconds``)."""
-    return [_Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY), _Expr().add(ovl_f, EXPOSED_FLOOR)]
-
-
-def _pieces_b(ovl_b, ovl_l, bwd, microbatches):
-    return [_Expr().add(ovl_b).add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY),
-            _Expr().add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY / microbatches),
-            _Expr().add(ovl_b, EXPOSED_FLOOR).add(ovl_l, EXPOSED_FLOOR)]
-
-
 # --------------------------------------------------------------------------- solving
-def _instantiate(md: _Model, backend: str, keep=None, relax: bool = False):
+def _instantiate(md: IlpModel, backend: str, keep=None, relax: bool = False):
     """A pywraplp solver holding the model (only the columns ``keep`` marks, when given), and the
     model column of each solver variable, in the solver's order (``_results`` reads them)."""
     solver = pywraplp.Solver.CreateSolver(backend)
@@ -427,7 +146,7 @@ def _instantiate(md: _Model, backend: str, keep=None, relax: bool = False):
     # a row left without columns is kept only if 0 breaks it (then the model is infeasible)
     rows = np.flatnonzero((row_kept > 0) | (arr.row_lb > 0.0) | (arr.row_ub < 0.0))
     cols = np.flatnonzero(kept)
-    error = solver.LoadModelFromProto(_proto(md, arr, rows, cols, relax))
+    error = solver.LoadModelFromProto(model_proto(md, arr, rows, cols, relax))
     if error:
         raise RuntimeError(f"OR-Tools refused the model: {error}")
     return solver, cols
@@ -448,37 +167,7 @@ def _results(solver, cols: np.ndarray, n: int):
     return values, reduced, r.objective_value, r.best_objective_bound
 
 
-def _proto(md: _Model, arr: "_Rows", rows: np.ndarray, cols: np.ndarray, relax: bool):
-    """The sub-model on ``rows`` x ``cols`` as an MPModelProto for ``LoadModelFromProto``: 3-5x
-    faster to build than the model term by term through pywraplp's objects."""
-    from ortools.linear_solver import linear_solver_pb2
-
-    model = linear_solver_pb2.MPModelProto()
-    n = len(md.lb)
-    obj = np.zeros(n)
-    if md.objective:
-        idx = np.fromiter(md.objective.keys(), dtype=np.int64, count=len(md.objective))
-        obj[idx] = np.fromiter(md.objective.values(), dtype=float, count=len(md.objective))
-    lb, ub, kind = np.asarray(md.lb, dtype=float), np.asarray(md.ub, dtype=float), np.asarray(md.kind)
-    add = model.variable.add
-    for l, u, o, integer in zip(lb[cols].tolist(), ub[cols].tolist(), obj[cols].tolist(),
-                                (kind[cols] == _X).tolist() if not relax else [False] * len(cols)):
-        add(lower_bound=l, upper_bound=u, objective_coefficient=o, is_integer=integer)
-    index = np.full(n, -1, dtype=np.int64)
-    index[cols] = np.arange(len(cols))
-    new_cols = index[arr.cols]
-    kept = new_cols >= 0
-    for r in rows.tolist():
-        lo, hi = arr.starts[r], arr.ends[r]
-        mask = kept[lo:hi]
-        ct = model.constraint.add(lower_bound=arr.row_lb[r], upper_bound=arr.row_ub[r])
-        ct.var_index.extend(new_cols[lo:hi][mask].tolist())
-        ct.coefficient.extend(arr.coefs[lo:hi][mask].tolist())
-    model.objective_offset = md.offset
-    return model
-
-
-def _rounding(md: _Model, lp_x) -> dict[str, int]:
+def _rounding(md: IlpModel, lp_x) -> dict[str, int]:
     """Each node's strategy of largest LP value (the first among equals)."""
     choice = {}
     for name, cols in md.x.items():
@@ -489,26 +178,13 @@ def _rounding(md: _Model, lp_x) -> dict[str, int]:
     return choice
 
 
-def _improve(md: _Model, problem: Problem, choice: dict[str, int], budget_bytes: float | None, costs=None):
+def _improve(md: IlpModel, problem: Problem, choice: dict[str, int], budget_bytes: float | None, costs=None):
     """``local_search.improve`` over the roots the ILP decides; (choice, objective in ms) or None."""
     roots = [(n, len(cols)) for n, cols in md.x.items() if cols != [None] and problem.nodes[n].root is None]
     found = improve(problem, roots, choice, budget_bytes, costs)
     if found is None or found[1] is None:
         return found
-    return found[0], found[1] * _MS
-
-
-def _build(problem: Problem, budget_bytes: float | None, objective: str) -> _Model:
-    md = _Model()
-    add_one_strategy_per_node(md, problem)
-    add_edge_costs(md, problem)
-    if objective == "memory":
-        m = _Expr(md.memory)
-        md.objective, md.offset = m.coefs, m.const
-    else:
-        add_memory_limit(md, budget_bytes)
-        add_overlap_objective(md, problem.microbatches)
-    return md
+    return found[0], found[1] * MS
 
 
 @dataclass
@@ -543,7 +219,7 @@ def _quiet_stdout(active: bool):
         os.close(devnull)
 
 
-def _run_mip(md: _Model, keep, config: SolverConfig) -> _MipResult:
+def _run_mip(md: IlpModel, keep, config: SolverConfig) -> _MipResult:
     """Solve the model (the ``keep`` columns of it) as a MIP with ``config``'s backend and limits."""
     solver, cols = _instantiate(md, config.backend, keep)
     solver.SetTimeLimit(int(config.time_limit_s * 1000))
@@ -560,7 +236,7 @@ def _run_mip(md: _Model, keep, config: SolverConfig) -> _MipResult:
     return _MipResult(status, choice, value, bound, solve_s)
 
 
-def _choice_of(md: _Model, values: np.ndarray) -> dict[str, int]:
+def _choice_of(md: IlpModel, values: np.ndarray) -> dict[str, int]:
     """Each node's strategy: its largest column value (ties: the first)."""
     choice = {}
     for name, cols in md.x.items():
@@ -586,7 +262,7 @@ def solve(
 ) -> Solution:
     """Solve ``problem``; ``objective="memory"`` minimises per-device bytes instead of time."""
     t0 = time.perf_counter()
-    md = _build(problem, budget_bytes, objective)
+    md = build_model(problem, budget_bytes, objective)
     build_s = time.perf_counter() - t0
     if objective == "time" and config.reduced_cost_fixing and len(md.lb) >= FIXING_MIN_COLUMNS:
         found = _solve_lp_first(md, problem, budget_bytes, config)
@@ -615,9 +291,9 @@ def solve(
 
 def _solution(md, problem, budget_bytes, objective, build_s, solve_s, choice, value, bound, proven, hit_limit,
               lp_s, unproven) -> Solution:
-    scale = _MIB if objective == "memory" else 1 / _MS
+    scale = MIB if objective == "memory" else 1 / MS
     z = {c: 1.0 for name, cols in md.x.items() if (c := cols[choice[name]]) is not None}
-    used = sum(coef * (1.0 if c is None else z.get(c, 0.0)) for coef, c in md.memory) * _MIB
+    used = sum(coef * (1.0 if c is None else z.get(c, 0.0)) for coef, c in md.memory) * MIB
     return Solution(
         choice=choice,
         status="OPTIMAL" if proven else "FEASIBLE",
@@ -635,13 +311,13 @@ def _solution(md, problem, budget_bytes, objective, build_s, solve_s, choice, va
     )
 
 
-def _y_rows(md: _Model) -> np.ndarray:
+def _y_rows(md: IlpModel) -> np.ndarray:
     """For every edge-indicator column, the two edge-consistency rows it appears in (-1 elsewhere)."""
     arr = md.arrays()
     kind = np.asarray(md.kind)
     rows_of_entry = np.repeat(np.arange(len(md.rows)), arr.lens)
     consistency = np.array([r[4] == "edge-consistency" for r in md.rows], dtype=bool)
-    is_y = (kind[arr.cols] == _Y) & consistency[rows_of_entry]
+    is_y = (kind[arr.cols] == COL_INDICATOR) & consistency[rows_of_entry]
     out = np.full((len(md.lb), 2), -1, dtype=np.int64)
     cols, rows = arr.cols[is_y], rows_of_entry[is_y]
     order = np.argsort(cols, kind="stable")
@@ -651,16 +327,16 @@ def _y_rows(md: _Model) -> np.ndarray:
     return out
 
 
-def _restrict(md: _Model, allowed: np.ndarray) -> np.ndarray:
+def _restrict(md: IlpModel, allowed: np.ndarray) -> np.ndarray:
     """Columns of the MIP over the ``allowed`` strategy columns: those, every auxiliary, and each
     edge indicator both of whose endpoint keys keep an allowed strategy."""
     arr = md.arrays()
     kind = np.asarray(md.kind)
-    x_kept = (kind[arr.cols] == _X) & allowed[arr.cols]
+    x_kept = (kind[arr.cols] == COL_STRATEGY) & allowed[arr.cols]
     per_row = arr.kept_per_row(x_kept)
     yr = _y_rows(md)
-    keep = allowed & (kind == _X) | (kind == _AUX)
-    is_y = kind == _Y
+    keep = allowed & (kind == COL_STRATEGY) | (kind == COL_AUX)
+    is_y = kind == COL_INDICATOR
     keep[is_y] = (per_row[yr[is_y, 0]] > 0) & (per_row[yr[is_y, 1]] > 0)
     return keep
 
@@ -675,7 +351,7 @@ def _restricted_config(config: SolverConfig) -> SolverConfig:
     return config
 
 
-def _solve_lp_first(md: _Model, problem: Problem, budget_bytes: float | None, config: SolverConfig):
+def _solve_lp_first(md: IlpModel, problem: Problem, budget_bytes: float | None, config: SolverConfig):
     """The LP pass of the module docstring. Returns (the arguments of ``_solution`` after
     ``build_s, solve_s``; the proof MIP, to run later, when predicted too costly now, else
     None; its predicted effort), or None to solve the whole model as one MIP instead."""
@@ -701,7 +377,7 @@ def _solve_lp_first(md: _Model, problem: Problem, budget_bytes: float | None, co
         return out
 
     # the best mix of the plans the LP mixed: the MIP over its support (and the rounding)
-    allowed = (kind == _X) & (lp_x > _SUPPORT_EPS) | columns_of(rounded)
+    allowed = (kind == COL_STRATEGY) & (lp_x > _SUPPORT_EPS) | columns_of(rounded)
     r = _run_mip(md, _restrict(md, allowed), _restricted_config(config))
     hit_limit |= r.status == pywraplp.Solver.FEASIBLE
     # then single-node moves from it (or, where that MIP found nothing, from the rounding)
@@ -714,7 +390,7 @@ def _solve_lp_first(md: _Model, problem: Problem, budget_bytes: float | None, co
     lp_s = time.perf_counter() - t0
     # reduced-cost fixing: what is left can hold an assignment better than ``value``
     cut = value + 1e-7 * max(abs(value), 1e-12)
-    keep = ~((kind != _AUX) & (lp_x < 1e-9) & (z + reduced > cut)) | columns_of(choice)
+    keep = ~((kind != COL_AUX) & (lp_x < 1e-9) & (z + reduced > cut)) | columns_of(choice)
     left = int(keep.sum())
     gap = (value - z) / value if value > 0 else 0.0
 

@@ -24,11 +24,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import os
-import re
 import time
 import weakref
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,23 +34,23 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.api import cyclic_gc_paused
-from autopar.errors import AutoparError, CollectiveError, ConstraintError, InputMismatchError
+from autopar.errors import AutoparError, InputMismatchError
 from autopar.ir import GRAD_SYNC_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Partial, Shard, chunk_range, divides_evenly, parse_layout, replicated
+from autopar.layouts import Partial, chunk_range, parse_layout, replicated
 from autopar.resharding import reshard_steps_for
 from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, shard_tensor
+from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.input_checks import (
+    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, check_inputs_mode, checksum, example_spec, mismatch, refuse_uneven_inputs,
+)
 from autopar.runtime.memory import MemoryReport, MemoryTracker
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.prefetch import drain_gradient_reductions
 from autopar.trace import TensorMeta
 
 __all__ = ["ParallelModel", "StepMeasurement", "CHECK_INPUTS_MODES", "FIRST_CHECKED_STEPS"]
-
-CHECK_INPUTS_MODES = ("first", "always", "never")
-FIRST_CHECKED_STEPS = 2  # check_inputs="first": the ranks compare their batches on this many steps
-DEBUG_ENV = "AUTOPAR_DEBUG"  # AUTOPAR_DEBUG=1: check_inputs="always"
 
 
 @dataclass(frozen=True)
@@ -117,11 +114,11 @@ class ParallelModel:
         step's batch is checked against; ``check_inputs``: see the module docstring."""
         from autopar.cost_models.memory import precision_policy
 
-        self._check_mode = _check_inputs_mode(check_inputs)
+        self._check_mode = check_inputs_mode(check_inputs)
         train = _Program.of(plan, traced, program, loss_reduction)
         # before any collective (every rank refuses alike): a batch share no rank can hold evenly
-        _refuse_uneven_inputs(plan, train)
-        self._example = _example_spec(traced, plan.microbatches, example)
+        refuse_uneven_inputs(plan, train)
+        self._example = example_spec(traced, plan.microbatches, example)
         self._eval_calls = 0
         self.plan = plan
         self.program = program
@@ -230,13 +227,13 @@ class ParallelModel:
         number of times: a rank whose peers do not join a collective gets ``CollectiveError``
         after the collective timeout (``collective_timeout_s``).
         """
-        with _collective_failures("train_step"):
+        with collective_failures("train_step"):
             self._check_batch("train_step", inputs, target, self.step)
         return self._checked_train_step(inputs, target)
 
     def _checked_train_step(self, inputs: tuple, target: Any) -> float:
         """``train_step`` on a batch already checked."""
-        with _collective_failures("train_step"):
+        with collective_failures("train_step"):
             total = self._train_step(inputs, target)
         self.step += 1
         return total
@@ -288,7 +285,7 @@ class ParallelModel:
         """The global loss on ``inputs`` with the model in ``eval()`` mode (BatchNorm running
         statistics, no dropout), without gradients. Call it on every rank. The first call traces
         and plans the evaluation graph (parameters stay where training keeps them)."""
-        with _collective_failures("eval_step"):
+        with collective_failures("eval_step"):
             self._check_batch("eval_step", inputs, target, self._eval_calls)
             total = self._eval_step(inputs, target)
         self._eval_calls += 1
@@ -299,7 +296,7 @@ class ParallelModel:
             if self._eval_builder is None:
                 raise AutoparError("this ParallelModel was built without an evaluation program; use autopar.compile")
             prog = _Program.of(*self._eval_builder())
-            _refuse_uneven_inputs(prog.plan, prog)
+            refuse_uneven_inputs(prog.plan, prog)
             self._eval = prog
         prog = self._eval
         micro = self._microbatches(inputs, target)
@@ -330,7 +327,7 @@ class ParallelModel:
         if ex.has_target:
             pairs.append(("target", target, ex.target))
         for label, x, want in pairs:
-            problem = _mismatch(x, want)
+            problem = mismatch(x, want)
             if problem is None:
                 continue
             if isinstance(want, TensorMeta):
@@ -363,7 +360,7 @@ class ParallelModel:
         else:
             values = list(inputs) + ([target] if ex.has_target else [])
             for j, x in enumerate(values):
-                vec[1 + 3 * j: 4 + 3 * j] = _checksum(x)
+                vec[1 + 3 * j: 4 + 3 * j] = checksum(x)
         mine = torch.tensor(vec, dtype=torch.int64, device=self._device)  # NCCL gathers device tensors
         world = dist.get_world_size()
         rows = [torch.empty_like(mine) for _ in range(world)]
@@ -394,7 +391,7 @@ class ParallelModel:
 
         Measure after at least one step: optimizers such as Adam create their state lazily in
         the first step, which would show up as step temporaries then."""
-        with _collective_failures("train_step"):  # outside the measurement: the check is not the step's
+        with collective_failures("train_step"):  # outside the measurement: the check is not the step's
             self._check_batch("train_step", inputs, target, self.step)
         tracker = MemoryTracker()
         cuda = self._device.type == "cuda"
@@ -523,178 +520,6 @@ def _close_all() -> None:
 
 _EXIT_PAUSE_S = 0.05
 _EXIT_STATE = {"used": False}  # set once any ParallelModel was built in this process
-
-
-@dataclass(frozen=True)
-class _Value:
-    """A non-tensor input of the compiled example (a constant of the traced program)."""
-
-    value: Any
-
-
-@dataclass(frozen=True)
-class _Example:
-    """The compiled example each step's batch must match: per input a ``TensorMeta`` (global
-    shape and dtype), a ``_Value``, or None (unknown: not checked); the same for the target."""
-
-    inputs: tuple
-    target: Any
-    has_target: bool
-
-
-def _check_inputs_mode(mode: str | None) -> str:
-    if mode is not None and mode not in CHECK_INPUTS_MODES:
-        raise ConstraintError(f"check_inputs must be one of {', '.join(map(repr, CHECK_INPUTS_MODES))}, got {mode!r}")
-    if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
-        return "always"
-    return mode or "first"
-
-
-def _example_spec(traced, microbatches: int, example: tuple | None) -> _Example:
-    """What the model was compiled with: from ``example`` (inputs, target) when given, else from the
-    traced graph (traced at one microbatch's size: its batch dim times the microbatches)."""
-    def spec(x):
-        if isinstance(x, torch.Tensor):
-            return TensorMeta(tuple(x.shape), x.dtype)
-        return _Value(x)
-
-    has_target = traced.target_name is not None
-    if example is not None:
-        inputs, target = example
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        return _Example(tuple(spec(x) for x in inputs), spec(target) if has_target else None, has_target)
-
-    def from_graph(name):
-        meta = (traced.node(name).meta.get("autopar.outputs") or (None,))[0]
-        if meta is None:
-            return None
-        shape = tuple(meta.shape)
-        if microbatches > 1 and shape:
-            shape = (shape[0] * microbatches,) + shape[1:]
-        return TensorMeta(shape, meta.dtype)
-
-    return _Example(tuple(from_graph(n) for n in traced.input_names),
-                    from_graph(traced.target_name) if has_target else None, has_target)
-
-
-def _mismatch(x: Any, want: Any) -> str | None:
-    """How ``x`` differs from the compiled ``want``, or None."""
-    if want is None:
-        return None
-    if isinstance(want, TensorMeta):
-        if not isinstance(x, torch.Tensor):
-            return (f"is a {type(x).__name__}, but the model was compiled with a tensor of shape {want.shape} and "
-                    f"dtype {want.dtype}")
-        if tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
-            return (f"has shape {tuple(x.shape)} and dtype {x.dtype}, but the model was compiled for shape "
-                    f"{tuple(want.shape)} and dtype {want.dtype}")
-        return None
-    v = want.value
-    try:
-        same = type(x) is type(v) and bool(x == v)
-    except Exception:  # noqa: BLE001 - a value that cannot be compared is not the compiled one
-        same = False
-    return None if same else f"is {x!r}, but the model was compiled with {v!r}"
-
-
-_CHECKSUM_CHUNK = 1 << 22
-
-
-def _checksum(x: Any) -> list[int]:
-    """[kind/shape/dtype code, sum, position-weighted sum] of a batch input, exact and independent
-    of summation order: the tensor's bytes are summed as integers (int32 words), so equal batches
-    give equal checksums on every rank whatever the thread count or device."""
-    if not isinstance(x, torch.Tensor):
-        return [zlib.crc32(repr(x).encode()), 0, 0]
-    code = zlib.crc32(f"{tuple(x.shape)}|{x.dtype}".encode())
-    if x.layout != torch.strided:
-        return [code, 0, 0]
-    raw = x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    s1 = s2 = 0
-    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
-        w = words[start: start + _CHECKSUM_CHUNK].to(torch.int64)
-        # weights up to 251: |w * pos| < 2**39, a chunk's sum < 2**61 (no int64 overflow)
-        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device) % 251 + 1
-        s1 += int(w.sum())
-        s2 += int((w * pos).sum())
-    wrap = lambda v: (v + 2**63) % 2**64 - 2**63  # noqa: E731 - into int64
-    return [code, wrap(s1), wrap(s2)]
-
-
-def _refuse_uneven_inputs(plan, prog: "_Program") -> None:
-    """Every input the plan shards must divide evenly over its shards at the size the program
-    runs (one microbatch): an uneven share would be weighted as an even one in the loss and the
-    gradients, training wrong without a word. Raised alike on every rank (it reads the plan)."""
-    names = [a for a, _ in plan.mesh_axes]
-    sizes = [n for _, n in plan.mesh_axes]
-    traced = prog.traced
-    for ph, layout in prog.input_layouts.items():
-        meta = (traced.node(ph).meta.get("autopar.outputs") or (None,))[0]
-        if meta is None or divides_evenly(meta.shape, layout, sizes):
-            continue
-        shape = tuple(meta.shape)
-        counts: dict[int, int] = {}
-        axes: dict[int, list[str]] = {}
-        for p, n, a in zip(layout, sizes, names):
-            if isinstance(p, Shard):
-                counts[p.dim] = counts.get(p.dim, 1) * n
-                axes.setdefault(p.dim, []).append(a)
-        d = next(d for d in sorted(counts) if d >= len(shape) or shape[d] % counts[d])
-        label = "the target" if ph == traced.target_name else f"input {traced.input_names.index(ph)}"
-        over = f"mesh axis{'es' if len(axes[d]) > 1 else ''} {', '.join(map(repr, axes[d]))} ({counts[d]} shards)"
-        m = plan.microbatches
-        if m > 1 and d == 0:
-            raise ConstraintError(
-                f"the plan splits {label} (batch {shape[0] * m} on dim 0) into {m} microbatches of {shape[0]}, and "
-                f"{over} split each microbatch: {shape[0]} does not divide by {counts[d]}, so the ranks' shares would "
-                f"be uneven and weighted wrongly in the loss and gradients. Use a batch divisible by microbatches x "
-                f"shards ({m * counts[d]}), or Constraints(microbatches=...) with {shape[0] * m} / microbatches "
-                f"divisible by {counts[d]}")
-        raise ConstraintError(
-            f"the plan shards dim {d} of {label} (shape {shape}) over {over}, but {shape[d] if d < len(shape) else '-'} "
-            f"does not divide by {counts[d]}: the ranks' shares would be uneven and weighted wrongly. Use a batch "
-            f"divisible by {counts[d]} (pad or drop the last batch), or re-plan")
-
-
-_COLLECTIVE_FAILURE = re.compile(r"timed out|timeout|connection (?:closed|reset)|closed by peer|reset by peer|"
-                                 r"broken pipe", re.IGNORECASE)
-_LOST_PEER = re.compile(r"connection|peer|broken pipe", re.IGNORECASE)
-
-
-@contextlib.contextmanager
-def _collective_failures(where: str):
-    """Torch's collective timeouts and lost peers inside the block become ``CollectiveError``."""
-    try:
-        yield
-    except RuntimeError as exc:
-        _raise_if_collective_failure(exc, where)
-        raise
-
-
-def _raise_if_collective_failure(exc: RuntimeError, where: str) -> None:
-    """Raise ``CollectiveError`` (from ``exc``) when ``exc`` is torch reporting that a collective
-    timed out or lost a peer: the ranks did not all run this step. Otherwise return."""
-    if isinstance(exc, AutoparError):
-        return
-    text = str(exc)
-    dist_error = getattr(dist, "DistError", None)
-    if not (_COLLECTIVE_FAILURE.search(text) or (dist_error is not None and isinstance(exc, dist_error))):
-        return
-    from autopar.runtime.launch import COLLECTIVE_TIMEOUT_ENV, group_timeout_s
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    t = group_timeout_s()
-    if _LOST_PEER.search(text) and not re.search(r"timed out|timeout", text, re.IGNORECASE):
-        head = f"{where} on rank {rank} lost the connection to another rank in a collective (that rank stopped or died)"
-    else:
-        waited = f"more than {t:g} s" if t else "longer than the process group's timeout"
-        head = f"{where} on rank {rank} waited {waited} for the other ranks in a collective"
-    said = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
-    raise CollectiveError(
-        f"{head}: every rank must call {where} the same number of times with its batch (did one rank skip a step, "
-        f"or die?). The wait is compile's collective_timeout_s (or ${COLLECTIVE_TIMEOUT_ENV}). torch said: {said}"
-    ) from exc
 
 
 def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:
