@@ -189,7 +189,7 @@ class _LossProbe:
 
 
 def trace_checked(model, example_inputs, *, loss_fn=None, example_target=None, device_type: str = "cpu",
-                  autocast_dtype=None) -> TracedGraph:
+                  autocast_dtype=None, own_loss: bool = False, to_user: bool = False) -> TracedGraph:
     """``trace_model``, with a loss function that fails named as the culprit, and a loss that is not
     one scalar refused (training needs one number to differentiate)."""
     from autopar.trace import _is_data_dependent
@@ -197,7 +197,8 @@ def trace_checked(model, example_inputs, *, loss_fn=None, example_target=None, d
     probe = _LossProbe(loss_fn) if loss_fn is not None else None
     try:
         traced = trace_model(model, example_inputs, loss_fn=probe, example_target=example_target,
-                             device_type=device_type, autocast_dtype=autocast_dtype)
+                             device_type=device_type, autocast_dtype=autocast_dtype, own_loss=own_loss,
+                             to_user=to_user)
     except TraceError as exc:
         if probe is None or probe.failure is None or _is_data_dependent(probe.failure[0]):
             raise

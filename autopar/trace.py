@@ -81,6 +81,9 @@ class TracedGraph:
     has_loss: bool
     model_class: str
     num_params: int
+    # without a loss: the model output's structure; ``gm`` returns its tensor leaves as a flat list
+    # (``pytree.tree_unflatten(program(*args), out_spec)`` rebuilds what the model returned)
+    out_spec: Any = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -201,18 +204,19 @@ def _is_data_dependent(exc: BaseException) -> bool:
 class _TrainStep(torch.nn.Module):
     """model + loss as one module, so torch.export captures the loss too (params under model.)."""
 
-    def __init__(self, model, loss_fn, n_in: int):
+    def __init__(self, model, loss_fn, n_in: int, finish):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.n_in = n_in
+        self.finish = finish
 
     def forward(self, *args):
         out = self.model(*args[: self.n_in])
-        return self.loss_fn(out, args[self.n_in]) if self.loss_fn is not None else out
+        return self.loss_fn(out, args[self.n_in]) if self.loss_fn is not None else self.finish(out)
 
 
-def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, tracker) -> fx.GraphModule:
+def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, tracker, finish) -> fx.GraphModule:
     """The fallback capture: torch.export (non-strict; it fakes the state itself) on the model's
     device, then the graph's device arguments pointed at ``device_type``. Placeholders come out in the same order as the
     make_fx path: parameters, buffers, inputs, target."""
@@ -220,7 +224,7 @@ def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, t
     where = state.device if state is not None else torch.device("cpu")  # the model's own device
     moved = tuple(x.to(where) if isinstance(x, torch.Tensor) else x for x in inputs)
     args = moved + ((target.to(where),) if loss_fn is not None else ())
-    step = _TrainStep(model, loss_fn, len(inputs))
+    step = _TrainStep(model, loss_fn, len(inputs), finish)
     with tracker.active(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(step, args, strict=False)
@@ -237,7 +241,7 @@ def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, t
                 and node.kwargs["device"] != device:
             node.kwargs = {**node.kwargs, "device": device}
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    if loss_fn is not None and isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
+    if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1 and (loss_fn is not None or finish.scalar):
         out.args = (out.args[0][0],)
     gm.recompile()
     return gm
@@ -308,11 +312,16 @@ def trace_model(
     device_type: str = "cpu",
     capture: str = "auto",
     autocast_dtype: torch.dtype | None = None,
+    own_loss: bool = False,
+    to_user: bool = False,
 ) -> TracedGraph:
     """Trace ``loss_fn(model(*example_inputs), example_target)`` into a ``TracedGraph``.
 
     Inputs and parameters may live on any device, the meta device included: only their shapes
-    and dtypes are used. Without ``loss_fn`` the graph returns the model output.
+    and dtypes are used. Without ``loss_fn`` the graph returns the model output's tensor leaves
+    (``TracedGraph.out_spec`` keeps its structure); with ``own_loss`` it returns the loss the
+    model computes itself (``model_loss``). ``to_user``: the outputs go to the user's own loss (the
+    torch-native loop), never planned as a loss, even a single scalar.
 
     ``autocast_dtype``: trace under ``torch.autocast(device_type, autocast_dtype)`` (mixed precision):
     the graph stays the model's (autocast is below pre-dispatch), and every value's recorded dtype
@@ -348,6 +357,7 @@ def trace_model(
             flat.append(_fake_like(example_target, device_type, False))
 
     n_p, n_b = len(p_names), len(b_names)
+    finish = _OwnLoss(type(model).__name__) if own_loss else _FlatOutputs(scalar_as_is=not to_user)
 
     def train_fn(*args):
         state = dict(zip(p_names, args[:n_p]))
@@ -356,7 +366,7 @@ def trace_model(
         out = torch.func.functional_call(model, state, tuple(user_in))
         if has_target:
             return loss_fn(out, args[-1])
-        return out
+        return finish(out)
 
     train_fn._orig_mod = model  # lets make_fx record nn_module_stack against this model
     tracker = _ModuleTracker(model)
@@ -375,7 +385,7 @@ def trace_model(
             _raise_trace_error(exc, tracker)
         try:
             with _autocast(device_type, autocast_dtype):
-                gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker)
+                gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker, finish)
             module_prefix = "model."
         except Exception as exc2:  # noqa: BLE001
             _raise_trace_error(exc if not isinstance(exc, _UseExport) else exc2, tracker)
@@ -413,13 +423,14 @@ def trace_model(
             ph.meta["autopar.fqn"] = fqn
         ph.meta["autopar.module"] = fqn.rpartition(".")[0] if fqn else ""
 
+    finish.warn()
     functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
     _annotate_nodes(gm.graph, module_prefix)
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     out_leaves = [x for x in pytree.tree_leaves(output_val) if isinstance(x, fx.Node)]
-    is_loss = has_target or (
-        len(out_leaves) == 1 and out_leaves[0].meta["autopar.outputs"][0] is not None
+    is_loss = has_target or own_loss or (
+        not to_user and len(out_leaves) == 1 and out_leaves[0].meta["autopar.outputs"][0] is not None
         and out_leaves[0].meta["autopar.outputs"][0].numel == 1
     )
     return TracedGraph(
@@ -431,7 +442,88 @@ def trace_model(
         has_loss=is_loss,
         model_class=type(model).__name__,
         num_params=sum(p.numel() for p in params.values()),
+        out_spec=None if (has_target or own_loss) else finish.spec,
     )
+
+
+class _FlatOutputs:
+    """The model output as the flat list of its tensor leaves (what a graph can return), keeping
+    its structure in ``spec``. A non-tensor leaf (a Hugging Face KV cache object) cannot cross the
+    program boundary: it becomes None, with a warning naming it."""
+
+    scalar = False
+
+    def __init__(self, scalar_as_is: bool):
+        self.scalar_as_is = scalar_as_is
+        self.spec = None
+        self.dropped: list[str] = []
+
+    def warn(self) -> None:
+        if self.dropped:
+            warnings.warn(f"the model returns {', '.join(self.dropped)} (not a tensor), which the compiled program cannot "
+                          "return; it is returned as None (for a Hugging Face model, pass use_cache=False to its "
+                          "config to skip building its KV cache)", stacklevel=3)
+
+    def __call__(self, out):
+        if self.scalar_as_is and isinstance(out, torch.Tensor) and out.numel() == 1:
+            return out  # a model returning its loss, planned as one (``has_loss``)
+        leaves, spec = pytree.tree_flatten(out)
+        self.dropped = sorted({type(v).__name__ for v in leaves if not _passes_boundary(v)})
+        if self.dropped:
+            leaves = [v if _passes_boundary(v) else None for v in leaves]
+            out = pytree.tree_unflatten(leaves, spec)
+            leaves, spec = pytree.tree_flatten(out)
+        self.spec = spec
+        return [v for v in leaves]
+
+
+def _passes_boundary(v) -> bool:
+    return v is None or isinstance(v, (torch.Tensor, int, float, bool, str))
+
+
+class _OwnLoss:
+    """The loss a model computes itself: a scalar output, its ``.loss`` (Hugging Face's
+    ``labels=`` convention), or the first element of a tuple output when that is a scalar."""
+
+    scalar = True
+
+    def __init__(self, model_class: str):
+        self.model_class = model_class
+
+    def warn(self) -> None:
+        pass
+
+    def __call__(self, out):
+        loss = model_loss(out)
+        if loss is None:
+            raise TraceError(
+                f"{self.model_class} returned {_describe_output(out)}, not a loss: train_step without loss_fn needs a model "
+                "that returns a scalar loss, or an output with .loss (for Hugging Face models pass labels=); otherwise "
+                "pass loss_fn= (and target=) to compile")
+        return loss
+
+
+def model_loss(out):
+    """The scalar loss in a model's output (see ``_OwnLoss``), or None."""
+    def scalar(v):
+        return isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
+
+    if scalar(out):
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if scalar(loss):
+        return loss
+    if isinstance(out, (tuple, list)) and out and scalar(out[0]):
+        return out[0]
+    return None
+
+
+def _describe_output(out) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {tuple(out.shape)}"
+    if isinstance(out, dict):
+        return f"{type(out).__name__} with {sorted(k for k, v in out.items() if v is not None)}"
+    return type(out).__name__
 
 
 def _module_path(node: fx.Node, prefix: str = "") -> str:

@@ -354,8 +354,15 @@ def test_compile_settings_a_plan_already_fixes(world1):
 def test_compile_bad_arguments(world1):
     with pytest.raises(ClusterSpecError, match=r"cluster must be an autopar\.Cluster.*got NoneType"):
         _compile(cluster=None)
-    with pytest.raises(TraceError, match=r"loss_fn is required: a function \(model output, target\) -> scalar"):
+    with pytest.raises(TraceError, match=r"example_target was given without loss_fn, so nothing would read it"):
         _compile(cluster=world1, loss_fn=None)
+    # train_step without loss_fn trains the loss the model returns; this one returns activations
+    with pytest.raises(TraceError, match=r"Sequential returned a tensor of shape \(8, 8\), not a loss: train_step "
+                                         r"without loss_fn needs a model that returns a scalar loss, or an output with \.loss"):
+        _compile(cluster=world1, loss_fn=None, example_target=None)
+    with pytest.raises(AutoparError, match=r"loss_fn= and example_target= are for train_step, which also needs "
+                                           r"optimizer=.*compute the loss on pm\(x\)'s output yourself"):
+        _compile(cluster=world1, optimizer=None)
     with pytest.raises(ConstraintError, match=r"optimizer= must be a factory, e\.g\. optimizer=lambda ps.*not the name 'adamw'"):
         _compile(cluster=world1, optimizer="adamw")
     with pytest.raises(ConstraintError, match=r"collective_timeout_s must be a positive number of seconds or None, got -5"):

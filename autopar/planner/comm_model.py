@@ -109,16 +109,17 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
         if s.zero_axes and node.meta.get("autopar.requires_grad", True):
             out["all_gather"] += _post_step_gather_bytes(meta, s, mesh)
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
-    if traced.has_loss:
-        for a in tensor_inputs(out_node):
-            lay = layout_of(a)
-            meta = a.meta["autopar.outputs"][0]
-            if meta.numel == 1 and not any(isinstance(p, Shard) for p in lay):
-                # a pending scalar loss: the runtime all-reduces its value off the graph
-                out["all_reduce"] += _LOSS_VALUE_BYTES * m * sum(
-                    1 for p, k in zip(lay, mesh) if isinstance(p, Partial) and k > 1)
-            else:
-                add(reshard_step_bytes(meta.shape, meta.itemsize, lay, replicated(len(lay)), mesh), m)
+    for a in tensor_inputs(out_node):  # the program's outputs end replicated (a loss, or the model's outputs)
+        lay = layout_of(a)
+        meta = a.meta["autopar.outputs"][0]
+        if meta is None:
+            continue
+        if traced.has_loss and meta.numel == 1 and not any(isinstance(p, Shard) for p in lay):
+            # a pending scalar loss: the runtime all-reduces its value off the graph
+            out["all_reduce"] += _LOSS_VALUE_BYTES * m * sum(
+                1 for p, k in zip(lay, mesh) if isinstance(p, Partial) and k > 1)
+        else:
+            add(reshard_step_bytes(meta.shape, meta.itemsize, lay, replicated(len(lay)), mesh), m)
     return {k: v for k, v in out.items() if v}
 
 

@@ -322,19 +322,19 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
         for i, a in enumerate(tensor_inputs(v)):
             u, idx = producer_of(a)
             grouped[(rep[u.name], idx, rep[v.name], i)] += 1
-    # the training output: a scalar loss must end replicated on every rank
+    # the program's outputs end replicated on every rank: a scalar loss, or (without a loss) the
+    # model's outputs handed to the user's loss, whose gradient comes back the same on every rank
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
-    if traced.has_loss:
-        for a in tensor_inputs(out_node):
-            u, idx = producer_of(a)
-            grouped[(rep[u.name], idx, None, 0)] += 1
+    for a in tensor_inputs(out_node):
+        u, idx = producer_of(a)
+        grouped[(rep[u.name], idx, None, 0)] += 1
     edges = []
     writes = written_edges(traced.graph)
     for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
         if u not in nodes or (v is not None and v not in nodes):
             continue
         table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
-                            written=v is not None and i in writes.get(v, ()))
+                            written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss)
         if table is not None:
             edges.append(table)
     # identical (u, v) edges collapse: the ILP simply sums them
@@ -342,7 +342,8 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
 
 
 def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int,
-                batch: set[str] = frozenset(), recompute: bool = False, autocast=None, written: bool = False):
+                batch: set[str] = frozenset(), recompute: bool = False, autocast=None, written: bool = False,
+                traced_loss: bool = True):
     """Price one edge for every pair of (producer layout, consumer layout): the ``reshard`` the
     passes will insert there (``ir.edge_reshard``), in the window the runtime runs it in.
 
@@ -372,8 +373,8 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         u_key[s_i] = u_index.setdefault(key, len(u_index))
     u_layouts = list(u_index)
     ndim = len(ctx.mesh_shape)
-    if V is None:
-        v_layouts = [(replicated(ndim), None)]
+    if V is None:  # the program's output (``insert_collectives_pass``): replicated, its gradient too
+        v_layouts = [(replicated(ndim), None if traced_loss else replicated(ndim))]
         v_key = np.zeros(1, dtype=np.int64)
     else:
         v_index: dict = {}

@@ -1,7 +1,10 @@
 """``autopar.compile``: plan (or take a plan), rewrite the graph, and build this rank's program."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import inspect
 import math
 import os
 from typing import Any, Callable
@@ -12,7 +15,7 @@ import torch.distributed as dist
 from autopar.cluster import Cluster
 from autopar.api import check_cluster_arg, check_fits_cluster, check_model_args, cyclic_gc_paused, trace_checked
 from autopar.constraints import Constraints, with_annotations
-from autopar.errors import AutoparError, ConstraintError, PlanFormatError, PlanMismatchError
+from autopar.errors import AutoparError, ConstraintError, InputMismatchError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
 from autopar.runtime.parallel_model import ParallelModel
@@ -24,10 +27,10 @@ __all__ = ["compile"]
 def compile(
     model: torch.nn.Module,
     cluster: Cluster,
-    example_inputs: Any,
+    example_inputs: Any = None,
     *,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: Callable[[list], torch.optim.Optimizer],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     example_target: torch.Tensor | None = None,
     constraints: Constraints | None = None,
     plan: Plan | None = None,
@@ -35,37 +38,61 @@ def compile(
     collective_timeout_s: float | None = None,
     check_inputs: str | None = None,
 ) -> ParallelModel:
-    """Compile ``model`` into this rank's sharded training program. Call it in every process.
+    """Compile ``model`` into this rank's sharded program. Call it in every process.
 
-    ``optimizer`` maps a parameter list to a ``torch.optim.Optimizer``; ``loss_fn(output,
-    target)`` returns a scalar. The process group is initialised here if needed (gloo on CPU,
-    NCCL on CUDA, from the cluster spec).
+    ``autopar.compile(model, cluster)`` is enough: it returns at once and plans at the first call
+    from that batch's shapes (on rank 0, broadcast to all), as ``torch.compile`` compiles on
+    first call. Train it in the torch-native loop: ``loss = loss_fn(pm(x), y); loss.backward();
+    opt.step()``, with ``opt`` any ``torch.optim`` optimizer over ``pm.parameters()`` (DTensors;
+    the plan prices AdamW's state for it). ``example_inputs`` (the model's positional inputs)
+    plans here instead.
 
-    ``collective_timeout_s``: how long a collective waits for the other ranks before the step
-    fails (default ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s; a group the user initialised
-    keeps its own). ``check_inputs``: every step's batch must match the example's shapes and
-    dtypes; the ranks also compare their batches (which must be the same global batch) on the
-    first two steps ("first", the default), on every step ("always", also with ``AUTOPAR_DEBUG=1``)
-    or never ("never").
+    ``optimizer=`` (a factory: parameter list -> optimizer) selects the fused path,
+    ``pm.train_step(*inputs, target=...)``, with the loss inside the plan: ``loss_fn(output,
+    target)``, or with no ``loss_fn`` the loss the model returns itself (a scalar, or ``.loss``:
+    Hugging Face's ``labels=``); ``example_target`` is loss_fn's target for planning ahead.
+
+    The process group is initialised here if needed (gloo on CPU, NCCL on CUDA, from the cluster
+    spec). ``collective_timeout_s``: how long a collective waits for the other ranks before the
+    step fails (default ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s; a group the user initialised
+    keeps its own). ``check_inputs``: every call's batch must match the planned shapes and dtypes;
+    the ranks also compare their batches (which must be the same global batch) on the first two
+    calls ("first", the default), on every call ("always", also with ``AUTOPAR_DEBUG=1``) or
+    never ("never").
 
     >>> # in a torchrun script:
-    >>> # pm = autopar.compile(model, autopar.Cluster.local(), (idx,), example_target=tgt,
-    >>> #                      loss_fn=loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    >>> # loss = pm.train_step(idx, target=tgt)
+    >>> # pm = autopar.compile(model, autopar.Cluster.local())
+    >>> # opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    >>> # loss = F.cross_entropy(pm(idx).flatten(0, 1), tgt.flatten()); loss.backward(); opt.step()
     """
-    from autopar.cost_models.memory import describe_optimizer, precision_policy
+    from autopar.cost_models.memory import describe_optimizer, optimizer_spec, precision_policy
 
     # every argument is checked before the process group starts (each rank checks the same inputs)
     check_cluster_arg(cluster)
-    if example_target is None:
-        raise AutoparError("compile needs example_target= (a target batch for loss_fn) to trace the training step")
-    check_model_args(model, example_inputs, loss_fn, example_target, needs_loss=True)
+    fused = optimizer is not None
     if isinstance(optimizer, str):
         raise ConstraintError(
             f"compile's optimizer= must be a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), not the "
             f"name {optimizer!r}: compile builds the optimizer over each rank's shards (names are for autopar.plan, which only prices them)"
         )
+    if not fused and (loss_fn is not None or example_target is not None):
+        raise AutoparError(
+            "loss_fn= and example_target= are for train_step, which also needs optimizer= (a factory); in the "
+            "torch-native loop compute the loss on pm(x)'s output yourself: loss_fn(pm(x), y).backward()")
+    if example_inputs is not None:
+        check_model_args(model, example_inputs, loss_fn, example_target)
+        if loss_fn is not None and example_target is None:
+            raise AutoparError("compile got example_inputs and loss_fn but no example_target= (a target batch for "
+                               "loss_fn) to trace the training step; pass it, or drop example_inputs to plan at the first call")
+    else:
+        check_model_args(model, (), loss_fn, None)
+        if example_target is not None:
+            raise AutoparError("example_target= without example_inputs=: pass both to plan ahead, or neither")
     _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster)
+    if not fused and constraints is not None and (constraints.microbatches or 1) > 1:
+        raise ConstraintError(
+            f"Constraints(microbatches={constraints.microbatches}) splits train_step's batch; in the torch-native loop "
+            "accumulate gradients yourself (call backward on several batches before opt.step()), or compile with optimizer=")
     init_distributed(cluster.backend, cluster.world_size, collective_timeout_s)
     if cluster.device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -73,33 +100,149 @@ def compile(
     else:
         device = torch.device("cpu")
     policy = precision_policy(plan.precision if plan is not None else precision)
-    autocast = policy.torch_compute_dtype if policy.mixed else None
-    spec = describe_optimizer(optimizer, device.type)  # what the plan prices is the optimizer that runs
-    with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
-        traced = trace_checked(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                               device_type=cluster.device_type, autocast_dtype=autocast)
-        if plan is None:
-            constraints = with_annotations(constraints or Constraints(), model)
-            check_fits_cluster(traced, cluster, constraints)
-            plan = _plan_on_rank0(traced, cluster, constraints, policy, spec)
-        else:
-            check_plan_fits_model(plan, traced)
-    _check_same_plan(plan)
-    from torch.distributed.device_mesh import init_device_mesh
+    # what the plan prices is the optimizer that runs; the native loop's is built later: AdamW's
+    # state (two tensors per parameter) is priced, what most training uses and the most SGD needs
+    spec = describe_optimizer(optimizer, device.type) if fused else optimizer_spec("adamw")
+    builder = _Builder(model=model, cluster=cluster, constraints=constraints, given_plan=plan, policy=policy,
+                       spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer)
+    pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
+    if example_inputs is not None:
+        inputs = _as_tuple(example_inputs)
+        built = builder.primary(inputs, example_target, agree=False)
+        pm._attach(*built, (tuple(_meta_copy(x) for x in inputs), _meta_copy(example_target)))
+    return pm
 
-    names = tuple(a for a, _ in plan.mesh_axes)
-    mesh = init_device_mesh(device.type, tuple(s for _, s in plan.mesh_axes), mesh_dim_names=names)
-    inputs = _as_tuple(example_inputs)
-    traced, program, loss_reduction = build_program(model, inputs, example_target, loss_fn, traced, plan,
-                                                    cluster.device_type, autocast)
-    shapes = tuple(_meta_copy(x) for x in inputs), _meta_copy(example_target)
 
-    def eval_program():
-        return _eval_program(model, shapes[0], shapes[1], loss_fn, plan, cluster, policy, spec, autocast)
+class _Builder:
+    """What plans and builds the programs of one compiled model (``ParallelModel`` calls it at the
+    first call, and for each further program: evaluation, the native forward next to train_step)."""
 
-    return ParallelModel(plan=plan, traced=traced, program=program, device_mesh=mesh, model=model,
-                         optimizer=optimizer, device=device, precision=plan.precision, loss_reduction=loss_reduction,
-                         eval_program=eval_program, example=shapes, check_inputs=check_inputs)
+    def __init__(self, *, model, cluster: Cluster, constraints, given_plan, policy, spec, device, loss_fn, optimizer):
+        self.model = model
+        self.cluster = cluster
+        self.constraints = constraints
+        self.given_plan = given_plan
+        self.policy = policy
+        self.spec = spec
+        self.device = device
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.autocast = policy.torch_compute_dtype if policy.mixed else None
+        self._signature = None
+
+    def placeholder_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("world",))
+
+    def mesh(self, plan: Plan):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = tuple(a for a, _ in plan.mesh_axes)
+        return init_device_mesh(self.device.type, tuple(s for _, s in plan.mesh_axes), mesh_dim_names=names)
+
+    def _trace(self, inputs: tuple, target, with_loss: bool):
+        own = with_loss and self.loss_fn is None
+        return trace_checked(self.model, inputs, loss_fn=self.loss_fn if with_loss else None,
+                             example_target=target if with_loss and self.loss_fn is not None else None,
+                             device_type=self.cluster.device_type, autocast_dtype=self.autocast, own_loss=own,
+                             to_user=not with_loss)
+
+    def primary(self, inputs: tuple, target, agree: bool = True):
+        """(plan, traced, program, loss reduction) of the program the plan is made for: train_step's
+        (compiled with optimizer=) or the native forward's. ``agree``: first check that every rank
+        holds a batch of the same shapes (planning at the first call plans from rank 0's)."""
+        fused = self.optimizer is not None
+        if fused and self.loss_fn is not None and target is None:
+            raise AutoparError("train_step needs target= (the loss_fn's second argument)")
+        if agree:
+            _agree_on_shapes(inputs, target)
+        with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
+            traced = self._trace(inputs, target, with_loss=fused)
+            plan = self.given_plan
+            if plan is None:
+                constraints = with_annotations(self.constraints or Constraints(), self.model)
+                if not fused:
+                    constraints = dataclasses.replace(constraints, microbatches=1)
+                check_fits_cluster(traced, self.cluster, constraints)
+                plan = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec)
+            else:
+                check_plan_fits_model(plan, traced)
+        _check_same_plan(plan)
+        return (plan,) + build_program(self.model, inputs, target, self.loss_fn, traced, plan, self.cluster.device_type,
+                                       self.autocast, own_loss=fused and self.loss_fn is None)
+
+    def pinned(self, plan: Plan, kind: str, inputs: tuple, target):
+        """(plan, traced, program, loss reduction) of another program over the same shards: the model
+        traced in train or eval mode, with or without the loss ("step-eval", "forward",
+        "forward-eval"), planned with every parameter pinned to the layout it is stored in."""
+        from autopar.layouts import format_placement, parse_layout
+
+        with_loss = kind.startswith("step")
+        train = not kind.endswith("eval")
+        was_training = self.model.training
+        self.model.train(train)
+        try:
+            with cyclic_gc_paused(), torch.no_grad() if not train else contextlib.nullcontext():
+                traced = self._trace(inputs, target, with_loss)
+        finally:
+            self.model.train(was_training)
+        sizes = dict(plan.mesh_axes)
+        pins = {fqn: {axis: format_placement(p) for (axis, n), p in zip(plan.mesh_axes, parse_layout(pp.layout)) if n > 1}
+                for fqn, pp in plan.params.items()}
+        pins = {k: v for k, v in pins.items() if v}
+        constraints = Constraints(dp=sizes.get("dp"), tp=sizes.get("tp"), microbatches=plan.microbatches if with_loss else 1,
+                                  recompute=None if train else False, placements=pins)
+        other = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec, baseline=False)
+        return (other,) + build_program(self.model, inputs, target, self.loss_fn if with_loss else None, traced, other,
+                                        self.cluster.device_type, self.autocast, own_loss=with_loss and self.loss_fn is None)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """The model's inputs as positional arguments: keyword arguments (``labels=``) go to their
+        place in ``model.forward``'s signature, with the defaults of those skipped in between."""
+        if not kwargs:
+            return tuple(args)
+        if self._signature is None:
+            self._signature = inspect.signature(self.model.forward)
+        params = list(self._signature.parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in positional]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise AutoparError(
+                f"{type(self.model).__name__}.forward has no parameter {unknown[0]!r} that autopar can pass (it passes "
+                f"inputs by position: {names[:8]}); pass the inputs positionally")
+        last = max(names.index(k) for k in kwargs)
+        if len(args) > last:
+            raise AutoparError(f"{type(self.model).__name__}.forward got {names[last]!r} both by position and by keyword")
+        out = list(args)
+        for p in positional[len(args): last + 1]:
+            if p.name in kwargs:
+                out.append(kwargs[p.name])
+            elif p.default is not p.empty:
+                out.append(p.default)
+            else:
+                raise AutoparError(f"{type(self.model).__name__}.forward needs {p.name!r}: pass it")
+        return tuple(out)
+
+
+def _agree_on_shapes(inputs: tuple, target) -> None:
+    """Planning at the first call plans from rank 0's batch: every rank must hold one of the same
+    shapes and dtypes (the same global batch), or the ranks would run different programs."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+
+    def spec(x):
+        return (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else ("value", repr(x)[:80])
+
+    mine = [spec(x) for x in inputs] + ([spec(target)] if target is not None else [])
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [r for r, e in enumerate(every) if e != every[0]]
+    if differ:
+        raise InputMismatchError(
+            f"the ranks called the model with different batches at its first call (rank 0: {every[0]}, rank {differ[0]}: "
+            f"{every[differ[0]]}); the plan is made from that call: every rank passes the same global batch")
 
 
 def _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster: Cluster) -> None:
@@ -169,7 +312,8 @@ def check_plan_fits_model(plan: Plan, traced) -> None:
     )
 
 
-def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, device_type: str, autocast):
+def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, device_type: str, autocast,
+                  own_loss: bool = False):
     """This rank's program for ``plan``: (traced graph at the size the program runs, program, loss
     reduction over microbatches). With microbatches the model is traced again at one slice's size
     (same graph, same node names); the passes then apply the plan."""
@@ -180,40 +324,15 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
     if plan.microbatches > 1:
         m = plan.microbatches
         loss_reduction = _loss_reduction(traced)
-        for x in list(inputs) + [target]:
+        for x in list(inputs) + ([target] if target is not None else []):
             if isinstance(x, torch.Tensor) and x.shape[0] % m:
                 raise ConstraintError(f"microbatches={m} does not divide the batch dim of an input of shape {tuple(x.shape)}")
         traced = trace_model(model, tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) else x for x in inputs),
-                             loss_fn=loss_fn, example_target=target[: target.shape[0] // m],
-                             device_type=device_type, autocast_dtype=autocast)
+                             loss_fn=loss_fn, example_target=target[: target.shape[0] // m] if target is not None else None,
+                             device_type=device_type, autocast_dtype=autocast, own_loss=own_loss,
+                             to_user=loss_fn is None and not own_loss)
     program = run_passes(copy.deepcopy(traced.gm), PassContext.for_stage(plan, 0))
     return traced, program, loss_reduction
-
-
-def _eval_program(model, inputs, target, loss_fn, plan: Plan, cluster: Cluster, policy, spec, autocast):
-    """The evaluation program: the model traced in ``eval()`` mode (BatchNorm uses its running
-    statistics, dropout is off), planned with every parameter pinned to the layout it is stored
-    in (so the training shards serve it as they are) on the training mesh."""
-    from autopar.layouts import format_placement, parse_layout
-
-    was_training = model.training
-    model.eval()
-    try:
-        with cyclic_gc_paused(), torch.no_grad():
-            traced = trace_model(model, inputs, loss_fn=loss_fn, example_target=target,
-                                 device_type=cluster.device_type, autocast_dtype=autocast)
-    finally:
-        model.train(was_training)
-    sizes = dict(plan.mesh_axes)
-    pins = {fqn: {axis: format_placement(p) for (axis, n), p in zip(plan.mesh_axes, parse_layout(pp.layout)) if n > 1}
-            for fqn, pp in plan.params.items()}
-    pins = {k: v for k, v in pins.items() if v}
-    constraints = Constraints(dp=sizes.get("dp"), tp=sizes.get("tp"), microbatches=plan.microbatches, recompute=False,
-                              placements=pins)
-    eval_plan = _plan_on_rank0(traced, cluster, constraints, policy, spec, baseline=False)
-    traced, program, loss_reduction = build_program(model, inputs, target, loss_fn, traced, eval_plan,
-                                                    cluster.device_type, autocast)
-    return eval_plan, traced, program, loss_reduction
 
 
 def _as_tuple(x) -> tuple:

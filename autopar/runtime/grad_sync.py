@@ -167,6 +167,17 @@ class GradSync:
             for b in self.buckets:
                 b.ready, b.work = 0, None
 
+    def prepare_accumulation(self) -> None:
+        """Before a backward that adds to gradients already reduced (the native loop without
+        ``zero_grad()``): a bucket is all-reduced in place, so what it already holds (the same on
+        every rank) is divided by the number of ranks summing it first, and comes out unchanged."""
+        for b in self.buckets:
+            n = 1
+            for a in b.axes:
+                n *= self.comm.sizes[a]
+            if n > 1:
+                self.store.flat_grad(b.dtype)[b.start: b.start + b.numel].div_(n)
+
     def finish(self) -> None:
         """After the last backward: launch what never filled, then wait for every reduction."""
         for b in self.buckets:

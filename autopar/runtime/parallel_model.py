@@ -27,23 +27,26 @@ import gc
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from autopar.api import cyclic_gc_paused
 from autopar.errors import AutoparError, InputMismatchError
 from autopar.ir import GRAD_SYNC_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Partial, chunk_range, parse_layout, replicated
+from autopar.layouts import Partial, Shard, chunk_range, parse_layout, replicated
 from autopar.resharding import reshard_steps_for
 from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, shard_tensor
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.dtensor_params import StateView, placeholder, register_tree
 from autopar.runtime.input_checks import (
-    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, check_inputs_mode, checksum, example_spec, mismatch, refuse_uneven_inputs,
+    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, checksum, example_spec, mismatch,
+    refuse_uneven_inputs,
 )
 from autopar.runtime.memory import MemoryReport, MemoryTracker
 from autopar.runtime.param_store import ParamStore
@@ -63,18 +66,20 @@ class _Program:
     loss_reduction: str
     input_layouts: dict
     loss_layout: Any
+    example: Example  # what every call's batch is checked against
 
     @property
     def placeholders(self) -> list[str]:
         return [n.name for n in self.program.graph.nodes if n.op == "placeholder"]
 
     @classmethod
-    def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str) -> "_Program":
-        """With the layouts the plan gives the inputs and target, and the loss's layout."""
+    def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> "_Program":
+        """With the layouts the plan gives the inputs and target, and the loss's layout.
+        ``example``: (inputs, target) as compiled, or None (the traced shapes)."""
         layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
         inputs = {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name] if name}
         loss = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
-        return cls(plan, traced, program, loss_reduction, inputs, loss)
+        return cls(plan, traced, program, loss_reduction, inputs, loss, example_spec(traced, plan.microbatches, example))
 
 
 @dataclass(frozen=True)
@@ -103,59 +108,223 @@ class StepMeasurement:
         return "\n".join(lines)
 
 
-class ParallelModel:
-    """A model compiled for this rank. Build it with ``autopar.compile``."""
+class ParallelModel(torch.nn.Module):
+    """A model compiled for this rank. Build it with ``autopar.compile``.
 
-    def __init__(self, *, plan, traced, program: fx.GraphModule, device_mesh, model: torch.nn.Module,
-                 optimizer: Callable, device: torch.device, precision: str, loss_reduction: str = "mean",
-                 eval_program: Callable | None = None, example: tuple | None = None,
-                 check_inputs: str | None = None):
-        """``example``: (inputs, target) as compiled (tensors may be on the meta device), what every
-        step's batch is checked against; ``check_inputs``: see the module docstring."""
+    Two ways to train it: ``train_step`` (compiled with ``optimizer=``: the loss inside the plan,
+    fastest), or the torch-native loop: ``loss = loss_fn(pm(x), y); loss.backward();
+    opt.step()`` with any optimizer over ``pm.parameters()`` (DTensors over the plan's mesh).
+    Until the plan exists (made at the first call when compile got no example inputs) ``plan`` is
+    None and the parameters are placeholders (``runtime.dtensor_params``)."""
+
+    def __init__(self, *, model: torch.nn.Module, builder, check_inputs: str | None = None):
+        """``builder``: what plans and builds programs for this model (``runtime.compile``)."""
+        super().__init__()
+        self._check_mode = check_inputs_mode(check_inputs)
+        self._builder = builder
+        self._fused = builder.optimizer is not None
+        self._model_class = type(model).__name__
+        self._calls = {"train_step": 0, "eval_step": 0, "forward": 0}
+        self.plan = None
+        self.step = 0
+        self.optimizer = None
+        self._programs: dict[str, _Program] = {}
+        self._state: StateView | None = None
+        self._zero_versions: dict[str, int] = {}
+        self._tracker: MemoryTracker | None = None  # set by measure_step
+        mesh = builder.placeholder_mesh()
+        self._tensors = register_tree(self, model, lambda name, t, is_param: (
+            torch.nn.Parameter(placeholder(t, mesh), requires_grad=t.requires_grad) if is_param else placeholder(t, mesh)))
+        _LIVE.add(self)
+        _EXIT_STATE["used"] = True
+
+    def _attach(self, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> None:
+        """Take the plan: build this rank's shards, the gradient sync and the DTensor parameters."""
         from autopar.cost_models.memory import precision_policy
 
-        self._check_mode = check_inputs_mode(check_inputs)
-        train = _Program.of(plan, traced, program, loss_reduction)
+        kind = "step" if self._fused else "forward"
+        prog = _Program.of(plan, traced, program, loss_reduction, example)
         # before any collective (every rank refuses alike): a batch share no rank can hold evenly
-        refuse_uneven_inputs(plan, train)
-        self._example = example_spec(traced, plan.microbatches, example)
-        self._eval_calls = 0
+        refuse_uneven_inputs(plan, prog)
+        b = self._builder
         self.plan = plan
-        self.program = program
-        self.device_mesh = device_mesh
-        self.comm = MeshComm.from_device_mesh(device_mesh)
-        self.step = 0
+        self.device_mesh = b.mesh(plan)
+        self.comm = MeshComm.from_device_mesh(self.device_mesh)
         self._traced = traced
-        self._device = device
-        self._policy = precision_policy(precision)
+        self._device = b.device
+        self._policy = precision_policy(plan.precision)
         self._loss_reduction = loss_reduction  # how microbatch losses combine: "mean" or "sum"
-        self._model_keys = list(model.state_dict().keys())
+        self._model_keys = list(b.model.state_dict().keys())
+        self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes
+                        if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
+        self._param_of_key = _tied_keys(b.model)
+        deferred = program.meta.get(GRAD_SYNC_KEY, {})
+        self.store = ParamStore(plan=plan, traced=traced, model=b.model, comm=self.comm, device=self._device,
+                                order=_backward_order(program, deferred))
+        self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
         self._gathers_params = any(
             n.target is gather_param_start or n.target is reshard and n.kwargs.get("param")
             for g in program.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes if n.op == "call_function")
-        self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes
-                        if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
-        self._param_of_key = _tied_keys(model)
-        deferred = program.meta.get(GRAD_SYNC_KEY, {})
-        self.store = ParamStore(plan=plan, traced=traced, model=model, comm=self.comm, device=device,
-                                order=_backward_order(program, deferred))
-        self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
         self._grad_sync = GradSync(self.store, deferred, self.comm,
                                    self._policy.torch_reduce_dtype if self._policy.mixed else None)
-        self.optimizer = optimizer(self.store.optimizer_params())
-        self._tracker: MemoryTracker | None = None
-        self._eval_builder = eval_program
-        self._eval: _Program | None = None
-        self._train = train
-        _LIVE.add(self)
-        _EXIT_STATE["used"] = True
+        if self._fused:
+            self.optimizer = b.optimizer(self.store.optimizer_params())
+        self._state = StateView(self.store, traced, self.device_mesh)
+        for name, current in self._tensors.items():
+            self._state.swap_into(self._param_of_key.get(name, name), current)
+        self._programs[kind] = prog
+        self._note_zero_versions()
+
+    @property
+    def program(self) -> fx.GraphModule:
+        """The program the plan was made for (``train_step``'s, or the forward of ``pm(x)``)."""
+        self._require_plan("program")
+        return self._primary.program
+
+    @property
+    def _primary(self) -> "_Program":
+        return self._programs["step" if self._fused else "forward"]
+
+    @property
+    def _train(self) -> "_Program":  # the fused training step's program
+        return self._programs["step"]
+
+    def _require_plan(self, what: str) -> None:
+        if self.plan is None:
+            raise AutoparError(f"{what} needs the plan, which is made at the first call (pm(*inputs) or train_step); "
+                               "call the model once, or compile with example_inputs= to plan ahead")
+
+    def _ensure_planned(self, inputs: tuple, target: Any) -> None:
+        """Plan from this call's batch if no plan exists yet (``autopar.compile`` without examples)."""
+        if self.plan is not None:
+            return
+        with collective_failures("planning"):
+            plan, traced, program, reduction = self._builder.primary(inputs, target)
+        self._attach(plan, traced, program, reduction, None)
+
+    def _program_for(self, kind: str, inputs: tuple, target: Any) -> "_Program":
+        """The program of ``kind`` ("step", "step-eval", "forward", "forward-eval"), built at its first
+        use with every parameter pinned where the plan stores it (the shards serve every program)."""
+        prog = self._programs.get(kind)
+        if prog is None:
+            # traced at the planned batch's shapes (the call's batch is then checked against them)
+            inputs, target = _stand_ins(self._primary.example, inputs, target)
+            with collective_failures("planning"):
+                built = self._builder.pinned(self.plan, kind, inputs, target)
+            prog = _Program.of(*built, None)
+            refuse_uneven_inputs(prog.plan, prog)
+            self._programs[kind] = prog
+        return prog
+
+    # ------------------------------------------------------------------ the torch-native loop
+    def forward(self, *args, **kwargs):
+        """The sharded forward: returns what the model returns, each tensor whole on every rank (as
+        one device would hold it), ready for the user's loss; ``loss.backward()`` then runs the
+        plan's backward and gradient sync and sets every parameter's ``.grad`` (a DTensor).
+
+        Every rank calls it with the same global batch; in ``eval()`` mode it runs the model's
+        evaluation graph (planned at its first use), under ``torch.no_grad()`` without autograd."""
+        inputs = self._builder.bind(args, kwargs)
+        self._ensure_planned(inputs, None)
+        kind = "forward" if self.training else "forward-eval"
+        prog = self._programs.get(kind) if kind in self._programs else self._program_for(kind, inputs, None)
+        with collective_failures("forward"):
+            self._check_batch("forward", inputs, None, self._calls["forward"], prog)
+            self._sync_zero_params()
+            with active_mesh(self.comm):
+                out = self._run(self._args(inputs, None, prog, where="forward"), prog.program)
+        self._calls["forward"] += 1
+        leaves = list(out) if isinstance(out, (list, tuple)) else [out]
+        if torch.is_grad_enabled():
+            self._arm_backward([t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad])
+        return pytree.tree_unflatten(leaves, prog.traced.out_spec) if prog.traced.out_spec is not None else out
+
+    def _arm_backward(self, outputs: list) -> None:
+        """Hook the first gradient that reaches an output: it starts this rank's backward through
+        the program. Then: gradients the user cleared start from zero, gradients kept accumulate
+        (``prepare_accumulation``), and at the end of the backward pass the plan's gradient
+        reductions are finished and every parameter's ``.grad`` DTensor set."""
+        from torch.autograd import Variable
+
+        me = weakref.ref(self)
+        fired = [False]
+
+        def start(grad):
+            pm = me()
+            if pm is not None and not fired[0]:
+                fired[0] = True
+                pm._begin_backward()
+                Variable._execution_engine.queue_callback(pm._end_backward)
+            return grad
+
+        for t in outputs:
+            t.register_hook(start)
+
+    def _begin_backward(self) -> None:
+        cleared = set(self._state.user_grads_cleared())
+        trainable = [ph for ph, s in self.store.slots.items() if s.trainable]
+        if len(cleared) == len(trainable):
+            self.store.zero_grads()
+        else:
+            for ph in cleared:
+                self.store.zero_grad_of(ph)
+            self._grad_sync.prepare_accumulation()
+        self._grad_sync.arm(last_microbatch=True)
+
+    def _end_backward(self) -> None:
+        with collective_failures("backward"), active_mesh(self.comm):
+            self._grad_sync.finish()
+            drain_gradient_reductions(self.comm)
+        self._state.publish_grads()
+
+    def _zero_param_versions(self) -> dict[str, int]:
+        # the DTensor's own counter: in-place ops reach its local tensor below autograd's
+        # ADInplaceOrView key (inside DTensor's dispatch), which leaves the local counter unmoved
+        return {s.ph: self._state.params[s.fqn]._version for s in self.store.zero_slots()}
+
+    def _note_zero_versions(self) -> None:
+        self._zero_versions = self._zero_param_versions()
+
+    def _sync_zero_params(self) -> None:
+        """ZeRO-1/2 in the native loop: the user's optimizer updated the ``Shard(state_dim)`` pieces
+        (the DTensor parameters' version counters moved); gather them back into the whole parameters."""
+        if self._zero_param_versions() != self._zero_versions:
+            with active_mesh(self.comm):
+                self._gather_zero_params()
+            self._note_zero_versions()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batch shards the plan reads (ranks holding the same shard share it)."""
+        self._require_plan("data_parallel_size")
+        return self._data_split()[0]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which batch shard this rank reads (0 .. data_parallel_size - 1)."""
+        self._require_plan("data_parallel_rank")
+        return self._data_split()[1]
+
+    def _data_split(self) -> tuple[int, int]:
+        """(size, rank) of the split of the inputs' batch dim over the mesh axes."""
+        prog = self._primary
+        axes = set()
+        for name in prog.traced.input_names:
+            lay = prog.input_layouts.get(name)
+            if lay is not None:
+                axes |= {a for a, p in enumerate(lay) if isinstance(p, Shard) and p.dim == 0 and self.comm.sizes[a] > 1}
+        size, rank = 1, 0
+        for a in sorted(axes):
+            size, rank = size * self.comm.sizes[a], rank * self.comm.sizes[a] + self.comm.coords[a]
+        return size, rank
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Remove hooks and release process-group references (then destroy_process_group is safe).
         Models still open at interpreter exit are closed then (``_close_all``)."""
-        self._grad_sync.close()
-        self.comm.close()
+        if self.plan is not None:
+            self._grad_sync.close()
+            self.comm.close()
         _LIVE.discard(self)
 
     def __enter__(self) -> "ParallelModel":
@@ -165,11 +334,11 @@ class ParallelModel:
         self.close()
 
     # ------------------------------------------------------------------ steps
-    def _args(self, inputs: tuple, target: Any, prog: "_Program | None" = None) -> list:
+    def _args(self, inputs: tuple, target: Any, prog: "_Program | None" = None, where: str = "train_step") -> list:
         prog = prog or self._train
         names = prog.traced.input_names
         if len(inputs) != len(names):
-            raise AutoparError(f"train_step got {len(inputs)} inputs; the model was compiled with {len(names)}")
+            raise AutoparError(f"{where} got {len(inputs)} inputs; the model was compiled with {len(names)}")
         feed = dict(zip(names, inputs))
         if prog.traced.target_name is not None:
             if target is None:
@@ -214,7 +383,7 @@ class ParallelModel:
         targets = split(target) if target is not None else [None] * m
         return [(tuple(p[i] for p in parts), targets[i]) for i in range(m)]
 
-    def train_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
+    def train_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
 
         With ``plan.microbatches = m`` the batch runs as m slices whose gradients accumulate
@@ -227,8 +396,15 @@ class ParallelModel:
         number of times: a rank whose peers do not join a collective gets ``CollectiveError``
         after the collective timeout (``collective_timeout_s``).
         """
+        inputs = self._builder.bind(inputs, kwargs)
+        if not self._fused:
+            raise AutoparError(
+                "train_step needs the optimizer: compile with optimizer= (e.g. optimizer=lambda ps: "
+                "torch.optim.AdamW(ps, lr=1e-3)); without it, train in your own loop: loss = loss_fn(pm(x), y); "
+                "loss.backward(); opt.step() with opt = torch.optim.AdamW(pm.parameters(), ...)")
+        self._ensure_planned(inputs, target)
         with collective_failures("train_step"):
-            self._check_batch("train_step", inputs, target, self.step)
+            self._check_batch("train_step", inputs, target, self.step, self._train)
         return self._checked_train_step(inputs, target)
 
     def _checked_train_step(self, inputs: tuple, target: Any) -> float:
@@ -262,6 +438,7 @@ class ParallelModel:
             with self._phase("optimizer"):
                 self.optimizer.step()
                 self._gather_zero_params()
+                self._note_zero_versions()
             self.store.zero_grads()
             for w in pending:
                 w.wait()
@@ -281,24 +458,23 @@ class ParallelModel:
             s.local.copy_(x)
 
     @torch.no_grad()
-    def eval_step(self, *inputs: torch.Tensor, target: Any = None) -> float:
+    def eval_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:
         """The global loss on ``inputs`` with the model in ``eval()`` mode (BatchNorm running
         statistics, no dropout), without gradients. Call it on every rank. The first call traces
         and plans the evaluation graph (parameters stay where training keeps them)."""
+        inputs = self._builder.bind(inputs, kwargs)
+        if not self._fused:
+            raise AutoparError("eval_step runs the compiled loss: compile with loss_fn= and optimizer= (train_step's "
+                               "path), or evaluate in your own loop: pm.eval(); with torch.no_grad(): loss_fn(pm(x), y)")
+        self._ensure_planned(inputs, target)
+        prog = self._program_for("step-eval", inputs, target)
         with collective_failures("eval_step"):
-            self._check_batch("eval_step", inputs, target, self._eval_calls)
-            total = self._eval_step(inputs, target)
-        self._eval_calls += 1
+            self._check_batch("eval_step", inputs, target, self._calls["eval_step"], prog)
+            total = self._eval_step(inputs, target, prog)
+        self._calls["eval_step"] += 1
         return total
 
-    def _eval_step(self, inputs: tuple, target: Any) -> float:
-        if self._eval is None:
-            if self._eval_builder is None:
-                raise AutoparError("this ParallelModel was built without an evaluation program; use autopar.compile")
-            prog = _Program.of(*self._eval_builder())
-            refuse_uneven_inputs(prog.plan, prog)
-            self._eval = prog
-        prog = self._eval
+    def _eval_step(self, inputs: tuple, target: Any, prog: "_Program") -> float:
         micro = self._microbatches(inputs, target)
         weight = 1.0 / len(micro) if prog.loss_reduction == "mean" else 1.0
         total = 0.0
@@ -314,9 +490,8 @@ class ParallelModel:
         return total * weight
 
     # ------------------------------------------------------------------ batch checks
-    def _batch_problem(self, where: str, inputs: tuple, target: Any) -> InputMismatchError | None:
+    def _batch_problem(self, where: str, inputs: tuple, target: Any, ex: Example) -> InputMismatchError | None:
         """What is wrong with this batch against the compiled example, or None."""
-        ex = self._example
         if len(inputs) != len(ex.inputs):
             return InputMismatchError(
                 f"{where} got {len(inputs)} inputs; the model was compiled with {len(ex.inputs)}: pass the inputs "
@@ -340,19 +515,18 @@ class ParallelModel:
                 f"(a model that branches on the batch size would silently keep the compiled branch): {fix}")
         return None
 
-    def _check_batch(self, where: str, inputs: tuple, target: Any, step: int) -> None:
+    def _check_batch(self, where: str, inputs: tuple, target: Any, step: int, prog: "_Program") -> None:
         """Raise if the batch does not match the compiled example; on the steps ``check_inputs``
         names, compare every input's checksum across the ranks (one small all-gather), so that a
         rank holding a different or mis-shaped batch is reported on every rank."""
-        problem = self._batch_problem(where, inputs, target)
+        problem = self._batch_problem(where, inputs, target, prog.example)
         due = self._check_mode == "always" or (self._check_mode == "first" and step < FIRST_CHECKED_STEPS)
         if due and dist.is_initialized() and dist.get_world_size() > 1:
-            self._compare_across_ranks(where, inputs, target, problem, step)
+            self._compare_across_ranks(where, inputs, target, problem, step, prog.example)
         if problem is not None:
             raise problem
 
-    def _compare_across_ranks(self, where: str, inputs: tuple, target: Any, problem, step: int) -> None:
-        ex = self._example
+    def _compare_across_ranks(self, where: str, inputs: tuple, target: Any, problem, step: int, ex: Example) -> None:
         labels = [f"input {i}" for i in range(len(ex.inputs))] + (["target"] if ex.has_target else [])
         vec = [0] * (1 + 3 * len(labels))  # [local problem?, then per input: kind/shape/dtype, sum, weighted sum]
         if problem is not None:
@@ -391,8 +565,11 @@ class ParallelModel:
 
         Measure after at least one step: optimizers such as Adam create their state lazily in
         the first step, which would show up as step temporaries then."""
+        if not self._fused:
+            raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
+        self._ensure_planned(inputs, target)
         with collective_failures("train_step"):  # outside the measurement: the check is not the step's
-            self._check_batch("train_step", inputs, target, self.step)
+            self._check_batch("train_step", inputs, target, self.step, self._train)
         tracker = MemoryTracker()
         cuda = self._device.type == "cuda"
         if cuda:
@@ -466,26 +643,12 @@ class ParallelModel:
     def _local_state(self, ph: str) -> torch.Tensor:
         return self.store.slots[ph].local.detach() if ph in self.store.slots else self.store.buffers[ph]
 
-    def state_dict(self) -> dict[str, Any]:
-        """Sharded state (DTensors over the plan's mesh) under the user's ``model.state_dict()``
-        keys, for torch.distributed.checkpoint."""
-        by_name = {}
-        for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
-            by_name[fqn] = self._dtensor(ph, self._local_state(ph))
-        return {k: by_name[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in by_name}
-
-    def _dtensor(self, ph: str, local: torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
-        shape = self._shapes[ph]
-        # uneven (ZeRO-3) shards need the global shape: DTensor cannot infer it from local sizes
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self.device_mesh, list(self._layouts[ph]), run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) copies under the user's ``model.state_dict()`` keys, on every rank."""
+        """Full (gathered) copies under the user's ``model.state_dict()`` keys, on every rank.
+        (``state_dict()``: the sharded DTensors, for torch.distributed.checkpoint.)"""
+        self._require_plan("full_state_dict")
+        self._sync_zero_params()
         full: dict[str, torch.Tensor] = {}
         ndim = len(self.comm.sizes)
         for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
@@ -520,6 +683,20 @@ def _close_all() -> None:
 
 _EXIT_PAUSE_S = 0.05
 _EXIT_STATE = {"used": False}  # set once any ParallelModel was built in this process
+
+
+def _stand_ins(ex: Example, inputs: tuple, target: Any) -> tuple[tuple, Any]:
+    """Meta tensors (and constants) of the planned example, for tracing another program over the
+    same shards; the call's own batch where the example does not say (or differs in arity)."""
+    def one(spec, given):
+        if isinstance(spec, TensorMeta):
+            return torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+        return spec.value if spec is not None else given
+
+    if len(ex.inputs) != len(inputs):
+        return inputs, target
+    made = tuple(one(spec, x) for spec, x in zip(ex.inputs, inputs))
+    return made, (one(ex.target, target) if ex.has_target and target is not None else target)
 
 
 def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:

@@ -161,6 +161,13 @@ class ParamStore:
         for flat in list(self._grad_flat.values()) + list(self._shard_flat.values()):
             flat.zero_()
 
+    def zero_grad_of(self, ph: str) -> None:
+        """Zero one parameter's gradient views (the rest keep accumulating)."""
+        s = self.slots[ph]
+        for g in (s.local.grad, s.opt.grad if s.opt is not None else None):
+            if g is not None:
+                g.zero_()
+
     def persistent_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What stays allocated across steps, by memory category (for measurement)."""
         return {

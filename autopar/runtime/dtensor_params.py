@@ -1,0 +1,140 @@
+"""A ParallelModel's parameters and buffers as DTensors over the plan's mesh, under the user's names.
+
+What makes the torch-native loop work (``opt = torch.optim.SGD(pm.parameters())``,
+``clip_grad_norm_``, LR schedulers, ``torch.distributed.checkpoint.state_dict``), as FSDP2's
+sharded parameters do. Invariants:
+
+* a parameter's DTensor shares storage with what the program and the optimizer use: its local
+  tensor is ``ParamSlot.opt`` (the slot's local shard; under ZeRO-1/2 its ``Shard(state_dim)``
+  view on the zero axes), so an optimizer updating the DTensor in place updates the program's
+  parameter; a buffer's wraps the store's buffer;
+* after backward, ``publish_grads`` sets every trainable parameter's ``.grad`` to a DTensor over
+  the gradient the plan reduced (views of the store's buffers: no copy);
+* before a plan exists (``autopar.compile`` plans at the first call) the parameters are
+  placeholders: DTensors over a meta tensor on a one-axis mesh of all ranks; ``swap_in`` exchanges
+  each for its planned DTensor in place (``torch.utils.swap_tensors``), so an optimizer or a
+  scheduler built before the first call holds the planned parameters afterwards.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["make_dtensor", "register_tree", "placeholder", "slot_placements", "swap_in", "StateView"]
+
+
+def make_dtensor(local: torch.Tensor, mesh, placements, shape, requires_grad: bool) -> DTensor:
+    """A leaf DTensor over ``local`` (no copy, no communication): the global ``shape`` is given, so
+    uneven (``torch.chunk``-cut) shards need no check across ranks."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(shape)
+    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), local.dtype)
+    return DTensor(local.detach(), DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=requires_grad)
+
+
+def placeholder(t: torch.Tensor, mesh) -> DTensor:
+    """A stand-in for ``t`` until the plan exists: its shape and dtype, no storage."""
+    from torch.distributed.tensor import Replicate
+
+    local = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+    return make_dtensor(local, mesh, [Replicate()] * mesh.ndim, t.shape, t.requires_grad)
+
+
+def slot_placements(slot) -> tuple:
+    """The DTensor placements of what the optimizer sees of a slot: its layout, and under
+    ZeRO-1/2 ``Shard(state_dim)`` on each zero axis (where the layout keeps it whole)."""
+    out = list(slot.layout)
+    for a in slot.zero_axes:
+        out[a] = Shard(slot.state_dim)
+    return tuple(out)
+
+
+class _Holder(torch.nn.Module):
+    """A node of the user's module tree inside a ParallelModel: it holds parameters and buffers."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module is part of a ParallelModel: call the ParallelModel itself")
+
+
+def register_tree(root: torch.nn.Module, model: torch.nn.Module, make) -> dict[str, torch.Tensor]:
+    """Register ``make(name, tensor, is_param)`` under every ``model.state_dict()``-style name of
+    ``model`` on ``root`` (tied parameters: one object under each name, as in the model; buffers
+    keep their ``persistent`` flag). Returns name -> registered tensor (first name of a tie)."""
+    made: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+
+    def holder(path: str) -> torch.nn.Module:
+        node = root
+        for part in path.split(".") if path else []:
+            if part not in node._modules:
+                node._modules[part] = _Holder()
+            node = node._modules[part]
+        return node
+
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        target = holder(mod_name)
+        for leaf, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{mod_name}.{leaf}" if mod_name else leaf
+            if id(p) not in made:
+                made[id(p)] = make(full, p, True)
+                out[full] = made[id(p)]
+            target._parameters[leaf] = made[id(p)]
+        for leaf, b in mod._buffers.items():
+            if b is None:
+                continue
+            full = f"{mod_name}.{leaf}" if mod_name else leaf
+            if id(b) not in made:
+                made[id(b)] = make(full, b, False)
+                out[full] = made[id(b)]
+            target._buffers[leaf] = made[id(b)]
+            if leaf in mod._non_persistent_buffers_set:
+                target._non_persistent_buffers_set.add(leaf)
+    return out
+
+
+def swap_in(current: torch.Tensor, planned: torch.Tensor) -> None:
+    """Make ``current`` (a placeholder held by the module tree, and maybe by an optimizer) the
+    planned tensor, in place."""
+    torch.utils.swap_tensors(current, planned)
+
+
+class StateView:
+    """The planned DTensors of one rank's store (see the module docstring)."""
+
+    def __init__(self, store, traced, mesh):
+        self.store = store
+        self.mesh = mesh
+        self.params: dict[str, torch.nn.Parameter] = {}  # fqn -> DTensor parameter
+        self.buffers: dict[str, DTensor] = {}
+        self._placements: dict[str, tuple] = {}
+        for ph, s in store.slots.items():
+            local = s.opt if s.opt is not None else s.local
+            self._placements[ph] = slot_placements(s) if s.opt is not None else tuple(s.layout)
+            self.params[s.fqn] = torch.nn.Parameter(
+                make_dtensor(local, mesh, self._placements[ph], s.shape, s.trainable), requires_grad=s.trainable)
+        shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes if n.op == "placeholder"}
+        for ph, fqn in traced.buffer_fqns.items():
+            self.buffers[fqn] = make_dtensor(store.buffers[ph], mesh, store.layouts[ph], shapes[ph], False)
+
+    def swap_into(self, fqn: str, current: torch.Tensor) -> None:
+        """Make ``current`` (the placeholder registered for ``fqn``) this planned tensor, in place;
+        from now on ``current`` is the one this view serves."""
+        table = self.params if fqn in self.params else self.buffers
+        swap_in(current, table[fqn])
+        table[fqn] = current
+
+    def publish_grads(self) -> None:
+        """Each trainable parameter's ``.grad``: a DTensor over its reduced gradient (a view)."""
+        for ph, s in self.store.slots.items():
+            if not s.trainable:
+                continue
+            p = self.params[s.fqn]
+            g = (s.opt if s.opt is not None else s.local).grad
+            p.grad = make_dtensor(g, self.mesh, self._placements[ph], p.shape, False)
+
+    def user_grads_cleared(self) -> list[str]:
+        """Placeholders whose DTensor ``.grad`` the user set to None (``zero_grad()``)."""
+        return [ph for ph, s in self.store.slots.items() if s.trainable and self.params[s.fqn].grad is None]
