@@ -91,6 +91,10 @@ def _hf_model(name: str) -> nn.Module:
                         eos_token_id=2)
     if name == "gemma":
         return _decoder("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=2, head_dim=16)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
     if name == "vit":
         cfg = transformers.ViTConfig(**_no_dropout({k: v for k, v in _HIDDEN.items()
                                                     if k not in ("vocab_size", "max_position_embeddings")}),

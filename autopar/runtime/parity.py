@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["parity_worker", "parity_suite", "parity_failures", "build_case", "relative_error"]
+__all__ = ["parity_worker", "parity_suite", "parity_failures", "build_case", "relative_error", "native_loop_worker",
+           "native_loop_suite"]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-3) -> float:
@@ -218,3 +219,54 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
             "dtensor_mismatch": dtensor_mismatch, "ill_conditioned": ill, "sharded_params": sharded,
             "mesh": pm.plan.mesh, "program": pm.program.code, "plan": pm.plan,
             "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:5]}
+
+
+def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: float = 0.05,
+                       max_norm: float = 1.0) -> dict[str, Any]:
+    """Train ``case`` in the torch-native loop a user writes, beside a single-device copy in the same
+    loop: ``autopar.compile(model, cluster)`` (no examples: planned at the first call), then per step
+    ``loss_fn(pm(*x), y).backward()``, ``clip_grad_norm_``, SGD with momentum and a ``StepLR``
+    built over ``pm.parameters()`` before the first call. Reports the worst relative difference
+    of the loss and of the gradient norm over the steps, of every parameter and buffer after the
+    last step (``full_state_dict``), and of ``torch.distributed.checkpoint``'s full state dict."""
+    import autopar
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model, batches, loss_fn = build_case(case)
+    ref = copy.deepcopy(model)
+    pm = autopar.compile(model, autopar.Cluster.local(), constraints=autopar.Constraints(**constraints) if constraints else None)
+    runs = []
+    for m in (pm, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+        runs.append((m, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)))
+    loss_err = norm_err = 0.0
+    for s in range(steps):
+        x, t = batches[s % len(batches)]
+        args = x if isinstance(x, tuple) else (x,)
+        got = []
+        for m, opt, sched in runs:
+            loss = loss_fn(m(*args), t)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            got.append((float(loss.detach()), float(norm)))
+        (l1, n1), (l0, n0) = got
+        loss_err = max(loss_err, abs(l1 - l0) / max(abs(l0), 1e-12))
+        norm_err = max(norm_err, abs(n1 - n0) / max(abs(n0), 1e-12))
+    ref_sd = ref.state_dict()
+    full = pm.full_state_dict()
+    errs = {k: relative_error(full[k], v) for k, v in ref_sd.items()}
+    dcp = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True))
+    return {"case": case, "constraints": constraints, "mesh": pm.plan.mesh, "loss_err": loss_err, "norm_err": norm_err,
+            "param_err": max(errs.values()), "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:3],
+            "dcp_keys_match": list(dcp) == list(ref_sd),
+            "dcp_err": max(relative_error(dcp[k], v) for k, v in ref_sd.items()) if list(dcp) == list(ref_sd) else None,
+            "dtensor_params": all(type(p).__name__ == "DTensor" for p in pm.parameters())}
+
+
+def native_loop_suite(cases: list[tuple], steps: int = 4) -> list[dict[str, Any]]:
+    """``native_loop_worker`` for each (case, constraints), in one process group."""
+    return [native_loop_worker(case, constraints, steps) for case, constraints in cases]
