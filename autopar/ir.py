@@ -17,11 +17,46 @@ from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
 __all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
-           "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY"]
+           "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
+           "is_local_batch"]
 
 GRAD_SYNC_KEY = "autopar.grad_sync"  # parameter placeholder -> mesh axes its gradient is all-reduced over
 LOSS_LAYOUT_KEY = "autopar.loss_layout"  # layout of a returned, not yet reduced, scalar loss
 RECOMPUTE_KEY = "autopar.recompute"  # names of the submodules run under activation checkpointing
+# On the output node of a graph compiled for local batches (each rank passes its own data shard):
+# the names of the outputs returned as this rank's rows, laid out ``LOCAL_ROWS`` instead of
+# replicated. Its presence marks local-batch mode (the planner keeps every batch input on "dp").
+LOCAL_OUTPUTS_KEY = "autopar.local_outputs"
+
+
+def local_rows(ndim: int):
+    """The layout of a value split by rows over the data axis ("dp", axis 0) and whole elsewhere:
+    how a batch input arrives and a batch output leaves in local-batch mode."""
+    return (Shard(0),) + (Replicate(),) * (ndim - 1)
+
+
+def boundary_layout(out_node: fx.Node, arg: fx.Node, ndim: int):
+    """The layout the program hands output ``arg`` to the user in (the planner prices it, the
+    passes emit it): this rank's rows in local-batch mode, else replicated."""
+    if arg.name in out_node.meta.get(LOCAL_OUTPUTS_KEY, ()):
+        return local_rows(ndim)
+    return (Replicate(),) * ndim
+
+
+def mark_local_batch(graph: fx.Graph, batch: int | None) -> None:
+    """Mark ``graph`` as compiled for local batches: its outputs whose dim 0 is the batch come back
+    as each rank's rows."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    rows = set()
+    for a in out.all_input_nodes:
+        meta = (a.meta.get("autopar.outputs") or (None,))[0]
+        if meta is not None and meta.shape and batch is not None and meta.shape[0] == batch:
+            rows.add(a.name)
+    out.meta[LOCAL_OUTPUTS_KEY] = frozenset(rows)
+
+
+def is_local_batch(graph: fx.Graph) -> bool:
+    return LOCAL_OUTPUTS_KEY in next(n for n in graph.nodes if n.op == "output").meta
 
 
 def param_cast_dtype(param: fx.Node, consumer: fx.Node):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.layouts import format_layout, parse_layout, replicated, uneven_dims
+from autopar.layouts import format_layout, parse_layout, uneven_dims
 from autopar.errors import NoFeasiblePlanError
 from autopar.functionalize import written_edges
-from autopar.ir import LOSS_LAYOUT_KEY, edge_reshard, param_cast_dtype, reshard
+from autopar.ir import LOSS_LAYOUT_KEY, boundary_layout, edge_reshard, param_cast_dtype, reshard
 from autopar.passes.context import PassContext
 
 __all__ = ["insert_collectives_pass", "LOSS_LAYOUT_KEY"]
@@ -68,8 +68,9 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         if node.op == "call_function" and ctx.node(node.name).op == "getitem":
             continue
         if node.op == "output":
-            r = format_layout(replicated(len(ctx.mesh_shape)))
-            needs = [(r, r)]  # the loss ends replicated; backward is seeded with 1 on every rank
+            # the loss ends replicated (backward is seeded with 1 on every rank); outputs for the
+            # user's loss replicated too, or as this rank's rows (local batches)
+            handed = {a.name: format_layout(boundary_layout(node, a, len(ctx.mesh_shape))) for a in node.all_input_nodes}
             loss = node.args[0] if len(node.args) == 1 and isinstance(node.args[0], fx.Node) else None
             if loss is not None and _is_scalar(loss) and _only_partial(ctx.node(loss.name).outs[0]):
                 # a scalar loss still pending a reduction: the runtime reduces its value off the
@@ -86,7 +87,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
                 return a
             i = next(counter)
             if node.op == "output":
-                want, gwant = needs[0]
+                want = gwant = handed[a.name]
             else:
                 want, gwant = needs[i]
             if want == "any":

@@ -6,7 +6,8 @@ gradients), SGD with momentum and a ``StepLR`` built over ``pm.parameters()`` be
 call. On 4 gloo processes, every step's loss and gradient norm and the final parameters (and
 buffers: BatchNorm's running statistics) agree with single-device training within 1e-5
 relative; ``torch.distributed.checkpoint.state_dict.get_model_state_dict(pm, full_state_dict=True)``
-returns the user's keys with the full tensors.
+returns the user's keys with the full tensors. With ``batch="local"`` each rank reads only its
+shard of the data (``DistributedSampler``), and the same holds against one device on the global batch.
 """
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ CASES = [
     ("real:gpt2", {"dp": 2, "tp": 2, "zero": 3}),
     ("real:llama", {}),
     ("real:llama", {"dp": 2, "tp": 2}),
+    # local batches: each rank reads its shard through DistributedSampler(num_replicas=pm.data_parallel_size,
+    # rank=pm.data_parallel_rank); the reference reads the same samples as global batches
+    ("gpt", {}, "local"),
+    ("gpt", {"dp": 2, "tp": 2, "zero": 3}, "local"),
+    ("cnn", {"dp": 2, "tp": 2}, "local"),
+    ("real:gpt2", {}, "local"),
+    ("real:llama", {"dp": 2, "tp": 2}, "local"),
 ]
 
 
@@ -37,10 +45,10 @@ def results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c}-{k or 'free'}" for c, k in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c}-{k or 'free'}-{(m or ['global'])[0]}" for c, k, *m in CASES])
 def test_native_loop_matches_one_device(results, index):
     r = results[index]
-    label = f"{r['case']} {r['constraints'] or 'free plan'} on {r['mesh']}"
+    label = f"{r['case']} {r['constraints'] or 'free plan'} ({r['batch']} batches) on {r['mesh']}"
     assert r["dtensor_params"], f"{label}: pm.parameters() are not all DTensors"
     assert r["loss_err"] <= TOL and r["norm_err"] <= TOL, f"{label}: loss err {r['loss_err']:.2e}, grad norm err {r['norm_err']:.2e}"
     assert r["param_err"] <= TOL, f"{label}: param err {r['param_err']:.2e} (worst {r['worst']})"

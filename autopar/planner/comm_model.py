@@ -23,8 +23,8 @@ import math
 import operator
 from collections import defaultdict
 
-from autopar.ir import batch_norm_sync, edge_reshard, param_cast_dtype, pure_all_reduce_axes
-from autopar.layouts import Partial, Shard, local_numel, local_shape, replicated, state_dim
+from autopar.ir import batch_norm_sync, boundary_layout, edge_reshard, param_cast_dtype, pure_all_reduce_axes
+from autopar.layouts import Partial, Shard, local_numel, local_shape, state_dim
 from autopar.planner.costing import reshard_step_bytes
 from autopar.planner.op_memory import op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
@@ -119,7 +119,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             out["all_reduce"] += _LOSS_VALUE_BYTES * m * sum(
                 1 for p, k in zip(lay, mesh) if isinstance(p, Partial) and k > 1)
         else:
-            add(reshard_step_bytes(meta.shape, meta.itemsize, lay, replicated(len(lay)), mesh), m)
+            add(reshard_step_bytes(meta.shape, meta.itemsize, lay, boundary_layout(out_node, a, len(lay)), mesh), m)
     return {k: v for k, v in out.items() if v}
 
 

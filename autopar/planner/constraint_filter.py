@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
+from autopar.ir import is_local_batch
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
@@ -120,10 +121,19 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
         if n.meta.get("autopar.kind") in ("input", "target") or any(a.name in data_nodes for a in tensor_inputs(n)):
             data_nodes.add(n.name)
 
+    local = is_local_batch(traced.graph)
+    batch = traced.global_batch
+
     def allowed(node: fx.Node, s: Strategy) -> str | None:
         kind = node.meta.get("autopar.kind")
         if kind in ("input", "target"):
             lay = s.outs[0]
+            meta = node.meta["autopar.outputs"][0]
+            if local and meta is not None and meta.shape and meta.shape[0] == batch and lay[dp_a] != Shard(0) \
+                    and mesh[dp_a] > 1:
+                return "local batches: each rank passes its rows of the batch, split over axis 'dp'"
+            if local and any(isinstance(p, Shard) and p.dim == 0 for p in lay[1:]):
+                return "local batches: the batch dim is split over axis 'dp' only"
             if c.dp is not None and mesh[dp_a] > 1 and lay[dp_a] != Shard(0):
                 return f"dp={c.dp} shards the batch (dim 0) of every input on axis 'dp'"
             if c.tp is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():

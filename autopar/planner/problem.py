@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import batch_norm_sync, edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
+from autopar.ir import LOCAL_OUTPUTS_KEY, batch_norm_sync, edge_reshard, local_rows, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
@@ -325,9 +325,9 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
     # the program's outputs end replicated on every rank: a scalar loss, or (without a loss) the
     # model's outputs handed to the user's loss, whose gradient comes back the same on every rank
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
-    for a in tensor_inputs(out_node):
+    for a in tensor_inputs(out_node):  # consumer index 1: handed over as this rank's rows (local batches)
         u, idx = producer_of(a)
-        grouped[(rep[u.name], idx, None, 0)] += 1
+        grouped[(rep[u.name], idx, None, int(a.name in out_node.meta.get(LOCAL_OUTPUTS_KEY, ())))] += 1
     edges = []
     writes = written_edges(traced.graph)
     for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
@@ -373,8 +373,10 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         u_key[s_i] = u_index.setdefault(key, len(u_index))
     u_layouts = list(u_index)
     ndim = len(ctx.mesh_shape)
-    if V is None:  # the program's output (``insert_collectives_pass``): replicated, its gradient too
-        v_layouts = [(replicated(ndim), None if traced_loss else replicated(ndim))]
+    if V is None:  # the program's output (``insert_collectives_pass``): replicated (or this rank's
+        # rows, ``ir.boundary_layout``), its gradient the same
+        handed = local_rows(ndim) if i == 1 else replicated(ndim)
+        v_layouts = [(handed, None if traced_loss else handed)]
         v_key = np.zeros(1, dtype=np.int64)
     else:
         v_index: dict = {}

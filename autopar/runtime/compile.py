@@ -15,6 +15,7 @@ import torch.distributed as dist
 from autopar.cluster import Cluster
 from autopar.api import check_cluster_arg, check_fits_cluster, check_model_args, cyclic_gc_paused, trace_checked
 from autopar.constraints import Constraints, with_annotations
+from autopar.ir import is_local_batch, mark_local_batch
 from autopar.errors import AutoparError, ConstraintError, InputMismatchError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
@@ -37,6 +38,7 @@ def compile(
     precision: str = "fp32",
     collective_timeout_s: float | None = None,
     check_inputs: str | None = None,
+    batch: str = "global",
 ) -> ParallelModel:
     """Compile ``model`` into this rank's sharded program. Call it in every process.
 
@@ -60,6 +62,14 @@ def compile(
     calls ("first", the default), on every call ("always", also with ``AUTOPAR_DEBUG=1``) or
     never ("never").
 
+    ``batch``: "global" (every rank passes the same global batch; the plan splits it) or "local"
+    (each rank passes only its shard: ``pm.data_parallel_size`` shards, this rank's is number
+    ``pm.data_parallel_rank``, ready for ``DistributedSampler(num_replicas=pm.data_parallel_size,
+    rank=pm.data_parallel_rank)``). Local batches need ``example_inputs`` of the *global* batch (the
+    plan decides how it is split) and are split over the mesh axis "dp" only; ``pm(x)`` then
+    returns this rank's rows of every output with a batch dim, and ``loss.backward()`` averages
+    the ranks' losses (as DDP does: with equal shards, the mean loss of the global batch).
+
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())
     >>> # opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -75,6 +85,14 @@ def compile(
             f"compile's optimizer= must be a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), not the "
             f"name {optimizer!r}: compile builds the optimizer over each rank's shards (names are for autopar.plan, which only prices them)"
         )
+    if batch not in ("global", "local"):
+        raise ConstraintError(f"batch must be 'global' (every rank passes the same global batch) or 'local' (each rank "
+                              f"passes its own shard), got {batch!r}")
+    if batch == "local" and example_inputs is None:
+        raise AutoparError(
+            "batch='local' needs a plan made ahead: pass example_inputs= with the shapes of the *global* batch (and "
+            "example_target= for loss_fn); how the batch is split over the ranks (pm.data_parallel_size, "
+            "pm.data_parallel_rank, for the DistributedSampler) is a decision of the plan")
     if not fused and (loss_fn is not None or example_target is not None):
         raise AutoparError(
             "loss_fn= and example_target= are for train_step, which also needs optimizer= (a factory); in the "
@@ -104,7 +122,7 @@ def compile(
     # state (two tensors per parameter) is priced, what most training uses and the most SGD needs
     spec = describe_optimizer(optimizer, device.type) if fused else optimizer_spec("adamw")
     builder = _Builder(model=model, cluster=cluster, constraints=constraints, given_plan=plan, policy=policy,
-                       spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer)
+                       spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer, local=batch == "local")
     pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
     if example_inputs is not None:
         inputs = _as_tuple(example_inputs)
@@ -117,7 +135,9 @@ class _Builder:
     """What plans and builds the programs of one compiled model (``ParallelModel`` calls it at the
     first call, and for each further program: evaluation, the native forward next to train_step)."""
 
-    def __init__(self, *, model, cluster: Cluster, constraints, given_plan, policy, spec, device, loss_fn, optimizer):
+    def __init__(self, *, model, cluster: Cluster, constraints, given_plan, policy, spec, device, loss_fn, optimizer,
+                 local: bool = False):
+        self.local = local  # local batches: each rank passes its own shard (``ir.mark_local_batch``)
         self.model = model
         self.cluster = cluster
         self.constraints = constraints
@@ -143,10 +163,13 @@ class _Builder:
 
     def _trace(self, inputs: tuple, target, with_loss: bool):
         own = with_loss and self.loss_fn is None
-        return trace_checked(self.model, inputs, loss_fn=self.loss_fn if with_loss else None,
-                             example_target=target if with_loss and self.loss_fn is not None else None,
-                             device_type=self.cluster.device_type, autocast_dtype=self.autocast, own_loss=own,
-                             to_user=not with_loss)
+        traced = trace_checked(self.model, inputs, loss_fn=self.loss_fn if with_loss else None,
+                               example_target=target if with_loss and self.loss_fn is not None else None,
+                               device_type=self.cluster.device_type, autocast_dtype=self.autocast, own_loss=own,
+                               to_user=not with_loss)
+        if self.local:
+            mark_local_batch(traced.graph, traced.global_batch)
+        return traced
 
     def primary(self, inputs: tuple, target, agree: bool = True):
         """(plan, traced, program, loss reduction) of the program the plan is made for: train_step's
@@ -321,6 +344,7 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
     from autopar.passes.context import PassContext
 
     loss_reduction = "mean"
+    traced_full = traced
     if plan.microbatches > 1:
         m = plan.microbatches
         loss_reduction = _loss_reduction(traced)
@@ -331,6 +355,8 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
                              loss_fn=loss_fn, example_target=target[: target.shape[0] // m] if target is not None else None,
                              device_type=device_type, autocast_dtype=autocast, own_loss=own_loss,
                              to_user=loss_fn is None and not own_loss)
+        if is_local_batch(traced_full.graph):
+            mark_local_batch(traced.graph, traced.global_batch)
     program = run_passes(copy.deepcopy(traced.gm), PassContext.for_stage(plan, 0))
     return traced, program, loss_reduction
 

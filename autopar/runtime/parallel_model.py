@@ -36,8 +36,8 @@ import torch.utils._pytree as pytree
 
 from autopar.api import cyclic_gc_paused
 from autopar.errors import AutoparError, InputMismatchError
-from autopar.ir import GRAD_SYNC_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Partial, Shard, chunk_range, parse_layout, replicated
+from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
+from autopar.layouts import Partial, Replicate, Shard, chunk_range, parse_layout, replicated
 from autopar.resharding import reshard_steps_for
 from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, shard_tensor
 from autopar.runtime.collective_errors import collective_failures
@@ -71,6 +71,15 @@ class _Program:
     @property
     def placeholders(self) -> list[str]:
         return [n.name for n in self.program.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def rows_mask(self) -> list[bool]:
+        """Per returned value (the flat output list): whether it is handed over as this rank's rows
+        (local batches, ``ir.LOCAL_OUTPUTS_KEY``) rather than whole."""
+        out = next(n for n in self.traced.graph.nodes if n.op == "output")
+        rows = out.meta.get(LOCAL_OUTPUTS_KEY, ())
+        values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+        return [isinstance(v, fx.Node) and v.name in rows for v in values]
 
     @classmethod
     def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> "_Program":
@@ -123,6 +132,7 @@ class ParallelModel(torch.nn.Module):
         self._check_mode = check_inputs_mode(check_inputs)
         self._builder = builder
         self._fused = builder.optimizer is not None
+        self._local = builder.local  # each rank passes its own shard of the batch
         self._model_class = type(model).__name__
         self._calls = {"train_step": 0, "eval_step": 0, "forward": 0}
         self.plan = None
@@ -236,8 +246,29 @@ class ParallelModel(torch.nn.Module):
         self._calls["forward"] += 1
         leaves = list(out) if isinstance(out, (list, tuple)) else [out]
         if torch.is_grad_enabled():
-            self._arm_backward([t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad])
+            needs = [(t, rows) for t, rows in zip(leaves, prog.rows_mask) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self._local:
+                self._average_local_losses(needs)
+            self._arm_backward([t for t, _ in needs])
         return pytree.tree_unflatten(leaves, prog.traced.out_spec) if prog.traced.out_spec is not None else out
+
+    def _average_local_losses(self, outputs: list) -> None:
+        """Local batches: each rank's loss is over its own rows, and training minimises their mean
+        over the data shards (DDP's convention). So the gradient of this rank's rows is divided by
+        the number of shards, and that of an output every rank holds whole (no batch dim) is
+        averaged over the shards (it must be the same on every rank, as a replicated value's is)."""
+        n = self.comm.sizes[0]
+        if n == 1:
+            return
+        comm = self.comm
+
+        def mean_over_shards(g):
+            g = g.contiguous().clone()
+            comm.all_reduce(g, 0)
+            return g / n
+
+        for t, rows in outputs:
+            t.register_hook((lambda g: g / n) if rows else mean_over_shards)
 
     def _arm_backward(self, outputs: list) -> None:
         """Hook the first gradient that reaches an output: it starts this rank's backward through
@@ -354,7 +385,10 @@ class ParallelModel(torch.nn.Module):
             else:
                 x = feed[ph]
                 if isinstance(x, torch.Tensor):
-                    x = shard_tensor(x.to(self._device), prog.input_layouts[ph], self.comm)
+                    layout = prog.input_layouts[ph]
+                    if self._local and layout[0] == Shard(0):  # it arrives as this rank's rows on "dp"
+                        layout = (Replicate(),) + tuple(layout[1:])
+                    x = shard_tensor(x.to(self._device), layout, self.comm)
                 args.append(x)
         return args
 
@@ -519,12 +553,28 @@ class ParallelModel(torch.nn.Module):
         """Raise if the batch does not match the compiled example; on the steps ``check_inputs``
         names, compare every input's checksum across the ranks (one small all-gather), so that a
         rank holding a different or mis-shaped batch is reported on every rank."""
-        problem = self._batch_problem(where, inputs, target, prog.example)
+        problem = self._batch_problem(where, inputs, target, self._local_example(prog) if self._local else prog.example)
         due = self._check_mode == "always" or (self._check_mode == "first" and step < FIRST_CHECKED_STEPS)
-        if due and dist.is_initialized() and dist.get_world_size() > 1:
+        # global batches: the ranks compare theirs (they must be the same); local ones differ by design
+        if due and not self._local and dist.is_initialized() and dist.get_world_size() > 1:
             self._compare_across_ranks(where, inputs, target, problem, step, prog.example)
         if problem is not None:
             raise problem
+
+    def _local_example(self, prog: "_Program") -> Example:
+        """The example as this rank passes it with local batches: rows of the batch inputs on "dp"."""
+        ex = prog.example
+        names = prog.traced.input_names + ([prog.traced.target_name] if ex.has_target else [])
+        specs = list(ex.inputs) + ([ex.target] if ex.has_target else [])
+        out = []
+        for name, spec in zip(names, specs):
+            lay = prog.input_layouts.get(name)
+            if isinstance(spec, TensorMeta) and lay is not None and lay[0] == Shard(0) and spec.shape:
+                rows = chunk_range(spec.shape[0], self.comm.sizes[0], self.comm.coords[0])[1]
+                spec = TensorMeta((rows,) + tuple(spec.shape[1:]), spec.dtype)
+            out.append(spec)
+        n = len(ex.inputs)
+        return Example(tuple(out[:n]), out[n] if ex.has_target else None, ex.has_target)
 
     def _compare_across_ranks(self, where: str, inputs: tuple, target: Any, problem, step: int, ex: Example) -> None:
         labels = [f"input {i}" for i in range(len(ex.inputs))] + (["target"] if ex.has_target else [])

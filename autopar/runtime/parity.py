@@ -222,19 +222,30 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
 
 
 def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: float = 0.05,
-                       max_norm: float = 1.0) -> dict[str, Any]:
+                       max_norm: float = 1.0, batch: str = "global") -> dict[str, Any]:
     """Train ``case`` in the torch-native loop a user writes, beside a single-device copy in the same
     loop: ``autopar.compile(model, cluster)`` (no examples: planned at the first call), then per step
     ``loss_fn(pm(*x), y).backward()``, ``clip_grad_norm_``, SGD with momentum and a ``StepLR``
     built over ``pm.parameters()`` before the first call. Reports the worst relative difference
     of the loss and of the gradient norm over the steps, of every parameter and buffer after the
-    last step (``full_state_dict``), and of ``torch.distributed.checkpoint``'s full state dict."""
+    last step (``full_state_dict``), and of ``torch.distributed.checkpoint``'s full state dict.
+
+    ``batch="local"``: compiled ahead with the global batch's shapes, then each rank reads only its
+    shard through a ``DistributedSampler(num_replicas=pm.data_parallel_size,
+    rank=pm.data_parallel_rank)``; the reference reads the same samples as global batches."""
     import autopar
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model, batches, loss_fn = build_case(case)
     ref = copy.deepcopy(model)
-    pm = autopar.compile(model, autopar.Cluster.local(), constraints=autopar.Constraints(**constraints) if constraints else None)
+    cons = autopar.Constraints(**constraints) if constraints else None
+    if batch == "local":
+        x0 = batches[0][0]
+        pm = autopar.compile(model, autopar.Cluster.local(), x0 if isinstance(x0, tuple) else (x0,), constraints=cons,
+                             batch="local")
+        local_batches = _sampled_shards(batches[:steps], pm.data_parallel_size, pm.data_parallel_rank)
+    else:
+        pm = autopar.compile(model, autopar.Cluster.local(), constraints=cons)
     runs = []
     for m in (pm, ref):
         opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
@@ -242,10 +253,10 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
     loss_err = norm_err = 0.0
     for s in range(steps):
         x, t = batches[s % len(batches)]
-        args = x if isinstance(x, tuple) else (x,)
         got = []
         for m, opt, sched in runs:
-            loss = loss_fn(m(*args), t)
+            xm, tm = local_batches[s] if m is pm and batch == "local" else (x, t)
+            loss = loss_fn(m(*(xm if isinstance(xm, tuple) else (xm,))), tm)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -254,13 +265,16 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
             opt.zero_grad()
             got.append((float(loss.detach()), float(norm)))
         (l1, n1), (l0, n0) = got
+        if batch == "local":  # this rank's loss is over its shard: the global batch's is their mean
+            l1 = _mean_over_ranks(l1)
         loss_err = max(loss_err, abs(l1 - l0) / max(abs(l0), 1e-12))
         norm_err = max(norm_err, abs(n1 - n0) / max(abs(n0), 1e-12))
     ref_sd = ref.state_dict()
     full = pm.full_state_dict()
     errs = {k: relative_error(full[k], v) for k, v in ref_sd.items()}
     dcp = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True))
-    return {"case": case, "constraints": constraints, "mesh": pm.plan.mesh, "loss_err": loss_err, "norm_err": norm_err,
+    return {"case": case, "constraints": constraints, "batch": batch, "mesh": pm.plan.mesh, "loss_err": loss_err,
+            "norm_err": norm_err,
             "param_err": max(errs.values()), "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:3],
             "dcp_keys_match": list(dcp) == list(ref_sd),
             "dcp_err": max(relative_error(dcp[k], v) for k, v in ref_sd.items()) if list(dcp) == list(ref_sd) else None,
@@ -268,5 +282,31 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
 
 
 def native_loop_suite(cases: list[tuple], steps: int = 4) -> list[dict[str, Any]]:
-    """``native_loop_worker`` for each (case, constraints), in one process group."""
-    return [native_loop_worker(case, constraints, steps) for case, constraints in cases]
+    """``native_loop_worker`` for each (case, constraints[, batch mode]), in one process group."""
+    return [native_loop_worker(case, constraints, steps, batch=rest[0] if rest else "global")
+            for case, constraints, *rest in cases]
+
+
+def _sampled_shards(batches: list, replicas: int, rank: int) -> list:
+    """This rank's part of each global batch, as a ``DistributedSampler`` (no shuffling) deals
+    the samples of the batches laid end to end: a DataLoader of batch size B / replicas over it
+    gives rank r the samples r, r + replicas, ... of each global batch."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    per = batches[0][1].shape[0]
+    xs = [b[0] if isinstance(b[0], tuple) else (b[0],) for b in batches]
+    columns = [torch.cat([x[i] for x in xs]) for i in range(len(xs[0]))] + [torch.cat([b[1] for b in batches])]
+    data = TensorDataset(*columns)
+    sampler = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=False)
+    out = []
+    for *x, t in DataLoader(data, batch_size=per // replicas, sampler=sampler):
+        out.append((tuple(x) if len(x) > 1 else x[0], t))
+    return out
+
+
+def _mean_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
