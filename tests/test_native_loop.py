@@ -53,3 +53,98 @@ def test_native_loop_matches_one_device(results, index):
     assert r["loss_err"] <= TOL and r["norm_err"] <= TOL, f"{label}: loss err {r['loss_err']:.2e}, grad norm err {r['norm_err']:.2e}"
     assert r["param_err"] <= TOL, f"{label}: param err {r['param_err']:.2e} (worst {r['worst']})"
     assert r["dcp_keys_match"] and r["dcp_err"] <= TOL, f"{label}: get_model_state_dict keys/values differ ({r['dcp_err']})"
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def misuse_worker():
+    import torch
+    import torch.distributed as dist
+
+    from examples.mlp import MLP, example_batch
+
+    torch.manual_seed(0)
+    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ.get("RANK", "0"))
+    x, _ = example_batch(64, 16)
+    cluster = autopar.Cluster.local()
+    out = {"local_unplanned": _error(lambda: autopar.compile(MLP(64, 256, 2), cluster, batch="local"))}
+    pm = autopar.compile(MLP(64, 256, 2), cluster, constraints=autopar.Constraints(dp=2))
+    # the first call plans from rank 0's batch: a rank holding another shape is told so, on every rank
+    out["first_call_shapes"] = _error(lambda: pm(x[:8] if rank else x))
+    pm.close()
+    pm = autopar.compile(MLP(64, 256, 2), cluster, constraints=autopar.Constraints(dp=2))
+    pm(x).sum().backward()
+    out["grads"] = all(p.grad is not None for p in pm.parameters())
+    # a batch whose size changes after planning (a short last batch)
+    out["size_change"] = _error(lambda: pm(x[:8]))
+    out["train_step"] = _error(lambda: pm.train_step(x, target=x))
+    pm.close()
+    local = autopar.compile(MLP(64, 256, 2), cluster, (x,), constraints=autopar.Constraints(dp=2), batch="local")
+    out["dp_size"] = (local.data_parallel_size, local.data_parallel_rank)
+    out["local_global_batch"] = _error(lambda: local(x))  # the whole batch where its shard was due
+    local.close()
+    return out
+
+
+@pytest.mark.slow
+def test_misuse_of_the_native_loop_gets_clear_errors():
+    import re
+
+    for rank, r in enumerate(autopar.launch(misuse_worker, 2, timeout_s=400)):
+        assert re.search(r"batch='local' needs a plan made ahead: pass example_inputs= with the shapes of the \*global\* "
+                         r"batch", r["local_unplanned"]), r["local_unplanned"]
+        assert re.search(r"InputMismatchError: the ranks called the model with different batches at its first call "
+                         r"\(rank 0: \[\(\(16, 64\), 'torch.float32'\)\], rank 1: \[\(\(8, 64\)",
+                         r["first_call_shapes"]), r["first_call_shapes"]
+        assert r["grads"] is True
+        assert re.search(r"InputMismatchError: forward: input 0 has shape \(8, 64\) and dtype torch.float32, but the "
+                         r"model was compiled for shape \(16, 64\).*pad/drop the last batch", r["size_change"]), r["size_change"]
+        assert re.search(r"train_step needs the optimizer: compile with optimizer=.*train in your own loop",
+                         r["train_step"]), r["train_step"]
+        assert r["dp_size"] == (2, rank)
+        assert re.search(r"forward: input 0 has shape \(16, 64\) and dtype torch.float32, but the model was compiled "
+                         r"for shape \(8, 64\).*batch='local': each rank passes its own shard, 2 shards",
+                         r["local_global_batch"]), r["local_global_batch"]
+
+
+def lone_forward_worker():
+    import time
+
+    import torch.distributed as dist
+
+    from examples.mlp import MLP, example_batch
+
+    x, _ = example_batch(64, 16)
+    pm = autopar.compile(MLP(64, 256, 2), autopar.Cluster.local(), (x,), constraints=autopar.Constraints(dp=2),
+                         collective_timeout_s=5, check_inputs="never")
+    if dist.get_rank() == 1:
+        return "rank 1 skipped the call"
+    t0 = time.monotonic()
+    try:
+        pm(x)
+    except autopar.AutoparError as exc:
+        raise type(exc)(f"{exc} [after {time.monotonic() - t0:.1f} s]") from None
+    return "rank 0 ran alone"
+
+
+@pytest.mark.slow
+def test_a_rank_alone_in_the_forward_fails_within_the_collective_timeout():
+    import re
+    import time
+
+    from autopar.runtime.launch import WorkerFailedError
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        autopar.launch(lone_forward_worker, 2, timeout_s=240)
+    assert time.monotonic() - t0 < 240
+    text = str(info.value)
+    assert re.search(r"rank 0 failed:.*CollectiveError: forward on rank 0 waited more than 5 s for the other ranks in a "
+                     r"collective: every rank must call forward the same number of times", text, re.S), text
+    assert 4 <= float(re.search(r"\[after ([\d.]+) s\]", text).group(1)) < 60

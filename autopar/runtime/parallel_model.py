@@ -554,6 +554,10 @@ class ParallelModel(torch.nn.Module):
         names, compare every input's checksum across the ranks (one small all-gather), so that a
         rank holding a different or mis-shaped batch is reported on every rank."""
         problem = self._batch_problem(where, inputs, target, self._local_example(prog) if self._local else prog.example)
+        if problem is not None and self._local:
+            problem = InputMismatchError(
+                f"{problem} (batch='local': each rank passes its own shard, {self.data_parallel_size} shards of the "
+                "global batch planned; size the DataLoader's batch to match)")
         due = self._check_mode == "always" or (self._check_mode == "first" and step < FIRST_CHECKED_STEPS)
         # global batches: the ranks compare theirs (they must be the same); local ones differ by design
         if due and not self._local and dist.is_initialized() and dist.get_world_size() > 1:
