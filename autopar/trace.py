@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.functionalize import functionalize_inplace
+from autopar.loss_rewrite import exact_token_mean
 
 # ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
 # here); importing it with autopar keeps that one-time import out of the first plan's time, where
@@ -424,6 +425,7 @@ def trace_model(
         ph.meta["autopar.module"] = fqn.rpartition(".")[0] if fqn else ""
 
     finish.warn()
+    exact_token_mean(gm)  # mean losses over non-ignored targets: sum / count, exact under any split
     functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
     _annotate_nodes(gm.graph, module_prefix)
     gm.recompile()

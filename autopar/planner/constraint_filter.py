@@ -126,6 +126,8 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
 
     def allowed(node: fx.Node, s: Strategy) -> str | None:
         kind = node.meta.get("autopar.kind")
+        if kind in ("input", "target") and s.outs[0] is None:
+            return None  # a non-tensor input (None for an optional argument)
         if kind in ("input", "target"):
             lay = s.outs[0]
             meta = node.meta["autopar.outputs"][0]

@@ -132,8 +132,10 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
     if limited and not att.solution.time_limit_hit:
         notes.append(f"the ILP solver stopped at its time limit for {len(limited)} other candidate(s) "
                      f"({'; '.join(limited[:3])}): one of them might be faster than this plan")
-    if any("cross_entropy" in str(v.node.target) or "nll_loss" in str(v.node.target) for v in problem.nodes.values()):
-        notes.append("a batch-sharded mean loss is averaged per shard: exact unless targets use ignore_index")
+    if any(_per_shard_mean(v.node) for v in problem.nodes.values()):
+        notes.append("a batch-sharded mean loss with class weights or label smoothing is averaged per shard: exact "
+                     "unless targets use ignore_index (unweighted mean losses are summed and divided by the count of "
+                     "targets, exactly)")
     return Plan(
         fingerprint=fp, versions=versions, model_class=traced.model_class, cluster_json=cluster.to_json(),
         precision=precision, optimizer=optimizer.name, optimizer_spec=optimizer, constraints=cjson, mesh_axes=mesh_axes,
@@ -159,3 +161,12 @@ def _autopar_version() -> str:
         return version("autopar")
     except Exception:  # noqa: BLE001 - not installed (source checkout)
         return "0+unknown"
+
+
+def _per_shard_mean(node) -> bool:
+    """A cross-entropy / NLL loss still reduced by mean (``loss_rewrite`` left it: weights or smoothing)."""
+    from autopar.strategies.rules import OpView
+
+    if not ("cross_entropy" in str(node.target) or "nll_loss" in str(node.target)):
+        return False
+    return OpView(node).arg("reduction", 1) == 1

@@ -16,6 +16,7 @@ from autopar.cluster import Cluster
 from autopar.api import check_cluster_arg, check_fits_cluster, check_model_args, cyclic_gc_paused, trace_checked
 from autopar.constraints import Constraints, with_annotations
 from autopar.ir import is_local_batch, mark_local_batch
+from autopar.loss_rewrite import LOSS_REDUCTION_KEY
 from autopar.errors import AutoparError, ConstraintError, InputMismatchError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
@@ -419,7 +420,9 @@ def _loss_reduction(traced) -> str:
             continue
         seen.add(n)
         name = _op_name(n)
-        if name in _LOSS_OPS:
+        if n.meta.get(LOSS_REDUCTION_KEY):  # a loss rewritten as sum / count (``loss_rewrite``)
+            kinds.add(n.meta[LOSS_REDUCTION_KEY])
+        elif name in _LOSS_OPS:
             red = OpView(n).arg("reduction", 1)
             kinds.add({1: "mean", 2: "sum"}.get(red, "none"))
         elif name in _MEAN_REDUCTIONS or name in _SUM_REDUCTIONS:

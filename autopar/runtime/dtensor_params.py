@@ -115,9 +115,9 @@ class StateView:
             self._placements[ph] = slot_placements(s) if s.opt is not None else tuple(s.layout)
             self.params[s.fqn] = torch.nn.Parameter(
                 make_dtensor(local, mesh, self._placements[ph], s.shape, s.trainable), requires_grad=s.trainable)
-        shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes if n.op == "placeholder"}
         for ph, fqn in traced.buffer_fqns.items():
-            self.buffers[fqn] = make_dtensor(store.buffers[ph], mesh, store.layouts[ph], shapes[ph], False)
+            shape = traced.node(ph).meta["autopar.outputs"][0].shape
+            self.buffers[fqn] = make_dtensor(store.buffers[ph], mesh, store.layouts[ph], shape, False)
 
     def swap_into(self, fqn: str, current: torch.Tensor) -> None:
         """Make ``current`` (the placeholder registered for ``fqn``) this planned tensor, in place;

@@ -86,7 +86,8 @@ class _Program:
         """With the layouts the plan gives the inputs and target, and the loss's layout.
         ``example``: (inputs, target) as compiled, or None (the traced shapes)."""
         layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
-        inputs = {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name] if name}
+        inputs = {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name]
+                  if name and name in layouts}  # not a tensor (None for an optional argument): no layout
         loss = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
         return cls(plan, traced, program, loss_reduction, inputs, loss, example_spec(traced, plan.microbatches, example))
 

@@ -120,6 +120,8 @@ def enumerate_strategies(
 
     if kind in ("param", "buffer", "input", "target"):
         meta = metas[0]
+        if meta is None:  # a non-tensor input (None for an optional argument): nothing to place
+            return NodeStrategies(node.name, (Strategy((), (None,), ()),), ())
         per_axis = [_placeholder_options(meta, kind, n) for n in mesh_shape]
         strategies = []
         for combo in itertools.product(*per_axis):
