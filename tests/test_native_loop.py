@@ -6,7 +6,8 @@ gradients), SGD with momentum and a ``StepLR`` built over ``pm.parameters()`` be
 call. On 4 gloo processes, every step's loss and gradient norm and the final parameters (and
 buffers: BatchNorm's running statistics) agree with single-device training within 1e-5
 relative; ``torch.distributed.checkpoint.state_dict.get_model_state_dict(pm, full_state_dict=True)``
-returns the user's keys with the full tensors. With ``batch="local"`` each rank reads only its
+returns the user's keys with the full tensors; then ``pm.eval()`` under ``torch.no_grad()`` gives the
+single device's evaluation output. With ``batch="local"`` each rank reads only its
 shard of the data (``DistributedSampler``), and the same holds against one device on the global batch.
 """
 from __future__ import annotations
@@ -25,10 +26,12 @@ CASES = [
     ("gpt", {"dp": 4, "zero": 2}),
     ("cnn", {}),  # BatchNorm
     ("cnn", {"dp": 2, "tp": 2}),
+    ("cnn", {"dp": 2, "tp": 2, "zero": 3}),
     ("real:gpt2", {}),
     ("real:gpt2", {"dp": 2, "tp": 2, "zero": 3}),
     ("real:llama", {}),
     ("real:llama", {"dp": 2, "tp": 2}),
+    ("real:llama", {"dp": 2, "tp": 2, "zero": 3}),
     # local batches: each rank reads its shard through DistributedSampler(num_replicas=pm.data_parallel_size,
     # rank=pm.data_parallel_rank); the reference reads the same samples as global batches
     ("gpt", {}, "local"),
@@ -53,6 +56,8 @@ def test_native_loop_matches_one_device(results, index):
     assert r["loss_err"] <= TOL and r["norm_err"] <= TOL, f"{label}: loss err {r['loss_err']:.2e}, grad norm err {r['norm_err']:.2e}"
     assert r["param_err"] <= TOL, f"{label}: param err {r['param_err']:.2e} (worst {r['worst']})"
     assert r["dcp_keys_match"] and r["dcp_err"] <= TOL, f"{label}: get_model_state_dict keys/values differ ({r['dcp_err']})"
+    # then pm.eval() under torch.no_grad(): the evaluation graph over the trained shards
+    assert r["eval_err"] <= TOL and r["eval_no_grad"], f"{label}: eval output err {r['eval_err']:.2e}"
 
 
 def _error(fn) -> str:

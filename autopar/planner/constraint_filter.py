@@ -148,7 +148,8 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
                 # all-gather); it can only win when gradients accumulate over microbatches
                 return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
             meta = node.meta["autopar.outputs"][0]
-            if (c.tp or 1) > 1 and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard):
+            pinned = any(_matches(fqn, pattern) for pattern, _ in c.placements)  # a pin beats the blanket rule
+            if (c.tp or 1) > 1 and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard) and not pinned:
                 if any(d % mesh[tp_a] == 0 for d in meta.shape):
                     return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"
             for pattern, axes in c.placements:

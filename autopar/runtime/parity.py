@@ -273,12 +273,27 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
     full = pm.full_state_dict()
     errs = {k: relative_error(full[k], v) for k, v in ref_sd.items()}
     dcp = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True))
+    # pm.eval() and torch.no_grad() as on a module: the evaluation graph (BatchNorm's running
+    # statistics, no dropout), planned at its first use over the same shards
+    pm.eval()
+    ref.eval()
+    x, _ = batches[0]
+    xm = local_batches[0][0] if batch == "local" else x
+    with torch.no_grad():
+        got_out, want_out = pm(*(xm if isinstance(xm, tuple) else (xm,))), ref(*(x if isinstance(x, tuple) else (x,)))
+    got_out = got_out.logits if hasattr(got_out, "logits") else got_out
+    want_out = want_out.logits if hasattr(want_out, "logits") else want_out
+    if batch == "local":  # this rank's rows: the sampler's, r, r + shards, ...
+        want_out = want_out[pm.data_parallel_rank::pm.data_parallel_size]
+    eval_err = relative_error(got_out, want_out)
+    pm.train()
     return {"case": case, "constraints": constraints, "batch": batch, "mesh": pm.plan.mesh, "loss_err": loss_err,
             "norm_err": norm_err,
             "param_err": max(errs.values()), "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:3],
             "dcp_keys_match": list(dcp) == list(ref_sd),
             "dcp_err": max(relative_error(dcp[k], v) for k, v in ref_sd.items()) if list(dcp) == list(ref_sd) else None,
-            "dtensor_params": all(type(p).__name__ == "DTensor" for p in pm.parameters())}
+            "dtensor_params": all(type(p).__name__ == "DTensor" for p in pm.parameters()), "eval_err": eval_err,
+            "eval_no_grad": not got_out.requires_grad}
 
 
 def native_loop_suite(cases: list[tuple], steps: int = 4) -> list[dict[str, Any]]:
