@@ -90,6 +90,12 @@ def misuse_worker():
     out["size_change"] = _error(lambda: pm(x[:8]))
     out["train_step"] = _error(lambda: pm.train_step(x, target=x))
     pm.close()
+    fused = autopar.compile(MLP(64, 256, 2), cluster, (x,), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                            loss_fn=lambda o, t: (o - t).pow(2).mean(), example_target=x)
+    out["fused_forward"] = _error(lambda: fused(x))
+    with torch.no_grad():
+        out["fused_no_grad"] = tuple(fused(x).shape)
+    fused.close()
     local = autopar.compile(MLP(64, 256, 2), cluster, (x,), constraints=autopar.Constraints(dp=2), batch="local")
     out["dp_size"] = (local.data_parallel_size, local.data_parallel_rank)
     out["local_global_batch"] = _error(lambda: local(x))  # the whole batch where its shard was due
@@ -113,6 +119,9 @@ def test_misuse_of_the_native_loop_gets_clear_errors():
         assert re.search(r"train_step needs the optimizer: compile with optimizer=.*train in your own loop",
                          r["train_step"]), r["train_step"]
         assert r["dp_size"] == (2, rank)
+        assert re.search(r"compiled with optimizer= for train_step.*pm\(x\) serves evaluation here",
+                         r["fused_forward"]), r["fused_forward"]
+        assert r["fused_no_grad"] == (16, 64)
         assert re.search(r"forward: input 0 has shape \(16, 64\) and dtype torch.float32, but the model was compiled "
                          r"for shape \(8, 64\).*batch='local': each rank passes its own shard, 2 shards",
                          r["local_global_batch"]), r["local_global_batch"]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import AutoparError, WorkerFailedError
+from autopar.errors import WorkerFailedError
 
 # ----------------------------------------------------------------------------- launch
 

@@ -236,6 +236,11 @@ class ParallelModel(torch.nn.Module):
         Every rank calls it with the same global batch; in ``eval()`` mode it runs the model's
         evaluation graph (planned at its first use), under ``torch.no_grad()`` without autograd."""
         inputs = self._builder.bind(args, kwargs)
+        if self._fused and self.training and torch.is_grad_enabled():
+            raise AutoparError(
+                "this model was compiled with optimizer= for train_step (the loss inside the plan): train it with "
+                "pm.train_step(...); pm(x) serves evaluation here (pm.eval() or torch.no_grad()). For your own training "
+                "loop, compile without optimizer= and build the optimizer over pm.parameters()")
         self._ensure_planned(inputs, None)
         kind = "forward" if self.training else "forward-eval"
         prog = self._programs.get(kind) if kind in self._programs else self._program_for(kind, inputs, None)
