@@ -74,24 +74,15 @@ def register_tree(root: torch.nn.Module, model: torch.nn.Module, make) -> dict[s
 
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         target = holder(mod_name)
-        for leaf, p in mod._parameters.items():
-            if p is None:
-                continue
-            full = f"{mod_name}.{leaf}" if mod_name else leaf
-            if id(p) not in made:
-                made[id(p)] = make(full, p, True)
-                out[full] = made[id(p)]
-            target._parameters[leaf] = made[id(p)]
-        for leaf, b in mod._buffers.items():
-            if b is None:
-                continue
-            full = f"{mod_name}.{leaf}" if mod_name else leaf
-            if id(b) not in made:
-                made[id(b)] = make(full, b, False)
-                out[full] = made[id(b)]
-            target._buffers[leaf] = made[id(b)]
-            if leaf in mod._non_persistent_buffers_set:
-                target._non_persistent_buffers_set.add(leaf)
+        for is_param, own, into in ((True, mod._parameters, target._parameters), (False, mod._buffers, target._buffers)):
+            for leaf, t in own.items():
+                if t is None:
+                    continue
+                full = f"{mod_name}.{leaf}" if mod_name else leaf
+                if id(t) not in made:
+                    made[id(t)] = out[full] = make(full, t, is_param)
+                into[leaf] = made[id(t)]
+        target._non_persistent_buffers_set.update(mod._non_persistent_buffers_set)
     return out
 
 
