@@ -26,11 +26,10 @@ __all__ = ["make_dtensor", "register_tree", "placeholder", "slot_placements", "s
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, requires_grad: bool) -> DTensor:
     """A leaf DTensor over ``local`` (no copy, no communication): the global ``shape`` is given, so
     uneven (``torch.chunk``-cut) shards need no check across ranks."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     shape = torch.Size(shape)
-    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), local.dtype)
-    return DTensor(local.detach(), DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=requires_grad)
+    out = DTensor.from_local(local.detach(), mesh, list(placements), run_check=False, shape=shape,
+                             stride=torch.empty(shape, device="meta").stride())
+    return out.requires_grad_(requires_grad) if requires_grad else out
 
 
 def placeholder(t: torch.Tensor, mesh) -> DTensor:
