@@ -39,6 +39,12 @@ CASES = [
     ("cnn", {"dp": 2, "tp": 2}, "local"),
     ("real:gpt2", {}, "local"),
     ("real:llama", {"dp": 2, "tp": 2}, "local"),
+    # gradient accumulation: backward on 2 batches (each loss / 2) before each optimizer step; the
+    # bucketed all-reduce reduces in place, so what the buckets already hold is pre-divided
+    ("gpt", {"dp": 2, "tp": 2}, "global", 2),
+    ("gpt", {"dp": 4, "zero": 1}, "global", 2),
+    ("gpt", {"dp": 4, "zero": 2}, "global", 2),
+    ("gpt", {"dp": 2, "tp": 2, "zero": 3}, "local", 2),
 ]
 
 
@@ -48,7 +54,8 @@ def results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c}-{k or 'free'}-{(m or ['global'])[0]}" for c, k, *m in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c}-{k or 'free'}-{(m or ['global'])[0]}" + (f"-accumulate{m[1]}" if len(m) > 1 else "")
+                              for c, k, *m in CASES])
 def test_native_loop_matches_one_device(results, index):
     r = results[index]
     label = f"{r['case']} {r['constraints'] or 'free plan'} ({r['batch']} batches) on {r['mesh']}"

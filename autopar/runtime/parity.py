@@ -222,7 +222,7 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
 
 
 def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: float = 0.05,
-                       max_norm: float = 1.0, batch: str = "global") -> dict[str, Any]:
+                       max_norm: float = 1.0, batch: str = "global", accumulate: int = 1) -> dict[str, Any]:
     """Train ``case`` in the torch-native loop a user writes, beside a single-device copy in the same
     loop: ``autopar.compile(model, cluster)`` (no examples: planned at the first call), then per step
     ``loss_fn(pm(*x), y).backward()``, ``clip_grad_norm_``, SGD with momentum and a ``StepLR``
@@ -232,7 +232,9 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
 
     ``batch="local"``: compiled ahead with the global batch's shapes, then each rank reads only its
     shard through a ``DistributedSampler(num_replicas=pm.data_parallel_size,
-    rank=pm.data_parallel_rank)``; the reference reads the same samples as global batches."""
+    rank=pm.data_parallel_rank)``; the reference reads the same samples as global batches.
+    ``accumulate=k``: each step accumulates the gradients of k batches (each loss divided by k,
+    ``backward`` k times) before ``clip_grad_norm_`` and the optimizer step, on both sides."""
     import autopar
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -243,7 +245,7 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
         x0 = batches[0][0]
         pm = autopar.compile(model, autopar.Cluster.local(), x0 if isinstance(x0, tuple) else (x0,), constraints=cons,
                              batch="local")
-        local_batches = _sampled_shards(batches[:steps], pm.data_parallel_size, pm.data_parallel_rank)
+        local_batches = _sampled_shards(batches[:steps * accumulate], pm.data_parallel_size, pm.data_parallel_rank)
     else:
         pm = autopar.compile(model, autopar.Cluster.local(), constraints=cons)
     runs = []
@@ -252,18 +254,21 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
         runs.append((m, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)))
     loss_err = norm_err = 0.0
     for s in range(steps):
-        x, t = batches[s % len(batches)]
         got = []
         for m, opt, sched in runs:
-            xm, tm = local_batches[s] if m is pm and batch == "local" else (x, t)
-            loss = loss_fn(m(*(xm if isinstance(xm, tuple) else (xm,))), tm)
-            loss.backward()
+            value = 0.0
+            for j in range(accumulate):
+                i = (s * accumulate + j) % len(batches)
+                xm, tm = local_batches[i] if m is pm and batch == "local" else batches[i]
+                loss = loss_fn(m(*(xm if isinstance(xm, tuple) else (xm,))), tm) / accumulate
+                loss.backward()
+                value += float(loss.detach())
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             opt.step()
             sched.step()
             opt.zero_grad()
-            got.append((float(loss.detach()), float(norm)))
+            got.append((value, float(norm)))
         (l1, n1), (l0, n0) = got
         if batch == "local":  # this rank's loss is over its shard: the global batch's is their mean
             l1 = _mean_over_ranks(l1)
@@ -298,7 +303,8 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
 
 def native_loop_suite(cases: list[tuple], steps: int = 4) -> list[dict[str, Any]]:
     """``native_loop_worker`` for each (case, constraints[, batch mode]), in one process group."""
-    return [native_loop_worker(case, constraints, steps, batch=rest[0] if rest else "global")
+    return [native_loop_worker(case, constraints, steps, batch=rest[0] if rest else "global",
+                               accumulate=rest[1] if len(rest) > 1 else 1)
             for case, constraints, *rest in cases]
 
 
