@@ -56,7 +56,7 @@ def main(steps: int) -> None:
     if rank == 0:
         print(pm.plan.summary())
     for step, (ids, mask, labels) in enumerate(loader):
-        logits = pm(ids, mask).logits  # this rank's rows, whole over the vocabulary
+        logits = pm(input_ids=ids, attention_mask=mask).logits  # this rank's rows, whole over the vocabulary
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
