@@ -223,3 +223,19 @@ def test_a_model_computing_its_own_loss_trains_exactly_with_padded_labels():
         label = f"{r['constraints'] or 'free plan'} on {r['mesh']}"
         assert r["loss_err"] <= TOL and r["param_err"] <= TOL, f"{label}: loss {r['loss_err']:.2e} params {r['param_err']:.2e}"
         assert "averaged per shard" not in r["notes"]
+
+
+REAL = ["bert", "t5", "mistral", "qwen2", "gpt_neox", "opt", "phi", "phi3", "gemma", "vit", "resnet", "mobilenet_v3",
+        "convnext"]
+
+
+@pytest.mark.slow
+def test_every_real_architecture_trains_in_the_native_loop():
+    """The rest of examples/real_models.py (encoder, encoder-decoder, decoders with their default
+    use_cache, ViT, CNNs with BatchNorm) in the native loop under the free plan, against one device."""
+    failures = []
+    for r in autopar.launch(native_loop_suite, 4, [("real:" + n, {}) for n in REAL], timeout_s=900)[0]:
+        errs = {k: r[k] for k in ("loss_err", "norm_err", "param_err", "dcp_err", "eval_err")}
+        if not (all(v <= TOL for v in errs.values()) and r["dcp_keys_match"] and r["eval_no_grad"]):
+            failures.append(f"{r['case']} on {r['mesh']}: {errs} (worst {r['worst'][:1]})")
+    assert not failures, "\n".join(failures)
