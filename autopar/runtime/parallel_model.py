@@ -18,6 +18,17 @@ Invariants:
   ranks, which must all hold the same global batch;
 * a collective that times out or loses a peer inside a step is raised as ``CollectiveError``
   saying that the ranks did not all run the step (instead of gloo's bare message).
+
+The torch-native loop (``pm(x)``, ``loss.backward()``, the user's optimizer):
+* the module's parameters and buffers are DTensors over the plan's mesh under the user's names,
+  sharing storage with the store's shards (``runtime.dtensor_params``); placeholders until the
+  plan exists, swapped in place when it is made;
+* each ``pm(x)`` hands over outputs replicated (global batches) or as this rank's rows (local
+  batches), as the plan priced; the first gradient reaching them starts this rank's backward
+  (cleared gradients start from zero, kept ones accumulate), and the end of the backward pass
+  finishes every planned reduction and sets each parameter's ``.grad`` DTensor;
+* ZeRO-1/2 parameters the user's optimizer updated (their DTensor's version counter moved) are
+  gathered back into whole parameters before the next forward (and before ``full_state_dict``).
 """
 from __future__ import annotations
 
