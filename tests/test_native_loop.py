@@ -232,9 +232,10 @@ REAL = ["bert", "t5", "mistral", "qwen2", "gpt_neox", "opt", "phi", "phi3", "gem
 @pytest.mark.slow
 def test_every_real_architecture_trains_in_the_native_loop():
     """The rest of examples/real_models.py (encoder, encoder-decoder, decoders with their default
-    use_cache, ViT, CNNs with BatchNorm) in the native loop under the free plan, against one device."""
+    use_cache, ViT, CNNs with BatchNorm) in the native loop under the free plan, against one device
+    (2 steps each: a breadth check; the cases above run 4)."""
     failures = []
-    for r in autopar.launch(native_loop_suite, 4, [("real:" + n, {}) for n in REAL], timeout_s=900)[0]:
+    for r in autopar.launch(native_loop_suite, 4, [("real:" + n, {}) for n in REAL], 2, timeout_s=900)[0]:
         errs = {k: r[k] for k in ("loss_err", "norm_err", "param_err", "dcp_err", "eval_err")}
         if not (all(v <= TOL for v in errs.values()) and r["dcp_keys_match"] and r["eval_no_grad"]):
             failures.append(f"{r['case']} on {r['mesh']}: {errs} (worst {r['worst'][:1]})")
