@@ -146,7 +146,7 @@ class ParallelModel(torch.nn.Module):
         self._fused = builder.optimizer is not None
         self._local = builder.local  # each rank passes its own shard of the batch
         self._model_class = type(model).__name__
-        self._calls = {"train_step": 0, "eval_step": 0, "forward": 0}
+        self._calls = {"eval_step": 0, "forward": 0}  # train_step counts in ``step``
         self.plan = None
         self.step = 0
         self.optimizer = None
@@ -254,7 +254,7 @@ class ParallelModel(torch.nn.Module):
                 "loop, compile without optimizer= and build the optimizer over pm.parameters()")
         self._ensure_planned(inputs, None)
         kind = "forward" if self.training else "forward-eval"
-        prog = self._programs.get(kind) if kind in self._programs else self._program_for(kind, inputs, None)
+        prog = self._program_for(kind, inputs, None)
         with collective_failures("forward"):
             self._check_batch("forward", inputs, None, self._calls["forward"], prog)
             self._sync_zero_params()
