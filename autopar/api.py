@@ -248,8 +248,8 @@ def check_fits_cluster(traced: TracedGraph, cluster: Cluster, c: Constraints) ->
     The world-size bound: data parallel splits the batch at most ``batch`` ways (one sample per
     replica), and tensor parallel / ZeRO split a parameter at most ``d`` ways, ``d`` its largest
     dim. With the two mesh axes (dp x tp) no plan gives more than ``batch x max d`` devices
-    distinct work; beyond that, devices only repeat others' work (``Constraints(pp=...)`` would
-    multiply the bound by the stage count once pipeline plans exist).
+    distinct work; beyond that, devices only repeat others' work. Pipeline stages
+    (``Constraints(pp=...)``) multiply the bound by their number.
     """
     from autopar.planner.search import mesh_candidates
 
@@ -281,9 +281,10 @@ def check_fits_cluster(traced: TracedGraph, cluster: Cluster, c: Constraints) ->
     d = max(shape, default=1)
     b = batch or 1
     world = cluster.world_size
-    if world <= b * d:
+    pp = c.pp or 1
+    if world <= b * d * pp:
         return
-    most = b * d
+    most = b * d * pp
     per_node = cluster.devices_per_node
     if most >= per_node:
         fewer = (f"Cluster.preset({cluster.name!r}, nodes={most // per_node})" if cluster.name != "local"

@@ -10,15 +10,16 @@ Invariants:
   recompute, ...; predictions and explanations excluded). It is derived on construction, so a
   plan changed by ``dataclasses.replace`` or an edited JSON file gets a new one, and ranks that
   hold different plans are refused by ``compile`` instead of deadlocking.
-* ``stages`` is a list even though today every plan has one stage: pipeline plans (roadmap) add
-  more, each with its own submesh and node placements.
+* ``stages``: one per pipeline stage (one for plans without pipelining), each with its submesh
+  (``mesh``, ranks ``first_rank`` onwards), its nodes and the parameters it owns; ``mesh_axes``
+  is one stage's submesh and ``world_size`` counts every stage's devices.
 """
 from __future__ import annotations
 
 import fnmatch
 import hashlib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from autopar.errors import PlanFormatError
@@ -75,6 +76,10 @@ class Stage:
     first_rank: int
     nodes: tuple[NodePlacement, ...]
     params: tuple[ParamPlacement, ...]
+    # pipeline plans (predictions): one microbatch's forward + backward on this stage, and the
+    # stage's peak memory per device with the schedule's microbatches in flight
+    predicted_time_s: float = 0.0
+    peak_memory_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     optimizer_spec: Any = None  # cost_models.memory.OptimizerSpec the plan was priced for
     recompute_blocks: tuple[str, ...] = ()  # block instances run under activation checkpointing
+    bubble_fraction: float = 0.0  # pipeline plans: predicted share of the step a stage idles
     schema_version: int = SCHEMA_VERSION
     timings: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     # the hash of the planning inputs; "" when constructed by the planner, which passes that hash
@@ -253,9 +259,10 @@ def fingerprint_of(*parts: str) -> str:
 # what a plan holds besides its decisions: hashes, predictions and explanations of the choice
 _NOT_DECISIONS = {
     Plan: {"fingerprint", "inputs_fingerprint", "timings", "predicted", "baseline", "solver", "free_step_time_s",
-           "notes"},
+           "notes", "bubble_fraction"},
     NodePlacement: {"compute_s", "alternatives", "excluded"},
     ParamPlacement: {"bytes_per_device"},
+    Stage: {"predicted_time_s", "peak_memory_bytes"},
 }
 
 
@@ -298,8 +305,8 @@ def _decode_plan(d: dict) -> Plan:
         for f in fields(cls):
             if f.name in ("timings", "inputs_fingerprint"):
                 continue
-            if f.name == "stopped" and f.name not in obj:
-                continue  # plans written before the solver said why it stopped (set below)
+            if f.name not in obj and (f.name == "stopped" or f.default is not MISSING):
+                continue  # plans written before the field existed: its default (``stopped``: set below)
             kwargs[f.name] = obj[f.name]
         return kwargs
 
@@ -326,7 +333,8 @@ def _decode_plan(d: dict) -> Plan:
         return Predicted(**k)
 
     stages = tuple(
-        Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]), tuple(param(p) for p in s["params"]))
+        Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]),
+              tuple(param(p) for p in s["params"]), s.get("predicted_time_s", 0.0), s.get("peak_memory_bytes", 0.0))
         for s in d["stages"]
     )
     k = build(Plan, d)

@@ -19,6 +19,20 @@ class PassContext:
         stage = plan.stages[index]
         return cls(plan, stage, tuple(size for _, size in stage.mesh))
 
+    @classmethod
+    def for_plan(cls, plan: Plan) -> "PassContext":
+        """Every stage's nodes at once (the passes rewrite the whole program; ``split_stages`` cuts
+        it afterwards). Requires every stage to have the same submesh."""
+        if len(plan.stages) == 1:
+            return cls.for_stage(plan, 0)
+        meshes = {s.mesh for s in plan.stages}
+        if len(meshes) != 1:
+            raise ValueError(f"stages with different submeshes ({sorted(meshes)}) need per-stage passes")
+        first = plan.stages[0]
+        whole = Stage(0, first.mesh, 0, tuple(n for s in plan.stages for n in s.nodes),
+                      tuple(p for s in plan.stages for p in s.params))
+        return cls(plan, whole, tuple(size for _, size in first.mesh))
+
     @property
     def policy(self):
         """The plan's precision policy (``cost_models.memory.PrecisionPolicy``)."""

@@ -27,7 +27,7 @@ from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
 from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem
 from autopar.trace import TracedGraph
 
-__all__ = ["search_plan", "mesh_candidates", "USABLE_MEMORY_FRACTION", "AXES"]
+__all__ = ["search_plan", "mesh_candidates", "naive_dp_baseline", "USABLE_MEMORY_FRACTION", "AXES"]
 
 # Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
 # CUDA context and library workspaces (cuBLAS, NCCL buffers).
@@ -40,31 +40,33 @@ def _divisors(n: int) -> list[int]:
 
 
 def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
-    """(dp, tp) shapes to try, validated against the constraints (errors name the constraint)."""
-    world = cluster.world_size
+    """(dp, tp) shapes of one stage's submesh to try (the whole cluster without pipelining, a
+    ``1/pp`` share of it with ``Constraints(pp=)``), validated against the constraints (errors
+    name the constraint)."""
     pp = c.pp or 1
-    if pp != 1:
-        raise ConstraintError(
-            f"pp={pp}: pipeline parallelism is not available yet (single-stage plans only; it is the "
-            "next roadmap item). Use pp=1 or leave pp unset."
-        )
-    if c.schedule is not None:
+    if c.schedule is not None and pp == 1:
         raise ConstraintError(f"schedule={c.schedule!r} applies to pipeline plans (pp > 1); leave schedule unset for pp=1")
+    if cluster.world_size % pp:
+        raise ConstraintError(
+            f"pp={pp} does not divide the {cluster.world_size} devices of the cluster; choose a divisor of "
+            f"{cluster.world_size} (e.g. {', '.join(str(d) for d in _divisors(cluster.world_size) if d <= 64)})")
+    world = cluster.world_size // pp
     for name in ("dp", "tp"):
         v = getattr(c, name)
         if v is not None and world % v:
             raise ConstraintError(
-                f"{name}={v} does not divide the {world} devices of the cluster; choose a divisor of {world} "
+                f"{name}={v} does not divide the {world} devices of {'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world} "
                 f"(e.g. {', '.join(str(d) for d in _divisors(world) if d <= 64)})"
             )
     if c.dp is not None and c.tp is not None and c.dp * c.tp != world:
-        raise ConstraintError(f"dp={c.dp} x tp={c.tp} = {c.dp * c.tp} but the cluster has {world} devices; the product must equal the world size")
+        raise ConstraintError(f"dp={c.dp} x tp={c.tp} = {c.dp * c.tp} but {'a pipeline stage' if pp > 1 else 'the cluster'} has "
+                              f"{world} devices; the product must equal {'the world size / pp' if pp > 1 else 'the world size'}")
     if c.tp is not None:
         tps = [c.tp]
     elif c.dp is not None:
         tps = [world // c.dp]
     else:
-        tps = [t for t in _divisors(cluster.devices_per_node) if world % t == 0]
+        tps = [t for t in _divisors(min(cluster.devices_per_node, world)) if world % t == 0]
     if c.ep is not None:
         if c.ep > 1:
             raise ConstraintError(
@@ -263,6 +265,12 @@ def search_plan(
     _cache: dict | None = None,
     _step_time_only: bool = False,
 ) -> Plan | float:
+    if (constraints.pp or 1) > 1:
+        from autopar.planner.pipeline_search import search_pipeline_plan
+
+        mesh_candidates(cluster, constraints)  # the degrees are checked before any search
+        return search_pipeline_plan(traced, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
+                                    solver=solver, progress=progress, inner_search=search_plan)
     t_start = time.perf_counter()
     policy = precision_policy(precision)
     precision = policy.name
@@ -386,6 +394,19 @@ def _solver_note(sol: Solution, config: SolverConfig) -> str:
     if sol.status != "OPTIMAL":
         return f"; not proven optimal: at most {sol.gap * 100:.2f}% above the LP bound"
     return ""
+
+
+def naive_dp_baseline(traced: TracedGraph, cluster: Cluster, precision, optimizer, solver: SolverConfig) -> Baseline:
+    """The naive data-parallel baseline on ``cluster`` (memoised per planning inputs, as in
+    ``search_plan``): for plans searched on a part of the cluster (pipeline stages)."""
+    policy = precision_policy(precision)
+    optimizer = optimizer_spec(optimizer)
+    results = _memo(_RESULTS, _inputs_key(traced, cluster, policy.name, optimizer, solver), dict)
+    if "baseline" not in results:
+        blocks = find_repeated_blocks(traced.graph, pin_key(Constraints()))
+        budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
+        results["baseline"] = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, {})
+    return results["baseline"]
 
 
 def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache) -> Baseline:

@@ -159,8 +159,8 @@ class _Builder:
     def mesh(self, plan: Plan):
         from torch.distributed.device_mesh import init_device_mesh
 
-        names = tuple(a for a, _ in plan.mesh_axes)
-        return init_device_mesh(self.device.type, tuple(s for _, s in plan.mesh_axes), mesh_dim_names=names)
+        axes = ((("pp", len(plan.stages)),) if len(plan.stages) > 1 else ()) + tuple(plan.mesh_axes)
+        return init_device_mesh(self.device.type, tuple(s for _, s in axes), mesh_dim_names=tuple(a for a, _ in axes))
 
     def _trace(self, inputs: tuple, target, with_loss: bool):
         own = with_loss and self.loss_fn is None
@@ -358,7 +358,7 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
                              to_user=loss_fn is None and not own_loss)
         if is_local_batch(traced_full.graph):
             mark_local_batch(traced.graph, traced.global_batch)
-    program = run_passes(copy.deepcopy(traced.gm), PassContext.for_stage(plan, 0))
+    program = run_passes(copy.deepcopy(traced.gm), PassContext.for_plan(plan))
     return traced, program, loss_reduction
 
 

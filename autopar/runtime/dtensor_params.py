@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["make_dtensor", "register_tree", "placeholder", "slot_placements", "swap_in", "StateView"]
+__all__ = ["make_dtensor", "register_tree", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView"]
 
 
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, requires_grad: bool) -> DTensor:
@@ -85,6 +85,14 @@ def register_tree(root: torch.nn.Module, model: torch.nn.Module, make) -> dict[s
     return out
 
 
+def drop_registered(root: torch.nn.Module, name: str) -> None:
+    """Unregister the parameter or buffer ``name`` (a dotted ``state_dict`` key) from ``root``'s tree."""
+    path, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(path) if path else root
+    owner._parameters.pop(leaf, None)
+    owner._buffers.pop(leaf, None)
+
+
 def swap_in(current: torch.Tensor, planned: torch.Tensor) -> None:
     """Make ``current`` (a placeholder held by the module tree, and maybe by an optimizer) the
     planned tensor, in place."""
@@ -106,8 +114,14 @@ class StateView:
             self.params[s.fqn] = torch.nn.Parameter(
                 make_dtensor(local, mesh, self._placements[ph], s.shape, s.trainable), requires_grad=s.trainable)
         for ph, fqn in traced.buffer_fqns.items():
+            if ph not in store.buffers:  # another pipeline stage's
+                continue
             shape = traced.node(ph).meta["autopar.outputs"][0].shape
             self.buffers[fqn] = make_dtensor(store.buffers[ph], mesh, store.layouts[ph], shape, False)
+
+    def holds(self, fqn: str) -> bool:
+        """Whether this rank holds ``fqn`` (a pipeline stage holds only its own)."""
+        return fqn in self.params or fqn in self.buffers
 
     def swap_into(self, fqn: str, current: torch.Tensor) -> None:
         """Make ``current`` (the placeholder registered for ``fqn``) this planned tensor, in place;

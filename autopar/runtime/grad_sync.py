@@ -167,6 +167,11 @@ class GradSync:
             for b in self.buckets:
                 b.ready, b.work = 0, None
 
+    def hold(self) -> None:
+        """Reduce nothing while backward runs (a pipeline schedule interleaves microbatches: no
+        backward is known to be the last); ``finish()`` then reduces every bucket."""
+        self._last = False
+
     def prepare_accumulation(self) -> None:
         """Before a backward that adds to gradients already reduced (the native loop without
         ``zero_grad()``): a bucket is all-reduced in place, so what it already holds (the same on

@@ -54,7 +54,8 @@ from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, sh
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.dtensor_params import StateView, placeholder, register_tree
+from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_tree
+from autopar.runtime.pipeline import PipelineRunner, stage_state_names
 from autopar.runtime.input_checks import (
     CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, checksum, example_spec, mismatch,
     refuse_uneven_inputs,
@@ -96,7 +97,7 @@ class _Program:
     def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> "_Program":
         """With the layouts the plan gives the inputs and target, and the loss's layout.
         ``example``: (inputs, target) as compiled, or None (the traced shapes)."""
-        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        layouts = {n.name: n.outs[0] for n in plan.nodes.values() if n.outs and n.outs[0] != "-"}
         inputs = {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name]
                   if name and name in layouts}  # not a tensor (None for an optional argument): no layout
         loss = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
@@ -152,6 +153,8 @@ class ParallelModel(torch.nn.Module):
         self.optimizer = None
         self._programs: dict[str, _Program] = {}
         self._state: StateView | None = None
+        self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
+        self._pp_group = None
         self._zero_versions: dict[str, int] = {}
         self._tracker: MemoryTracker | None = None  # set by measure_step
         mesh = builder.placeholder_mesh()
@@ -169,8 +172,18 @@ class ParallelModel(torch.nn.Module):
         # before any collective (every rank refuses alike): a batch share no rank can hold evenly
         refuse_uneven_inputs(plan, prog)
         b = self._builder
+        pipelined = len(plan.stages) > 1
+        if pipelined and not self._fused:
+            raise AutoparError(
+                f"the plan pipelines the model over {len(plan.stages)} stages, which runs in train_step only for now: "
+                "compile with optimizer= (a factory) and train with pm.train_step(...), or plan without pp")
         self.plan = plan
         self.device_mesh = b.mesh(plan)
+        self._pp_group, self._stage = None, None
+        if pipelined:  # this rank's stage submesh; the pipeline's own axis joins the stages
+            self._pp_group = self.device_mesh.get_group("pp")
+            self._stage = self.device_mesh.get_local_rank("pp")
+            self.device_mesh = self.device_mesh[tuple(a for a, _ in plan.mesh_axes)]
         self.comm = MeshComm.from_device_mesh(self.device_mesh)
         self._traced = traced
         self._device = b.device
@@ -182,7 +195,8 @@ class ParallelModel(torch.nn.Module):
         self._param_of_key = _tied_keys(b.model)
         deferred = program.meta.get(GRAD_SYNC_KEY, {})
         self.store = ParamStore(plan=plan, traced=traced, model=b.model, comm=self.comm, device=self._device,
-                                order=_backward_order(program, deferred))
+                                order=_backward_order(program, deferred),
+                                only=stage_state_names(plan, traced, self._stage) if pipelined else None)
         self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
         self._gathers_params = any(
             n.target is gather_param_start or n.target is reshard and n.kwargs.get("param")
@@ -193,8 +207,17 @@ class ParallelModel(torch.nn.Module):
             self.optimizer = b.optimizer(self.store.optimizer_params())
         self._state = StateView(self.store, traced, self.device_mesh)
         for name, current in self._tensors.items():
-            self._state.swap_into(self._param_of_key.get(name, name), current)
+            if self._state.holds(self._param_of_key.get(name, name)):
+                self._state.swap_into(self._param_of_key.get(name, name), current)
+            else:  # another pipeline stage's: not this rank's parameter
+                drop_registered(self, name)
         self._programs[kind] = prog
+        self._pipeline = None
+        if pipelined:
+            self._pipeline = PipelineRunner(
+                plan=plan, traced=traced, program=program, stage=self._stage, pp_group=self._pp_group, store=self.store,
+                comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
+                loss_scale=self._loss_grad_scale() * (1.0 / plan.microbatches if loss_reduction == "mean" else 1.0))
         self._note_zero_versions()
 
     @property
@@ -228,6 +251,10 @@ class ParallelModel(torch.nn.Module):
         """The program of ``kind`` ("step", "step-eval", "forward", "forward-eval"), built at its first
         use with every parameter pinned where the plan stores it (the shards serve every program)."""
         prog = self._programs.get(kind)
+        if prog is None and self._pipeline is not None:
+            raise AutoparError(
+                f"the plan pipelines the model over {len(self.plan.stages)} stages; only train_step runs it for now "
+                "(no evaluation or forward-only program yet): evaluate with a plan without pp")
         if prog is None:
             # traced at the planned batch's shapes (the call's batch is then checked against them)
             inputs, target = _stand_ins(self._primary.example, inputs, target)
@@ -466,6 +493,8 @@ class ParallelModel(torch.nn.Module):
         return total
 
     def _train_step(self, inputs: tuple, target: Any) -> float:
+        if self._pipeline is not None:
+            return self._pipelined_train_step(inputs, target)
         micro = self._microbatches(inputs, target)
         m = len(micro)
         weight = 1.0 / m if self._loss_reduction == "mean" else 1.0
@@ -494,6 +523,36 @@ class ParallelModel(torch.nn.Module):
             for w in pending:
                 w.wait()
             return sum(float(self._finish_loss(v)) for v in values) * weight
+
+    def _pipelined_train_step(self, inputs: tuple, target: Any) -> float:
+        """``train_step`` of a pipeline plan: the schedule runs every microbatch's forward and backward
+        (``runtime.pipeline``), then gradient sync over the stage's submesh and the optimizer step."""
+        feed = dict(zip(self._train.traced.input_names, inputs))
+        if self._train.traced.target_name is not None:
+            feed[self._train.traced.target_name] = target
+        with active_mesh(self.comm):
+            self._grad_sync.arm(last_microbatch=True)
+            self._grad_sync.hold()  # every bucket is reduced after the schedule's last backward
+            with self._phase("forward"):
+                losses = self._pipeline.step(feed)
+            with self._phase("backward"):
+                self._grad_sync.finish()
+                drain_gradient_reductions(self.comm)
+            with self._phase("optimizer"):
+                self.optimizer.step()
+                self._gather_zero_params()
+                self._note_zero_versions()
+            self.store.zero_grads()
+            total = torch.zeros(1)
+            if losses:
+                values = [self._reduce_loss_async(v) for v in losses]
+                for _, works in values:
+                    for w in works:
+                        w.wait()
+                total = total + sum(float(self._finish_loss(v)) for v, _ in values)
+            total = self._pipeline.broadcast_loss(total)
+        weight = 1.0 / self.plan.microbatches if self._loss_reduction == "mean" else 1.0
+        return float(total) * weight
 
     @torch.no_grad()
     def _gather_zero_params(self) -> None:
@@ -723,10 +782,16 @@ class ParallelModel(torch.nn.Module):
         full: dict[str, torch.Tensor] = {}
         ndim = len(self.comm.sizes)
         for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
+            if ph not in self._layouts:
+                continue  # another pipeline stage's (gathered below)
             shape = self._shapes[ph]
             steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
             # a copy: for a replicated tensor no step runs, and the live parameter would be returned
             full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).to("cpu", copy=True)
+        if self._pp_group is not None:  # every stage's tensors, on every rank
+            parts: list = [None] * dist.get_world_size(self._pp_group)
+            dist.all_gather_object(parts, full, group=self._pp_group)
+            full = {k: v for part in parts for k, v in part.items()}
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
 
 

@@ -63,7 +63,9 @@ class ParamStore:
     """Local parameters, buffers and gradient buffers of one rank (see module docstring)."""
 
     def __init__(self, *, plan, traced, model: torch.nn.Module, comm: MeshComm, device: torch.device,
-                 order: list[str]):
+                 order: list[str], only: set[str] | None = None):
+        """``only``: the placeholders this rank holds (a pipeline stage's); every parameter is still
+        broadcast from rank 0 in the same order on every rank (the collectives must match)."""
         self.comm = comm
         self.device = device
         self.slots: dict[str, ParamSlot] = {}
@@ -72,12 +74,14 @@ class ParamStore:
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         placed = plan.params
-        layouts = {n.name: n.outs[0] for n in plan.stages[0].nodes if n.outs and n.outs[0] != "-"}
+        layouts = {n.name: n.outs[0] for n in plan.nodes.values() if n.outs and n.outs[0] != "-"}
         for ph, fqn in traced.param_fqns.items():
             pp = placed[fqn]
             layout = parse_layout(layouts[ph])
-            self.layouts[ph] = layout
             full = _replicate_from_rank0(_materialize(model, fqn, params[fqn]).detach().to(device))
+            if only is not None and ph not in only:
+                continue
+            self.layouts[ph] = layout
             local = torch.nn.Parameter(shard_tensor(full, layout, comm).clone(), requires_grad=params[fqn].requires_grad)
             del full
             zero_axes = tuple(a for a in (plan.mesh_axes_index(n) for n in pp.zero_axes) if comm.sizes[a] > 1)
@@ -88,8 +92,10 @@ class ParamStore:
             self.slots[ph] = ParamSlot(ph, fqn, tuple(pp.shape), layout, zero_axes, stage, d, local)
         for ph, fqn in traced.buffer_fqns.items():
             layout = parse_layout(layouts[ph])
-            self.layouts[ph] = layout
             full = _replicate_from_rank0(_materialize(model, fqn, buffers[fqn]).detach().to(device))
+            if only is not None and ph not in only:
+                continue
+            self.layouts[ph] = layout
             self.buffers[ph] = shard_tensor(full, layout, comm).clone()
         self._grad_flat: dict[torch.dtype, torch.Tensor] = {}
         self._shard_flat: dict[torch.dtype, torch.Tensor] = {}

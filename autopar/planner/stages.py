@@ -1,0 +1,164 @@
+"""Pipeline stages: where to cut a planned graph, and what a schedule then costs in time and memory.
+
+Pure functions over a traced graph and the per-operator plan of one stage's submesh
+(``pipeline_search`` calls them). The model, stated once:
+
+* A cut sits between two operators in program order. It is allowed where no parameter or buffer
+  is used on both sides (a parameter belongs to one stage), no recomputed block instance
+  straddles it (its checkpoint is one region) and no multi-output value crosses it unindexed.
+* A stage costs the forward + backward compute of its operators (the per-operator plan's
+  ``compute_s``) plus sending what crosses each of its boundaries (activations forward,
+  their gradients back) over the link between stages; the cut minimises the slowest stage
+  (exact dynamic program over the allowed cuts, ties to fewer bytes sent).
+* GPipe and 1F1B run ``m`` microbatches through ``p`` stages of per-microbatch times ``t_s``
+  in ``sum(t_s) + (m - 1) * max(t_s)``: the bubble is ``(p - 1) / (m + p - 1)`` of the step for
+  balanced stages (Narayanan et al. 2021, eq. 1). Stage ``s`` holds the activations of ``m``
+  microbatches (GPipe) or ``min(m, p - s)`` (1F1B) at its peak.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+from autopar.errors import ConstraintError
+from autopar.layouts import parse_layout
+
+__all__ = ["StageCut", "cut_stages", "schedule_step_time", "in_flight", "PIPELINE_SCHEDULES"]
+
+# the schedules a pipeline plan can run today (``Constraints(schedule=)``); the first is the default
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class StageCut:
+    stage_of: dict  # traced node name -> stage index
+    stage_time_s: tuple[float, ...]  # per stage, per step: compute + boundary sends
+    boundary_bytes: tuple[float, ...]  # per boundary, per step, one direction, per device
+
+
+def _op_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+def _local_bytes(n: fx.Node, layout: str | None, mesh_sizes: tuple[int, ...]) -> float:
+    """Bytes of ``n``'s value one device holds under its planned layout (all outputs)."""
+    metas = [m for m in (n.meta.get("autopar.outputs") or ()) if m is not None]
+    total = float(sum(m.nbytes for m in metas))
+    if layout is None or layout == "-":
+        return total
+    shards = 1
+    for p, size in zip(parse_layout(layout), mesh_sizes):
+        if p.is_shard():
+            shards *= size
+    return total / shards
+
+
+def cut_stages(graph: fx.Graph, placements: dict, stages: int, mesh_sizes: tuple[int, ...], link_bandwidth: float,
+               recompute_instances: dict[str, str] | None = None) -> StageCut:
+    """Cut ``graph`` (the traced training graph) into ``stages`` contiguous stages (see the module
+    docstring). ``placements``: node name -> ``NodePlacement`` of the per-operator plan.
+    ``recompute_instances``: node name -> checkpointed block instance (cuts stay outside)."""
+    ops = _op_nodes(graph)
+    n = len(ops)
+    if n < stages:
+        raise ConstraintError(f"pp={stages}: the model has only {n} operators to spread over {stages} stages; use a smaller pp")
+    pos = {o.name: i for i, o in enumerate(ops)}
+    compute = np.array([placements[o.name].compute_s if o.name in placements else 0.0 for o in ops])
+    prefix = np.concatenate([[0.0], np.cumsum(compute)])
+    # cut c sits before ops[c] (1 <= c <= n - 1); blocked[c] forbids it, crossing[c] bytes cross it
+    blocked = np.zeros(n + 1, dtype=np.int64)
+    crossing = np.zeros(n + 1)
+    for node in graph.nodes:
+        users = [pos[u.name] for u in node.users if u.name in pos]
+        if not users:
+            continue
+        last = max(users)
+        if node.op == "placeholder":
+            kind = node.meta.get("autopar.kind")
+            if kind in ("param", "buffer"):  # every use in one stage
+                blocked[min(users) + 1: last + 1] += 1
+                continue
+            first = 0  # a batch input enters at stage 0 and is passed on to its last user
+        elif node.name in pos:
+            first = pos[node.name]
+        else:
+            continue
+        if isinstance(node.meta.get("val"), (tuple, list)) and any(
+                u.target is not operator.getitem for u in node.users if u.name in pos):
+            blocked[first + 1: last + 1] += 1  # a container used whole: keep it in one stage
+            continue
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            continue  # its getitems carry the bytes (each runs with it, in its stage)
+        layout = placements[node.name].outs[0] if node.name in placements and placements[node.name].outs else None
+        crossing[first + 1: last + 1] += _local_bytes(node, layout, mesh_sizes)
+    for inst in set((recompute_instances or {}).values()):
+        members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
+        if members:
+            blocked[min(members) + 1: max(members) + 1] += 1
+    allowed = [c for c in range(1, n) if blocked[c] == 0]
+    if len(allowed) < stages - 1:
+        raise ConstraintError(
+            f"pp={stages}: the model can be cut in only {len(allowed)} places (between operators that share no "
+            f"parameter{' and outside recomputed blocks' if recompute_instances else ''}); use pp <= {len(allowed) + 1}")
+    send = 2.0 * crossing / link_bandwidth  # activations forward, their gradients backward
+    cuts = [0] + allowed + [n]
+    idx = np.array(cuts)
+    k = len(cuts)
+    # best[s][j]: the smallest bottleneck placing the first s stages' end at cut j (DP over cuts)
+    inf = math.inf
+    best = np.full((stages + 1, k), inf)
+    arg = np.zeros((stages + 1, k), dtype=np.int64)
+    best[0, 0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(1, k):
+            if s == stages and j != k - 1:
+                continue
+            i = np.arange(j)
+            cost = prefix[idx[j]] - prefix[idx[i]] + send[idx[i]] * (i > 0) + send[idx[j]] * (j < k - 1)
+            total = np.maximum(best[s - 1, :j], cost) + 1e-12 * (send[idx[i]])  # ties: fewer bytes
+            a = int(np.argmin(total))
+            best[s, j], arg[s, j] = total[a], a
+    if not math.isfinite(best[stages, k - 1]):
+        raise ConstraintError(f"pp={stages}: no way to cut the model into {stages} non-empty stages")
+    ends = [k - 1]
+    for s in range(stages, 0, -1):
+        ends.append(int(arg[s, ends[-1]]))
+    bounds = [idx[j] for j in reversed(ends)]  # stage s runs ops[bounds[s]:bounds[s + 1]]
+    stage_of: dict[str, int] = {}
+    times = []
+    for s in range(stages):
+        lo, hi = bounds[s], bounds[s + 1]
+        for o in ops[lo:hi]:
+            stage_of[o.name] = s
+        times.append(float(prefix[hi] - prefix[lo] + (send[lo] if s else 0.0) + (send[hi] if s < stages - 1 else 0.0)))
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            users = [stage_of[u.name] for u in node.users if u.name in stage_of]
+            kind = node.meta.get("autopar.kind")
+            stage_of[node.name] = min(users) if kind in ("param", "buffer") and users else 0
+        elif node.op == "output":
+            stage_of[node.name] = stages - 1
+    return StageCut(stage_of, tuple(times), tuple(float(crossing[b]) for b in bounds[1:-1]))
+
+
+def schedule_step_time(stage_times: list[float], microbatches: int, schedule: str) -> tuple[float, float]:
+    """(step time, bubble fraction) of ``schedule`` over stages of per-step times ``stage_times``
+    (each the sum over the step's microbatches). GPipe and 1F1B share the critical path."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConstraintError(f"schedule={schedule!r} has no time model yet; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
+    m, p = microbatches, len(stage_times)
+    per_micro = [t / m for t in stage_times]
+    step = sum(per_micro) + (m - 1) * max(per_micro)
+    busy = sum(stage_times) / p  # what an average stage computes
+    return step, (1.0 - busy / step) if step > 0 else 0.0
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at its peak."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, stages - stage)

@@ -1,0 +1,195 @@
+"""A pipeline plan's training step on this rank: its stage program under a
+``torch.distributed.pipelining`` schedule.
+
+Invariants:
+
+* rank ``r`` runs stage ``r // stage_size`` (stages outermost in the ``("pp", "dp", "tp")``
+  mesh, as ``Stage.first_rank`` says); inside its stage it is the rank of the stage's submesh
+  the per-operator plan was made for, and the stage program's collectives run there;
+* the batch enters at stage 0 only: each input is cut into the plan's microbatches, each
+  microbatch sharded by the input's layout, and the shards joined again so that the schedule's
+  even split along dim 0 hands microbatch ``i`` its shard; the target travels with the
+  activations to the last stage, where the program computes the loss;
+* the last stage's loss for microbatch ``i`` is the program's (partial over the submesh, as
+  without pipelining); the schedule backpropagates it scaled by ``d(global loss)/d(its loss)``,
+  so the gradients equal one device's; gradient sync over the submesh runs once, after the
+  schedule (every bucket is reduced when the last microbatch's backward is done);
+* every rank returns the same global loss (broadcast from the last stage).
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.layouts import Layout
+from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.runtime.collectives import shard_tensor
+
+__all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names"]
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def stage_state_names(plan, traced, stage: int) -> set[str]:
+    """The parameter and buffer placeholders stage ``stage`` owns (the plan's stage nodes)."""
+    state = set(traced.param_fqns) | set(traced.buffer_fqns)
+    return {n.name for n in plan.stages[stage].nodes if n.name in state}
+
+
+class _StageModule(torch.nn.Module):
+    """What ``PipelineStage`` runs: the stage program fed this rank's state and what it receives.
+    Stage 0 receives the batch's tensors; its constant (non-tensor) inputs are bound here."""
+
+    def __init__(self, prog: StageProgram, state: Callable[[], list], run, constants: dict[int, object], last: bool):
+        super().__init__()
+        self.prog = prog.gm
+        self._state = state
+        self._run = run
+        self._constants = constants
+        self._last = last
+
+    def forward(self, *received):
+        args = list(received)
+        for i in sorted(self._constants):
+            args.insert(i, self._constants[i])
+        out = self._run()(self._state() + args, self.prog)
+        if self._last:  # as (1,): the schedule concatenates the microbatches' outputs
+            return (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
+        # sent as is: a view (a transpose, a slice) must first be laid out densely
+        return tuple(t.contiguous() for t in out) if isinstance(out, (tuple, list)) else out.contiguous()
+
+
+class PipelineRunner:
+    """Build once per compiled pipeline plan; ``step`` runs one optimizer step's forward and backward."""
+
+    def __init__(self, *, plan, traced, program, stage: int, pp_group, store, comm, device, run,
+                 input_layouts: dict[str, Layout], loss_scale: float):
+        from torch.distributed import pipelining
+
+        self.plan = plan
+        self.stage = stage
+        self.stages = len(plan.stages)
+        self.microbatches = plan.microbatches
+        self.comm = comm
+        self.device = device
+        self.pp_group = pp_group
+        self.store = store
+        self.input_layouts = input_layouts
+        self.loss_scale = loss_scale
+        state_names = set(traced.param_fqns) | set(traced.buffer_fqns)
+        planned = {n.name: s.index for s in plan.stages for n in s.nodes}
+        self.programs = split_stages(program, planned, state_names, self.stages)
+        mine = self.programs[stage]
+        self.batch_names = list(self.programs[0].input_names)
+        self._values: list[torch.Tensor] = []
+        slots, buffers = store.slots, store.buffers
+        names = list(mine.state_names)
+        missing = [n for n in names if n not in slots and n not in buffers]
+        if missing:
+            raise AutoparError(f"internal: stage {stage} runs '{missing[0]}', which this rank's store does not hold")
+
+        def state() -> list:
+            return [slots[n].local if n in slots else buffers[n] for n in names]
+
+        self.constants: dict[int, object] = {}  # stage 0: the batch's non-tensor inputs, by position
+        module = _StageModule(mine, state, run, self.constants, stage == self.stages - 1)
+        # the boundary shapes are known from the plan: given here, so the stage never runs the
+        # program on placeholder values to infer them (torch's dynamic inference would: a real
+        # forward and backward on uninitialised buffers, collectives and buffer updates included)
+        metas = _boundary_metas(self.programs, program, plan, comm, input_layouts)
+        ins = metas[stage - 1] if stage > 0 else None
+        if stage == 0:
+            ins = [_meta_of(program, n, plan, comm, input_layouts) for n in mine.input_names]
+            ins = [t for t in ins if t is not None]
+        outs = metas[stage] if stage < self.stages - 1 else [torch.empty((1,), device="meta", requires_grad=True)]
+        self.pipe_stage = pipelining.PipelineStage(module, stage, self.stages, device, input_args=tuple(ins),
+                                                   output_args=tuple(outs), group=pp_group)
+        cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
+        loss_kwargs = {}
+        if "scale_grads" in inspect.signature(cls.__init__).parameters:
+            loss_kwargs["scale_grads"] = False  # the loss is scaled here (``loss_scale``), as without pipelining
+        me = weakref.ref(self)
+
+        def loss_fn(out, _target):
+            runner = me()
+            runner._values.append(out.detach())
+            return (out * runner.loss_scale).sum()
+
+        self.schedule = cls(self.pipe_stage, self.microbatches, loss_fn=loss_fn, **loss_kwargs)
+        self._last_rank = dist.get_global_rank(pp_group, self.stages - 1)
+
+    def _stage0_inputs(self, feed: dict) -> list[torch.Tensor]:
+        """The batch as stage 0 hands it to the schedule (see the module docstring)."""
+        m = self.microbatches
+        out = []
+        self.constants.clear()
+        for i, name in enumerate(self.batch_names):
+            x = feed[name]
+            if not isinstance(x, torch.Tensor):
+                self.constants[i] = x
+                continue
+            x = x.to(self.device)
+            layout = self.input_layouts.get(name)
+            parts = x.chunk(m, dim=0) if x.dim() else [x] * m
+            if len(parts) != m:
+                raise AutoparError(f"input '{name}' of batch {x.shape[0]} cannot be cut into {m} microbatches")
+            local = [shard_tensor(p, layout, self.comm) if layout is not None else p for p in parts]
+            out.append(torch.cat(local, dim=0) if x.dim() else local[0])
+        return out
+
+    def step(self, feed: dict) -> list[torch.Tensor]:
+        """Forward and backward of every microbatch. ``feed``: batch placeholder name -> value
+        (used on stage 0). Returns the last stage's per-microbatch local losses (empty elsewhere)."""
+        self._values = []
+        last = self.stage == self.stages - 1
+        kwargs = {}
+        if last:
+            kwargs["target"] = torch.zeros(self.microbatches, device=self.device)  # the program holds the real one
+            kwargs["losses"] = []
+        if self.stage == 0:
+            self.schedule.step(*self._stage0_inputs(feed), **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        return list(self._values)
+
+    def broadcast_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss value on every rank of this pipeline."""
+        value = value.reshape(1).float().clone()
+        dist.broadcast(value, src=self._last_rank, group=self.pp_group)
+        return value
+
+
+def _meta_of(program, name: str, plan, comm, input_layouts: dict) -> torch.Tensor | None:
+    """A meta tensor of this rank's local value of program node ``name`` (its planned layout;
+    a batch input's layout for placeholders), with whether a gradient flows back into it."""
+    from autopar.layouts import chunk_range, parse_layout
+
+    node = next(n for n in program.graph.nodes if n.name == name)
+    metas = node.meta.get("autopar.outputs") or ()
+    meta = metas[0] if metas else None
+    if meta is None:
+        return None  # not a tensor (an optional input left None)
+    if node.op == "placeholder":
+        layout = input_layouts.get(name)
+    else:
+        placed = plan.nodes.get(name)
+        if placed is None or not placed.outs or placed.outs[0] == "-":
+            raise AutoparError(f"internal: '{name}' crosses a pipeline stage boundary without a planned layout")
+        layout = parse_layout(placed.outs[0])
+    shape = list(meta.shape)
+    for a, p in sorted(enumerate(layout or ()), key=lambda ap: ap[0]):
+        if p.is_shard() and comm.sizes[a] > 1:
+            d = p.dim % len(shape)
+            shape[d] = chunk_range(shape[d], comm.sizes[a], comm.coords[a])[1]
+    grad = bool(node.meta.get("autopar.needs_grad", False)) and meta.dtype.is_floating_point
+    return torch.empty(shape, dtype=meta.dtype, device="meta", requires_grad=grad)
+
+
+def _boundary_metas(programs, program, plan, comm, input_layouts) -> list[list[torch.Tensor]]:
+    """Per boundary: meta tensors of what crosses it, in the order the stages send them."""
+    return [[_meta_of(program, n, plan, comm, input_layouts) for n in p.output_names] for p in programs[:-1]]
