@@ -81,6 +81,14 @@ class Stage:
     predicted_time_s: float = 0.0
     peak_memory_bytes: float = 0.0
 
+    @property
+    def span(self) -> str:
+        """The first and last module the stage runs (``wte .. blocks.2.attn``)."""
+        mods = [n.module for n in self.nodes if n.module and n.op not in ("param", "buffer", "input", "placeholder")]
+        if not mods:
+            return "(no module)"
+        return mods[0] if mods[0] == mods[-1] else f"{mods[0]} .. {mods[-1]}"
+
 
 @dataclass(frozen=True)
 class Predicted:

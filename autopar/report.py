@@ -33,6 +33,20 @@ def _group_key(module: str, depth: int = 2) -> str:
     return ".".join(parts[: depth + (1 if "*" in parts[:depth] else 0)]) or "<root>"
 
 
+def _pipeline_lines(plan) -> list[str]:
+    """The stages of a pipeline plan: which layers, which ranks, time per microbatch, peak memory."""
+    size = 1
+    for _, n in plan.mesh_axes:
+        size *= n
+    lines = [f"pipeline: {len(plan.stages)} stages x {size} device(s) | schedule {plan.schedule} | "
+             f"{plan.microbatches} microbatches | predicted bubble {plan.bubble_fraction * 100:.1f}% of the step",
+             f"  {'stage':>5} {'ranks':>9}  {'fwd+bwd / microbatch':>20}  {'peak memory':>12}  layers"]
+    for st in plan.stages:
+        ranks = f"{st.first_rank}-{st.first_rank + size - 1}" if size > 1 else str(st.first_rank)
+        lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {_gib(st.peak_memory_bytes):>12}  {st.span}")
+    return lines
+
+
 def plan_summary(plan) -> str:
     from autopar.cluster import Cluster
 
@@ -48,6 +62,8 @@ def plan_summary(plan) -> str:
             ", ..." if len(plan.recompute_blocks) > 4 else "")
     lines.append(f"mesh {mesh} | precision {plan.precision} | optimizer {plan.optimizer} | "
                  f"recompute {rc} | microbatches {plan.microbatches}")
+    if len(plan.stages) > 1:
+        lines.extend(_pipeline_lines(plan))
     zero = sorted({f"{a} (ZeRO-{pp.zero_stage})" for pp in plan.params.values() for a in pp.zero_axes})
     sharded = sum(1 for pp in plan.params.values() if "S(" in pp.layout)
     lines.append(f"parameters: {len(plan.params)} tensors, {sharded} sharded"
@@ -78,8 +94,13 @@ def plan_summary(plan) -> str:
         lines.append(f"{key:<32} {cnt:>4} {r['params']:>12,} {_ms(r['compute']):>14}  {lay}")
     lines.append("")
     comm = ", ".join(f"{k} {_ms(v)}" for k, v in p.comm_s) or "none"
-    lines.append(f"predicted step time  {_ms(p.step_time_s)}  = compute {_ms(p.compute_s)} + blocking comm "
-                 f"{_ms(p.blocking_comm_s)} + exposed overlappable comm {_ms(p.exposed_comm_s)}")
+    if len(plan.stages) > 1:
+        lines.append(f"predicted step time  {_ms(p.step_time_s)}  (the {plan.schedule} schedule over the stages' compute and "
+                     f"communication, bubble {plan.bubble_fraction * 100:.1f}%; one stage's submesh alone: compute "
+                     f"{_ms(p.compute_s)} + blocking comm {_ms(p.blocking_comm_s)} + exposed comm {_ms(p.exposed_comm_s)})")
+    else:
+        lines.append(f"predicted step time  {_ms(p.step_time_s)}  = compute {_ms(p.compute_s)} + blocking comm "
+                     f"{_ms(p.blocking_comm_s)} + exposed overlappable comm {_ms(p.exposed_comm_s)}")
     lines.append(f"communication        {comm}")
     if p.comm_bytes:
         lines.append("bytes per step       " + ", ".join(f"{k} {_gib(v)}" for k, v in p.comm_bytes)

@@ -150,11 +150,6 @@ def test_tp_larger_than_heads():
     assert "use a tp dividing 4" in str(info.value)
 
 
-def test_pipeline_parallel_not_available():
-    with pytest.raises(ConstraintError, match=r"pp=2: pipeline parallelism is not available"):
-        plan_gpt(constraints=Constraints(pp=2))
-
-
 def test_degrees_must_multiply_to_world():
     with pytest.raises(ConstraintError, match=r"dp=2 x tp=1 = 2 but the cluster has 4 devices"):
         plan_gpt(cluster=Cluster.local(4), constraints=Constraints(dp=2, tp=1))

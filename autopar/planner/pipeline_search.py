@@ -27,7 +27,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Predicted, Stage, fingerprint_of
-from autopar.planner.stages import PIPELINE_SCHEDULES, cut_stages, in_flight, schedule_step_time
+from autopar.planner.stages import PIPELINE_SCHEDULES, cut_model, cut_stages, in_flight, schedule_step_time
 
 __all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches"]
 
@@ -89,7 +89,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         chosen = set(inner.recompute_blocks)
         recomputed = {k: v for k, v in blocks.instance_of.items() if v in chosen}
     mesh_sizes = tuple(s for _, s in inner.mesh_axes)
-    cut = cut_stages(traced.graph, placements, pp, mesh_sizes, link_bw, recomputed)
+    cut = cut_stages(traced.graph, cut_model(traced.graph, placements, mesh_sizes, link_bw, recomputed), pp)
     compute = [sum(n.compute_s for n in placements.values() if cut.stage_of.get(n.name) == s) for s in range(pp)]
     total_compute = sum(compute) or 1.0
     pipe_compute, bubble = schedule_step_time(compute, m, schedule)
@@ -132,11 +132,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         inner.predicted, step_time_s=_r(step), peak_memory_bytes=_r(peaks[worst]),
         memory_bytes=tuple((k, _r(v)) for k, v in shown.items()), mfu=_r(mfu))
     cjson = json.dumps(c.to_dict(), sort_keys=True)
-    layers = [_stage_modules(st) for st in stages]
     notes = inner.notes + (
-        f"pipeline: {pp} stages of {' x '.join(f'{a}={n}' for a, n in inner.mesh_axes)} devices, {m} microbatches, "
-        f"{schedule}; predicted bubble {bubble * 100:.1f}% of the step; stages: "
-        + "; ".join(f"{s}: {layers[s]}" for s in range(pp)),
         "pipeline plans price every stage with the same per-operator decisions (one submesh plan for the whole "
         "graph); the stage count, microbatches and schedule come from the constraints, not from a search",
     )
@@ -145,14 +141,6 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         cluster_json=cluster.to_json(), constraints=cjson, notes=notes, free_step_time_s=None,
         baseline=naive_dp_baseline(traced, cluster, precision, optimizer, solver),
         inputs_fingerprint=fingerprint_of(inner.inputs_fingerprint, cluster.to_json(), cjson, "pipeline"))
-
-
-def _stage_modules(stage: Stage) -> str:
-    """The first and last module a stage runs (what a user recognises: ``layers.0 .. layers.3``)."""
-    mods = [n.module for n in stage.nodes if n.module and n.op not in ("param", "buffer", "input", "placeholder")]
-    if not mods:
-        return "(no module)"
-    return mods[0] if mods[0] == mods[-1] else f"{mods[0]} .. {mods[-1]}"
 
 
 def _compute_dtype(precision) -> str:

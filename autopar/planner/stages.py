@@ -27,7 +27,7 @@ import torch.fx as fx
 from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
-__all__ = ["StageCut", "cut_stages", "schedule_step_time", "in_flight", "PIPELINE_SCHEDULES"]
+__all__ = ["StageCut", "CutModel", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "PIPELINE_SCHEDULES"]
 
 # the schedules a pipeline plan can run today (``Constraints(schedule=)``); the first is the default
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -57,19 +57,33 @@ def _local_bytes(n: fx.Node, layout: str | None, mesh_sizes: tuple[int, ...]) ->
     return total / shards
 
 
-def cut_stages(graph: fx.Graph, placements: dict, stages: int, mesh_sizes: tuple[int, ...], link_bandwidth: float,
-               recompute_instances: dict[str, str] | None = None) -> StageCut:
-    """Cut ``graph`` (the traced training graph) into ``stages`` contiguous stages (see the module
-    docstring). ``placements``: node name -> ``NodePlacement`` of the per-operator plan.
-    ``recompute_instances``: node name -> checkpointed block instance (cuts stay outside)."""
+@dataclass(frozen=True)
+class CutModel:
+    """The priced cut points of a graph (``cut_model``): cut ``c`` sits before ``ops[c]``."""
+    ops: list
+    prefix: np.ndarray  # prefix[i]: compute of ops[:i]
+    send: np.ndarray  # send[c]: seconds to send what crosses cut c (forward and back), per step
+    crossing: np.ndarray  # crossing[c]: bytes per device crossing cut c, one direction, per step
+    allowed: list[int]  # the cuts allowed, ascending
+
+    def stage_times(self, bounds: list[int]) -> list[float]:
+        """Per stage, for stages ``ops[bounds[s]:bounds[s + 1]]`` (bounds from 0 to len(ops)):
+        compute plus the sends at both of its boundaries."""
+        last = len(bounds) - 2
+        return [float(self.prefix[hi] - self.prefix[lo] + (self.send[lo] if s else 0.0) + (self.send[hi] if s < last else 0.0))
+                for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], link_bandwidth: float,
+              recompute_instances: dict[str, str] | None = None) -> CutModel:
+    """Price every cut point of ``graph`` and say which are allowed (the module docstring's rules).
+    ``placements``: node name -> ``NodePlacement`` of the per-operator plan; ``recompute_instances``:
+    node name -> checkpointed block instance (cuts stay outside)."""
     ops = _op_nodes(graph)
     n = len(ops)
-    if n < stages:
-        raise ConstraintError(f"pp={stages}: the model has only {n} operators to spread over {stages} stages; use a smaller pp")
     pos = {o.name: i for i, o in enumerate(ops)}
     compute = np.array([placements[o.name].compute_s if o.name in placements else 0.0 for o in ops])
     prefix = np.concatenate([[0.0], np.cumsum(compute)])
-    # cut c sits before ops[c] (1 <= c <= n - 1); blocked[c] forbids it, crossing[c] bytes cross it
     blocked = np.zeros(n + 1, dtype=np.int64)
     crossing = np.zeros(n + 1)
     for node in graph.nodes:
@@ -78,8 +92,7 @@ def cut_stages(graph: fx.Graph, placements: dict, stages: int, mesh_sizes: tuple
             continue
         last = max(users)
         if node.op == "placeholder":
-            kind = node.meta.get("autopar.kind")
-            if kind in ("param", "buffer"):  # every use in one stage
+            if node.meta.get("autopar.kind") in ("param", "buffer"):  # every use in one stage
                 blocked[min(users) + 1: last + 1] += 1
                 continue
             first = 0  # a batch input enters at stage 0 and is passed on to its last user
@@ -87,30 +100,37 @@ def cut_stages(graph: fx.Graph, placements: dict, stages: int, mesh_sizes: tuple
             first = pos[node.name]
         else:
             continue
-        if isinstance(node.meta.get("val"), (tuple, list)) and any(
-                u.target is not operator.getitem for u in node.users if u.name in pos):
-            blocked[first + 1: last + 1] += 1  # a container used whole: keep it in one stage
-            continue
         if isinstance(node.meta.get("val"), (tuple, list)):
-            continue  # its getitems carry the bytes (each runs with it, in its stage)
-        layout = placements[node.name].outs[0] if node.name in placements and placements[node.name].outs else None
+            if any(u.target is not operator.getitem for u in node.users if u.name in pos):
+                blocked[first + 1: last + 1] += 1  # a container used whole: keep it in one stage
+            continue  # otherwise its getitems carry the bytes (each runs with it, in its stage)
+        placed = placements.get(node.name)
+        layout = placed.outs[0] if placed is not None and placed.outs else None
         crossing[first + 1: last + 1] += _local_bytes(node, layout, mesh_sizes)
     for inst in set((recompute_instances or {}).values()):
         members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
         if members:
             blocked[min(members) + 1: max(members) + 1] += 1
     allowed = [c for c in range(1, n) if blocked[c] == 0]
-    if len(allowed) < stages - 1:
+    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth, crossing, allowed)
+
+
+def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
+    """Cut ``graph`` (the traced training graph, priced as ``cm = cut_model(graph, ...)``) into
+    ``stages`` contiguous stages minimising the slowest (``CutModel.stage_times``; among equal
+    bottlenecks, the fewest bytes sent), by a dynamic program over the allowed cuts."""
+    ops, n = cm.ops, len(cm.ops)
+    if n < stages:
+        raise ConstraintError(f"pp={stages}: the model has only {n} operators to spread over {stages} stages; use a smaller pp")
+    if len(cm.allowed) < stages - 1:
         raise ConstraintError(
-            f"pp={stages}: the model can be cut in only {len(allowed)} places (between operators that share no "
-            f"parameter{' and outside recomputed blocks' if recompute_instances else ''}); use pp <= {len(allowed) + 1}")
-    send = 2.0 * crossing / link_bandwidth  # activations forward, their gradients backward
-    cuts = [0] + allowed + [n]
-    idx = np.array(cuts)
-    k = len(cuts)
-    # best[s][j]: the smallest bottleneck placing the first s stages' end at cut j (DP over cuts)
-    inf = math.inf
-    best = np.full((stages + 1, k), inf)
+            f"pp={stages}: the model can be cut in only {len(cm.allowed)} places (between operators that share no "
+            f"parameter, outside recomputed blocks); use pp <= {len(cm.allowed) + 1}")
+    prefix, send = cm.prefix, cm.send
+    idx = np.array([0] + cm.allowed + [n])
+    k = len(idx)
+    # best[s, j]: the smallest bottleneck of s stages ending at cut idx[j]; arg: where stage s began
+    best = np.full((stages + 1, k), math.inf)
     arg = np.zeros((stages + 1, k), dtype=np.int64)
     best[0, 0] = 0.0
     for s in range(1, stages + 1):
@@ -119,30 +139,30 @@ def cut_stages(graph: fx.Graph, placements: dict, stages: int, mesh_sizes: tuple
                 continue
             i = np.arange(j)
             cost = prefix[idx[j]] - prefix[idx[i]] + send[idx[i]] * (i > 0) + send[idx[j]] * (j < k - 1)
-            total = np.maximum(best[s - 1, :j], cost) + 1e-12 * (send[idx[i]])  # ties: fewer bytes
-            a = int(np.argmin(total))
+            total = np.maximum(best[s - 1, :j], cost)
+            top = total.min()
+            if not math.isfinite(top):
+                continue
+            near = np.flatnonzero(total <= top * (1 + 1e-9) + 1e-15)
+            a = int(near[np.argmin(send[idx[near]])])  # among (near-)equal bottlenecks: the fewest bytes
             best[s, j], arg[s, j] = total[a], a
     if not math.isfinite(best[stages, k - 1]):
         raise ConstraintError(f"pp={stages}: no way to cut the model into {stages} non-empty stages")
     ends = [k - 1]
     for s in range(stages, 0, -1):
         ends.append(int(arg[s, ends[-1]]))
-    bounds = [idx[j] for j in reversed(ends)]  # stage s runs ops[bounds[s]:bounds[s + 1]]
+    bounds = [int(idx[j]) for j in reversed(ends)]  # stage s runs ops[bounds[s]:bounds[s + 1]]
     stage_of: dict[str, int] = {}
-    times = []
     for s in range(stages):
-        lo, hi = bounds[s], bounds[s + 1]
-        for o in ops[lo:hi]:
+        for o in ops[bounds[s]:bounds[s + 1]]:
             stage_of[o.name] = s
-        times.append(float(prefix[hi] - prefix[lo] + (send[lo] if s else 0.0) + (send[hi] if s < stages - 1 else 0.0)))
     for node in graph.nodes:
         if node.op == "placeholder":
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
-            kind = node.meta.get("autopar.kind")
-            stage_of[node.name] = min(users) if kind in ("param", "buffer") and users else 0
+            stage_of[node.name] = min(users) if node.meta.get("autopar.kind") in ("param", "buffer") and users else 0
         elif node.op == "output":
             stage_of[node.name] = stages - 1
-    return StageCut(stage_of, tuple(times), tuple(float(crossing[b]) for b in bounds[1:-1]))
+    return StageCut(stage_of, tuple(cm.stage_times(bounds)), tuple(float(cm.crossing[b]) for b in bounds[1:-1]))
 
 
 def schedule_step_time(stage_times: list[float], microbatches: int, schedule: str) -> tuple[float, float]:

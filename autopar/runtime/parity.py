@@ -46,6 +46,13 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
+    if name == "gpt_wide_vocab":  # 4 layers and a vocabulary 16x the default: the head outweighs a layer
+        from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+        cfg = GPTConfig(n_layer=4, vocab_size=4096)
+        model = GPT(cfg)
+        batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
+        return model, batches, gpt_loss
     if name == "gpt_tuple":
         from examples.gpt import GPTConfig, example_batch, gpt_loss
 
