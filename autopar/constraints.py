@@ -20,7 +20,7 @@ from autopar.layouts import Partial, Placement, Shard, format_placement, parse_p
 
 __all__ = ["Constraints", "annotate", "collect_annotations", "with_annotations", "SCHEDULES", "MESH_AXES"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 # The mesh axes a placement can name (the planner's ``constraint_filter.AXES``; a test keeps them
 # equal). Checked here, where a pin is written, so a bad axis is refused at ``annotate`` /
 # ``Constraints(...)`` rather than deep inside the solver.
@@ -143,9 +143,10 @@ class Constraints:
     schedule: str | None = None
     placements: tuple = field(default=())  # ((glob, ((axis, placement), ...)), ...)
     outputs: tuple = field(default=())  # ((module glob, ((axis, placement), ...)), ...)
+    virtual_stages: int | None = None  # pipeline stages per rank (interleaved and zero-bubble schedules)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "microbatches"):
+        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
             _check_degree(name, getattr(self, name))
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise ConstraintError(f"Constraints.zero must be 0, 1, 2 or 3 (ZeRO stage), got {self.zero!r}")
@@ -176,7 +177,7 @@ class Constraints:
         return {
             "dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
             "microbatches": self.microbatches, "zero": self.zero, "recompute": self.recompute,
-            "schedule": self.schedule,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "placements": [[g, [list(a) for a in axes]] for g, axes in self.placements],
             "outputs": [[g, [list(a) for a in axes]] for g, axes in self.outputs],
         }
@@ -205,7 +206,7 @@ class Constraints:
             outs[g] = axes
         return Constraints(
             self.dp, self.tp, self.pp, self.ep, self.microbatches, self.zero, self.recompute, self.schedule,
-            tuple(sorted(merged.items())), tuple(sorted(outs.items())),
+            tuple(sorted(merged.items())), tuple(sorted(outs.items())), self.virtual_stages,
         )
 
     def __str__(self) -> str:

@@ -161,6 +161,7 @@ class Plan:
     optimizer_spec: Any = None  # cost_models.memory.OptimizerSpec the plan was priced for
     recompute_blocks: tuple[str, ...] = ()  # block instances run under activation checkpointing
     bubble_fraction: float = 0.0  # pipeline plans: predicted share of the step a stage idles
+    virtual_stages: int = 1  # pipeline stages per rank (``len(stages) / pp``)
     schema_version: int = SCHEMA_VERSION
     timings: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     # the hash of the planning inputs; "" when constructed by the planner, which passes that hash
@@ -186,7 +187,12 @@ class Plan:
         n = 1
         for _, s in self.mesh_axes:
             n *= s
-        return n * len(self.stages)
+        return n * (len(self.stages) // self.virtual_stages)
+
+    @property
+    def pipeline_degree(self) -> int:
+        """Ranks along the pipeline (``pp``): stages / stages per rank."""
+        return len(self.stages) // self.virtual_stages
 
     @property
     def nodes(self) -> dict[str, NodePlacement]:

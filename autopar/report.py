@@ -38,7 +38,8 @@ def _pipeline_lines(plan) -> list[str]:
     size = 1
     for _, n in plan.mesh_axes:
         size *= n
-    lines = [f"pipeline: {len(plan.stages)} stages x {size} device(s) | schedule {plan.schedule} | "
+    per_rank = f" ({plan.virtual_stages} per rank)" if plan.virtual_stages > 1 else ""
+    lines = [f"pipeline: {len(plan.stages)} stages{per_rank} x {size} device(s) | schedule {plan.schedule} | "
              f"{plan.microbatches} microbatches | predicted bubble {plan.bubble_fraction * 100:.1f}% of the step",
              f"  {'stage':>5} {'ranks':>9}  {'fwd+bwd / microbatch':>20}  {'peak memory':>12}  layers"]
     for st in plan.stages:

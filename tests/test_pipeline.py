@@ -35,7 +35,6 @@ def test_cut_is_the_brute_force_optimum(stages):
     plan, model, batches, loss = _plan("gpt", 4, dp=4)
     x, y = batches[0]
     traced = trace_model(model, (x,), loss_fn=loss, example_target=y)
-    nodes = plan.nodes
     # uneven per-op costs so that the optimum is not a symmetric split
     placements = {k: dataclasses.replace(v, compute_s=v.compute_s * (1 + (i % 7) * 0.3))
                   for i, (k, v) in enumerate(plan.nodes.items())}
@@ -74,13 +73,34 @@ def test_cuts_never_split_a_parameter():
                for n in plan.stages[1].nodes)
 
 
+def test_interleaved_plans():
+    plan, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="interleaved-1f1b")
+    assert plan.virtual_stages == 2 and len(plan.stages) == 4 and plan.world_size == 4 and plan.pipeline_degree == 2
+    assert [s.first_rank for s in plan.stages] == [0, 2, 0, 2]  # looped: stage s on pipeline rank s % pp
+    zbv, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="zbv")
+    assert [s.first_rank for s in zbv.stages] == [0, 2, 2, 0]  # the V: rank 0 runs the first and the last
+    assert "4 stages (2 per rank)" in zbv.summary()
+    one, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="1f1b")
+    assert plan.bubble_fraction < one.bubble_fraction  # interleaving shrinks the bubble
+    assert autopar.Plan.from_json(zbv.to_json()) == zbv
+
+
 def test_schedule_models():
     # balanced stages: the bubble is (p - 1) / (m + p - 1) (Narayanan et al. 2021)
-    step, bubble = schedule_step_time([4.0] * 4, 8, "1f1b")
+    step, bubble = schedule_step_time([4.0] * 4, 8, "1f1b", 4)
     assert step == pytest.approx(4 * 0.5 + 7 * 0.5)
     assert bubble == pytest.approx(3 / 11)
-    assert schedule_step_time([1.0, 3.0], 4, "gpipe")[0] == pytest.approx(0.25 + 0.75 + 3 * 0.75)
+    assert schedule_step_time([1.0, 3.0], 4, "gpipe", 2)[0] == pytest.approx(0.25 + 0.75 + 3 * 0.75)
+    # interleaved, v stages per rank: the bubble shrinks v-fold, (p - 1) / (v m + p - 1)
+    step, bubble = schedule_step_time([2.0] * 8, 8, "interleaved-1f1b", 4)
+    assert step == pytest.approx(8 * 0.5 + 3 * 0.25) and bubble == pytest.approx(3 / (2 * 8 + 3))
+    # zero bubble: the bubble's stage time less the deferred weight gradients (1/3 of F + B each)
+    zb, _ = schedule_step_time([2.0] * 8, 8, "zero-bubble", 4)
+    assert zb == pytest.approx(8 * 0.5 + 3 * 0.25 / 3)
+    assert schedule_step_time([2.0] * 8, 8, "zbv", 4)[0] == pytest.approx(zb)
     assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("interleaved-1f1b", r, 4, 8, 2) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert in_flight("zbv", 0, 4, 8, 2) == 4
     assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8] * 4
     assert in_flight("1f1b", 0, 4, 2) == 2
 
@@ -132,7 +152,9 @@ def test_stage_programs_chain():
 @pytest.mark.parametrize("constraints, match", [
     (dict(pp=3), "pp=3 does not divide the 4 devices"),
     (dict(pp=2, dp=4), "dp=4 does not divide the 2 devices of a pipeline stage"),
-    (dict(pp=2, schedule="interleaved-1f1b"), "does not run yet"),
+    (dict(pp=2, schedule="zero-bubble", zero=3), "zero-bubble schedules run without ZeRO"),
+    (dict(pp=2, virtual_stages=2), "virtual_stages=2 needs an interleaved schedule"),
+    (dict(pp=2, schedule="zbv", virtual_stages=3), "zbv runs exactly 2 stages per rank"),
     (dict(schedule="gpipe"), "applies to pipeline plans"),
     (dict(pp=2, microbatches=3), "microbatches=3 does not divide the batch of 8"),
 ])
@@ -155,13 +177,22 @@ def _native_loop_refused():
     return "accepted"
 
 
-CASES_2 = [("gpt", {"pp": 2}), ("gpt", {"pp": 2, "schedule": "gpipe"}, "sgd")]
+CASES_2 = [
+    ("gpt", {"pp": 2}),
+    ("gpt", {"pp": 2, "schedule": "gpipe"}, "sgd"),
+    ("gpt", {"pp": 2, "schedule": "interleaved-1f1b"}, "sgd"),
+    ("gpt", {"pp": 2, "schedule": "zero-bubble"}, "adamw"),
+    ("gpt", {"pp": 2, "schedule": "zbv"}, "sgd"),
+]
 CASES_4 = [
     ("gpt", {"pp": 4}, "sgd"),
     ("gpt", {"pp": 4, "schedule": "gpipe"}, "adamw"),
     ("gpt", {"pp": 2, "dp": 2}),
     ("gpt", {"pp": 2, "tp": 2}),
     ("gpt_wide_vocab", {"pp": 2, "dp": 2, "schedule": "gpipe"}, "sgd"),
+    ("gpt", {"pp": 4, "schedule": "interleaved-1f1b"}, "adamw"),
+    ("gpt", {"pp": 2, "dp": 2, "schedule": "zero-bubble"}, "sgd"),
+    ("gpt", {"pp": 2, "tp": 2, "schedule": "zbv"}, "adamw"),
 ]
 
 

@@ -10,10 +10,10 @@ Pure functions over a traced graph and the per-operator plan of one stage's subm
   ``compute_s``) plus sending what crosses each of its boundaries (activations forward,
   their gradients back) over the link between stages; the cut minimises the slowest stage
   (exact dynamic program over the allowed cuts, ties to fewer bytes sent).
-* GPipe and 1F1B run ``m`` microbatches through ``p`` stages of per-microbatch times ``t_s``
-  in ``sum(t_s) + (m - 1) * max(t_s)``: the bubble is ``(p - 1) / (m + p - 1)`` of the step for
-  balanced stages (Narayanan et al. 2021, eq. 1). Stage ``s`` holds the activations of ``m``
-  microbatches (GPipe) or ``min(m, p - s)`` (1F1B) at its peak.
+* Schedules (``schedule_step_time``, ``in_flight``): GPipe and 1F1B run ``m`` microbatches
+  through ``p`` stages in ``sum(t_s) + (m - 1) * max(t_s)`` (bubble ``(p - 1) / (m + p - 1)``
+  for balanced stages, Narayanan et al. 2021); interleaved schedules divide the bubble by the
+  stages per rank; zero-bubble ones also fill it with deferred weight gradients.
 """
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ import torch.fx as fx
 from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
-__all__ = ["StageCut", "CutModel", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "PIPELINE_SCHEDULES"]
+__all__ = ["StageCut", "CutModel", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
+           "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_W_SHARE"]
 
 # the schedules a pipeline plan can run today (``Constraints(schedule=)``); the first is the default
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank
 
 
 @dataclass(frozen=True)
@@ -165,20 +167,54 @@ def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
     return StageCut(stage_of, tuple(cm.stage_times(bounds)), tuple(float(cm.crossing[b]) for b in bounds[1:-1]))
 
 
-def schedule_step_time(stage_times: list[float], microbatches: int, schedule: str) -> tuple[float, float]:
-    """(step time, bubble fraction) of ``schedule`` over stages of per-step times ``stage_times``
-    (each the sum over the step's microbatches). GPipe and 1F1B share the critical path."""
+def stage_rank(stage: int, ranks: int, schedule: str) -> int:
+    """The pipeline rank (``pp`` coordinate) running ``stage``: stage ``s`` on rank ``s % pp``
+    (looped), or for ``zbv`` the V shape (rank ``r`` runs stages ``r`` and ``2 pp - 1 - r``)."""
+    if schedule == "zbv":
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+# the weight-gradient share of a stage's forward + backward that zero-bubble schedules defer into
+# the bubble: W = B / 2 with B = 2 F (a matmul's two backward products), so W = 1/3 of F + B
+ZERO_BUBBLE_W_SHARE = 1.0 / 3.0
+
+
+def schedule_step_time(stage_times: list[float], microbatches: int, schedule: str, ranks: int) -> tuple[float, float]:
+    """(step time, bubble fraction) of ``schedule`` running stages of per-step times ``stage_times``
+    (each the sum over the step's microbatches) on ``ranks`` pipeline ranks.
+
+    GPipe, 1F1B: ``sum(t_s) + (m - 1) max(t_s)`` (per-microbatch ``t_s``). Interleaved (``v``
+    stages per rank): ``m max_r T_r + (p - 1) max_s t_s`` with ``T_r`` a rank's stages per
+    microbatch (the bubble shrinks ``v``-fold). Zero bubble: the same with the bubble's stage
+    time less the deferred weight gradients, ``(1 - 2 W) max_s t_s`` (Qi et al. 2024, ZB-1P).
+    The bubble fraction is the share of the ranks' time idle."""
     if schedule not in PIPELINE_SCHEDULES:
-        raise ConstraintError(f"schedule={schedule!r} has no time model yet; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
-    m, p = microbatches, len(stage_times)
+        raise ConstraintError(f"schedule={schedule!r} has no time model; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
+    m, p = microbatches, ranks
     per_micro = [t / m for t in stage_times]
-    step = sum(per_micro) + (m - 1) * max(per_micro)
-    busy = sum(stage_times) / p  # what an average stage computes
+    if schedule in ("gpipe", "1f1b"):
+        step = sum(per_micro) + (m - 1) * max(per_micro)
+    else:
+        per_rank = [0.0] * p
+        for s, t in enumerate(per_micro):
+            per_rank[stage_rank(s, p, schedule)] += t
+        tail = max(per_micro) * (1.0 if schedule == "interleaved-1f1b" else 1.0 - 2 * ZERO_BUBBLE_W_SHARE)
+        step = m * max(per_rank) + (p - 1) * tail
+    busy = sum(stage_times) / p  # what an average rank computes
     return step, (1.0 - busy / step) if step > 0 else 0.0
 
 
-def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    """Microbatches whose activations stage ``stage`` holds at its peak."""
+def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, virtual: int = 1) -> float:
+    """Microbatches whose activations rank ``rank`` holds at its peak, in units of one microbatch
+    through all of the rank's stages: GPipe ``m``; 1F1B ``min(m, p - r)``; interleaved and
+    interleaved zero bubble, torch's warm-up depth ``2 (p - 1 - r) + (v - 1) p + 1`` stage
+    chunks, each ``1/v`` of the rank's stages; ZBV ``p`` (Qi et al.: ZB-V holds 2p chunks)."""
+    m, p, v, r = microbatches, ranks, virtual, rank
     if schedule == "gpipe":
-        return microbatches
-    return min(microbatches, stages - stage)
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - r))
+    if schedule == "zbv":
+        return float(min(m, p))
+    return min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) / v

@@ -159,7 +159,7 @@ class _Builder:
     def mesh(self, plan: Plan):
         from torch.distributed.device_mesh import init_device_mesh
 
-        axes = ((("pp", len(plan.stages)),) if len(plan.stages) > 1 else ()) + tuple(plan.mesh_axes)
+        axes = ((("pp", plan.pipeline_degree),) if len(plan.stages) > 1 else ()) + tuple(plan.mesh_axes)
         return init_device_mesh(self.device.type, tuple(s for _, s in axes), mesh_dim_names=tuple(a for a, _ in axes))
 
     def _trace(self, inputs: tuple, target, with_loss: bool):

@@ -215,7 +215,7 @@ class ParallelModel(torch.nn.Module):
         self._pipeline = None
         if pipelined:
             self._pipeline = PipelineRunner(
-                plan=plan, traced=traced, program=program, stage=self._stage, pp_group=self._pp_group, store=self.store,
+                plan=plan, traced=traced, program=program, pp_rank=self._stage, pp_group=self._pp_group, store=self.store,
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
                 loss_scale=self._loss_grad_scale() * (1.0 / plan.microbatches if loss_reduction == "mean" else 1.0))
         self._note_zero_versions()

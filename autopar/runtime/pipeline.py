@@ -30,28 +30,44 @@ from autopar.layouts import Layout
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.runtime.collectives import shard_tensor
 
-__all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names"]
+__all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages"]
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                    "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
-def stage_state_names(plan, traced, stage: int) -> set[str]:
-    """The parameter and buffer placeholders stage ``stage`` owns (the plan's stage nodes)."""
+def local_stages(plan, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs (``Stage.first_rank`` says where each runs)."""
+    size = 1
+    for _, n in plan.mesh_axes:
+        size *= n
+    return [s.index for s in plan.stages if s.first_rank // size == pp_rank]
+
+
+def stage_state_names(plan, traced, pp_rank: int) -> set[str]:
+    """The parameter and buffer placeholders pipeline rank ``pp_rank``'s stages own."""
     state = set(traced.param_fqns) | set(traced.buffer_fqns)
-    return {n.name for n in plan.stages[stage].nodes if n.name in state}
+    mine = set(local_stages(plan, pp_rank))
+    return {n.name for s in plan.stages if s.index in mine for n in s.nodes if n.name in state}
 
 
 class _StageModule(torch.nn.Module):
     """What ``PipelineStage`` runs: the stage program fed this rank's state and what it receives.
     Stage 0 receives the batch's tensors; its constant (non-tensor) inputs are bound here."""
 
-    def __init__(self, prog: StageProgram, state: Callable[[], list], run, constants: dict[int, object], last: bool):
+    def __init__(self, prog: StageProgram, state: Callable[[], list], run, constants: dict[int, object], last: bool,
+                 params: list[torch.nn.Parameter], copy_outputs: bool = False):
         super().__init__()
+        self._copy_outputs = copy_outputs
         self.prog = prog.gm
         self._state = state
         self._run = run
         self._constants = constants
         self._last = last
+        # the stage's parameters (the store's, not copies): zero-bubble schedules take the weight
+        # gradients of ``parameters()`` apart from the input gradients
+        for i, p in enumerate(params):
+            self.register_parameter(f"param{i}", p)
 
     def forward(self, *received):
         args = list(received)
@@ -60,20 +76,26 @@ class _StageModule(torch.nn.Module):
         out = self._run()(self._state() + args, self.prog)
         if self._last:  # as (1,): the schedule concatenates the microbatches' outputs
             return (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
-        # sent as is: a view (a transpose, a slice) must first be laid out densely
-        return tuple(t.contiguous() for t in out) if isinstance(out, (tuple, list)) else out.contiguous()
+        # sent as is: a view (a transpose, a slice) must first be laid out densely. Zero-bubble
+        # schedules detach the outputs in place after the input gradients, while the weight
+        # gradients may still need them (a value the stage also saved): those get a copy
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = tuple(t.clone(memory_format=torch.contiguous_format) if self._copy_outputs else t.contiguous()
+                     for t in outs)
+        return outs if isinstance(out, (tuple, list)) else outs[0]
 
 
 class PipelineRunner:
     """Build once per compiled pipeline plan; ``step`` runs one optimizer step's forward and backward."""
 
-    def __init__(self, *, plan, traced, program, stage: int, pp_group, store, comm, device, run,
+    def __init__(self, *, plan, traced, program, pp_rank: int, pp_group, store, comm, device, run,
                  input_layouts: dict[str, Layout], loss_scale: float):
         from torch.distributed import pipelining
 
         self.plan = plan
-        self.stage = stage
-        self.stages = len(plan.stages)
+        self.ranks = plan.pipeline_degree
+        self.n_stages = len(plan.stages)
+        self.mine = local_stages(plan, pp_rank)
         self.microbatches = plan.microbatches
         self.comm = comm
         self.device = device
@@ -83,36 +105,32 @@ class PipelineRunner:
         self.loss_scale = loss_scale
         state_names = set(traced.param_fqns) | set(traced.buffer_fqns)
         planned = {n.name: s.index for s in plan.stages for n in s.nodes}
-        self.programs = split_stages(program, planned, state_names, self.stages)
-        mine = self.programs[stage]
+        self.programs = split_stages(program, planned, state_names, self.n_stages)
         self.batch_names = list(self.programs[0].input_names)
         self._values: list[torch.Tensor] = []
-        slots, buffers = store.slots, store.buffers
-        names = list(mine.state_names)
-        missing = [n for n in names if n not in slots and n not in buffers]
-        if missing:
-            raise AutoparError(f"internal: stage {stage} runs '{missing[0]}', which this rank's store does not hold")
-
-        def state() -> list:
-            return [slots[n].local if n in slots else buffers[n] for n in names]
-
         self.constants: dict[int, object] = {}  # stage 0: the batch's non-tensor inputs, by position
-        module = _StageModule(mine, state, run, self.constants, stage == self.stages - 1)
-        # the boundary shapes are known from the plan: given here, so the stage never runs the
+        # the boundary shapes are known from the plan: given here, so a stage never runs the
         # program on placeholder values to infer them (torch's dynamic inference would: a real
         # forward and backward on uninitialised buffers, collectives and buffer updates included)
         metas = _boundary_metas(self.programs, program, plan, comm, input_layouts)
-        ins = metas[stage - 1] if stage > 0 else None
-        if stage == 0:
-            ins = [_meta_of(program, n, plan, comm, input_layouts) for n in mine.input_names]
-            ins = [t for t in ins if t is not None]
-        outs = metas[stage] if stage < self.stages - 1 else [torch.empty((1,), device="meta", requires_grad=True)]
-        self.pipe_stage = pipelining.PipelineStage(module, stage, self.stages, device, input_args=tuple(ins),
-                                                   output_args=tuple(outs), group=pp_group)
+        self.pipe_stages = []
+        for index in self.mine:
+            prog = self.programs[index]
+            last = index == self.n_stages - 1
+            module = _StageModule(prog, _state_of(store, prog.state_names), run, self.constants, last,
+                                  [store.slots[n].local for n in prog.state_names if n in store.slots],
+                                  copy_outputs=plan.schedule in ("zero-bubble", "zbv"))
+            if index == 0:
+                ins = [t for t in (_meta_of(program, n, plan, comm, input_layouts) for n in prog.input_names) if t is not None]
+            else:
+                ins = metas[index - 1]
+            outs = [torch.empty((1,), device="meta", requires_grad=True)] if last else metas[index]
+            self.pipe_stages.append(pipelining.PipelineStage(module, index, self.n_stages, device, input_args=tuple(ins),
+                                                             output_args=tuple(outs), group=pp_group))
         cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
-        loss_kwargs = {}
+        options = {}
         if "scale_grads" in inspect.signature(cls.__init__).parameters:
-            loss_kwargs["scale_grads"] = False  # the loss is scaled here (``loss_scale``), as without pipelining
+            options["scale_grads"] = False  # the loss is scaled here (``loss_scale``), as without pipelining
         me = weakref.ref(self)
 
         def loss_fn(out, _target):
@@ -120,8 +138,13 @@ class PipelineRunner:
             runner._values.append(out.detach())
             return (out * runner.loss_scale).sum()
 
-        self.schedule = cls(self.pipe_stage, self.microbatches, loss_fn=loss_fn, **loss_kwargs)
-        self._last_rank = dist.get_global_rank(pp_group, self.stages - 1)
+        single = len(self.pipe_stages) == 1 and plan.schedule in ("gpipe", "1f1b")
+        self.schedule = cls(self.pipe_stages[0] if single else self.pipe_stages, self.microbatches, loss_fn=loss_fn,
+                            **options)
+        last_rank = next(s.first_rank for s in plan.stages if s.index == self.n_stages - 1) // max(1, comm_size(comm))
+        self._last_rank = dist.get_global_rank(pp_group, last_rank)
+        self.first = 0 in self.mine
+        self.last = self.n_stages - 1 in self.mine
 
     def _stage0_inputs(self, feed: dict) -> list[torch.Tensor]:
         """The batch as stage 0 hands it to the schedule (see the module docstring)."""
@@ -144,14 +167,14 @@ class PipelineRunner:
 
     def step(self, feed: dict) -> list[torch.Tensor]:
         """Forward and backward of every microbatch. ``feed``: batch placeholder name -> value
-        (used on stage 0). Returns the last stage's per-microbatch local losses (empty elsewhere)."""
+        (used where stage 0 runs). Returns the last stage's per-microbatch local losses (empty on
+        the ranks that do not run it)."""
         self._values = []
-        last = self.stage == self.stages - 1
         kwargs = {}
-        if last:
+        if self.last:
             kwargs["target"] = torch.zeros(self.microbatches, device=self.device)  # the program holds the real one
             kwargs["losses"] = []
-        if self.stage == 0:
+        if self.first:
             self.schedule.step(*self._stage0_inputs(feed), **kwargs)
         else:
             self.schedule.step(**kwargs)
@@ -193,3 +216,22 @@ def _meta_of(program, name: str, plan, comm, input_layouts: dict) -> torch.Tenso
 def _boundary_metas(programs, program, plan, comm, input_layouts) -> list[list[torch.Tensor]]:
     """Per boundary: meta tensors of what crosses it, in the order the stages send them."""
     return [[_meta_of(program, n, plan, comm, input_layouts) for n in p.output_names] for p in programs[:-1]]
+
+
+def _state_of(store, names: tuple[str, ...]) -> Callable[[], list]:
+    """What a stage program takes first: its parameters' and buffers' local tensors, in order."""
+    slots, buffers = store.slots, store.buffers
+    missing = [n for n in names if n not in slots and n not in buffers]
+    if missing:
+        raise AutoparError(f"internal: a stage runs '{missing[0]}', which this rank's store does not hold")
+
+    def state() -> list:
+        return [slots[n].local if n in slots else buffers[n] for n in names]
+    return state
+
+
+def comm_size(comm) -> int:
+    n = 1
+    for s in comm.sizes:
+        n *= s
+    return n
