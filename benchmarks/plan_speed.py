@@ -66,6 +66,7 @@ magnitude indication, not a like-for-like race):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -96,7 +97,13 @@ CONFIGS["llama3-8b-s2048"] = dict(
     ref="pt-autoparallel", label="Llama-3-8B shape, seq 2048",
 )
 
-QUICK = ["gpt96-n128", "llama3-8b-s8192"]
+CONFIGS["gpt96-n128-pp1"] = dict(CONFIGS["gpt96-n128"], pp=1, label="GPT-3 175B, single-stage plans only (pp=1)")
+CONFIGS["gpt1t-n384"] = dict(
+    preset="dgx-a100", nodes=384, layers=128, hidden=25600, heads=160, seq=2048, vocab=51200, batch=3072, ref=None,
+    label="GPT 1T (Narayanan et al. Table 1 shape), 3072 GPUs",
+)
+
+QUICK = ["gpt96-n128", "gpt96-n128-pp1", "gpt1t-n384", "llama3-8b-s8192"]
 
 REFERENCES = {
     "alpa": dict(seconds=40 * 60, what="Alpa, GPT-39B on 64 GPUs (OSDI'22)"),
@@ -104,7 +111,13 @@ REFERENCES = {
 }
 
 # Goals from the project brief: (config, seconds for the autopar.plan call).
-GOALS = [("gpt96-n128", 10.0, "GPT-3 175B on 128 dgx-a100 nodes"), ("llama3-8b-s8192", 3.0, "Llama-3-8B shape on one dgx-h100 node")]
+# Issue 10: with the stage search (a plan without pp weighs pipeline plans on multi-node clusters),
+# GPT-3 175B on 1024 devices within 30 s and the 1T shape on 3072 within 60 s; the brief's 10 s
+# holds for single-stage plans (pp=1).
+GOALS = [("gpt96-n128", 30.0, "GPT-3 175B on 128 dgx-a100 nodes, with the stage search"),
+         ("gpt96-n128-pp1", 10.0, "GPT-3 175B on 128 dgx-a100 nodes, single-stage (pp=1)"),
+         ("gpt1t-n384", 60.0, "GPT 1T on 384 dgx-a100 nodes, with the stage search"),
+         ("llama3-8b-s8192", 3.0, "Llama-3-8B shape on one dgx-h100 node")]
 
 
 _ACC: dict = {}
@@ -162,6 +175,8 @@ def _worker(name: str, cfg: dict, microbatches: str | None) -> dict:
         mb = int(microbatches)
     if mb and mb > 1:
         constraints = autopar.Constraints(microbatches=mb)
+    if cfg.get("pp"):
+        constraints = dataclasses.replace(constraints, pp=cfg["pp"])
     out = dict(name=name, world=world, import_s=import_s, model_s=model_s, microbatches=mb or 1)
     t = time.perf_counter()
     try:
@@ -179,7 +194,8 @@ def _worker(name: str, cfg: dict, microbatches: str | None) -> dict:
     if plan is not None:
         out.update(
             ok=True,
-            outcome=f"dp={plan.mesh['dp']} tp={plan.mesh['tp']} rc={'y' if plan.recompute else 'n'}",
+            outcome=(f"pp={plan.pipeline_degree} " if len(plan.stages) > 1 else "")
+            + f"dp={plan.mesh['dp']} tp={plan.mesh['tp']} rc={'y' if plan.recompute else 'n'}",
             step_time_s=plan.predicted.step_time_s, mfu=plan.predicted.mfu,
             peak_gib=plan.predicted.peak_memory_bytes / 2**30,
             plan_timings=dict(plan.timings), ilp_vars=plan.solver.num_vars,

@@ -102,6 +102,8 @@ def family(entry: dict) -> str:
         return "narayanan-t1"
     if i.startswith("narayanan21-t2-zero3"):
         return "narayanan-t2-zero3"
+    if i.startswith("narayanan21-t2-ptdp"):
+        return "narayanan-t2-ptdp"
     if i.startswith("korthikanti22"):
         return "korthikanti"
     if i.startswith("mpt-"):
@@ -118,8 +120,6 @@ def _gpu(entry):
 def representable(entry: dict) -> str | None:
     """None if the row can be planned, else why not."""
     m, c = entry["model"], entry["config"]
-    if entry["uses_pipeline"] or (c.get("pp") or 1) != 1:
-        return "pipeline run (pp > 1): the planner plans single-stage runs only"
     if family(entry) == "other":
         if c.get("tp") is None or c.get("global_batch") is None:
             return "tensor-parallel degree and global batch not published: config cannot be forced"
@@ -135,7 +135,7 @@ def forced(entry: dict) -> tuple[dict, list[str]]:
     """The published configuration as Constraints arguments, and the mapping notes."""
     c, notes = entry["config"], []
     tp = c.get("tp") or 1
-    dp = c.get("dp") or entry["gpus"] // tp
+    dp = c.get("dp") or entry["gpus"] // (tp * (c.get("pp") or 1))
     zero = c.get("zero")
     if zero is None:
         zero = 0
@@ -153,12 +153,20 @@ def forced(entry: dict) -> tuple[dict, list[str]]:
         notes.append("recompute null -> True (Eq. 3 counts recompute)")
     if c.get("sequence_parallel"):
         notes.append("sequence parallel left to the ILP")
+    pp = c.get("pp") or 1
     mb = c.get("micro_batch")
+    if pp > 1 and not mb:
+        mb = 1
+        notes.append("micro_batch null -> 1 (Megatron's pipelined runs; Table 2 publishes 1)")
     micro = 1
     if mb:
         per_replica = c["global_batch"] / dp
         micro = max(1, round(per_replica / mb))
-    return dict(dp=dp, tp=tp, zero=zero, recompute=recompute, microbatches=micro), notes
+    out = dict(dp=dp, tp=tp, zero=zero, recompute=recompute, microbatches=micro)
+    if pp > 1:
+        out.update(pp=pp, schedule="1f1b")
+        notes.append("schedule 1f1b (whether a row used the interleaved schedule is not published)")
+    return out, notes
 
 
 # set by --calibrate-on: a measured (calibrated) matmul efficiency replacing the preset's
@@ -250,7 +258,7 @@ def plan_entry(entry: dict) -> dict:
         return out
     step = plan.predicted.step_time_s
     kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
-    for node in plan.stages[0].nodes:
+    for node in plan.nodes.values():
         k = "matmul" if any(t in node.op for t in ("linear", ".mm", "bmm", "addmm", "matmul", "einsum")) else (
             "attention" if "scaled_dot_product_attention" in node.op else "other")
         kinds[k] += node.compute_s

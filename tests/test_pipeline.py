@@ -216,3 +216,32 @@ def test_pipeline_parity_four_ranks():
     _check(results[0])
     assert {r["optimizer"] for r in results[0]} == {"adamw", "sgd"}
     assert [r["losses"] for r in results[0]] == [r["losses"] for r in results[3]]
+
+
+def _two_nodes(inter_node_bandwidth: float) -> autopar.Cluster:
+    local = autopar.Cluster.local(4)
+    link = dataclasses.replace(local.inter_node, bandwidth=inter_node_bandwidth)
+    return dataclasses.replace(local, nodes=2, devices_per_node=2, inter_node=link)
+
+
+def test_free_plan_weighs_pipelines_on_several_nodes():
+    """Across a slow inter-node link, sending activations between stages beats summing gradients
+    over it: the free plan pipelines, one stage per node, and lists what it weighed; on one node
+    (or with pp=1) no pipeline is weighed."""
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    cfg = GPTConfig(n_layer=4, n_embd=256, block_size=8, n_head=4)  # large weights, small activations
+    model = GPT(cfg)
+    x, y = example_batch(cfg, 4, seed=0)
+    slow = autopar.plan(model, _two_nodes(1e8), x, loss_fn=gpt_loss, example_target=y)
+    labels = [lab for lab, _ in slow.solver.candidates]
+    assert any(lab.startswith("pp=2 ") for lab in labels) and any(lab.startswith("dp=") for lab in labels)
+    assert slow.pipeline_degree == 2
+    assert [s.first_rank for s in slow.stages][0] == 0 and max(s.first_rank for s in slow.stages) == 2
+    assert any(n.startswith("pipelined: ") for n in slow.notes)
+    single = autopar.plan(model, _two_nodes(1e8), x, loss_fn=gpt_loss, example_target=y,
+                          constraints=autopar.Constraints(pp=1))
+    assert len(single.stages) == 1 and not any(lab.startswith("pp=") for lab, _ in single.solver.candidates)
+    assert slow.predicted.step_time_s < single.predicted.step_time_s
+    one_node = autopar.plan(model, autopar.Cluster.local(4), x, loss_fn=gpt_loss, example_target=y)
+    assert len(one_node.stages) == 1 and not any(lab.startswith("pp=") for lab, _ in one_node.solver.candidates)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
@@ -30,9 +32,16 @@ from autopar.plan import Plan, Stage, fingerprint_of
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, cut_model, cut_stages, in_flight,
                                     schedule_step_time, stage_rank)
 
-__all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages"]
+__all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
+           "best_of", "MAX_FREE_PIPELINES"]
 
 GiB = 2**30
+# the per-operator plans of stage submeshes, per planning inputs: a schedule compared with another
+# on the same submesh and microbatches reuses it (least recently planned dropped first)
+_INNER: OrderedDict = OrderedDict()
+# at most this many stage counts are searched for a plan without ``pp`` (each costs one
+# per-operator search of a submesh)
+MAX_FREE_PIPELINES = 5
 
 
 def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float]:
@@ -73,12 +82,66 @@ def default_microbatches(batch: int | None, pp: int) -> int:
     return max(d for d in range(1, 2 * pp + 1) if batch % d == 0)
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """A per-operator plan of one stage's submesh, cut into stages and priced under a schedule."""
+    inner: Plan
+    stage_of: dict
+    stage_time_s: tuple
+    compute: list
+    owned: list  # per stage: its ParamPlacements
+    rank_of: list  # per stage: its pipeline rank
+    peaks: list  # per pipeline rank: predicted peak bytes per device
+    step_s: float
+    bubble: float
+
+
+def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedule: str, link_bw: float) -> _Priced:
+    """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak."""
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.constraint_filter import pin_key
+
+    n_stages = pp * v
+    placements = inner.nodes
+    blocks = find_repeated_blocks(traced.graph, pin_key(c))
+    chosen = set(inner.recompute_blocks)
+    recomputed = {k: b for k, b in blocks.instance_of.items() if b in chosen}
+    mesh_sizes = tuple(s for _, s in inner.mesh_axes)
+    cm = cut_model(traced.graph, placements, mesh_sizes, link_bw, recomputed, blocks.instance_of)
+    cut = cut_stages(traced.graph, cm, n_stages)
+    compute = [0.0] * n_stages
+    for n in placements.values():
+        compute[cut.stage_of.get(n.name, n_stages - 1)] += n.compute_s
+    total_compute = sum(compute) or 1.0
+    pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
+    sends = [2.0 * b / link_bw for b in cut.boundary_bytes]
+    p2p = (sum(sends) + (m - 1) * max(sends, default=0.0)) / m
+    # the submesh's step (compute and its collectives), stretched as the schedule stretches compute
+    step = inner.predicted.step_time_s * pipe_compute / total_compute + p2p
+    mem = dict(inner.predicted.memory_bytes)
+    state = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer_state"))
+    working = max(inner.predicted.peak_memory_bytes - state, 0.0)
+    total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
+    owned = [[p for p in inner.params.values() if cut.stage_of.get(p.node) == s] for s in range(n_stages)]
+    rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
+    peaks = []  # per pipeline rank: its stages' state and the activations of its microbatches in flight
+    for r in range(pp):
+        mine = [s for s in range(n_stages) if rank_of[s] == r]
+        pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
+        ashare = sum(compute[s] for s in mine) / total_compute
+        peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v))
+    return _Priced(inner, cut.stage_of, cut.stage_time_s, compute, owned, rank_of, peaks, step, bubble)
+
+
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
                          progress=None, inner_search) -> Plan:
     """The pipeline plan for ``constraints.pp`` stages (see the module docstring).
-    ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back)."""
-    from autopar.planner.blocks import find_repeated_blocks
-    from autopar.planner.constraint_filter import pin_key
+    ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back).
+
+    Memory: the per-operator plan is first made with the memory of ``pp`` devices; when a
+    pipeline rank's peak (its stages' state, activations of its microbatches in flight) then
+    exceeds the device, it is made again with recompute (unless the constraints fix it), then
+    with that budget shrunk by the overshoot, up to ``_MEMORY_ROUNDS`` times."""
     from autopar.planner.search import USABLE_MEMORY_FRACTION, naive_dp_baseline
 
     c = constraints
@@ -87,7 +150,6 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     if schedule not in PIPELINE_SCHEDULES:
         raise ConstraintError(f"schedule={schedule!r} does not run yet; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
     v = virtual_stages(schedule, c.virtual_stages)
-    n_stages = pp * v
     sub, link_bw = stage_cluster(cluster, pp)
     m = c.microbatches or default_microbatches(traced.global_batch, pp)
     if traced.global_batch and traced.global_batch % m:
@@ -95,8 +157,6 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     if schedule in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // pp):
         raise ConstraintError(f"{schedule} runs microbatches in rounds of pp={pp}: microbatches={m} must be a multiple of "
                               f"{max(1, m // pp)}; use microbatches={2 * pp}")
-    # the per-operator plan of one stage's submesh, with the memory p devices hold together
-    roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=sub.device.memory_bytes * pp))
     zero = c.zero
     if schedule in ("zero-bubble", "zbv"):
         # their weight pass takes gradients through the parameters' graph apart from the input pass;
@@ -107,70 +167,85 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
                                   "(zero=0); use 1f1b or interleaved-1f1b for sharded parameters and optimizer state")
         zero = 0
     inner_c = dataclasses.replace(c, pp=None, schedule=None, microbatches=m, virtual_stages=None, zero=zero)
-    inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
-                         progress=progress, _with_baseline=False, _with_free=False)
-    placements = inner.nodes
-    recomputed = {}
-    if inner.recompute_blocks:
-        blocks = find_repeated_blocks(traced.graph, pin_key(c))
-        chosen = set(inner.recompute_blocks)
-        recomputed = {k: v for k, v in blocks.instance_of.items() if v in chosen}
-    mesh_sizes = tuple(s for _, s in inner.mesh_axes)
-    cut = cut_stages(traced.graph, cut_model(traced.graph, placements, mesh_sizes, link_bw, recomputed), n_stages)
-    compute = [sum(n.compute_s for n in placements.values() if cut.stage_of.get(n.name) == s) for s in range(n_stages)]
-    total_compute = sum(compute) or 1.0
-    pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
-    sends = [2.0 * b / link_bw for b in cut.boundary_bytes]
-    p2p = (sum(sends) + (m - 1) * max(sends, default=0.0)) / m
-    # the submesh's step (compute and its collectives), stretched as the schedule stretches compute
-    step = inner.predicted.step_time_s * pipe_compute / total_compute + p2p
-
-    mem = dict(inner.predicted.memory_bytes)
-    state = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer_state"))
-    working = max(inner.predicted.peak_memory_bytes - state, 0.0)
-    param_bytes = {p.fqn: p.bytes_per_device for p in inner.params.values()}
-    total_param = sum(param_bytes.values()) or 1.0
-    owned = [[p for p in inner.params.values() if cut.stage_of.get(p.node) == s] for s in range(n_stages)]
-    rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
-    peaks = []  # per pipeline rank: its stages' state and activations in flight
-    for r in range(pp):
-        mine = [s for s in range(n_stages) if rank_of[s] == r]
-        pshare = sum(param_bytes[p.fqn] for s in mine for p in owned[s]) / total_param
-        ashare = sum(compute[s] for s in mine) / total_compute
-        peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v))
-    stages = []
-    for s in range(n_stages):
-        nodes = tuple(n for n in inner.stages[0].nodes if cut.stage_of.get(n.name, n_stages - 1) == s)
-        stages.append(Stage(s, inner.stages[0].mesh, rank_of[s] * math.prod(mesh_sizes), nodes, tuple(owned[s]),
-                            predicted_time_s=_r(cut.stage_time_s[s] / m), peak_memory_bytes=_r(peaks[rank_of[s]])))
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
-    worst = max(range(pp), key=lambda r: peaks[r])
-    if peaks[worst] > budget:
+    scale = float(pp)  # the submesh plan's memory: pp devices' worth, shrunk below while a rank overflows
+    priced = None
+    for _ in range(_MEMORY_ROUNDS):
+        roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
+        try:
+            inner = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
+        except NoFeasiblePlanError:
+            break  # a smaller budget than any per-operator plan needs: the last overflow is the answer
+        priced = _price(traced, inner, c, pp, v, m, schedule, link_bw)
+        worst = max(priced.peaks)
+        if worst <= budget:
+            break
+        if not inner.recompute and c.recompute is None and inner_c.recompute is None:
+            inner_c = dataclasses.replace(inner_c, recompute=True)  # Megatron's PTD-P recomputes, for this reason
+            continue
+        scale *= budget / worst * 0.97
+    if priced is None:
+        raise NoFeasiblePlanError(f"pp={pp}: no per-operator plan of a stage's {sub.world_size} devices fits")
+    worst = max(range(pp), key=lambda r: priced.peaks[r])
+    if priced.peaks[worst] > budget:
         raise NoFeasiblePlanError(
-            f"pp={pp}: pipeline rank {worst} needs {peaks[worst] / GiB:.2f} GiB per device "
+            f"pp={pp}: pipeline rank {worst} needs {priced.peaks[worst] / GiB:.2f} GiB per device "
             f"({in_flight(schedule, worst, pp, m, v):.2g} microbatches in flight under {schedule}) but a device has "
             f"{budget / GiB:.2f} GiB usable; use more stages (pp), 1f1b rather than gpipe, recompute, or a larger cluster")
-    shown = dict(mem)
-    worst_params = sum(param_bytes[p.fqn] for s in range(n_stages) if rank_of[s] == worst for p in owned[s])
+    return _assemble(traced, cluster, c, priced, pp, v, m, schedule, precision, optimizer, solver,
+                     naive_dp_baseline(traced, cluster, precision, optimizer, solver))
+
+
+_MEMORY_ROUNDS = 4
+
+
+def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search) -> Plan:
+    key = (id(traced), traced.gm.code, roomy.to_json(), repr(inner_c), repr(precision), repr(optimizer), repr(solver))
+    inner = _INNER.get(key)
+    if inner is None:
+        inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
+                             progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False)
+        _INNER[key] = inner
+        while len(_INNER) > 16:
+            _INNER.popitem(last=False)
+    _INNER.move_to_end(key)
+    return inner
+
+
+def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int, v: int, m: int, schedule: str,
+              precision, optimizer, solver, baseline) -> Plan:
+    """The pipeline Plan: the submesh plan's placements split into stages, with the schedule's predictions."""
+    inner = priced.inner
+    n_stages = pp * v
+    mesh_sizes = tuple(s for _, s in inner.mesh_axes)
+    stages = []
+    for s in range(n_stages):
+        nodes = tuple(n for n in inner.stages[0].nodes if priced.stage_of.get(n.name, n_stages - 1) == s)
+        stages.append(Stage(s, inner.stages[0].mesh, priced.rank_of[s] * math.prod(mesh_sizes), nodes,
+                            tuple(priced.owned[s]), predicted_time_s=_r(priced.stage_time_s[s] / m),
+                            peak_memory_bytes=_r(priced.peaks[priced.rank_of[s]])))
+    worst = max(range(pp), key=lambda r: priced.peaks[r])
+    total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
+    worst_params = sum(p.bytes_per_device for s in range(n_stages) if priced.rank_of[s] == worst for p in priced.owned[s])
+    shown = dict(inner.predicted.memory_bytes)
     for k in ("params", "grads", "optimizer_state"):
         if k in shown:
             shown[k] = shown[k] * worst_params / total_param
-    world = cluster.world_size
-    mfu = inner.predicted.model_flops / (step * world * cluster.device.peak_flops.for_dtype(_compute_dtype(precision))) \
-        if step > 0 else 0.0
+    step = priced.step_s
+    peak_flops = cluster.device.peak_flops.for_dtype(_compute_dtype(precision))
+    mfu = inner.predicted.model_flops / (step * cluster.world_size * peak_flops) if step > 0 else 0.0
     predicted = dataclasses.replace(
-        inner.predicted, step_time_s=_r(step), peak_memory_bytes=_r(peaks[worst]),
+        inner.predicted, step_time_s=_r(step), peak_memory_bytes=_r(priced.peaks[worst]),
         memory_bytes=tuple((k, _r(val)) for k, val in shown.items()), mfu=_r(mfu))
     cjson = json.dumps(c.to_dict(), sort_keys=True)
     notes = inner.notes + (
         "pipeline plans price every stage with the same per-operator decisions (one submesh plan for the whole "
-        "graph); the stage count, microbatches and schedule come from the constraints, not from a search",
+        "graph, then cut)",
     )
     return dataclasses.replace(
-        inner, stages=tuple(stages), schedule=schedule, microbatches=m, predicted=predicted, bubble_fraction=_r(bubble),
-        virtual_stages=v,
-        cluster_json=cluster.to_json(), constraints=cjson, notes=notes, free_step_time_s=None,
-        baseline=naive_dp_baseline(traced, cluster, precision, optimizer, solver),
+        inner, stages=tuple(stages), schedule=schedule, microbatches=m, predicted=predicted,
+        bubble_fraction=_r(priced.bubble), virtual_stages=v, cluster_json=cluster.to_json(), constraints=cjson,
+        notes=notes, free_step_time_s=None, baseline=baseline,
         inputs_fingerprint=fingerprint_of(inner.inputs_fingerprint, cluster.to_json(), cjson, "pipeline"))
 
 
@@ -182,3 +257,74 @@ def _compute_dtype(precision) -> str:
 
 def _r(x: float) -> float:
     return float(f"{float(x):.9g}")
+
+
+def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[Constraints]:
+    """The pipeline configurations a plan without ``pp`` also weighs, on a multi-node cluster
+    of a model with repeated blocks: ``pp`` dividing both the node count (whole nodes per stage)
+    and the number of repeated blocks (balanced stages), tensor parallel inside a node
+    (``devices_per_node``, as Megatron's PTD-P: the rest of each stage's devices data
+    parallel), one sample per microbatch per replica (the smallest bubble for the batch); the
+    ``MAX_FREE_PIPELINES`` of them spread evenly over that range, smallest first. None when the
+    constraints fix a decision these would override (microbatches, a schedule, dp and tp both)."""
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.constraint_filter import pin_key
+
+    batch = traced.global_batch
+    if cluster.nodes < 2 or not batch or c.pp == 1 or c.schedule is not None or c.microbatches is not None \
+            or c.virtual_stages:
+        return []
+    blocks = find_repeated_blocks(traced.graph, pin_key(c))
+    layers = max((len(v) for v in blocks.blocks.values()), default=0)
+    if layers < 2:
+        return []
+    tp = c.tp or cluster.devices_per_node
+    out = []
+    for pp in range(2, cluster.nodes + 1):
+        if cluster.nodes % pp or layers % pp or cluster.world_size % (pp * tp):
+            continue
+        dp = cluster.world_size // (pp * tp)
+        if (c.dp is not None and c.dp != dp) or batch % dp:
+            continue
+        out.append(dataclasses.replace(c, pp=pp, tp=tp, dp=dp, microbatches=batch // dp, schedule="1f1b"))
+    if len(out) > MAX_FREE_PIPELINES:
+        step = (len(out) - 1) / (MAX_FREE_PIPELINES - 1)
+        out = [out[round(i * step)] for i in range(MAX_FREE_PIPELINES)]
+    return out
+
+
+def best_of(single: Plan | None, failure: Exception | None, candidates: list[Constraints], traced, cluster: Cluster, *,
+            precision, optimizer, solver, progress, inner_search) -> Plan:
+    """The fastest of the single-stage plan (None: ``failure`` says why there is none) and the
+    pipeline plans of ``candidates``, each also tried with the interleaved schedule; every
+    alternative's outcome is listed in the plan's solver report."""
+    from autopar.planner.ilp import InfeasibleProblem
+
+    tried: list[tuple[str, str]] = []
+    best = single
+    for cand in candidates:
+        for schedule in ("1f1b", "interleaved-1f1b"):
+            c = dataclasses.replace(cand, schedule=schedule)
+            label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
+            try:
+                plan = search_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
+                                            solver=solver, progress=progress, inner_search=inner_search)
+            except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
+                tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
+                continue
+            tried.append((label, f"{plan.predicted.step_time_s * 1e3:.3f} ms/step, peak "
+                                 f"{plan.predicted.peak_memory_bytes / GiB:.2f} GiB, bubble {plan.bubble_fraction * 100:.1f}%"))
+            if best is None or plan.predicted.step_time_s < best.predicted.step_time_s * (1 - 1e-9):
+                best = plan
+    if best is None:
+        raise failure
+    # every alternative weighed: the single-stage search's, then the pipelines'
+    report = dataclasses.replace(best.solver, candidates=(single.solver.candidates if single is not None else ())
+                                 + tuple(tried))
+    notes = best.notes
+    if best is not single:
+        why = ("no single-stage plan fits" if single is None else
+               f"{single.predicted.step_time_s / best.predicted.step_time_s:.2f}x the speed of the best single-stage plan "
+               f"({single.predicted.step_time_s * 1e3:.1f} ms/step)")
+        notes = notes + (f"pipelined: {why}",)
+    return dataclasses.replace(best, solver=report, notes=notes)

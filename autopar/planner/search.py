@@ -264,13 +264,47 @@ def search_plan(
     _with_free: bool = True,
     _cache: dict | None = None,
     _step_time_only: bool = False,
+    _with_pipelines: bool = True,
 ) -> Plan | float:
-    if (constraints.pp or 1) > 1:
-        from autopar.planner.pipeline_search import search_pipeline_plan
+    """The best plan under ``constraints``: with ``pp`` given, a pipeline plan
+    (``pipeline_search``); otherwise the best single-stage plan and, on a multi-node cluster,
+    the pipeline plans ``pipeline_search.free_pipeline_candidates`` proposes, whichever is
+    predicted fastest (``_with_pipelines=False``: single-stage only)."""
+    from autopar.planner import pipeline_search
 
+    if (constraints.pp or 1) > 1:
         mesh_candidates(cluster, constraints)  # the degrees are checked before any search
-        return search_pipeline_plan(traced, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
-                                    solver=solver, progress=progress, inner_search=search_plan)
+        return pipeline_search.search_pipeline_plan(traced, cluster, constraints=constraints, precision=precision,
+                                                    optimizer=optimizer, solver=solver, progress=progress,
+                                                    inner_search=search_plan)
+    kwargs = dict(constraints=constraints, precision=precision, optimizer=optimizer, solver=solver, progress=progress,
+                  _with_baseline=_with_baseline, _with_free=_with_free, _cache=_cache, _step_time_only=_step_time_only)
+    candidates = (pipeline_search.free_pipeline_candidates(traced, cluster, constraints)
+                  if _with_pipelines and not _step_time_only else [])
+    if not candidates:
+        return _search_single_stage(traced, cluster, **kwargs)
+    try:
+        single, failure = _search_single_stage(traced, cluster, **kwargs), None
+    except NoFeasiblePlanError as exc:
+        single, failure = None, exc
+    return pipeline_search.best_of(single, failure, candidates, traced, cluster, precision=precision,
+                                   optimizer=optimizer, solver=solver, progress=progress, inner_search=search_plan)
+
+
+def _search_single_stage(
+    traced: TracedGraph,
+    cluster: Cluster,
+    *,
+    constraints: Constraints,
+    precision: str | PrecisionPolicy = "fp32",
+    optimizer: str | OptimizerSpec = "adamw",
+    solver: SolverConfig = SolverConfig(),
+    progress=None,
+    _with_baseline: bool = True,
+    _with_free: bool = True,
+    _cache: dict | None = None,
+    _step_time_only: bool = False,
+) -> Plan | float:
     t_start = time.perf_counter()
     policy = precision_policy(precision)
     precision = policy.name
@@ -355,9 +389,9 @@ def search_plan(
     if _with_free and not c.is_free():
         if "free" not in results:
             try:
-                results["free"] = search_plan(traced, cluster, constraints=Constraints(), precision=precision,
-                                              optimizer=optimizer, solver=solver, _with_baseline=False, _with_free=False,
-                                              _cache=cache, _step_time_only=True)
+                results["free"] = _search_single_stage(
+                    traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer, solver=solver,
+                    _with_baseline=False, _with_free=False, _cache=cache, _step_time_only=True)
             except NoFeasiblePlanError:
                 results["free"] = None
         free_time = results["free"]

@@ -77,10 +77,11 @@ class CutModel:
 
 
 def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], link_bandwidth: float,
-              recompute_instances: dict[str, str] | None = None) -> CutModel:
+              recompute_instances: dict[str, str] | None = None, block_instances: dict[str, str] | None = None) -> CutModel:
     """Price every cut point of ``graph`` and say which are allowed (the module docstring's rules).
     ``placements``: node name -> ``NodePlacement`` of the per-operator plan; ``recompute_instances``:
-    node name -> checkpointed block instance (cuts stay outside)."""
+    node name -> checkpointed block instance (cuts stay outside); ``block_instances``: node name ->
+    repeated block instance, to keep the search to block boundaries beyond ``MAX_CUTS`` cuts."""
     ops = _op_nodes(graph)
     n = len(ops)
     pos = {o.name: i for i, o in enumerate(ops)}
@@ -114,7 +115,24 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
         if members:
             blocked[min(members) + 1: max(members) + 1] += 1
     allowed = [c for c in range(1, n) if blocked[c] == 0]
+    if block_instances and len(allowed) > MAX_CUTS:
+        # a long graph of repeated blocks: cut only where a block instance begins, or outside every
+        # instance (the embedding, the head and the loss may still get a stage of their own)
+        starts, inside = set(), np.zeros(n + 1, dtype=bool)
+        for members in _instance_spans(block_instances, pos):
+            starts.add(members[0])
+            inside[members[0] + 1: members[1] + 1] = True
+        allowed = [c for c in allowed if c in starts or not inside[c]]
     return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth, crossing, allowed)
+
+
+def _instance_spans(instances: dict[str, str], pos: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) operator position of each block instance."""
+    spans: dict[str, list[int]] = {}
+    for name, inst in instances.items():
+        if name in pos:
+            spans.setdefault(inst, []).append(pos[name])
+    return sorted((min(v), max(v)) for v in spans.values())
 
 
 def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
@@ -174,6 +192,10 @@ def stage_rank(stage: int, ranks: int, schedule: str) -> int:
         return stage if stage < ranks else 2 * ranks - 1 - stage
     return stage % ranks
 
+
+# beyond this many allowed cuts, a graph of repeated blocks is cut only at block boundaries (the
+# dynamic program is quadratic in the cuts)
+MAX_CUTS = 400
 
 # the weight-gradient share of a stage's forward + backward that zero-bubble schedules defer into
 # the bubble: W = B / 2 with B = 2 F (a matmul's two backward products), so W = 1/3 of F + B
