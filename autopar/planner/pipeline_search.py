@@ -42,6 +42,9 @@ _INNER: OrderedDict = OrderedDict()
 # at most this many stage counts are searched for a plan without ``pp`` (each costs one
 # per-operator search of a submesh)
 MAX_FREE_PIPELINES = 5
+# memory rounds per stage count weighed for a plan without pp (a stage count that needs more is
+# left out; with pp= given, ``_MEMORY_ROUNDS``)
+FREE_MEMORY_ROUNDS = 2
 
 
 def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float]:
@@ -134,14 +137,14 @@ def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedul
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
-                         progress=None, inner_search) -> Plan:
+                         progress=None, inner_search, memory_rounds: int | None = None) -> Plan:
     """The pipeline plan for ``constraints.pp`` stages (see the module docstring).
     ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back).
 
     Memory: the per-operator plan is first made with the memory of ``pp`` devices; when a
     pipeline rank's peak (its stages' state, activations of its microbatches in flight) then
     exceeds the device, it is made again with recompute (unless the constraints fix it), then
-    with that budget shrunk by the overshoot, up to ``_MEMORY_ROUNDS`` times."""
+    with that budget shrunk by the overshoot, up to ``memory_rounds`` (``_MEMORY_ROUNDS``) times."""
     from autopar.planner.search import USABLE_MEMORY_FRACTION, naive_dp_baseline
 
     c = constraints
@@ -170,7 +173,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     scale = float(pp)  # the submesh plan's memory: pp devices' worth, shrunk below while a rank overflows
     priced = None
-    for _ in range(_MEMORY_ROUNDS):
+    for _ in range(memory_rounds or _MEMORY_ROUNDS):
         roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
         try:
             inner = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
@@ -302,13 +305,18 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
 
     tried: list[tuple[str, str]] = []
     best = single
+    if single is None or single.recompute_blocks:
+        # memory binds on one stage's devices already: a stage holding pp microbatches recomputes
+        # too (PTD-P's choice), so its per-operator plan starts there rather than finding out
+        candidates = [dataclasses.replace(c, recompute=True) if c.recompute is None else c for c in candidates]
     for cand in candidates:
         for schedule in ("1f1b", "interleaved-1f1b"):
             c = dataclasses.replace(cand, schedule=schedule)
             label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
             try:
                 plan = search_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
-                                            solver=solver, progress=progress, inner_search=inner_search)
+                                            solver=solver, progress=progress, inner_search=inner_search,
+                                            memory_rounds=FREE_MEMORY_ROUNDS)
             except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
                 tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
                 continue

@@ -7,6 +7,7 @@ spanning nodes is tried only when the user asks for it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -115,11 +116,29 @@ def cost_context(mesh, cluster, policy, optimizer) -> CostContext:
 def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer, solver) -> str:
     """What a search without constraints depends on: the graph with every ``autopar.*`` fact
     the tracer recorded per node, the cluster, precision, optimizer and solver settings."""
+    return fingerprint_of(_graph_key(traced), cluster.to_json(), precision, repr(optimizer), repr(solver))
+
+
+_GRAPH_KEYS: dict[int, tuple] = {}  # id(traced) -> (weak reference to it, its graph's hash)
+
+
+def _graph_key(traced: TracedGraph) -> str:
+    """The hash of the graph and its per-node facts, once per traced graph (planning does not
+    change it; a pipeline search asks for it once per stage count it weighs)."""
+    import weakref
+
+    hit = _GRAPH_KEYS.get(id(traced))
+    if hit is not None and hit[0]() is traced:
+        return hit[1]
     parts = [traced.gm.code, repr((traced.has_loss, tuple(traced.input_names)))]
     for n in traced.graph.nodes:
         meta = sorted((k, repr(v)) for k, v in n.meta.items() if k.startswith("autopar."))
         parts.append(f"{n.name}|{n.op}|{n.target}|{meta}")
-    return fingerprint_of("\n".join(parts), cluster.to_json(), precision, repr(optimizer), repr(solver))
+    key = fingerprint_of("\n".join(parts))
+    for k in [k for k, (ref, _) in _GRAPH_KEYS.items() if ref() is None]:
+        del _GRAPH_KEYS[k]
+    _GRAPH_KEYS[id(traced)] = (weakref.ref(traced), key)
+    return key
 
 
 def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
@@ -383,10 +402,11 @@ def _search_single_stage(
         baseline = results["baseline"]
     else:
         baseline = Baseline("naive data parallel", None, False, "not computed")
-    if c.is_free():
+    free_like = dataclasses.replace(c, pp=None).is_free()  # pp=1 is what a single-stage search does anyway
+    if free_like:
         results["free"] = best.evaluation.step_time_s
     free_time = None
-    if _with_free and not c.is_free():
+    if _with_free and not free_like:
         if "free" not in results:
             try:
                 results["free"] = _search_single_stage(
