@@ -251,6 +251,12 @@ class Plan:
 
         return plan_diff(self, other)
 
+    def draw(self, path: str):
+        """Render a pipeline plan's predicted step as a timeline PNG at ``path`` (``autopar.timeline``)."""
+        from autopar.timeline import draw_timeline
+
+        return draw_timeline(self, path)
+
     def placement(self, node_name: str) -> NodePlacement:
         try:
             return self.nodes[node_name]

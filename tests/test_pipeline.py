@@ -245,3 +245,44 @@ def test_free_plan_weighs_pipelines_on_several_nodes():
     assert slow.predicted.step_time_s < single.predicted.step_time_s
     one_node = autopar.plan(model, autopar.Cluster.local(4), x, loss_fn=gpt_loss, example_target=y)
     assert len(one_node.stages) == 1 and not any(lab.startswith("pp=") for lab, _ in one_node.solver.candidates)
+
+
+def test_timeline_simulation_matches_the_schedule_models():
+    from autopar.timeline import simulate
+
+    def makespan(ops):
+        return max(o.end_s for o in ops)
+
+    # balanced stages: (m + p - 1) stage times for GPipe and 1F1B, m T + (p - 1) t interleaved
+    for schedule in ("gpipe", "1f1b"):
+        ops = simulate([1.0] * 4, [0, 1, 2, 3], 8, schedule)
+        assert makespan(ops) == pytest.approx(schedule_step_time([8.0] * 4, 8, schedule, 4)[0])
+        assert len(ops) == 2 * 4 * 8
+    ops = simulate([0.5] * 8, [s % 4 for s in range(8)], 8, "interleaved-1f1b")
+    assert makespan(ops) == pytest.approx(schedule_step_time([4.0] * 8, 8, "interleaved-1f1b", 4)[0])
+    # dependencies hold: a stage's forward after the previous stage's, its backward after the next's
+    end = {(o.kind, o.stage, o.microbatch): o for o in ops}
+    for o in ops:
+        if o.kind == "F" and o.stage:
+            assert o.start_s >= end[("F", o.stage - 1, o.microbatch)].end_s - 1e-12
+        if o.kind == "B" and o.stage < 7:
+            assert o.start_s >= end[("B", o.stage + 1, o.microbatch)].end_s - 1e-12
+    # 1F1B holds at most p - r microbatches on rank r
+    one = simulate([1.0] * 4, [0, 1, 2, 3], 8, "1f1b")
+    for r in range(4):
+        live = peak = 0
+        for o in sorted((o for o in one if o.rank == r), key=lambda o: o.start_s):
+            live += 1 if o.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == in_flight("1f1b", r, 4, 8)
+
+
+def test_plan_draw_writes_a_png(tmp_path):
+    plan, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="interleaved-1f1b")
+    path = tmp_path / "timeline.png"
+    ops = plan.draw(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert {o.rank for o in ops} == {0, 1} and {o.stage for o in ops} == {0, 1, 2, 3}
+    single, *_ = _plan("gpt", 4, dp=4)
+    with pytest.raises(autopar.AutoparError, match="has one stage"):
+        single.draw(str(tmp_path / "none.png"))
