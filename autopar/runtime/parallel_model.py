@@ -512,17 +512,22 @@ class ParallelModel(torch.nn.Module):
                 with self._phase("backward"):
                     (loss * (self._loss_grad_scale() * weight)).backward()
                 del loss
-            with self._phase("backward"):
-                self._grad_sync.finish()
-                drain_gradient_reductions(self.comm)
-            with self._phase("optimizer"):
-                self.optimizer.step()
-                self._gather_zero_params()
-                self._note_zero_versions()
-            self.store.zero_grads()
+            self._sync_and_step()
             for w in pending:
                 w.wait()
             return sum(float(self._finish_loss(v)) for v in values) * weight
+
+    def _sync_and_step(self) -> None:
+        """After the step's last backward: finish the gradient reductions, step the optimizer,
+        gather ZeRO-1/2 shards back into whole parameters, zero the gradient buffers."""
+        with self._phase("backward"):
+            self._grad_sync.finish()
+            drain_gradient_reductions(self.comm)
+        with self._phase("optimizer"):
+            self.optimizer.step()
+            self._gather_zero_params()
+            self._note_zero_versions()
+        self.store.zero_grads()
 
     def _pipelined_train_step(self, inputs: tuple, target: Any) -> float:
         """``train_step`` of a pipeline plan: the schedule runs every microbatch's forward and backward
@@ -535,14 +540,7 @@ class ParallelModel(torch.nn.Module):
             self._grad_sync.hold()  # every bucket is reduced after the schedule's last backward
             with self._phase("forward"):
                 losses = self._pipeline.step(feed)
-            with self._phase("backward"):
-                self._grad_sync.finish()
-                drain_gradient_reductions(self.comm)
-            with self._phase("optimizer"):
-                self.optimizer.step()
-                self._gather_zero_params()
-                self._note_zero_versions()
-            self.store.zero_grads()
+            self._sync_and_step()
             total = torch.zeros(1)
             if losses:
                 values = [self._reduce_loss_async(v) for v in losses]
