@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, cut_model, cut_stages, in_flight,
-                                    schedule_step_time, stage_rank)
+                                    local_bytes, schedule_step_time, stage_rank)
 
 __all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
            "best_of", "MAX_FREE_PIPELINES"]
@@ -115,6 +116,16 @@ def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedul
     compute = [0.0] * n_stages
     for n in placements.values():
         compute[cut.stage_of.get(n.name, n_stages - 1)] += n.compute_s
+    # the activations a stage keeps for backward scale with what its operators produce (per
+    # device, in their planned layouts); their share of the submesh plan's working set is the stage's
+    produced = [0.0] * n_stages
+    for node in traced.graph.nodes:
+        placed = placements.get(node.name)
+        if node.op != "call_function" or node.target is operator.getitem or placed is None:
+            continue
+        produced[cut.stage_of.get(node.name, n_stages - 1)] += local_bytes(node, placed.outs[0] if placed.outs else None,
+                                                                           mesh_sizes)
+    total_produced = sum(produced) or 1.0
     total_compute = sum(compute) or 1.0
     pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
     sends = [2.0 * b / link_bw for b in cut.boundary_bytes]
@@ -131,7 +142,7 @@ def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedul
     for r in range(pp):
         mine = [s for s in range(n_stages) if rank_of[s] == r]
         pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
-        ashare = sum(compute[s] for s in mine) / total_compute
+        ashare = sum(produced[s] for s in mine) / total_produced
         peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v))
     return _Priced(inner, cut.stage_of, cut.stage_time_s, compute, owned, rank_of, peaks, step, bubble)
 

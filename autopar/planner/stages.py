@@ -28,7 +28,7 @@ from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
 __all__ = ["StageCut", "CutModel", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
-           "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_W_SHARE"]
+           "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_W_SHARE", "local_bytes"]
 
 # the schedules a pipeline plan can run today (``Constraints(schedule=)``); the first is the default
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
@@ -46,7 +46,7 @@ def _op_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
 
 
-def _local_bytes(n: fx.Node, layout: str | None, mesh_sizes: tuple[int, ...]) -> float:
+def local_bytes(n: fx.Node, layout: str | None, mesh_sizes: tuple[int, ...]) -> float:
     """Bytes of ``n``'s value one device holds under its planned layout (all outputs)."""
     metas = [m for m in (n.meta.get("autopar.outputs") or ()) if m is not None]
     total = float(sum(m.nbytes for m in metas))
@@ -109,7 +109,7 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             continue  # otherwise its getitems carry the bytes (each runs with it, in its stage)
         placed = placements.get(node.name)
         layout = placed.outs[0] if placed is not None and placed.outs else None
-        crossing[first + 1: last + 1] += _local_bytes(node, layout, mesh_sizes)
+        crossing[first + 1: last + 1] += local_bytes(node, layout, mesh_sizes)
     for inst in set((recompute_instances or {}).values()):
         members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
         if members:
