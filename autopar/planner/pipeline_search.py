@@ -138,12 +138,17 @@ def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedul
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     owned = [[p for p in inner.params.values() if cut.stage_of.get(p.node) == s] for s in range(n_stages)]
     rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
-    peaks = []  # per pipeline rank: its stages' state and the activations of its microbatches in flight
+    peaks = []  # per pipeline rank: its stages' state, the activations of its microbatches in flight, p2p buffers
     for r in range(pp):
         mine = [s for s in range(n_stages) if rank_of[s] == r]
         pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
         ashare = sum(produced[s] for s in mine) / total_produced
-        peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v))
+        # torch.distributed.pipelining allocates every microbatch's receive buffers up front: the
+        # activations a stage receives and the gradients it receives for what it sends, each the
+        # whole step's boundary bytes (m microbatches of 1/m)
+        buffers = sum((cut.boundary_bytes[s - 1] if s > 0 else 0.0)
+                      + (cut.boundary_bytes[s] if s < n_stages - 1 else 0.0) for s in mine)
+        peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v) + buffers)
     return _Priced(inner, cut.stage_of, cut.stage_time_s, compute, owned, rank_of, peaks, step, bubble)
 
 

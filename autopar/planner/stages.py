@@ -13,7 +13,8 @@ Pure functions over a traced graph and the per-operator plan of one stage's subm
 * Schedules (``schedule_step_time``, ``in_flight``): GPipe and 1F1B run ``m`` microbatches
   through ``p`` stages in ``sum(t_s) + (m - 1) * max(t_s)`` (bubble ``(p - 1) / (m + p - 1)``
   for balanced stages, Narayanan et al. 2021); interleaved schedules divide the bubble by the
-  stages per rank; zero-bubble ones also fill it with deferred weight gradients.
+  stages per rank; zero-bubble ones also fill it with deferred weight gradients. A rank's peak
+  (``pipeline_search``) adds its stages' receive buffers: torch allocates one per microbatch.
 """
 from __future__ import annotations
 
