@@ -53,7 +53,8 @@ def _cmd_plan(args) -> int:
         cluster = autopar.Cluster.local(4 if args.nproc is None else args.nproc)
     else:
         cluster = autopar.Cluster.preset(args.cluster, nodes=args.nodes)
-    constraints = autopar.Constraints(dp=args.dp, tp=args.tp, zero=args.zero,
+    constraints = autopar.Constraints(dp=args.dp, tp=args.tp, zero=args.zero, pp=args.pp, schedule=args.schedule,
+                                      microbatches=args.microbatches,
                                       recompute={None: None, "on": True, "off": False}[args.recompute])
     plan = autopar.plan(model, cluster, inputs, loss_fn=loss_fn, example_target=target, precision=args.precision,
                         optimizer=args.optimizer, constraints=constraints, verbose=args.verbose)
@@ -62,6 +63,9 @@ def _cmd_plan(args) -> int:
         with open(args.output, "w") as f:
             f.write(plan.to_json())
         print(f"\nplan written to {args.output}")
+    if args.draw:
+        plan.draw(args.draw)
+        print(f"\ntimeline written to {args.draw}")
     if args.explain is not None:
         try:
             text = plan.explain(args.explain)
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", type=int)
     p.add_argument("--tp", type=int)
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    p.add_argument("--pp", type=int, help="pipeline stages (1: no pipeline; default: the planner weighs them on several nodes)")
+    p.add_argument("--schedule", help="pipeline schedule: 1f1b, gpipe, interleaved-1f1b, zero-bubble, zbv")
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--draw", metavar="PNG", help="also write a pipeline plan's predicted timeline here")
     p.add_argument("--recompute", choices=["on", "off"])
     p.add_argument("--explain", metavar="MODULE_PATH", help="also explain the choices for this module")
     p.add_argument("--output", "-o", help="write the plan JSON here")

@@ -29,6 +29,15 @@ def test_plan_explains_and_writes_json(tmp_path, capsys):
     assert autopar.Plan.from_json(path.read_text()).mesh == {"dp": 1, "tp": 2}
 
 
+def test_plan_pipelines_and_draws(tmp_path, capsys):
+    png = tmp_path / "timeline.png"
+    assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "4", "--pp", "2",
+                 "--schedule", "gpipe", "--microbatches", "4", "--precision", "fp32", "--draw", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages x 2 device(s) | schedule gpipe | 4 microbatches" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plan_reports_bad_constraints_as_an_error(capsys):
     assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "4", "--tp", "3"]) == 2
     assert "tp=3 does not divide the 4 devices" in capsys.readouterr().err
