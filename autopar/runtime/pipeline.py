@@ -3,9 +3,10 @@
 
 Invariants:
 
-* rank ``r`` runs stage ``r // stage_size`` (stages outermost in the ``("pp", "dp", "tp")``
-  mesh, as ``Stage.first_rank`` says); inside its stage it is the rank of the stage's submesh
-  the per-operator plan was made for, and the stage program's collectives run there;
+* a rank runs the stages whose ``Stage.first_rank`` falls in its group of the pipeline axis
+  (``local_stages``: one for GPipe and 1F1B, ``virtual_stages`` looped or in a V otherwise;
+  stages outermost in the ``("pp", "dp", "tp")`` mesh); inside a stage it is the rank of the
+  submesh the per-operator plan was made for, and the stage programs' collectives run there;
 * the batch enters at stage 0 only: each input is cut into the plan's microbatches, each
   microbatch sharded by the input's layout, and the shards joined again so that the schedule's
   even split along dim 0 hands microbatch ``i`` its shard; the target travels with the
@@ -141,7 +142,7 @@ class PipelineRunner:
         single = len(self.pipe_stages) == 1 and plan.schedule in ("gpipe", "1f1b")
         self.schedule = cls(self.pipe_stages[0] if single else self.pipe_stages, self.microbatches, loss_fn=loss_fn,
                             **options)
-        last_rank = next(s.first_rank for s in plan.stages if s.index == self.n_stages - 1) // max(1, comm_size(comm))
+        last_rank = next(s.first_rank for s in plan.stages if s.index == self.n_stages - 1) // max(1, _comm_size(comm))
         self._last_rank = dist.get_global_rank(pp_group, last_rank)
         self.first = 0 in self.mine
         self.last = self.n_stages - 1 in self.mine
@@ -230,7 +231,7 @@ def _state_of(store, names: tuple[str, ...]) -> Callable[[], list]:
     return state
 
 
-def comm_size(comm) -> int:
+def _comm_size(comm) -> int:
     n = 1
     for s in comm.sizes:
         n *= s
