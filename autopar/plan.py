@@ -183,16 +183,25 @@ class Plan:
         return [a for a, _ in self.mesh_axes].index(name)
 
     @property
-    def world_size(self) -> int:
+    def stage_size(self) -> int:
+        """Devices per pipeline stage (one stage's submesh, ``mesh_axes``)."""
         n = 1
         for _, s in self.mesh_axes:
             n *= s
-        return n * (len(self.stages) // self.virtual_stages)
+        return n
+
+    @property
+    def world_size(self) -> int:
+        return self.stage_size * self.pipeline_degree
 
     @property
     def pipeline_degree(self) -> int:
         """Ranks along the pipeline (``pp``): stages / stages per rank."""
         return len(self.stages) // self.virtual_stages
+
+    def pipeline_rank(self, stage: int) -> int:
+        """The pipeline rank (``pp`` coordinate) that runs stage ``stage`` (from its ``first_rank``)."""
+        return self.stages[stage].first_rank // self.stage_size
 
     @property
     def nodes(self) -> dict[str, NodePlacement]:

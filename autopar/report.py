@@ -35,9 +35,7 @@ def _group_key(module: str, depth: int = 2) -> str:
 
 def _pipeline_lines(plan) -> list[str]:
     """The stages of a pipeline plan: which layers, which ranks, time per microbatch, peak memory."""
-    size = 1
-    for _, n in plan.mesh_axes:
-        size *= n
+    size = plan.stage_size
     per_rank = f" ({plan.virtual_stages} per rank)" if plan.virtual_stages > 1 else ""
     lines = [f"pipeline: {len(plan.stages)} stages{per_rank} x {size} device(s) | schedule {plan.schedule} | "
              f"{plan.microbatches} microbatches | predicted bubble {plan.bubble_fraction * 100:.1f}% of the step",

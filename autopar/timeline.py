@@ -149,10 +149,7 @@ def draw_timeline(plan, path: str) -> list[TimelineOp]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise AutoparError("Plan.draw needs matplotlib: pip install matplotlib (or autopar[plot])") from None
-    size = 1
-    for _, n in plan.mesh_axes:
-        size *= n
-    rank_of = [s.first_rank // size for s in plan.stages]
+    rank_of = [plan.pipeline_rank(s.index) for s in plan.stages]
     ops = simulate([s.predicted_time_s for s in plan.stages], rank_of, plan.microbatches, plan.schedule)
     ranks = max(rank_of) + 1
     step = max(op.end_s for op in ops)

@@ -92,7 +92,6 @@ class _Priced:
     inner: Plan
     stage_of: dict
     stage_time_s: tuple
-    compute: list
     owned: list  # per stage: its ParamPlacements
     rank_of: list  # per stage: its pipeline rank
     peaks: list  # per pipeline rank: predicted peak bytes per device
@@ -100,14 +99,11 @@ class _Priced:
     bubble: float
 
 
-def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedule: str, link_bw: float) -> _Priced:
-    """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak."""
-    from autopar.planner.blocks import find_repeated_blocks
-    from autopar.planner.constraint_filter import pin_key
-
+def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, link_bw: float) -> _Priced:
+    """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
+    ``blocks``: the graph's repeated blocks (``find_repeated_blocks``)."""
     n_stages = pp * v
     placements = inner.nodes
-    blocks = find_repeated_blocks(traced.graph, pin_key(c))
     chosen = set(inner.recompute_blocks)
     recomputed = {k: b for k, b in blocks.instance_of.items() if b in chosen}
     mesh_sizes = tuple(s for _, s in inner.mesh_axes)
@@ -149,7 +145,7 @@ def _price(traced, inner: Plan, c: Constraints, pp: int, v: int, m: int, schedul
         buffers = sum((cut.boundary_bytes[s - 1] if s > 0 else 0.0)
                       + (cut.boundary_bytes[s] if s < n_stages - 1 else 0.0) for s in mine)
         peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v) + buffers)
-    return _Priced(inner, cut.stage_of, cut.stage_time_s, compute, owned, rank_of, peaks, step, bubble)
+    return _Priced(inner, cut.stage_of, cut.stage_time_s, owned, rank_of, peaks, step, bubble)
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
@@ -161,6 +157,8 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     pipeline rank's peak (its stages' state, activations of its microbatches in flight) then
     exceeds the device, it is made again with recompute (unless the constraints fix it), then
     with that budget shrunk by the overshoot, up to ``memory_rounds`` (``_MEMORY_ROUNDS``) times."""
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.constraint_filter import pin_key
     from autopar.planner.search import USABLE_MEMORY_FRACTION, naive_dp_baseline
 
     c = constraints
@@ -187,6 +185,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         zero = 0
     inner_c = dataclasses.replace(c, pp=None, schedule=None, microbatches=m, virtual_stages=None, zero=zero)
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
+    blocks = find_repeated_blocks(traced.graph, pin_key(c))
     scale = float(pp)  # the submesh plan's memory: pp devices' worth, shrunk below while a rank overflows
     priced = None
     for _ in range(memory_rounds or _MEMORY_ROUNDS):
@@ -195,7 +194,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
             inner = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
         except NoFeasiblePlanError:
             break  # a smaller budget than any per-operator plan needs: the last overflow is the answer
-        priced = _price(traced, inner, c, pp, v, m, schedule, link_bw)
+        priced = _price(traced, blocks, inner, pp, v, m, schedule, link_bw)
         worst = max(priced.peaks)
         if worst <= budget:
             break

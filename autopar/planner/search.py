@@ -397,9 +397,7 @@ def _search_single_stage(
 
     results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
     if _with_baseline:
-        if "baseline" not in results:
-            results["baseline"] = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, cache)
-        baseline = results["baseline"]
+        baseline = naive_dp_baseline(traced, cluster, policy, optimizer, solver, blocks=blocks, cache=cache)
     else:
         baseline = Baseline("naive data parallel", None, False, "not computed")
     free_like = dataclasses.replace(c, pp=None).is_free()  # pp=1 is what a single-stage search does anyway
@@ -450,16 +448,20 @@ def _solver_note(sol: Solution, config: SolverConfig) -> str:
     return ""
 
 
-def naive_dp_baseline(traced: TracedGraph, cluster: Cluster, precision, optimizer, solver: SolverConfig) -> Baseline:
-    """The naive data-parallel baseline on ``cluster`` (memoised per planning inputs, as in
-    ``search_plan``): for plans searched on a part of the cluster (pipeline stages)."""
+def naive_dp_baseline(traced: TracedGraph, cluster: Cluster, precision, optimizer, solver: SolverConfig, *,
+                      blocks=None, cache: dict | None = None) -> Baseline:
+    """The naive data-parallel baseline on ``cluster``, memoised per planning inputs (a plan
+    searched again, or one searched on a part of the cluster, pipeline stages, reuses it).
+    ``blocks`` / ``cache``: the caller's repeated blocks and strategy cache, where it has them."""
     policy = precision_policy(precision)
     optimizer = optimizer_spec(optimizer)
     results = _memo(_RESULTS, _inputs_key(traced, cluster, policy.name, optimizer, solver), dict)
     if "baseline" not in results:
-        blocks = find_repeated_blocks(traced.graph, pin_key(Constraints()))
+        if blocks is None:
+            blocks = find_repeated_blocks(traced.graph, pin_key(Constraints()))
         budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
-        results["baseline"] = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver, {})
+        results["baseline"] = _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solver,
+                                                 cache if cache is not None else {})
     return results["baseline"]
 
 

@@ -168,8 +168,9 @@ class GradSync:
                 b.ready, b.work = 0, None
 
     def hold(self) -> None:
-        """Reduce nothing while backward runs (a pipeline schedule interleaves microbatches: no
-        backward is known to be the last); ``finish()`` then reduces every bucket."""
+        """Before a step whose backward passes interleave (a pipeline schedule: none is known to
+        be the last): reduce nothing while they run; ``finish()`` then reduces every bucket."""
+        self.arm(last_microbatch=True)  # every bucket starts the step unreduced
         self._last = False
 
     def prepare_accumulation(self) -> None:

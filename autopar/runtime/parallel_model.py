@@ -536,19 +536,15 @@ class ParallelModel(torch.nn.Module):
         if self._train.traced.target_name is not None:
             feed[self._train.traced.target_name] = target
         with active_mesh(self.comm):
-            self._grad_sync.arm(last_microbatch=True)
             self._grad_sync.hold()  # every bucket is reduced after the schedule's last backward
             with self._phase("forward"):
-                losses = self._pipeline.step(feed)
+                losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
             self._sync_and_step()
-            total = torch.zeros(1)
-            if losses:
-                values = [self._reduce_loss_async(v) for v in losses]
-                for _, works in values:
-                    for w in works:
-                        w.wait()
-                total = total + sum(float(self._finish_loss(v)) for v, _ in values)
-            total = self._pipeline.broadcast_loss(total)
+            reduced = [self._reduce_loss_async(v) for v in losses]
+            for _, works in reduced:
+                for w in works:
+                    w.wait()
+            total = self._pipeline.broadcast_loss(torch.tensor([sum(float(self._finish_loss(v)) for v, _ in reduced)]))
         weight = 1.0 / self.plan.microbatches if self._loss_reduction == "mean" else 1.0
         return float(total) * weight
 

@@ -38,11 +38,8 @@ SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleav
 
 
 def local_stages(plan, pp_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` runs (``Stage.first_rank`` says where each runs)."""
-    size = 1
-    for _, n in plan.mesh_axes:
-        size *= n
-    return [s.index for s in plan.stages if s.first_rank // size == pp_rank]
+    """The stages pipeline rank ``pp_rank`` runs."""
+    return [s.index for s in plan.stages if plan.pipeline_rank(s.index) == pp_rank]
 
 
 def stage_state_names(plan, traced, pp_rank: int) -> set[str]:
@@ -113,7 +110,7 @@ class PipelineRunner:
         # the boundary shapes are known from the plan: given here, so a stage never runs the
         # program on placeholder values to infer them (torch's dynamic inference would: a real
         # forward and backward on uninitialised buffers, collectives and buffer updates included)
-        metas = _boundary_metas(self.programs, program, plan, comm, input_layouts)
+        batch_metas, metas = _boundary_metas(self.programs, program, plan, comm, input_layouts)
         self.pipe_stages = []
         for index in self.mine:
             prog = self.programs[index]
@@ -121,10 +118,7 @@ class PipelineRunner:
             module = _StageModule(prog, _state_of(store, prog.state_names), run, self.constants, last,
                                   [store.slots[n].local for n in prog.state_names if n in store.slots],
                                   copy_outputs=plan.schedule in ("zero-bubble", "zbv"))
-            if index == 0:
-                ins = [t for t in (_meta_of(program, n, plan, comm, input_layouts) for n in prog.input_names) if t is not None]
-            else:
-                ins = metas[index - 1]
+            ins = batch_metas if index == 0 else metas[index - 1]
             outs = [torch.empty((1,), device="meta", requires_grad=True)] if last else metas[index]
             self.pipe_stages.append(pipelining.PipelineStage(module, index, self.n_stages, device, input_args=tuple(ins),
                                                              output_args=tuple(outs), group=pp_group))
@@ -142,8 +136,7 @@ class PipelineRunner:
         single = len(self.pipe_stages) == 1 and plan.schedule in ("gpipe", "1f1b")
         self.schedule = cls(self.pipe_stages[0] if single else self.pipe_stages, self.microbatches, loss_fn=loss_fn,
                             **options)
-        last_rank = next(s.first_rank for s in plan.stages if s.index == self.n_stages - 1) // max(1, _comm_size(comm))
-        self._last_rank = dist.get_global_rank(pp_group, last_rank)
+        self._last_rank = dist.get_global_rank(pp_group, plan.pipeline_rank(self.n_stages - 1))
         self.first = 0 in self.mine
         self.last = self.n_stages - 1 in self.mine
 
@@ -188,35 +181,36 @@ class PipelineRunner:
         return value
 
 
-def _meta_of(program, name: str, plan, comm, input_layouts: dict) -> torch.Tensor | None:
-    """A meta tensor of this rank's local value of program node ``name`` (its planned layout;
-    a batch input's layout for placeholders), with whether a gradient flows back into it."""
-    from autopar.layouts import chunk_range, parse_layout
+def _meta_of(node, plan, comm, input_layouts: dict) -> torch.Tensor | None:
+    """A meta tensor of this rank's local value of program node ``node`` (its planned layout; a
+    batch input's layout for placeholders), cut by ``shard_tensor`` as the runtime cuts it, with
+    whether a gradient flows back into it."""
+    from autopar.layouts import parse_layout
 
-    node = next(n for n in program.graph.nodes if n.name == name)
     metas = node.meta.get("autopar.outputs") or ()
     meta = metas[0] if metas else None
     if meta is None:
         return None  # not a tensor (an optional input left None)
     if node.op == "placeholder":
-        layout = input_layouts.get(name)
+        layout = input_layouts.get(node.name)
     else:
-        placed = plan.nodes.get(name)
+        placed = plan.nodes.get(node.name)
         if placed is None or not placed.outs or placed.outs[0] == "-":
-            raise AutoparError(f"internal: '{name}' crosses a pipeline stage boundary without a planned layout")
+            raise AutoparError(f"internal: '{node.name}' crosses a pipeline stage boundary without a planned layout")
         layout = parse_layout(placed.outs[0])
-    shape = list(meta.shape)
-    for a, p in sorted(enumerate(layout or ()), key=lambda ap: ap[0]):
-        if p.is_shard() and comm.sizes[a] > 1:
-            d = p.dim % len(shape)
-            shape[d] = chunk_range(shape[d], comm.sizes[a], comm.coords[a])[1]
+    full = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    local = shard_tensor(full, layout, comm) if layout is not None else full
     grad = bool(node.meta.get("autopar.needs_grad", False)) and meta.dtype.is_floating_point
-    return torch.empty(shape, dtype=meta.dtype, device="meta", requires_grad=grad)
+    return torch.empty(local.shape, dtype=meta.dtype, device="meta", requires_grad=grad)
 
 
-def _boundary_metas(programs, program, plan, comm, input_layouts) -> list[list[torch.Tensor]]:
-    """Per boundary: meta tensors of what crosses it, in the order the stages send them."""
-    return [[_meta_of(program, n, plan, comm, input_layouts) for n in p.output_names] for p in programs[:-1]]
+def _boundary_metas(programs, program, plan, comm, input_layouts) -> tuple[list, list[list[torch.Tensor]]]:
+    """(what stage 0 receives, and per boundary what crosses it), as meta tensors in the order
+    the stages take and send them; non-tensor batch inputs are left out."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    first = [_meta_of(nodes[n], plan, comm, input_layouts) for n in programs[0].input_names]
+    return ([t for t in first if t is not None],
+            [[_meta_of(nodes[n], plan, comm, input_layouts) for n in p.output_names] for p in programs[:-1]])
 
 
 def _state_of(store, names: tuple[str, ...]) -> Callable[[], list]:
@@ -230,9 +224,3 @@ def _state_of(store, names: tuple[str, ...]) -> Callable[[], list]:
         return [slots[n].local if n in slots else buffers[n] for n in names]
     return state
 
-
-def _comm_size(comm) -> int:
-    n = 1
-    for s in comm.sizes:
-        n *= s
-    return n
