@@ -139,11 +139,18 @@ class LinkSpec:
     ``efficiency``: the achieved fraction of ``bandwidth`` in large collectives on this fabric
     with a given software stack (collective library, framework bucketing and scheduling),
     calibrated from a measured run; None means the datasheet bandwidth is achieved (the presets).
+
+    ``rails`` (inter-node links): how many of a node's NICs carry a collective at once when its
+    group has several ranks on each node (a ZeRO/FSDP gather over every rank). None: each such
+    rank drives its own NIC (NCCL's multi-channel rings on a rail-optimised fabric, the
+    presets); 1: the group's traffic leaves a node through one NIC (a single ring crossing each
+    node once). Calibrated from a measured run; a group with one rank per node is unaffected.
     """
 
     bandwidth: float
     latency: float
     efficiency: float | None = None
+    rails: float | None = None
 
     def __post_init__(self) -> None:
         bw = _check_float("LinkSpec", "bandwidth", self.bandwidth,
@@ -155,6 +162,13 @@ class LinkSpec:
                 f"LinkSpec.efficiency must be in (0, 1] or None, got {self.efficiency!r}; it is the "
                 "achieved fraction of the link bandwidth in large collectives"
             )
+        if self.rails is not None:
+            ok = isinstance(self.rails, numbers.Real) and not isinstance(self.rails, bool)
+            if not ok or not math.isfinite(self.rails) or self.rails < 1:
+                raise ClusterSpecError(
+                    f"LinkSpec.rails must be a number >= 1 or None, got {self.rails!r}; it is how "
+                    "many of a node's NICs one collective drives at once"
+                )
         object.__setattr__(self, "bandwidth", bw)
         object.__setattr__(self, "latency", lat)
 
@@ -181,6 +195,11 @@ class Cluster:
     device_type: str = "cuda"
     backend: str = "nccl"
     sources: tuple[str, ...] = ()
+    # The share of overlappable communication that stays exposed however much compute there is to
+    # hide it behind (a window's first gather and last reduce, stream contention, the
+    # framework's prefetch depth). None: the planner's default (``planner.overlap.EXPOSED_FLOOR``);
+    # calibrated from a measured run of a given software stack.
+    exposed_comm_share: float | None = None
 
     def __post_init__(self) -> None:
         _check_name("Cluster", self.name)
@@ -213,6 +232,13 @@ class Cluster:
         ):
             raise ClusterSpecError(
                 f"Cluster.sources must be a sequence of strings, got {self.sources!r}"
+            )
+        share = self.exposed_comm_share
+        if share is not None and not (isinstance(share, numbers.Real) and not isinstance(share, bool)
+                                      and 0.0 <= float(share) <= 1.0):
+            raise ClusterSpecError(
+                f"Cluster.exposed_comm_share must be in [0, 1] or None, got {share!r}; it is the "
+                "share of overlappable communication that stays exposed"
             )
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "nodes", int(self.nodes))
@@ -315,6 +341,8 @@ class Cluster:
             d = json.loads(s)
         except (TypeError, json.JSONDecodeError) as e:
             raise ClusterSpecError(f"cluster JSON cannot be parsed: {e}") from None
+        if isinstance(d, dict):
+            d.setdefault("exposed_comm_share", None)  # specs written before it existed
         top = _fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
         version = top["schema_version"]
         if type(version) is not int or version != SCHEMA_VERSION:
@@ -331,8 +359,10 @@ class Cluster:
         top["device"] = _build(DeviceSpec, dev, "device")
         for link in ("intra_node", "inter_node"):
             if isinstance(top[link], dict):
-                top[link].setdefault("efficiency", None)  # specs written before it existed
-            top[link] = _build(LinkSpec, _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency"]),
+                top[link].setdefault("efficiency", None)  # specs written before they existed
+                top[link].setdefault("rails", None)
+            top[link] = _build(LinkSpec, _fields(top[link], link + ".",
+                                                 ["bandwidth", "latency", "efficiency", "rails"]),
                                link)
         if not isinstance(top["sources"], list):
             raise ClusterSpecError(

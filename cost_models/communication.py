@@ -29,6 +29,8 @@ nothing is shared between them and other groups' ranks use their own NICs. Hence
   reduce_scatter is its mirror image (same time).
 * all_to_all: each rank sends (r-1)/p * n over NVLink and (p-r)/p * n over its own NIC; both are
   posted at once on disjoint links, so the time is the max of the two.
+* A stack that does not drive every rank's NIC at once (``LinkSpec.rails`` = k < r, calibrated)
+  puts the inter-node phase of the node's r ranks on k NICs: its time grows by r / k.
 * broadcast: a pipelined chain bottlenecked by the inter-node link, (m-1) inter and (p-m)
   intra hops (rare in training: initial weight sync).
 * send_recv: over the inter-node link.
@@ -168,14 +170,15 @@ def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
         return _ring(kind, n, p, intra)
     if r == 1 or kind == "send_recv":
         return _ring(kind, n, p, inter)
+    rails = r if inter.rails is None else min(r, float(inter.rails))  # NICs in use per node
     if kind == "all_reduce":
-        return (_ring("reduce_scatter", n, r, intra) + _ring("all_reduce", n / r, m, inter)
+        return (_ring("reduce_scatter", n, r, intra) + _ring("all_reduce", n / rails, m, inter)
                 + _ring("all_gather", n, r, intra))
     if kind in ("all_gather", "reduce_scatter"):
-        return _ring(kind, n / r, m, inter) + _ring(kind, n, r, intra)
+        return _ring(kind, n / rails, m, inter) + _ring(kind, n, r, intra)
     if kind == "all_to_all":
         t_intra = (r - 1) / p * n / intra.effective_bandwidth + (r - 1) * intra.latency
-        t_inter = (p - r) / p * n / inter.effective_bandwidth + (p - r) * inter.latency
+        t_inter = (p - r) / p * n * (r / rails) / inter.effective_bandwidth + (p - r) * inter.latency
         return max(t_intra, t_inter)
     # broadcast: pipelined chain, bottleneck inter-node bandwidth
     return n / inter.effective_bandwidth + (m - 1) * inter.latency + (p - m) * intra.latency

@@ -156,6 +156,8 @@ def _edited_json(edit):
         (lambda d: d.pop("schema_version"), r"missing field 'schema_version'"),
         (lambda d: d.update(sources="a"), r"sources"),
         (lambda d: d.update(inter_node=[1, 2]), r"inter_node.*must be an object"),
+        (lambda d: d["inter_node"].update(rails=0.5), r"LinkSpec.rails must be a number >= 1"),
+        (lambda d: d.update(exposed_comm_share=1.5), r"exposed_comm_share must be in \[0, 1\]"),
     ],
 )
 def test_bad_json_fields(edit, match):
@@ -174,6 +176,21 @@ def test_link_efficiency_round_trips_and_older_specs_load():
     for link in ("intra_node", "inter_node"):
         d[link].pop("efficiency")  # a spec written before the field existed
     assert Cluster.from_json(json.dumps(d)) == c
+
+
+def test_calibrated_rails_and_exposed_share_round_trip_and_older_specs_load():
+    import dataclasses
+
+    c = Cluster.preset("dgx-a100", nodes=2)
+    cal = dataclasses.replace(c, inter_node=dataclasses.replace(c.inter_node, rails=1.5), exposed_comm_share=0.3)
+    assert Cluster.from_json(cal.to_json()) == cal
+    d = json.loads(c.to_json())
+    d.pop("exposed_comm_share")  # specs written before these fields existed
+    for link in ("intra_node", "inter_node"):
+        d[link].pop("rails")
+    assert Cluster.from_json(json.dumps(d)) == c
+    with pytest.raises(ClusterSpecError, match="rails"):
+        dataclasses.replace(c.inter_node, rails=True)
 
 
 def test_unparseable_json():

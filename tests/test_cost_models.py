@@ -287,3 +287,25 @@ def test_describe_optimizer_rejects_an_instance():
         describe_optimizer(torch.optim.SGD([p], lr=0.1))
 
 
+
+
+def test_rails_limit_the_inter_node_phase_of_groups_with_several_ranks_per_node():
+    """``LinkSpec.rails`` = k: a node's r ranks push their inter-node phase through k NICs, so
+    that phase takes r/k times as long; a group with one rank per node, and k >= r, are as
+    without it."""
+    import dataclasses
+    one_nic = dataclasses.replace(H100x4, inter_node=dataclasses.replace(H100x4.inter_node, rails=1))
+    g = CommGroup(16, 4)
+    intra = 3 / 4 * GiB / 450e9 + 3 * NV4_A
+    for rails, cluster in ((4, H100x4), (1, one_nic)):
+        inter = 3 / 4 * (GiB / rails) / 50e9 + 3 * IB_A
+        assert close(collective_time("all_gather", GiB, g, cluster), inter + intra)
+        assert close(collective_time("reduce_scatter", GiB, g, cluster), inter + intra)
+    ar = collective_time("all_reduce", GiB, g, one_nic)
+    assert close(ar, 2 * intra + 2 * 3 / 4 * GiB / 50e9 + 6 * IB_A)
+    flat = axis_group((4, 8), 0, 8)  # one rank per node: each on its own NIC either way
+    assert collective_time("all_reduce", GiB, flat, one_nic) == collective_time("all_reduce", GiB, flat, H100x4)
+    many = dataclasses.replace(H100x4, inter_node=dataclasses.replace(H100x4.inter_node, rails=16))
+    assert collective_time("all_gather", GiB, g, many) == collective_time("all_gather", GiB, g, H100x4)
+    a2a = collective_time("all_to_all", GiB, g, one_nic)
+    assert close(a2a, max(3 / 16 * GiB / 450e9 + 3 * NV4_A, 12 / 16 * GiB * 4 / 50e9 + 12 * IB_A))

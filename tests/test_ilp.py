@@ -351,3 +351,23 @@ def test_unproven_plan_reports_a_valid_gap(fixing_always):
         else:
             assert math.isclose(sol.objective_s, best_t, rel_tol=1e-6)
     assert unproven >= 2
+
+
+def test_calibrated_exposed_share_sets_the_floor_of_hidden_communication():
+    """``Cluster.exposed_comm_share`` replaces EXPOSED_FLOOR in the ILP and in the evaluation:
+    with 0.5 s of overlappable communication fully hideable, 40% of it stays exposed; then the
+    strategy without communication but 0.1 s more compute wins, as the arithmetic says."""
+    import dataclasses
+    graph = fx.Graph()
+    cluster = dataclasses.replace(autopar.Cluster.local(2), exposed_comm_share=0.4)
+    ctx = CostContext((2, 1), ("dp", "tp"), cluster, precision_policy("fp32"), "adamw")
+    for extra, want in ((0.3, 0), (0.1, 1)):  # 0.4 * 0.5 = 0.2 s exposed vs `extra` s of compute
+        a = NodeVar("a", _fx_node(graph, f"a{extra}"), 1, _strategies(2), np.array([1.0, 1.0 + extra]),
+                    np.zeros(2), np.zeros(2), np.zeros(2), False)
+        e = EdgeTable("a", None, 0, 0, 1, np.array([0, 1]), np.zeros(1, dtype=np.int64),
+                      np.zeros((2, 1)), np.array([[0.5], [0.0]]), [[{}], [{}]])
+        p = Problem(ctx, {"a": a}, [e], False, 1)
+        sol = solve(p, None, SolverConfig())
+        assert sol.choice == {"a": want}
+        assert math.isclose(sol.objective_s, min(1.0 + 0.4 * 0.5, 1.0 + extra), rel_tol=1e-9)
+        assert math.isclose(evaluate(p, sol.choice).step_time_s, sol.objective_s, rel_tol=1e-9)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 from autopar.planner.costing import node_flops
-from autopar.planner.overlap import exposed_seconds
+from autopar.planner.overlap import exposed_floor, exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
@@ -74,7 +74,7 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
         for k, t in e.kinds[ku][kv].items():
             kinds[k] += t
     exposed_f, exposed_b = exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], ovl["overlap_last"],
-                                           problem.microbatches)
+                                           problem.microbatches, exposed_floor(problem.ctx.cluster))
     compute = fwd + bwd
     return Evaluation(
         step_time_s=compute + blocking + exposed_f + exposed_b,

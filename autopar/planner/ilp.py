@@ -22,7 +22,7 @@ prefetched in backward and asynchronous gradient reduce-scatters (ZeRO-2/3, ever
 hide behind backward compute. ``ovl_l``: the bucketed data-parallel all-reduce runs after the
 last microbatch's gradients exist, so only that microbatch's backward (``B / m``) can hide it.
 Up to ``OVERLAP_EFFICIENCY`` of a window hides communication and at least ``EXPOSED_FLOOR`` of it
-(the last bucket, the first gather) stays exposed. Everything else (activation resharding,
+(the last bucket, the first gather; ``Cluster.exposed_comm_share`` where calibrated) stays exposed. Everything else (activation resharding,
 synchronous collectives, ZeRO-1/2's all-gather after the optimizer step) blocks.
 
 Memory: parameter/gradient/optimizer bytes + saved activations + the largest working set of one

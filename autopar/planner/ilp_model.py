@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY
+from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY, exposed_floor
 from autopar.planner.problem import Problem
 
 __all__ = ["IlpModel", "Rows", "Expr", "InfeasibleProblem", "build_model", "model_proto", "COL_STRATEGY",
@@ -276,30 +276,30 @@ def add_memory_limit(md: IlpModel, budget_bytes: float | None) -> None:
     md.row(-np.inf, budget_bytes / MIB, expr.add([(1.0, working)]), "memory")
 
 
-def add_overlap_objective(md: IlpModel, microbatches: int = 1) -> None:
+def add_overlap_objective(md: IlpModel, microbatches: int = 1, floor: float = EXPOSED_FLOOR) -> None:
     """Family *overlap*: exposed communication per the module's overlap model; minimise time."""
     fwd, bwd = Expr(md.fwd), Expr(md.bwd)
     ovl_f, ovl_b, ovl_l = Expr(md.ovl_f), Expr(md.ovl_b), Expr(md.ovl_l)
     exposed_f = md.col(COL_AUX, 0.0, np.inf, "exposed_f")
     exposed_b = md.col(COL_AUX, 0.0, np.inf, "exposed_b")
     ef, eb = Expr([(1.0, exposed_f)]), Expr([(1.0, exposed_b)])
-    for piece in _pieces_f(ovl_f, fwd):
+    for piece in _pieces_f(ovl_f, fwd, floor):
         md.row(0.0, np.inf, Expr().add(ef).add(piece, -1.0), "overlap")
-    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches):
+    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor):
         md.row(0.0, np.inf, Expr().add(eb).add(piece, -1.0), "overlap")
     obj = Expr().add(fwd).add(bwd).add(Expr(md.blocking)).add(ef).add(eb)
     md.objective, md.offset = obj.coefs, obj.const
 
 
-def _pieces_f(ovl_f, fwd):
+def _pieces_f(ovl_f, fwd, floor):
     """exposed_f >= each of these (``exposed_seconds``)."""
-    return [Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY), Expr().add(ovl_f, EXPOSED_FLOOR)]
+    return [Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY), Expr().add(ovl_f, floor)]
 
 
-def _pieces_b(ovl_b, ovl_l, bwd, microbatches):
+def _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor):
     return [Expr().add(ovl_b).add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY),
             Expr().add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY / microbatches),
-            Expr().add(ovl_b, EXPOSED_FLOOR).add(ovl_l, EXPOSED_FLOOR)]
+            Expr().add(ovl_b, floor).add(ovl_l, floor)]
 
 
 def build_model(problem: Problem, budget_bytes: float | None, objective: str) -> IlpModel:
@@ -311,7 +311,7 @@ def build_model(problem: Problem, budget_bytes: float | None, objective: str) ->
         md.objective, md.offset = m.coefs, m.const
     else:
         add_memory_limit(md, budget_bytes)
-        add_overlap_objective(md, problem.microbatches)
+        add_overlap_objective(md, problem.microbatches, exposed_floor(problem.ctx.cluster))
     return md
 
 
