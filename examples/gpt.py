@@ -23,12 +23,23 @@ class GPTConfig:
     # No bias on the q/k/v projection (as in LLaMA): a key bias has an exactly-zero gradient
     # (softmax is shift invariant), so Adam turns float noise in it into full-size updates.
     qkv_bias: bool = False
+    # "sdpa": F.scaled_dot_product_attention (a fused, flash-style kernel on GPUs). "math": the
+    # scores are materialised (q @ k^T, causal mask, softmax, @ v), as stacks without flash
+    # attention ran it (Megatron-LM 2021-2022): its (heads x seq x seq) tensors cost memory
+    # traffic that a fused kernel avoids.
+    attention: str = "sdpa"
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if cfg.attention not in ("sdpa", "math"):
+            raise ValueError(f"GPTConfig.attention must be 'sdpa' or 'math', got {cfg.attention!r}")
         self.n_head = cfg.n_head
+        self.attention = cfg.attention
+        if cfg.attention == "math":
+            causal = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).tril()
+            self.register_buffer("causal", causal.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
@@ -38,7 +49,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q * (C // self.n_head) ** -0.5) @ k.transpose(-2, -1)
+            scores = scores.masked_fill(~self.causal[:, :, :T, :T], float("-inf"))
+            y = F.softmax(scores, dim=-1) @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
 

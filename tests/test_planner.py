@@ -439,3 +439,27 @@ def test_a_tensor_written_in_place_is_never_resharded_before_the_write():
     bad = dc.replace(plan, stages=(dc.replace(plan.stages[0], nodes=bad_nodes),))
     with pytest.raises(NoFeasiblePlanError, match=r"aten.mul_.Tensor \(node 'mul_'.*writes it in place"):
         insert_collectives_pass(traced.gm, PassContext.for_stage(bad))
+
+
+def test_materialised_attention_is_sharded_by_heads_and_costs_its_memory_traffic():
+    """The example GPT's "math" attention (scores through device memory, as stacks without flash
+    attention ran it) computes what SDPA computes; under tp=2 its (heads x seq x seq) scores stay
+    on their rank (the same collectives as SDPA, within 1%), and the plan prices their traffic."""
+    import torch
+
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    torch.manual_seed(0)
+    math_gpt = GPT(GPTConfig(attention="math"))
+    sdpa_gpt = GPT(GPTConfig())
+    sdpa_gpt.load_state_dict(math_gpt.state_dict())
+    x, y = example_batch(GPTConfig(), 8)
+    torch.testing.assert_close(math_gpt(x), sdpa_gpt(x), rtol=1e-5, atol=1e-5)
+    plans = {name: autopar.plan(m, autopar.Cluster.local(4), (x,), loss_fn=gpt_loss, example_target=y,
+                                constraints=autopar.Constraints(tp=2, dp=2))
+             for name, m in (("math", math_gpt), ("sdpa", sdpa_gpt))}
+    moved = {k: sum(v for _, v in p.predicted.comm_bytes) for k, p in plans.items()}
+    assert abs(moved["math"] - moved["sdpa"]) <= 0.01 * moved["sdpa"]
+    assert plans["math"].predicted.step_time_s > plans["sdpa"].predicted.step_time_s
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'math'"):
+        GPT(GPTConfig(attention="flash"))
