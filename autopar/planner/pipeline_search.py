@@ -45,7 +45,7 @@ _INNER: OrderedDict = OrderedDict()
 MAX_FREE_PIPELINES = 5
 # memory rounds per stage count weighed for a plan without pp (a stage count that needs more is
 # left out; with pp= given, ``_MEMORY_ROUNDS``)
-FREE_MEMORY_ROUNDS = 2
+FREE_MEMORY_ROUNDS = 3
 
 
 def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float]:
@@ -282,8 +282,8 @@ def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[C
     of a model with repeated blocks: ``pp`` dividing both the node count (whole nodes per stage)
     and the number of repeated blocks (balanced stages), tensor parallel inside a node
     (``devices_per_node``, as Megatron's PTD-P: the rest of each stage's devices data
-    parallel), one sample per microbatch per replica (the smallest bubble for the batch); the
-    ``MAX_FREE_PIPELINES`` of them spread evenly over that range, smallest first. None when the
+    parallel), one sample per microbatch per replica (the smallest bubble for the batch); all of
+    them, smallest ``pp`` first (``best_of`` decides which to price). None when the
     constraints fix a decision these would override (microbatches, a schedule, dp and tp both)."""
     from autopar.planner.blocks import find_repeated_blocks
     from autopar.planner.constraint_filter import pin_key
@@ -305,17 +305,23 @@ def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[C
         if (c.dp is not None and c.dp != dp) or batch % dp:
             continue
         out.append(dataclasses.replace(c, pp=pp, tp=tp, dp=dp, microbatches=batch // dp, schedule="1f1b"))
-    if len(out) > MAX_FREE_PIPELINES:
-        step = (len(out) - 1) / (MAX_FREE_PIPELINES - 1)
-        out = [out[round(i * step)] for i in range(MAX_FREE_PIPELINES)]
     return out
+
+
+def _spread(n: int) -> list[int]:
+    """Indices of ``MAX_FREE_PIPELINES`` of ``n`` sorted candidates, spread evenly, ends included."""
+    if n <= MAX_FREE_PIPELINES:
+        return list(range(n))
+    step = (n - 1) / (MAX_FREE_PIPELINES - 1)
+    return sorted({round(i * step) for i in range(MAX_FREE_PIPELINES)})
 
 
 def best_of(single: Plan | None, failure: Exception | None, candidates: list[Constraints], traced, cluster: Cluster, *,
             precision, optimizer, solver, progress, inner_search) -> Plan:
     """The fastest of the single-stage plan (None: ``failure`` says why there is none) and the
-    pipeline plans of ``candidates``, each also tried with the interleaved schedule; every
-    alternative's outcome is listed in the plan's solver report."""
+    pipeline plans of ``candidates`` (sorted by ``pp``): ``MAX_FREE_PIPELINES`` of them spread
+    over the range, then the neighbours of the fastest until it stops moving, each under 1F1B
+    and interleaved 1F1B; every alternative's outcome is listed in the plan's solver report."""
     from autopar.planner.ilp import InfeasibleProblem
 
     tried: list[tuple[str, str]] = []
@@ -324,7 +330,11 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
         # memory binds on one stage's devices already: a stage holding pp microbatches recomputes
         # too (PTD-P's choice), so its per-operator plan starts there rather than finding out
         candidates = [dataclasses.replace(c, recompute=True) if c.recompute is None else c for c in candidates]
-    for cand in candidates:
+
+    def price(cand) -> float | None:
+        """Price ``cand`` under 1F1B and interleaved 1F1B; its faster step time (None: neither fits)."""
+        nonlocal best
+        fastest = None
         for schedule in ("1f1b", "interleaved-1f1b"):
             c = dataclasses.replace(cand, schedule=schedule)
             label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
@@ -339,6 +349,32 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
                                  f"{plan.predicted.peak_memory_bytes / GiB:.2f} GiB, bubble {plan.bubble_fraction * 100:.1f}%"))
             if best is None or plan.predicted.step_time_s < best.predicted.step_time_s * (1 - 1e-9):
                 best = plan
+            if fastest is None or plan.predicted.step_time_s < fastest:
+                fastest = plan.predicted.step_time_s
+        return fastest
+
+    # a spread of stage counts first; then the nearest untried counts either side of the fastest
+    # (past those that did not fit), while the fastest moves
+    # (the step time is close to unimodal in pp: bubble and sends grow with it, per-stage work shrinks)
+    times: dict[int, float | None] = {}
+    for i in _spread(len(candidates)):
+        times[i] = price(candidates[i])
+    while True:
+        priced = [i for i, t in times.items() if t is not None]
+        if not priced:
+            break
+        top = min(priced, key=lambda i: times[i])
+        fresh = []
+        for step in (-1, 1):  # the nearest untried count each way, past counts that did not fit
+            j = top + step
+            while j in times and times[j] is None:
+                j += step
+            if 0 <= j < len(candidates) and j not in times:
+                fresh.append(j)
+        if not fresh:
+            break
+        for j in fresh:
+            times[j] = price(candidates[j])
     if best is None:
         raise failure
     # every alternative weighed: the single-stage search's, then the pipelines'
