@@ -1,8 +1,8 @@
 """Predicted vs published training throughput, with the published configuration forced.
 
-For every single-stage (pp=1) run in ``benchmarks/published_runs.json`` that the GPT of
-``examples/gpt.py`` can represent, plan the published shape on the published cluster with the
-published parallel configuration fixed through ``autopar.Constraints`` (tp, dp, ZeRO stage,
+For every run in ``benchmarks/published_runs.json`` that the GPT of ``examples/gpt.py`` can
+represent (pipelined runs through ``Constraints(pp=, schedule="1f1b")``), plan the published
+shape on the published cluster with the published parallel configuration fixed through ``autopar.Constraints`` (tp, dp, ZeRO stage,
 recompute, gradient-accumulation microbatches; precision bf16-mixed), take the predicted step
 time, and convert it to throughput *in the paper's own unit with the paper's own FLOPs formula*
 (recorded in each entry's ``flops_formula``):
@@ -18,13 +18,28 @@ time, and convert it to throughput *in the paper's own unit with the paper's own
 
 Ratio = predicted / published throughput (> 1: the planner is optimistic); error % = (ratio - 1)
 * 100. By default nothing is tuned: the cost models run with the checked-in presets. Rows the
-example model cannot represent (pipeline runs, OPT-175B whose tp and batch are unknown) are
-listed as skipped with the reason.
+example model cannot represent (e.g. OPT-175B, whose tp and batch are unknown) are listed as
+skipped with the reason.
 
-Calibration (what ``autopar calibrate`` will do from a measured run): ``--calibrate-on ID`` sets
-the device's matmul efficiency from one run, ``--calibrate-comm-on ID`` then sets the inter-node
-``LinkSpec.efficiency`` from one communication-bound run; both runs are left out of the table, so
-every printed row is a prediction for a configuration the calibration did not see.
+Calibration (what ``autopar calibrate`` will do from a measured run): each constant is fitted on
+one run, and every run used for a fit is left out of the table, so every printed row is a
+prediction for a configuration the calibration did not see.
+
+* ``--calibrate-on ID``: the device's matmul efficiency (``DeviceSpec.matmul_efficiency``).
+* ``--calibrate-rails-on ID``: ``LinkSpec.rails``, how many of a node's NICs one collective over a
+  group with several ranks per node drives at once (presets: all of them, NCCL's multi-channel
+  rings). Fitted on a ZeRO-3 row, whose gathers span every rank of every node; groups with one
+  rank per node (PTD-P's data-parallel all-reduce, pipeline sends) do not depend on it.
+* ``--calibrate-exposed-on ID``: ``Cluster.exposed_comm_share``, the share of overlappable
+  communication that stays exposed however much compute could hide it. Fitted on a run whose
+  communication could hide behind its compute; with ``--calibrate-rails-on`` the two are fitted
+  alternately (two rounds).
+* ``--calibrate-comm-on ID``: ``LinkSpec.efficiency`` of the inter-node link (every inter-node
+  collective slower by one factor; kept for comparison: one factor cannot serve both the ZeRO-3
+  and the PTD-P rows).
+
+``--free`` also plans every row without constraints (pipelines included) and prints the free
+plan's predicted throughput beside the forced configuration's.
 
 How each row is mapped, and what differs from the published run:
 
@@ -40,9 +55,14 @@ How each row is mapped, and what differs from the published run:
   the Narayanan ZeRO-3 rows maps to True, because the paper's Eq. 3 counts recompute.
 * sequence parallelism: not a constraint; the planner's ILP may or may not choose it.
 * microbatches (gradient accumulation steps) = global_batch / (dp * micro_batch) when the micro
-  batch is published, else 1. If that plan does not fit in memory, the script doubles
-  microbatches until it does (the published runs did fit; our memory model is coarser) and says
-  so in the row.
+  batch is published, else 1. If that plan does not fit in memory, the script doubles the
+  device memory (up to 4x) until it does and says so in the row: the published runs did fit,
+  but bf16-mixed here is autocast, which keeps the residual stream (and so the checkpointed
+  block inputs) in fp32 where those stacks kept it in half precision; more microbatches instead
+  would change what is compared (ZeRO-3 gathers every parameter once per microbatch).
+* attention: Megatron-LM 2021-2022 (Narayanan, Korthikanti) had no flash attention, so the GPT
+  runs its "math" attention (scores materialised; its scale/mask/softmax as separate ops where
+  Megatron fused them, and no attention dropout); MPT ran a flash kernel ("sdpa").
 * A100-40GB rows (MPT): the dgx-a100 preset with device memory 40 GB and 1.555 TB/s (A100 40GB
   SXM datasheet); everything else as the 80GB preset.
 
@@ -53,8 +73,9 @@ Usage::
     python benchmarks/published_comparison.py --only mpt-7b-h100-8gpu,korthikanti22-22b-full-recompute
     python benchmarks/published_comparison.py --list
     python benchmarks/published_comparison.py --json out.json
-    python benchmarks/published_comparison.py --calibrate-on narayanan21-t1-1.7b \
-        --calibrate-comm-on narayanan21-t2-zero3-174.6b-1536gpu --family narayanan-t2-zero3
+    python benchmarks/published_comparison.py --family narayanan-t1,narayanan-t2-zero3,narayanan-t2-ptdp \
+        --free --calibrate-on narayanan21-t1-18.4b --calibrate-rails-on narayanan21-t2-zero3-174.6b-768gpu \
+        --calibrate-exposed-on narayanan21-t2-zero3-529.6b-640gpu
 """
 from __future__ import annotations
 
@@ -169,10 +190,25 @@ def forced(entry: dict) -> tuple[dict, list[str]]:
     return out, notes
 
 
+def attention_for(entry: dict) -> str:
+    """How the published stack ran attention: Megatron-LM of 2021-2022 (Narayanan, Korthikanti)
+    had no flash attention, so its (heads x seq x seq) scores went through device memory
+    (scale/mask/softmax fused into one kernel; the example GPT's "math" path runs mask and
+    softmax as two, and no attention dropout); MPT ran a fused flash kernel."""
+    return "math" if family(entry).startswith(("narayanan", "korthikanti")) else "sdpa"
+
+
 # set by --calibrate-on: a measured (calibrated) matmul efficiency replacing the preset's
 EFFICIENCY_OVERRIDE: float | None = None
 # set by --calibrate-comm-on: the achieved fraction of inter-node bandwidth (LinkSpec.efficiency)
 COMM_EFFICIENCY_OVERRIDE: float | None = None
+# set by --calibrate-rails-on: how many NICs of a node one collective drives (LinkSpec.rails)
+RAILS_OVERRIDE: float | None = None
+# set by --calibrate-exposed-on: the share of overlappable communication left exposed
+# (Cluster.exposed_comm_share)
+EXPOSED_OVERRIDE: float | None = None
+# set by --free: also plan every row without constraints and compare
+FREE_PLANS = False
 # set by --inter-node-gbps: an assumed node-to-node fabric (Gb/s per node, all NICs) for rows whose
 # source does not state it (a sensitivity check, printed in each row's notes)
 INTER_NODE_GBPS: float | None = None
@@ -191,6 +227,12 @@ def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
     if COMM_EFFICIENCY_OVERRIDE is not None:
         cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, efficiency=COMM_EFFICIENCY_OVERRIDE))
         notes.append(f"inter-node efficiency {COMM_EFFICIENCY_OVERRIDE:.3f} (calibrated)")
+    if RAILS_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, rails=RAILS_OVERRIDE))
+        notes.append(f"inter-node rails {RAILS_OVERRIDE:.2f} (calibrated)")
+    if EXPOSED_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, exposed_comm_share=EXPOSED_OVERRIDE)
+        notes.append(f"exposed communication share {EXPOSED_OVERRIDE:.3f} (calibrated)")
     if entry["gpu"].startswith("A100-SXM4-40GB"):
         dev = dataclasses.replace(cl.device, name="A100-SXM4-40GB", **A100_40GB)
         cl = dataclasses.replace(cl, device=dev)
@@ -233,26 +275,35 @@ def plan_entry(entry: dict) -> dict:
     kw, notes = forced(entry)
     cluster, cnotes = cluster_for(entry)
     notes += cnotes
+    attention = attention_for(entry)
+    if attention == "math":
+        notes.append("attention materialised (no flash attention in this stack)")
     with torch.device("meta"):
-        model = GPT(GPTConfig(m["vocab"], m["seq_len"], m["layers"], m["heads"], m["hidden"]))
+        model = GPT(GPTConfig(m["vocab"], m["seq_len"], m["layers"], m["heads"], m["hidden"], attention=attention))
     idx = torch.empty(c["global_batch"], m["seq_len"], dtype=torch.long, device="meta")
-    first_micro = kw["microbatches"]
     t0 = time.perf_counter()
-    plan = None
-    err = ""
+    plan, err, relaxed = None, "", 1
     while plan is None:
         try:
             plan = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed",
                                 constraints=autopar.Constraints(**kw))
         except autopar.NoFeasiblePlanError as exc:
             err = str(exc)
-            if "memory" not in err or kw["microbatches"] >= c["global_batch"] // kw["dp"] or kw["microbatches"] >= 64:
+            if not ("memory" in err or "GiB" in err) or relaxed >= 4:
                 break
-            kw["microbatches"] *= 2
+            # The published run fitted; ours does not: bf16-mixed (autocast) keeps the residual
+            # stream and the checkpointed block inputs in fp32, where Megatron-LM and DeepSpeed
+            # trained in half precision with fp32 master weights. Changing the published
+            # configuration (more microbatches) would change what is compared (ZeRO-3 gathers
+            # every parameter once per microbatch), so the memory check is relaxed instead.
+            relaxed *= 2
+            dev = cluster.device
+            cluster = dataclasses.replace(cluster, device=dataclasses.replace(dev, memory_bytes=dev.memory_bytes * 2))
     plan_s = time.perf_counter() - t0
     out = dict(id=entry["id"], family=family(entry), gpus=entry["gpus"], forced=dict(kw), notes=notes, plan_s=plan_s)
-    if kw["microbatches"] != first_micro and plan is not None:
-        notes.append(f"microbatches {first_micro} did not fit in our memory model; planned with {kw['microbatches']}")
+    if relaxed > 1 and plan is not None:
+        notes.append(f"the published configuration does not fit our memory model (fp32 residual stream under "
+                     f"autocast); planned with {relaxed}x device memory")
     if plan is None:
         out.update(ok=False, error=err.split(". ")[0])
         return out
@@ -269,7 +320,40 @@ def plan_entry(entry: dict) -> dict:
     out.update(published_and_predicted(entry, step))
     out["ratio"] = out["predicted"] / out["published"]
     out["error_pct"] = (out["ratio"] - 1) * 100
+    if FREE_PLANS:
+        t0 = time.perf_counter()
+        try:
+            free = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed")
+        except autopar.NoFeasiblePlanError as exc:
+            out.update(free_ok=False, free_error=str(exc).split(". ")[0])
+        else:
+            out.update(free_ok=True, free_step_s=free.predicted.step_time_s, free_pp=free.pipeline_degree,
+                       free_mesh=free.mesh, free_schedule=free.schedule, free_microbatches=free.microbatches,
+                       free_predicted=published_and_predicted(entry, free.predicted.step_time_s)["predicted"])
+        out["free_plan_s"] = time.perf_counter() - t0
     return out
+
+
+def print_free(rows: list[dict]) -> None:
+    """The free plan (no constraint but precision) beside the published configuration forced."""
+    print("\nfree plan (autopar.plan without constraints) vs the published configuration forced:")
+    print(f"{'id':<36} {'forced':>8} {'free':>8} {'free/forced':>11}  free plan")
+    for r in rows:
+        if not r.get("ok") or "free_ok" not in r:
+            continue
+        if not r["free_ok"]:
+            print(f"{r['id']:<36} {r['predicted']:8.1f} {'-':>8} {'-':>11}  NO PLAN: {r['free_error'][:90]}")
+            continue
+        mesh = " ".join(f"{k}={v}" for k, v in r["free_mesh"].items())
+        pipe = (f"pp={r['free_pp']} {mesh} {r['free_schedule']} m={r['free_microbatches']}" if r["free_pp"] > 1
+                else f"{mesh} microbatches={r['free_microbatches']}")
+        print(f"{r['id']:<36} {r['predicted']:8.1f} {r['free_predicted']:8.1f} {r['free_predicted'] / r['predicted']:11.3f}  "
+              f"{pipe} ({r['free_plan_s']:.0f} s)")
+    frees = [r for r in rows if r.get("free_ok")]
+    if frees:
+        slower = [r["id"] for r in frees if r["free_predicted"] < r["predicted"] * (1 - 1e-6)]
+        print(f"  free plan no slower than the forced one: {len(frees) - len(slower)}/{len(frees)}"
+              + (f" (slower: {', '.join(slower)})" if slower else ""))
 
 
 # --- reporting ---------------------------------------------------------------------------------
@@ -321,39 +405,53 @@ def print_summary(rows: list[dict]) -> None:
         print(f"  no plan for {len(failed)} row(s): {', '.join(failed)}")
 
 
-def calibrate_comm(ref: dict, tol: float = 0.005, max_plans: int = 10) -> float:
-    """The inter-node efficiency at which the planner's step time for ``ref`` equals the published
-    one. Every trial is a full re-plan. The step time is close to piecewise linear in
-    x = 1/efficiency (flat while communication hides behind compute, then slope = communication
-    time at efficiency 1), so the search is regula falsi (Illinois) on x inside a bracket, started
-    from that linear model."""
-    print(f"calibrating the inter-node efficiency on {ref['id']} ...", file=sys.stderr, flush=True)
+def calibrate_comm(ref: dict, constant: str = "efficiency", tol: float = 0.005, max_plans: int = 10) -> float:
+    """The inter-node ``constant`` ("efficiency" or "rails") at which the planner's step time for
+    ``ref`` equals the published one. Every trial is a full re-plan. Both constants divide the
+    inter-node bandwidth a collective sees, so the search runs on x = 1/efficiency or
+    x = devices_per_node/rails (x >= 1; rails cannot go below one NIC, x <= devices_per_node): the
+    step time is close to piecewise linear in x (flat while communication hides behind compute,
+    then slope = the communication time at x = 1). Regula falsi (Illinois) on x inside a
+    bracket, started from that linear model."""
+    dpn = cluster_for(ref)[0].devices_per_node
+    x_max = float(dpn) if constant == "rails" else float("inf")
+    print(f"calibrating the inter-node {constant} on {ref['id']} ...", file=sys.stderr, flush=True)
+
+    def value(x: float) -> float:
+        return dpn / x if constant == "rails" else 1.0 / x
 
     def trial(x: float) -> tuple[float, dict]:
-        global COMM_EFFICIENCY_OVERRIDE
-        COMM_EFFICIENCY_OVERRIDE = 1.0 / x
+        global COMM_EFFICIENCY_OVERRIDE, RAILS_OVERRIDE
+        if constant == "rails":
+            RAILS_OVERRIDE = value(x)
+        else:
+            COMM_EFFICIENCY_OVERRIDE = value(x)
         r = plan_entry(ref)
         if not r["ok"]:
             raise SystemExit(f"cannot calibrate on {ref['id']}: {r['error']}")
-        print(f"  efficiency {1 / x:.4f}: predicted {r['step_s']:.2f} s/iter vs published {r['published_step_s']:.2f} s",
+        print(f"  {constant} {value(x):.4f}: predicted {r['step_s']:.2f} s/iter vs published {r['published_step_s']:.2f} s",
               file=sys.stderr, flush=True)
         return r["step_s"] - r["published_step_s"], r
 
     f_lo, r = trial(1.0)
     target = r["published_step_s"]
     if f_lo >= 0:
-        raise SystemExit(f"cannot calibrate on {ref['id']}: at datasheet bandwidth the prediction ({r['step_s']:.2f} s) "
+        raise SystemExit(f"cannot calibrate on {ref['id']}: at the preset's {constant} the prediction ({r['step_s']:.2f} s) "
                          f"is already not below the published {target:.2f} s; communication cannot explain the gap")
     lo, hi, f_hi = 1.0, None, None
     total_comm = sum(r["comm_s"].values())
     # linear model: step(x) = compute + total_comm * x - OVERLAP_EFFICIENCY * compute, once exposed
-    x = max(1.0 + 1e-3, (target - 0.2 * r["compute_s"]) / max(total_comm, 1e-12))
+    x = min(x_max, max(1.0 + 1e-3, (target - 0.2 * r["compute_s"]) / max(total_comm, 1e-12)))
     side = 0
     for _ in range(max_plans - 1):
         f, r = trial(x)
         if abs(f) <= tol * target:
             break
         if f < 0:
+            if x >= x_max:
+                print(f"  {constant} at its limit ({value(x):.4f}) and the prediction is still below the published "
+                      "step: kept at the limit", file=sys.stderr, flush=True)
+                break
             lo, f_lo = x, f
             if side == -1 and f_hi is not None:
                 f_hi /= 2  # Illinois: keep the stale end from stalling the bracket
@@ -364,12 +462,57 @@ def calibrate_comm(ref: dict, tol: float = 0.005, max_plans: int = 10) -> float:
                 f_lo /= 2
             side = 1
         if hi is None:
-            x = 2 * x  # not bracketed yet: communication still hidden at this efficiency
+            x = min(x_max, 2 * x)  # not bracketed yet: communication still hidden at this value
         else:
             x = lo - f_lo * (hi - lo) / (f_hi - f_lo)
-    print(f"calibrated on {ref['id']}: inter-node efficiency {COMM_EFFICIENCY_OVERRIDE:.4f} "
+    fitted = RAILS_OVERRIDE if constant == "rails" else COMM_EFFICIENCY_OVERRIDE
+    print(f"calibrated on {ref['id']}: inter-node {constant} {fitted:.4f} "
           f"(predicted {r['step_s']:.2f} s/iter vs published {target:.2f} s)\n")
-    return COMM_EFFICIENCY_OVERRIDE
+    return fitted
+
+
+def calibrate_exposed(ref: dict, tol: float = 0.005, max_plans: int = 8) -> float:
+    """The ``Cluster.exposed_comm_share`` at which the planner's step time for ``ref`` (a run
+    whose communication could hide behind its compute) equals the published one. The step time
+    grows with the share, piecewise linearly (slope: the overlappable communication once the
+    floor binds), so the search is regula falsi on the share in [0, 1]."""
+    global EXPOSED_OVERRIDE
+    print(f"calibrating the exposed communication share on {ref['id']} ...", file=sys.stderr, flush=True)
+
+    def trial(share: float) -> float:
+        global EXPOSED_OVERRIDE
+        EXPOSED_OVERRIDE = share
+        r = plan_entry(ref)
+        if not r["ok"]:
+            raise SystemExit(f"cannot calibrate on {ref['id']}: {r['error']}")
+        print(f"  exposed share {share:.4f}: predicted {r['step_s']:.2f} s/iter vs published {r['published_step_s']:.2f} s",
+              file=sys.stderr, flush=True)
+        return r["step_s"] - r["published_step_s"]
+
+    lo, hi = 0.0, 1.0
+    f_lo, f_hi = trial(lo), trial(hi)
+    if f_lo >= 0 or f_hi <= 0:
+        raise SystemExit(f"cannot calibrate on {ref['id']}: the published step is outside what shares 0..1 predict "
+                         f"({f_lo:+.2f} s .. {f_hi:+.2f} s from it)")
+    side, share = 0, lo
+    for _ in range(max_plans - 2):
+        share = lo - f_lo * (hi - lo) / (f_hi - f_lo)
+        f = trial(share)
+        if abs(f) <= tol * abs(f_hi - f_lo + 1e-12) or abs(f) < 1e-3:
+            break
+        if f < 0:
+            lo, f_lo = share, f
+            if side == -1:
+                f_hi /= 2
+            side = -1
+        else:
+            hi, f_hi = share, f
+            if side == 1:
+                f_lo /= 2
+            side = 1
+    EXPOSED_OVERRIDE = share
+    print(f"calibrated on {ref['id']}: exposed communication share {share:.4f}\n")
+    return share
 
 
 def main(argv=None) -> int:
@@ -384,12 +527,32 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate-comm-on", metavar="ID",
                     help="then calibrate the inter-node link efficiency (achieved fraction of bandwidth in "
                          "collectives) on this one, communication-bound run; it is excluded too")
+    ap.add_argument("--calibrate-rails-on", metavar="ID",
+                    help="then calibrate LinkSpec.rails (how many of a node's NICs one collective over several "
+                         "ranks per node drives) on this one run; it is excluded too")
+    ap.add_argument("--calibrate-exposed-on", metavar="ID",
+                    help="then calibrate Cluster.exposed_comm_share (the share of overlappable communication that "
+                         "stays exposed) on this one run, whose communication could hide behind compute; with "
+                         "--calibrate-rails-on too, the two are fitted alternately (two rounds); excluded too")
+    ap.add_argument("--constants", metavar="EFF,RAILS,SHARE",
+                    help="set matmul efficiency, inter-node rails and exposed communication share directly (as "
+                         "printed by a calibration run; '-' keeps the preset), instead of fitting them again")
+    ap.add_argument("--free", action="store_true",
+                    help="also plan each row without constraints (the free plan, pipelines included) and print "
+                         "its predicted throughput beside the forced configuration's")
     ap.add_argument("--inter-node-gbps", type=float, metavar="GBPS",
                     help="assume this node-to-node bandwidth (Gb/s per node, all NICs together) for multi-node "
                          "rows, e.g. 1600 for 8x200G; for sources that do not state their fabric")
     args = ap.parse_args(argv)
+    global EFFICIENCY_OVERRIDE, COMM_EFFICIENCY_OVERRIDE, RAILS_OVERRIDE, EXPOSED_OVERRIDE, FREE_PLANS, INTER_NODE_GBPS
+    if args.constants:
+        vals = [None if v.strip() == "-" else float(v) for v in args.constants.split(",")]
+        if len(vals) != 3:
+            ap.error("--constants takes three comma-separated values: matmul efficiency, rails, exposed share")
+        EFFICIENCY_OVERRIDE, RAILS_OVERRIDE, EXPOSED_OVERRIDE = vals
+    if args.free:
+        FREE_PLANS = True
     if args.inter_node_gbps is not None:
-        global INTER_NODE_GBPS
         INTER_NODE_GBPS = args.inter_node_gbps
     entries = json.load(open(RUNS_JSON))
     todo, skipped = [], []
@@ -413,7 +576,6 @@ def main(argv=None) -> int:
         fams = set(args.family.split(","))
         todo = [e for e in todo if family(e) in fams]
     if args.calibrate_on:
-        global EFFICIENCY_OVERRIDE
         ref = next((e for e in entries if e["id"] == args.calibrate_on), None)
         if ref is None:
             ap.error(f"unknown id {args.calibrate_on!r}; see --list")
@@ -428,21 +590,38 @@ def main(argv=None) -> int:
               f"(predicted {r['step_s']:.3f} s/iter vs published {r['published_step_s']:.3f} s)\n")
         todo = [e for e in todo if e["id"] != ref["id"]]
     if args.calibrate_comm_on:
-        global COMM_EFFICIENCY_OVERRIDE
         ref = next((e for e in entries if e["id"] == args.calibrate_comm_on), None)
         if ref is None:
             ap.error(f"unknown id {args.calibrate_comm_on!r}; see --list")
-        COMM_EFFICIENCY_OVERRIDE = calibrate_comm(ref)
+        COMM_EFFICIENCY_OVERRIDE = calibrate_comm(ref, "efficiency")
         todo = [e for e in todo if e["id"] != ref["id"]]
+
+    def entry_of(rid):
+        ref = next((e for e in entries if e["id"] == rid), None)
+        if ref is None:
+            ap.error(f"unknown id {rid!r}; see --list")
+        return ref
+
+    rounds = 2 if args.calibrate_rails_on and args.calibrate_exposed_on else 1
+    for _ in range(rounds):  # the two constants interact: fit them alternately
+        if args.calibrate_rails_on:
+            RAILS_OVERRIDE = calibrate_comm(entry_of(args.calibrate_rails_on), "rails")
+        if args.calibrate_exposed_on:
+            EXPOSED_OVERRIDE = calibrate_exposed(entry_of(args.calibrate_exposed_on))
+    left_out = {args.calibrate_rails_on, args.calibrate_exposed_on}
+    todo = [e for e in todo if e["id"] not in left_out]
     rows = []
     for e in todo:
         print(f"planning {e['id']} ...", file=sys.stderr, flush=True)
         rows.append(plan_entry(e))
     print("predicted vs published throughput, published configuration forced, precision bf16-mixed, "
-          + ("calibrated efficiencies (see above)\n" if EFFICIENCY_OVERRIDE or COMM_EFFICIENCY_OVERRIDE
+          + ("calibrated constants (see above)\n" if (EFFICIENCY_OVERRIDE or COMM_EFFICIENCY_OVERRIDE or RAILS_OVERRIDE
+                                                    or EXPOSED_OVERRIDE is not None)
              else "cost-model constants as checked in\n"))
     print_table(rows)
     print_summary(rows)
+    if FREE_PLANS:
+        print_free(rows)
     if not (args.only or args.family):
         print(f"\nskipped {len(skipped)} entries: " + "; ".join(
             f"{why} ({sum(1 for _, w in skipped if w == why)})" for why in dict.fromkeys(w for _, w in skipped)))
