@@ -221,6 +221,27 @@ def test_no_plan_fits_on_a_local_cluster_suggests_a_valid_cluster():
     assert "Cluster.preset('local'" not in msg  # there is no such preset
 
 
+def test_no_plan_fits_reports_the_leanest_plan_the_search_met():
+    """A device just too small for every plan allowed: the error's "needs X GiB" is at most the
+    peak of the plan that fits a larger device (the search met it), and above the budget. It
+    used to report the simulated peak of the ILP's linear memory optimum, which can be far
+    higher, and to consider recompute=False when the constraints fixed recompute=True."""
+    import re
+
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    fixed = Constraints(dp=2, tp=1, zero=0, recompute=True, microbatches=1)
+    roomy = plan_gpt(constraints=fixed)
+    peak = roomy.predicted.peak_memory_bytes
+    base = Cluster.local(2)
+    memory = int(0.8 * peak / USABLE_MEMORY_FRACTION)
+    small = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=memory))
+    with pytest.raises(NoFeasiblePlanError) as info:
+        plan_gpt(cluster=small, constraints=fixed)
+    need = float(re.search(r"needs ([0-9.e+-]+) GiB", str(info.value)).group(1)) * 2**30
+    assert memory * USABLE_MEMORY_FRACTION < need <= peak * 1.005
+
+
 # --------------------------------------------------------------------------- (e) determinism
 def _json(p):
     # Baseline.fits is a numpy bool (bug, see tests/test_plan.py::test_to_json_of_a_fresh_plan)

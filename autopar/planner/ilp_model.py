@@ -23,11 +23,12 @@ MIB = 2.0**20  # memory unit: MiB
 class InfeasibleProblem(Exception):
     """Raised by ``ilp.solve`` (and by ``build_model``); ``family`` names the violated constraint family."""
 
-    def __init__(self, family: str, detail: str, nodes: list[str] = ()):
+    def __init__(self, family: str, detail: str, nodes: list[str] = (), peak_bytes: float | None = None):
         super().__init__(f"{family}: {detail}")
         self.family = family
         self.detail = detail
         self.nodes = list(nodes)
+        self.peak_bytes = peak_bytes  # memory family: the simulated peak of the leanest plan tried, if any
 
 
 # Columns are indices into IlpModel's arrays; a term is (coef, column or None for a constant).

@@ -155,6 +155,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     # the ILP charges a linear memory model; the step simulation (evaluate) is what the plan
     # promises: tighten the ILP's budget by what its model missed until the simulated peak fits
     gap = 0.0
+    leanest = ev.peak_bytes  # the least simulated peak seen: what a "does not fit" reports
     for _ in range(_MEMORY_ROUNDS):
         if budget is None or ev.peak_bytes <= budget:
             break
@@ -163,12 +164,18 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
         if gap >= budget:
             raise InfeasibleProblem(
                 "memory", f"beyond what every plan keeps, the step's working set ({gap / 2**30:.2f} GiB: activations, "
-                f"gradients in flight, gathered parameters) alone exceeds the {budget / 2**30:.2f} GiB budget")
-        sol = solve(problem, budget - gap, solver_cfg)
+                f"gradients in flight, gathered parameters) alone exceeds the {budget / 2**30:.2f} GiB budget",
+                peak_bytes=leanest)
+        try:
+            sol = solve(problem, budget - gap, solver_cfg)
+        except InfeasibleProblem as exc:
+            exc.peak_bytes = leanest
+            raise
         ev = evaluate(problem, sol.choice)
+        leanest = min(leanest, ev.peak_bytes)
     if budget is not None and ev.peak_bytes > budget:
         raise InfeasibleProblem("memory", f"peak {ev.peak_bytes / 2**30:.2f} GiB incl. transients exceeds the "
-                                          f"{budget / 2**30:.2f} GiB budget")
+                                          f"{budget / 2**30:.2f} GiB budget", peak_bytes=leanest)
     if recompute and c.recompute is None:
         ev = _fewest_recomputed(problem, sol.choice, ev, budget)
     sol.memory_slack_bytes = float("inf") if unconstrained else sol.memory_slack_bytes
@@ -489,10 +496,13 @@ def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget
     if non_memory and all(f.family != "memory" for f in failures):
         f = non_memory[0]
         raise NoFeasiblePlanError(f"no plan satisfies the constraints ({f.family}): {f.detail}. Relax {c}.")
-    # the least memory any plan needs on this cluster
-    need = math.inf
+    # the least memory any plan needs on this cluster: the leanest simulated peak the search met,
+    # and the simulated peak of the assignment minimising the ILP's (linear) memory model
+    need = min((f.peak_bytes for f in failures if getattr(f, "peak_bytes", None) is not None), default=math.inf)
+    recomputes = [c.recompute] if c.recompute is not None and blocks.blocks else (
+        [True, False] if blocks.blocks else [False])
     for mesh in meshes:
-        for recompute in ([True, False] if blocks.blocks else [False]):
+        for recompute in recomputes:
             try:
                 ctx = cost_context(mesh, cluster, policy, optimizer)
                 problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=_leanest_micro(traced, mesh, c),
