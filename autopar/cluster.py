@@ -233,6 +233,11 @@ class Cluster:
             raise ClusterSpecError(
                 f"Cluster.sources must be a sequence of strings, got {self.sources!r}"
             )
+        if self.intra_node.rails is not None:
+            raise ClusterSpecError(
+                f"Cluster.intra_node.rails is {self.intra_node.rails!r}, but rails describe how a collective "
+                "leaves a node (NICs); set inter_node.rails and leave intra_node.rails None"
+            )
         share = self.exposed_comm_share
         if share is not None and not (isinstance(share, numbers.Real) and not isinstance(share, bool)
                                       and 0.0 <= float(share) <= 1.0):
