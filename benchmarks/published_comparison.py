@@ -475,8 +475,8 @@ def calibrate_exposed(ref: dict, tol: float = 0.005, max_plans: int = 8) -> floa
     """The ``Cluster.exposed_comm_share`` at which the planner's step time for ``ref`` (a run
     whose communication could hide behind its compute) equals the published one. The step time
     grows with the share, piecewise linearly (slope: the overlappable communication once the
-    floor binds), so the search is regula falsi on the share in [0, 1]."""
-    global EXPOSED_OVERRIDE
+    floor binds), so the search is regula falsi on the share in [0, 1] (each trial leaves
+    ``EXPOSED_OVERRIDE`` at the share it tried: the last one is the fit)."""
     print(f"calibrating the exposed communication share on {ref['id']} ...", file=sys.stderr, flush=True)
 
     def trial(share: float) -> float:
@@ -510,7 +510,6 @@ def calibrate_exposed(ref: dict, tol: float = 0.005, max_plans: int = 8) -> floa
             if side == 1:
                 f_lo /= 2
             side = 1
-    EXPOSED_OVERRIDE = share
     print(f"calibrated on {ref['id']}: exposed communication share {share:.4f}\n")
     return share
 
@@ -575,10 +574,14 @@ def main(argv=None) -> int:
     if args.family:
         fams = set(args.family.split(","))
         todo = [e for e in todo if family(e) in fams]
-    if args.calibrate_on:
-        ref = next((e for e in entries if e["id"] == args.calibrate_on), None)
+    def entry_of(rid):
+        ref = next((e for e in entries if e["id"] == rid), None)
         if ref is None:
-            ap.error(f"unknown id {args.calibrate_on!r}; see --list")
+            ap.error(f"unknown id {rid!r}; see --list")
+        return ref
+
+    if args.calibrate_on:
+        ref = entry_of(args.calibrate_on)
         print(f"calibrating on {ref['id']} ...", file=sys.stderr, flush=True)
         r = plan_entry(ref)
         base = cluster_for(ref)[0].device.matmul_efficiency
@@ -588,27 +591,15 @@ def main(argv=None) -> int:
         EFFICIENCY_OVERRIDE = base * scaled / (r["published_step_s"] - rest)
         print(f"calibrated on {ref['id']}: matmul_efficiency {base:.3f} -> {EFFICIENCY_OVERRIDE:.3f} "
               f"(predicted {r['step_s']:.3f} s/iter vs published {r['published_step_s']:.3f} s)\n")
-        todo = [e for e in todo if e["id"] != ref["id"]]
     if args.calibrate_comm_on:
-        ref = next((e for e in entries if e["id"] == args.calibrate_comm_on), None)
-        if ref is None:
-            ap.error(f"unknown id {args.calibrate_comm_on!r}; see --list")
-        COMM_EFFICIENCY_OVERRIDE = calibrate_comm(ref, "efficiency")
-        todo = [e for e in todo if e["id"] != ref["id"]]
-
-    def entry_of(rid):
-        ref = next((e for e in entries if e["id"] == rid), None)
-        if ref is None:
-            ap.error(f"unknown id {rid!r}; see --list")
-        return ref
-
+        COMM_EFFICIENCY_OVERRIDE = calibrate_comm(entry_of(args.calibrate_comm_on), "efficiency")
     rounds = 2 if args.calibrate_rails_on and args.calibrate_exposed_on else 1
     for _ in range(rounds):  # the two constants interact: fit them alternately
         if args.calibrate_rails_on:
             RAILS_OVERRIDE = calibrate_comm(entry_of(args.calibrate_rails_on), "rails")
         if args.calibrate_exposed_on:
             EXPOSED_OVERRIDE = calibrate_exposed(entry_of(args.calibrate_exposed_on))
-    left_out = {args.calibrate_rails_on, args.calibrate_exposed_on}
+    left_out = {args.calibrate_on, args.calibrate_comm_on, args.calibrate_rails_on, args.calibrate_exposed_on}
     todo = [e for e in todo if e["id"] not in left_out]
     rows = []
     for e in todo:
