@@ -10,6 +10,7 @@ from autopar.cluster import Cluster, DeviceSpec, LinkSpec, PeakFlops
 from autopar.constraints import Constraints, annotate
 from autopar.errors import (
     AutoparError,
+    CheckpointError,
     ClusterSpecError,
     ConstraintError,
     NoFeasiblePlanError,
@@ -19,12 +20,13 @@ from autopar.errors import (
 from autopar.plan import Plan
 from autopar.api import plan
 from autopar.planner.ilp import SolverConfig
+from autopar.runtime.checkpoint import Checkpointing, Resumed
 from autopar.runtime.compile import compile
 from autopar.runtime.launch import launch
 from autopar.runtime.parallel_model import ParallelModel
 
 __all__ = [
     "Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "Constraints", "annotate", "Plan", "plan",
-    "SolverConfig", "compile", "launch", "ParallelModel", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
+    "SolverConfig", "compile", "Checkpointing", "Resumed", "CheckpointError", "launch", "ParallelModel", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
     "PlanFormatError", "TraceError",
 ]

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "arguments autopar does not know go to the script")
     r.add_argument("script")
     r.add_argument("--nproc", type=int, default=4)
+    r.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="restart every worker this many times after one fails (default %(default)s); a script compiled "
+                        "with checkpoint=autopar.Checkpointing(root) resumes from its newest checkpoint")
     r.set_defaults(func=_cmd_run)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
@@ -117,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
+
+
+# ``autopar run`` restarts failed workers (torchrun's --max-restarts): with Checkpointing a run
+# resumes by itself; a script that keeps failing stops after this many tries
+DEFAULT_MAX_RESTARTS = 3
 
 
 def _check_nproc(nproc: int) -> None:
@@ -142,7 +150,9 @@ def _cmd_run(args) -> int:
     _check_nproc(args.nproc)
     if not os.path.isfile(args.script):
         raise AutoparError(f"no training script {args.script!r} (looked in {os.getcwd()!r}); pass the path of a Python file")
-    return run_script(args.script, args.nproc, args.script_args)
+    if args.max_restarts < 0:
+        raise AutoparError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    return run_script(args.script, args.nproc, args.script_args, max_restarts=args.max_restarts)
 
 
 if __name__ == "__main__":

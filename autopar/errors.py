@@ -61,3 +61,8 @@ class InputMismatchError(AutoparError):
 
 class PlanMismatchError(PlanFormatError):
     """A plan does not describe the model it is applied to (other parameters, shapes or graph)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint that cannot be saved or loaded: incomplete, altered, of another model, or
+    holding state that does not load safely."""

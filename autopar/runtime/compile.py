@@ -20,6 +20,7 @@ from autopar.loss_rewrite import LOSS_REDUCTION_KEY
 from autopar.errors import AutoparError, ConstraintError, InputMismatchError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
+from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.trace import trace_model
 
@@ -40,6 +41,8 @@ def compile(
     collective_timeout_s: float | None = None,
     check_inputs: str | None = None,
     batch: str = "global",
+    checkpoint: Checkpointing | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's sharded program. Call it in every process.
 
@@ -71,6 +74,16 @@ def compile(
     returns this rank's rows of every output with a batch dim, and ``loss.backward()`` averages
     the ranks' losses (as DDP does: with equal shards, the mean loss of the global batch).
 
+    ``lr_scheduler=`` (a factory: optimizer -> scheduler, with ``optimizer=``): train_step steps it
+    after each optimizer step (``pm.lr_scheduler``), and checkpoints save it.
+
+    ``checkpoint=autopar.Checkpointing(root, every=N)``: train_step saves every N steps (in the
+    background by default) and, with ``resume=True`` (the default), compile continues from the
+    newest complete checkpoint under ``root``: ``pm.step`` is its step, and the parameters,
+    optimizer state and RNG states are loaded (resharded if it was saved under another plan or
+    world size) as soon as the plan exists: here with ``example_inputs``, else at the first call.
+    Objects registered with ``pm.track(name, obj)`` (LR scheduler, data loader) are restored too.
+
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())
     >>> # opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -86,6 +99,11 @@ def compile(
             f"compile's optimizer= must be a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), not the "
             f"name {optimizer!r}: compile builds the optimizer over each rank's shards (names are for autopar.plan, which only prices them)"
         )
+    if lr_scheduler is not None and (not fused or not callable(lr_scheduler)):
+        raise AutoparError("lr_scheduler= is a factory (optimizer -> scheduler, e.g. lambda opt: "
+                           "torch.optim.lr_scheduler.StepLR(opt, 100)) that train_step steps, so it needs optimizer= too"
+                           if not fused else f"lr_scheduler= must be a factory (optimizer -> scheduler), got a "
+                           f"{type(lr_scheduler).__name__}")
     if batch not in ("global", "local"):
         raise ConstraintError(f"batch must be 'global' (every rank passes the same global batch) or 'local' (each rank "
                               f"passes its own shard), got {batch!r}")
@@ -123,8 +141,10 @@ def compile(
     # state (two tensors per parameter) is priced, what most training uses and the most SGD needs
     spec = describe_optimizer(optimizer, device.type) if fused else optimizer_spec("adamw")
     builder = _Builder(model=model, cluster=cluster, constraints=constraints, given_plan=plan, policy=policy,
-                       spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer, local=batch == "local")
+                       spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer, local=batch == "local", lr_scheduler=lr_scheduler)
     pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
+    if checkpoint is not None:
+        _set_up_checkpointing(pm, checkpoint)
     if example_inputs is not None:
         inputs = _as_tuple(example_inputs)
         built = builder.primary(inputs, example_target, agree=False)
@@ -132,12 +152,31 @@ def compile(
     return pm
 
 
+def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
+    """Remember where train_step saves; with ``resume``, the newest complete checkpoint to load
+    (its step at once, its state when the plan exists); without, refuse a root already in use."""
+    from autopar.runtime.checkpoint_files import read_manifest, step_dir
+
+    if not isinstance(cfg, Checkpointing):
+        raise AutoparError(f"checkpoint= takes autopar.Checkpointing(root, every=...), got a {type(cfg).__name__}")
+    pm._checkpointing = cfg
+    step = pm._checkpointer.latest(cfg.root)
+    if step is None:
+        return
+    folder = step_dir(cfg.root, step)
+    if not cfg.resume:
+        raise AutoparError(f"{cfg.root} already holds checkpoints of a run (newest: {folder}); resume from it "
+                           "(Checkpointing(resume=True)) or save into an empty root")
+    pm._resume_from = str(folder)
+    pm.step = read_manifest(folder).step
+
+
 class _Builder:
     """What plans and builds the programs of one compiled model (``ParallelModel`` calls it at the
     first call, and for each further program: evaluation, the native forward next to train_step)."""
 
     def __init__(self, *, model, cluster: Cluster, constraints, given_plan, policy, spec, device, loss_fn, optimizer,
-                 local: bool = False):
+                 local: bool = False, lr_scheduler=None):
         self.local = local  # local batches: each rank passes its own shard (``ir.mark_local_batch``)
         self.model = model
         self.cluster = cluster
@@ -148,6 +187,7 @@ class _Builder:
         self.device = device
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
         self.autocast = policy.torch_compute_dtype if policy.mixed else None
         self._signature = None
 

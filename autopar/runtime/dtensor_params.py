@@ -119,6 +119,10 @@ class StateView:
             shape = traced.node(ph).meta["autopar.outputs"][0].shape
             self.buffers[fqn] = make_dtensor(store.buffers[ph], mesh, store.layouts[ph], shape, False)
 
+    def placements_of(self, ph: str) -> tuple:
+        """The DTensor placements of the parameter or buffer ``ph`` as this view serves it."""
+        return self._placements[ph]
+
     def holds(self, fqn: str) -> bool:
         """Whether this rank holds ``fqn`` (a pipeline stage holds only its own)."""
         return fqn in self.params or fqn in self.buffers

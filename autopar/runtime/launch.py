@@ -93,8 +93,25 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
                 f"the cluster spec has {world_size} devices but WORLD_SIZE={os.environ['WORLD_SIZE']}; "
                 "use Cluster.local() or launch that many processes"
             )
-        dist.init_process_group(backend, **kwargs)
+        dist.init_process_group(backend, **_restart_safe_store(world_size, seconds), **kwargs)
     _GROUP_TIMEOUT.update(group=id(dist.group.WORLD), timeout_s=seconds)
+
+
+def _restart_safe_store(world_size: int, timeout_s: float) -> dict:
+    """The rendezvous of a torchrun worker, keyed by torchrun's restart count.
+
+    Why by hand: under torchrun the workers' default group lives in the agent's TCPStore
+    (``TORCHELASTIC_USE_AGENT_STORE``), which torch (2.11-2.13) assumes is new for every restart;
+    with ``--standalone`` it is not, so the restarted workers read the dead attempt's gloo
+    addresses and fail with "connectFullMesh ... Connection refused". A prefix per attempt keeps
+    each attempt's keys apart. Empty (torch's own env:// rendezvous) outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return {"store": dist.PrefixStore(f"autopar/attempt_{attempt}/", store), "rank": int(os.environ["RANK"]),
+            "world_size": world_size}
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, conn, release, timeout_s: float) -> None:
@@ -220,12 +237,15 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0) -> li
     return [results[r] for r in range(nproc)]
 
 
-def run_script(script: str, nproc: int, script_args: list[str], module: bool = False) -> int:
-    """``autopar run script.py --nproc N``: torchrun (standalone rendezvous) with local defaults."""
+def run_script(script: str, nproc: int, script_args: list[str], module: bool = False, max_restarts: int = 0) -> int:
+    """``autopar run script.py --nproc N``: torchrun (standalone rendezvous) with local defaults;
+    ``max_restarts``: how many times torchrun restarts every worker after one fails (a script
+    compiled with ``checkpoint=autopar.Checkpointing(root)`` then resumes from its newest checkpoint)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in [env.get("PYTHONPATH")] if p])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           "--max-restarts", str(max_restarts)]
     cmd += ["-m", script] if module else [script]
     cmd += list(script_args)
     return subprocess.call(cmd, env=env)

@@ -51,6 +51,8 @@ from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather
 from autopar.layouts import Partial, Replicate, Shard, chunk_range, parse_layout, replicated
 from autopar.resharding import reshard_steps_for
 from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, shard_tensor
+from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
+from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.grad_sync import GradSync
@@ -151,12 +153,19 @@ class ParallelModel(torch.nn.Module):
         self.plan = None
         self.step = 0
         self.optimizer = None
+        self.lr_scheduler = None  # compile(lr_scheduler=...): stepped by train_step after each optimizer step
         self._programs: dict[str, _Program] = {}
         self._state: StateView | None = None
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
         self._zero_versions: dict[str, int] = {}
         self._tracker: MemoryTracker | None = None  # set by measure_step
+        self._checkpointer = Checkpointer(self)
+        self._checkpointing: Checkpointing | None = None  # compile(checkpoint=...): train_step saves
+        self._resume_from = None  # a checkpoint folder to load once the plan exists
+        self._tracked: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict()
+        self._pending_tracked: dict[str, Any] = {}  # loaded states of objects not tracked yet
+        self.resumed: Resumed | None = None  # what the last load restored
         mesh = builder.placeholder_mesh()
         self._tensors = register_tree(self, model, lambda name, t, is_param: (
             torch.nn.Parameter(placeholder(t, mesh), requires_grad=t.requires_grad) if is_param else placeholder(t, mesh)))
@@ -205,6 +214,7 @@ class ParallelModel(torch.nn.Module):
                                    self._policy.torch_reduce_dtype if self._policy.mixed else None)
         if self._fused:
             self.optimizer = b.optimizer(self.store.optimizer_params())
+            self.lr_scheduler = b.lr_scheduler(self.optimizer) if b.lr_scheduler is not None else None
         self._state = StateView(self.store, traced, self.device_mesh)
         for name, current in self._tensors.items():
             if self._state.holds(self._param_of_key.get(name, name)):
@@ -219,6 +229,9 @@ class ParallelModel(torch.nn.Module):
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
                 loss_scale=self._loss_grad_scale() * (1.0 / plan.microbatches if loss_reduction == "mean" else 1.0))
         self._note_zero_versions()
+        if self._resume_from is not None:
+            folder, self._resume_from = self._resume_from, None
+            self.resumed = self._checkpointer.load(folder)
 
     @property
     def program(self) -> fx.GraphModule:
@@ -400,6 +413,7 @@ class ParallelModel(torch.nn.Module):
         if self.plan is not None:
             self._grad_sync.close()
             self.comm.close()
+        self._checkpointer.close()  # the save in flight completes (or its failure is raised)
         _LIVE.discard(self)
 
     def __enter__(self) -> "ParallelModel":
@@ -489,7 +503,13 @@ class ParallelModel(torch.nn.Module):
         """``train_step`` on a batch already checked."""
         with collective_failures("train_step"):
             total = self._train_step(inputs, target)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.step += 1
+        cfg = self._checkpointing
+        if cfg is not None and cfg.every and self.step % cfg.every == 0:
+            with collective_failures("checkpoint"):
+                self._checkpointer.save(cfg.root, asynchronous=cfg.asynchronous, keep=cfg.keep)
         return total
 
     def _train_step(self, inputs: tuple, target: Any) -> float:
@@ -766,6 +786,64 @@ class ParallelModel(torch.nn.Module):
                 value = value / self.comm.sizes[a]
         return float(value)
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, root: str | None = None, *, asynchronous: bool = False) -> str:
+        """Save the training state (parameters, optimizer, step, RNG, tracked objects) into
+        ``root/step-<step>`` on every rank (``runtime.checkpoint``); returns that folder. ``root``
+        defaults to compile's ``Checkpointing.root``. Asynchronous: complete after ``wait_saved()``."""
+        self._require_plan("save")
+        root = root if root is not None else self._checkpoint_root("save")
+        with collective_failures("checkpoint"):
+            return str(self._checkpointer.save(root, asynchronous=asynchronous,
+                                               keep=self._checkpointing.keep if self._checkpointing else None))
+
+    def wait_saved(self) -> None:
+        """Wait for an asynchronous save in flight; raise ``CheckpointError`` if it failed."""
+        self._checkpointer.wait()
+
+    def load(self, folder: str) -> "Resumed":
+        """Load the checkpoint ``folder`` (one ``step-<n>``), resharded into this plan."""
+        self._require_plan("load")
+        with collective_failures("checkpoint"):
+            self.resumed = self._checkpointer.load(folder)
+        return self.resumed
+
+    def load_latest(self, root: str | None = None) -> int | None:
+        """Load the newest complete checkpoint under ``root``; its step, or None when there is none."""
+        self._require_plan("load_latest")
+        root = root if root is not None else self._checkpoint_root("load_latest")
+        step = self._checkpointer.latest(root)
+        if step is None:
+            return None
+        self.load(str(step_dir(root, step)))
+        return step
+
+    def track(self, name: str, obj: Any) -> Any:
+        """Save ``obj.state_dict()`` with every checkpoint under ``name`` (an LR scheduler, a
+        ``StatefulDataLoader``, anything with ``state_dict``/``load_state_dict``), and restore it at
+        once if a checkpoint already loaded holds it. Returns ``obj``."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise AutoparError(f"track({name!r}, ...) needs an object with state_dict() and load_state_dict(), got a "
+                               f"{type(obj).__name__}")
+        self._tracked[name] = obj
+        self._restore_tracked(name, obj)
+        return obj
+
+    def _restore_tracked(self, name: str, obj: Any) -> None:
+        if name in self._pending_tracked:
+            obj.load_state_dict(self._pending_tracked.pop(name))
+
+    def _checkpoint_root(self, what: str) -> str:
+        if self._checkpointing is None:
+            raise AutoparError(f"{what}() needs a folder: pass it, or compile with checkpoint=autopar.Checkpointing(root)")
+        return self._checkpointing.root
+
+    def _after_state_load(self) -> None:
+        """Parameters were overwritten in place (their shards): ZeRO-1/2 gathers them whole again."""
+        with active_mesh(self.comm):
+            self._gather_zero_params()
+        self._note_zero_versions()
+
     # ------------------------------------------------------------------ state
     def _local_state(self, ph: str) -> torch.Tensor:
         return self.store.slots[ph].local.detach() if ph in self.store.slots else self.store.buffers[ph]
@@ -790,6 +868,26 @@ class ParallelModel(torch.nn.Module):
             dist.all_gather_object(parts, full, group=self._pp_group)
             full = {k: v for part in parts for k, v in part.items()}
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
+
+    @torch.no_grad()
+    def full_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """train_step's optimizer state, gathered whole on every rank: ``"<fqn>/<state key>"`` ->
+        tensor (what a checkpoint's ``optim/`` entries hold, as one device would)."""
+        from torch.distributed.tensor import DTensor
+
+        from autopar.runtime.checkpoint_state import optimizer_entries
+
+        self._require_plan("full_optimizer_state_dict")
+        if self.optimizer is None:
+            raise AutoparError("full_optimizer_state_dict is train_step's optimizer state; compile with optimizer=")
+        tensors, _ = optimizer_entries(self, self.optimizer)
+        full = {k[len("optim/"):]: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True)
+                for k, t in sorted(tensors.items())}
+        if self._pp_group is not None:
+            parts: list = [None] * dist.get_world_size(self._pp_group)
+            dist.all_gather_object(parts, full, group=self._pp_group)
+            full = {k: v for part in parts for k, v in part.items()}
+        return full
 
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()

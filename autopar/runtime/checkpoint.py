@@ -1,0 +1,341 @@
+"""Saving and loading a ParallelModel's training state (``Checkpointing``, ``pm.save``, ``pm.load_latest``).
+
+Invariants (the files: ``checkpoint_files``; what they hold: ``checkpoint_state``):
+
+* a save happens at a step boundary on every rank (train_step every ``Checkpointing.every``
+  steps, or ``pm.save``); its tensors are written by torch.distributed.checkpoint, so a
+  checkpoint saved under one plan loads into any other plan and world size of the same model;
+* an asynchronous save copies this rank's state to CPU at the step boundary (training then
+  changes the live tensors freely) and writes it on a background thread, over a process group
+  of its own, so its collectives never interleave with training's; at most one save is in
+  flight: the next save, a load and ``close`` wait for it, and a failed background save is
+  raised there;
+* a save is complete only when rank 0 has written the manifest (every file's sha256, gathered
+  from the rank that wrote it) and renamed ``step-<n>.partial`` to ``step-<n>``; a rank dying
+  midway leaves the previous checkpoint the newest complete one;
+* ``load`` verifies every file against the manifest (the ranks share the files), refuses a
+  checkpoint of another model, loads without running pickled code, and reports what changed
+  since the save (``Resumed``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.runtime.checkpoint_files import (
+    CheckpointError, Manifest, SafeReader, complete_steps, partial_dir, prune, read_manifest, sha256_of, step_dir,
+    verify, write_manifest,
+)
+from autopar.runtime.checkpoint_state import (
+    check_weights_only, ensure_optimizer_state, model_entries, model_identity, optimizer_entries,
+    optimizer_state_fqns, param_groups_of, restore_param_groups, restore_rng, rng_states,
+)
+
+__all__ = ["Checkpointing", "Checkpointer", "Resumed", "CheckpointError"]
+
+EXTRAS = "extra-rank{}.pt"
+PLAN_FILE = "plan.json"
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where and how often ``train_step`` saves, for ``autopar.compile(..., checkpoint=...)``.
+
+    ``root``: a folder shared by every rank; each save is ``root/step-<step>/``. ``every``: save
+    after every ``every``-th train_step (None: only ``pm.save``). ``keep``: complete checkpoints
+    kept (older ones are deleted after a save completes). ``asynchronous``: write in the
+    background (see the module docstring). ``resume``: at compile, continue from the newest
+    complete checkpoint under ``root`` (the step, parameters, optimizer, RNG and tracked states);
+    with ``resume=False`` a ``root`` that already holds checkpoints is refused rather than mixed."""
+    root: str
+    every: int | None = None
+    keep: int = 3
+    asynchronous: bool = True
+    resume: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
+            raise AutoparError(f"Checkpointing(root=...) must be a folder path, got {self.root!r}")
+        object.__setattr__(self, "root", os.fspath(self.root))
+        if self.every is not None and (not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1):
+            raise AutoparError(f"Checkpointing(every={self.every!r}): save every how many steps, an integer >= 1 "
+                               "(or None to save only with pm.save)")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise AutoparError(f"Checkpointing(keep={self.keep!r}): how many complete checkpoints to keep, an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a load restored, and what differs from the run that saved it."""
+    step: int
+    path: str
+    saved_world_size: int
+    saved_mesh: str
+    changes: tuple[str, ...]
+
+    def describe(self) -> str:
+        what = "; ".join(self.changes) if self.changes else "same world size and plan"
+        return f"resumed from {self.path} at step {self.step} (saved on {self.saved_world_size} ranks, {self.saved_mesh}): {what}"
+
+
+def describe_mesh(plan) -> str:
+    parts = ([f"pp={plan.pipeline_degree}"] if len(plan.stages) > 1 else []) + [f"{a}={n}" for a, n in plan.mesh_axes]
+    return " ".join(parts) + (f", {plan.microbatches} microbatches" if plan.microbatches > 1 else "")
+
+
+class Checkpointer:
+    """One ParallelModel's saves and loads (see the module docstring)."""
+
+    def __init__(self, pm):
+        self.pm = pm
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._group = None  # the background saves' process group, made at the first save
+
+    # ------------------------------------------------------------------ saving
+    def save(self, root: str | os.PathLike, *, asynchronous: bool = False, keep: int | None = None) -> Path:
+        """Save the training state at the current step into ``root/step-<step>``; returns that path
+        (complete once ``wait()`` returns, for an asynchronous save)."""
+        pm = self.pm
+        self.wait()
+        root = Path(root)
+        step = pm.step
+        final, partial = step_dir(root, step), partial_dir(root, step)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        problem = None
+        if rank == 0:
+            if final.exists():
+                problem = (f"{final} already exists: a checkpoint of step {step} was saved before; save into another "
+                           "root, or resume from it")
+            else:
+                shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died
+                partial.mkdir(parents=True)
+        problem = _agree(problem)
+        if problem:
+            raise CheckpointError(problem)
+        tensors = model_entries(pm._state)
+        scalars: dict = {}
+        if pm.optimizer is not None:
+            opt_tensors, scalars = optimizer_entries(pm, pm.optimizer)
+            tensors.update(opt_tensors)
+        extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_states(pm._device),
+                  "param_groups": param_groups_of(pm.optimizer) if pm.optimizer is not None else [],
+                  "optimizer_scalars": scalars,
+                  "lr_scheduler": pm.lr_scheduler.state_dict() if pm.lr_scheduler is not None else None,
+                  "tracked": {name: obj.state_dict() for name, obj in pm._tracked.items()}}
+        (partial / EXTRAS.format(rank)).write_bytes(check_weights_only(extras, "the step's extras (tracked states, RNG)"))
+        if rank == 0:
+            (partial / PLAN_FILE).write_text(pm.plan.to_json())
+        manifest = Manifest(step=step, world_size=world, plan_fingerprint=pm.plan.fingerprint, mesh=describe_mesh(pm.plan),
+                            model_class=pm._model_class, params=model_identity(pm._traced), files={},
+                            versions={"torch": torch.__version__, "autopar": _autopar_version()},
+                            optimizer=type(pm.optimizer).__name__ if pm.optimizer is not None else None)
+        if asynchronous:
+            staged = _staged(tensors)
+            group = self._background_group()
+            self._failure = None
+            self._thread = threading.Thread(target=self._write, args=(staged, partial, final, manifest, group, keep),
+                                            name=f"autopar-checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(tensors, partial, final, manifest, None, keep)
+            self._raise_failure()
+        return final
+
+    def _write(self, tensors, partial: Path, final: Path, manifest: Manifest, group, keep: int | None) -> None:
+        """Write the tensors, then the manifest (rank 0) from every rank's file hashes; rename."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        try:
+            rank = dist.get_rank()
+            dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), process_group=group)
+            mine = [p.name for p in partial.iterdir() if p.name.startswith(f"__{rank}_") or p.name == EXTRAS.format(rank)]
+            if rank == 0:
+                mine += [".metadata", PLAN_FILE]
+            hashes = {name: {"bytes": (partial / name).stat().st_size, "sha256": sha256_of(partial / name)} for name in mine}
+            every: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, hashes, group=group)
+            if rank == 0:
+                files = {k: v for part in every for k, v in part.items()}
+                write_manifest(partial, dataclasses.replace(manifest, files=files))
+                os.replace(partial, final)
+                if keep is not None:
+                    prune(final.parent, keep, manifest.step)
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()
+            self._failure = exc
+
+    def _background_group(self):
+        """A process group of the background saves' own (created once, on every rank, in step)."""
+        if self._group is None:
+            from autopar.runtime.launch import collective_timeout_s
+            import datetime
+
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s()))
+        return self._group
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any); raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            exc, self._failure = self._failure, None
+            if isinstance(exc, CheckpointError):
+                raise exc
+            raise CheckpointError(f"saving the checkpoint failed on rank {dist.get_rank()}: {type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------ loading
+    def latest(self, root: str | os.PathLike) -> int | None:
+        """The newest complete checkpoint's step under ``root`` (rank 0's view, the same on every rank)."""
+        steps = [complete_steps(root)] if dist.get_rank() == 0 else [None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(steps, src=0)
+        return steps[0][-1] if steps[0] else None
+
+    def load(self, folder: str | os.PathLike) -> Resumed:
+        """Load the checkpoint in ``folder`` into the model, its optimizer and tracked objects."""
+        import torch.distributed.checkpoint as dcp
+
+        pm = self.pm
+        self.wait()
+        folder = Path(folder)
+        t0 = time.perf_counter()
+        manifest = read_manifest(folder)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        names = sorted(manifest.files)
+        problems = _gathered(verify(folder, manifest, names[rank::world]))
+        if problems:
+            raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+        _check_same_model(manifest, model_identity(pm._traced), pm._model_class, folder)
+        saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
+        target = model_entries(pm._state)
+        if pm.optimizer is not None:
+            wanted = optimizer_state_fqns(saved_keys)
+            ensure_optimizer_state(pm, pm.optimizer, wanted)
+            opt_tensors, _ = optimizer_entries(pm, pm.optimizer, only=wanted)
+            target.update(opt_tensors)
+        elif optimizer_state_fqns(saved_keys):
+            pass  # saved by train_step; this model trains in the native loop: its optimizer is the user's
+        absent = sorted(k for k in target if k not in saved_keys)
+        if absent:
+            raise CheckpointError(f"checkpoint {folder} has no {absent[0]}" + (f" (and {len(absent) - 1} more entries)"
+                                  if len(absent) > 1 else "") + f"; it was saved with optimizer {manifest.optimizer}")
+        dcp.load(target, storage_reader=SafeReader(str(folder)))
+        pm._after_state_load()
+        own = folder / EXTRAS.format(rank if rank < manifest.world_size else 0)
+        extras = torch.load(own, weights_only=True)
+        self._restore_extras(extras)
+        now = describe_mesh(pm.plan)
+        changes = []
+        if manifest.world_size != world:
+            changes.append(f"world size {manifest.world_size} -> {world}: re-planned, state resharded, the global batch kept")
+        if manifest.plan_fingerprint != pm.plan.fingerprint:
+            changes.append(f"plan {manifest.mesh} -> {now}")
+        if rank >= manifest.world_size:
+            changes.append("ranks beyond the saved world took rank 0's RNG and tracked states")
+        resumed = Resumed(manifest.step, str(folder), manifest.world_size, manifest.mesh, tuple(changes))
+        if rank == 0:
+            print(f"autopar: {resumed.describe()} in {time.perf_counter() - t0:.1f} s", flush=True)
+        return resumed
+
+    def _restore_extras(self, extras: dict) -> None:
+        pm = self.pm
+        pm.step = int(extras["step"])
+        restore_rng(extras["rng"], pm._device)
+        if pm.optimizer is not None:
+            restore_param_groups(pm.optimizer, extras["param_groups"])
+            index = {s.fqn: s.opt for s in pm.store.slots.values() if s.opt is not None}
+            for fqn, values in extras["optimizer_scalars"].items():
+                if fqn in index:
+                    pm.optimizer.state[index[fqn]].update(values)
+        if pm.lr_scheduler is not None and extras.get("lr_scheduler") is not None:
+            pm.lr_scheduler.load_state_dict(extras["lr_scheduler"])
+        pm._pending_tracked = dict(extras["tracked"])
+        for name, obj in pm._tracked.items():
+            pm._restore_tracked(name, obj)
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _agree(problem: str | None) -> str | None:
+    """Rank 0's verdict (None: go on), on every rank."""
+    box = [problem]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gathered(problems: list[str]) -> list[str]:
+    every: list[Any] = [None] * dist.get_world_size()
+    if dist.get_world_size() > 1:
+        dist.all_gather_object(every, problems)
+    else:
+        every = [problems]
+    return sorted(p for part in every for p in part)
+
+
+def _check_same_model(manifest: Manifest, mine: dict, model_class: str, folder: Path) -> None:
+    saved = {k: list(v) for k, v in manifest.params.items()}
+    if saved == mine:
+        return
+    only_saved = sorted(set(saved) - set(mine))
+    only_mine = sorted(set(mine) - set(saved))
+    reshaped = sorted(k for k in set(saved) & set(mine) if saved[k] != mine[k])
+    details = []
+    if only_saved:
+        details.append(f"{len(only_saved)} tensors only in the checkpoint (e.g. {only_saved[0]})")
+    if only_mine:
+        details.append(f"{len(only_mine)} only in this model (e.g. {only_mine[0]})")
+    if reshaped:
+        k = reshaped[0]
+        details.append(f"{len(reshaped)} of another shape or dtype (e.g. {k}: saved {saved[k]}, here {mine[k]})")
+    raise CheckpointError(f"checkpoint {folder} is of another model (saved from a {manifest.model_class}, this is a "
+                          f"{model_class}): " + "; ".join(details) + "; load it into the model that saved it")
+
+
+def _staged(tensors: dict) -> dict:
+    """CPU copies of this rank's shards, as DTensors over the same mesh (what an asynchronous save
+    writes while training changes the live tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    from autopar.runtime.dtensor_params import make_dtensor
+
+    out = {}
+    for k, t in tensors.items():
+        if isinstance(t, DTensor):
+            local = t.to_local().detach().to("cpu", copy=True)
+            out[k] = make_dtensor(local, t.device_mesh, t.placements, t.shape, False)
+        else:
+            out[k] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def _autopar_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("autopar")
+    except Exception:  # noqa: BLE001 - an uninstalled checkout
+        return "unknown"
+
+
+def plan_of(folder: str | os.PathLike):
+    """The plan a checkpoint was saved under (its ``plan.json``)."""
+    from autopar.plan import Plan
+
+    return Plan.from_json((Path(folder) / PLAN_FILE).read_text())
