@@ -53,7 +53,7 @@ def _train_to(pm, batches, steps: int, die_at: int | None = None) -> None:
 
 def _state(pm) -> dict:
     return {"model": pm.full_state_dict(), "optim": pm.full_optimizer_state_dict(), "step": pm.step,
-            "mesh": pm.plan.mesh, "stages": len(pm.plan.stages), "resumed": pm.resumed}
+            "mesh": pm.plan.mesh, "stages": len(pm.plan.stages), "resumed": pm.resumed, "plan": pm.plan}
 
 
 def train_worker(constraints, steps, root=None, every=None, die_at=None, save_at=None, optimizer=_adamw, asynchronous=True):
@@ -107,6 +107,7 @@ def uninterrupted(tmp_path_factory):
     return autopar.launch(train_worker, 4, {"dp": 2, "tp": 2}, 10, str(root), None, None, 3, timeout_s=600)[0], root
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_bitwise(uninterrupted, tmp_path):
     """Rank 1 dies at step 6 of 10 under ``--max-restarts 1``: the restarted workers resume from the
     newest complete checkpoint and end bitwise equal to the uninterrupted run."""
@@ -130,6 +131,7 @@ def test_torchrun_restart_resumes_bitwise(uninterrupted, tmp_path):
     assert complete_steps(tmp_path / "ckpt")[-3:] == [6, 8, 10]  # keep=3
 
 
+@pytest.mark.slow
 def test_fewer_processes_replan_and_reshard(uninterrupted, tmp_path):
     """The same crash without restarts, then a launch on 2 processes: a new plan, the checkpoint
     loaded resharded, the final state within 1e-5 of the uninterrupted 4-process run."""
@@ -146,6 +148,7 @@ def test_fewer_processes_replan_and_reshard(uninterrupted, tmp_path):
     _assert_equal_states(got, ref, exact=False, label="2 processes")
 
 
+@pytest.mark.slow
 def test_reshard_matrix(uninterrupted):
     """Saved under dp=2 tp=2 on 4 ranks; loaded under dp=4, tp=4, ZeRO-3 dp=4, pp=2 x dp=2 and on one
     process: the full model and optimizer state equal what was saved, bit for bit."""
@@ -160,12 +163,42 @@ def test_reshard_matrix(uninterrupted):
     assert results[3]["stages"] == 2
 
 
+@pytest.mark.slow
 def test_reshard_into_one_process(uninterrupted, world1):
     ref, root = uninterrupted
     pm, _ = _compile({})
     pm.load(str(root / "manual" / "step-3"))
     _assert_equal_states(_state(pm), ref["at_save"], exact=True, label="1 process")
     assert any("world size 4 -> 1" in c for c in pm.resumed.changes)
+    pm.close()
+
+
+def uneven_worker(folder_in, root_out):
+    """odd_mlp (21 features) under ZeRO-3 over 2 ranks: shards of 11 and 10 rows. Load a 1-process checkpoint into
+    it, then save its own."""
+    pm, batches = _compile({"dp": 2, "zero": 3}, case="odd_mlp", optimizer=_sgd)
+    pm.load(folder_in)
+    loaded = _state(pm)
+    _train_to(pm, batches, pm.step + 1)
+    folder = pm.save(root_out)
+    out = _state(pm)
+    pm.close()
+    return loaded, out, folder
+
+
+@pytest.mark.slow
+def test_uneven_shards_reshard_both_ways(tmp_path, world1):
+    pm, batches = _compile({}, case="odd_mlp", optimizer=_sgd)
+    _train_to(pm, batches, 2)
+    folder = pm.save(str(tmp_path / "one"))
+    saved = _state(pm)
+    pm.close()
+    loaded, trained, folder2 = autopar.launch(uneven_worker, 2, folder, str(tmp_path / "two"), timeout_s=300)[0]
+    assert any("S(" in p.layout and p.shape[0] % 2 for p in loaded["plan"].params.values()), "no uneven shard"
+    _assert_equal_states(loaded, saved, exact=True, label="1 -> zero-3 uneven")
+    pm, _ = _compile({}, case="odd_mlp", optimizer=_sgd)
+    pm.load(folder2)
+    _assert_equal_states(_state(pm), trained, exact=True, label="zero-3 uneven -> 1")
     pm.close()
 
 
@@ -186,6 +219,7 @@ def crash_in_save_worker(root):
     pm.wait_saved()
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, world1):
     root = tmp_path
     with pytest.raises(WorkerFailedError, match="exit code 14"):
@@ -320,6 +354,43 @@ def test_sgd_scheduler_rng_and_tracked_state_resume(tmp_path, world1):
     _run_counting(pm, batches, counter, 4)
     _assert_equal_states(_state(pm), want, exact=True, label="sgd resumed")
     assert counter.seen == want_seen
+    pm.close()
+
+
+def test_native_loop_optimizer_resumes(tmp_path, world1):
+    """The torch-native loop: the user's AdamW over pm.parameters() (DTensors), tracked, saved with
+    an explicit step, and restored into a new model whose optimizer is tracked after the load."""
+    from autopar.runtime.parity import build_case
+
+    def native(steps_from, steps_to, opt, pm, batches, loss_fn):
+        for s in range(steps_from, steps_to):
+            x, t = batches[s % 8]
+            opt.zero_grad()
+            loss_fn(pm(x), t).backward()
+            opt.step()
+
+    def fresh(ckpt):
+        model, batches, loss_fn = build_case("gpt")
+        pm = autopar.compile(model, autopar.Cluster.local(1), batches[0][0], checkpoint=ckpt)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), batches, loss_fn
+
+    pm, opt, batches, loss_fn = fresh(None)
+    native(0, 4, opt, pm, batches, loss_fn)
+    want = pm.full_state_dict()
+    pm.close()
+
+    pm, opt, batches, loss_fn = fresh(autopar.Checkpointing(str(tmp_path)))
+    pm.track("opt", opt)
+    native(0, 2, opt, pm, batches, loss_fn)
+    pm.save(step=2)
+    pm.close()
+    pm, opt, batches, loss_fn = fresh(autopar.Checkpointing(str(tmp_path)))
+    assert pm.step == 2
+    pm.track("opt", opt)  # the state is loaded here, after the parameters
+    assert opt.state and all(int(st["step"]) == 2 for st in opt.state.values())
+    native(2, 4, opt, pm, batches, loss_fn)
+    got = pm.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     pm.close()
 
 

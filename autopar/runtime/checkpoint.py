@@ -38,7 +38,7 @@ from autopar.runtime.checkpoint_files import (
 )
 from autopar.runtime.checkpoint_state import (
     check_weights_only, ensure_optimizer_state, model_entries, model_identity, optimizer_entries,
-    optimizer_state_fqns, param_groups_of, restore_param_groups, restore_rng, rng_states,
+    optimizer_state_fqns, param_groups_of, param_index, restore_param_groups, restore_rng, rng_states,
 )
 
 __all__ = ["Checkpointing", "Checkpointer", "Resumed", "CheckpointError"]
@@ -125,11 +125,12 @@ class Checkpointer:
             raise CheckpointError(problem)
         tensors = model_entries(pm._state)
         scalars: dict = {}
-        if pm.optimizer is not None:
-            opt_tensors, scalars = optimizer_entries(pm, pm.optimizer)
+        optimizer = _optimizer_of(pm)
+        if optimizer is not None:
+            opt_tensors, scalars = optimizer_entries(pm, optimizer)
             tensors.update(opt_tensors)
         extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_states(pm._device),
-                  "param_groups": param_groups_of(pm.optimizer) if pm.optimizer is not None else [],
+                  "param_groups": param_groups_of(optimizer) if optimizer is not None else [],
                   "optimizer_scalars": scalars,
                   "lr_scheduler": pm.lr_scheduler.state_dict() if pm.lr_scheduler is not None else None,
                   "tracked": {name: obj.state_dict() for name, obj in pm._tracked.items()}}
@@ -139,7 +140,8 @@ class Checkpointer:
         manifest = Manifest(step=step, world_size=world, plan_fingerprint=pm.plan.fingerprint, mesh=describe_mesh(pm.plan),
                             model_class=pm._model_class, params=model_identity(pm._traced), files={},
                             versions={"torch": torch.__version__, "autopar": _autopar_version()},
-                            optimizer=type(pm.optimizer).__name__ if pm.optimizer is not None else None)
+                            optimizer=type(optimizer).__name__ if optimizer is not None else None)
+        tensors = _first_replicas(tensors)
         if asynchronous:
             staged = _staged(tensors)
             group = self._background_group()
@@ -223,19 +225,17 @@ class Checkpointer:
         _check_same_model(manifest, model_identity(pm._traced), pm._model_class, folder)
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         target = model_entries(pm._state)
-        if pm.optimizer is not None:
-            wanted = optimizer_state_fqns(saved_keys)
-            ensure_optimizer_state(pm, pm.optimizer, wanted)
-            opt_tensors, _ = optimizer_entries(pm, pm.optimizer, only=wanted)
-            target.update(opt_tensors)
-        elif optimizer_state_fqns(saved_keys):
-            pass  # saved by train_step; this model trains in the native loop: its optimizer is the user's
+        optimizer = _optimizer_of(pm)
+        if optimizer is not None:
+            target.update(self._optimizer_target(optimizer, saved_keys))
+        # else: the optimizer state waits for track(name, optimizer) (the native loop builds it later)
         absent = sorted(k for k in target if k not in saved_keys)
         if absent:
             raise CheckpointError(f"checkpoint {folder} has no {absent[0]}" + (f" (and {len(absent) - 1} more entries)"
                                   if len(absent) > 1 else "") + f"; it was saved with optimizer {manifest.optimizer}")
         dcp.load(target, storage_reader=SafeReader(str(folder)))
         pm._after_state_load()
+        pm._pending_optimizer = None if optimizer is not None or not optimizer_state_fqns(saved_keys) else str(folder)
         own = folder / EXTRAS.format(rank if rank < manifest.world_size else 0)
         extras = torch.load(own, weights_only=True)
         self._restore_extras(extras)
@@ -252,16 +252,42 @@ class Checkpointer:
             print(f"autopar: {resumed.describe()} in {time.perf_counter() - t0:.1f} s", flush=True)
         return resumed
 
+    def _optimizer_target(self, optimizer, saved_keys: set[str]) -> dict:
+        """The optimizer's entries to load into (its state created first where it has none)."""
+        wanted = optimizer_state_fqns(saved_keys)
+        ensure_optimizer_state(self.pm, optimizer, wanted)
+        return optimizer_entries(self.pm, optimizer, only=wanted)[0]
+
+    def load_optimizer(self, folder: str) -> None:
+        """The optimizer part of ``load`` for an optimizer tracked after the load (native loop)."""
+        import torch.distributed.checkpoint as dcp
+
+        pm = self.pm
+        folder = Path(folder)
+        optimizer = _optimizer_of(pm)
+        saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
+        with torch.no_grad():
+            dcp.load(self._optimizer_target(optimizer, saved_keys), storage_reader=SafeReader(str(folder)))
+        extras = torch.load(folder / EXTRAS.format(min(dist.get_rank(), read_manifest(folder).world_size - 1)),
+                            weights_only=True)
+        self._restore_optimizer_extras(optimizer, extras)
+        pm._pending_optimizer = None
+
+    def _restore_optimizer_extras(self, optimizer, extras: dict) -> None:
+        restore_param_groups(optimizer, extras["param_groups"])
+        index = param_index(self.pm)
+        by_fqn = {index[id(p)][0]: p for g in optimizer.param_groups for p in g["params"] if id(p) in index}
+        for fqn, values in extras["optimizer_scalars"].items():
+            if fqn in by_fqn:
+                optimizer.state[by_fqn[fqn]].update(values)
+
     def _restore_extras(self, extras: dict) -> None:
         pm = self.pm
         pm.step = int(extras["step"])
         restore_rng(extras["rng"], pm._device)
-        if pm.optimizer is not None:
-            restore_param_groups(pm.optimizer, extras["param_groups"])
-            index = {s.fqn: s.opt for s in pm.store.slots.values() if s.opt is not None}
-            for fqn, values in extras["optimizer_scalars"].items():
-                if fqn in index:
-                    pm.optimizer.state[index[fqn]].update(values)
+        optimizer = _optimizer_of(pm)
+        if optimizer is not None:
+            self._restore_optimizer_extras(optimizer, extras)
         if pm.lr_scheduler is not None and extras.get("lr_scheduler") is not None:
             pm.lr_scheduler.load_state_dict(extras["lr_scheduler"])
         pm._pending_tracked = dict(extras["tracked"])
@@ -270,6 +296,11 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+
+
+def _optimizer_of(pm):
+    """train_step's optimizer, or the native loop's one given to ``pm.track`` (None: neither)."""
+    return pm.optimizer if pm.optimizer is not None else pm._native_optimizer
 
 
 def _agree(problem: str | None) -> str | None:
@@ -308,21 +339,27 @@ def _check_same_model(manifest: Manifest, mine: dict, model_class: str, folder: 
                           f"{model_class}): " + "; ".join(details) + "; load it into the model that saved it")
 
 
-def _staged(tensors: dict) -> dict:
-    """CPU copies of this rank's shards, as DTensors over the same mesh (what an asynchronous save
-    writes while training changes the live tensors)."""
-    from torch.distributed.tensor import DTensor
-
-    from autopar.runtime.dtensor_params import make_dtensor
+def _first_replicas(tensors: dict) -> dict:
+    """The entries this rank writes: each DTensor shard only from the rank at coordinate 0 of the
+    axes it is replicated on (DCP would keep one copy anyway; dropping the others here spares
+    their CPU copies and the planning). Plain tensors (scalar optimizer states) stay everywhere."""
+    from torch.distributed.tensor import DTensor, Replicate
 
     out = {}
     for k, t in tensors.items():
         if isinstance(t, DTensor):
-            local = t.to_local().detach().to("cpu", copy=True)
-            out[k] = make_dtensor(local, t.device_mesh, t.placements, t.shape, False)
-        else:
-            out[k] = t.detach().to("cpu", copy=True)
+            coord = t.device_mesh.get_coordinate()
+            if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
+                continue
+        out[k] = t
     return out
+
+
+def _staged(tensors: dict) -> dict:
+    """CPU copies of this rank's shards (DTensors stay DTensors over the same mesh, their local
+    tensors copied: ``DTensor.to`` keeps a CUDA mesh's copy on the CPU, where ``from_local``
+    would move it back): what an asynchronous save writes while training changes the live tensors."""
+    return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
 
 
 def _autopar_version() -> str:

@@ -24,7 +24,7 @@ from autopar.runtime.checkpoint_files import CheckpointError
 from autopar.runtime.dtensor_params import make_dtensor
 
 __all__ = ["model_entries", "optimizer_entries", "ensure_optimizer_state", "param_groups_of", "restore_param_groups",
-           "rng_states", "restore_rng", "check_weights_only", "model_identity", "optimizer_state_fqns"]
+           "rng_states", "restore_rng", "param_index", "check_weights_only", "model_identity", "optimizer_state_fqns"]
 
 
 def model_entries(state) -> dict[str, torch.Tensor]:
@@ -35,7 +35,7 @@ def model_entries(state) -> dict[str, torch.Tensor]:
     return out
 
 
-def _param_index(pm, optimizer) -> dict[int, tuple[str, object]]:
+def param_index(pm) -> dict[int, tuple[str, object]]:
     """id(optimizer parameter) -> (fqn, slot or None): the store's optimizer views (train_step's
     optimizer) or the model's DTensor parameters (an optimizer of the torch-native loop)."""
     out = {}
@@ -50,7 +50,7 @@ def _param_index(pm, optimizer) -> dict[int, tuple[str, object]]:
 def optimizer_entries(pm, optimizer, only: set[str] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(``optim/<fqn>/<key>`` -> tensor entries, ``{fqn: {key: value}}`` of the non-tensor states).
     ``only``: the parameters to include (default: every parameter with state)."""
-    index = _param_index(pm, optimizer)
+    index = param_index(pm)
     tensors, scalars = {}, {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -87,7 +87,7 @@ def ensure_optimizer_state(pm, optimizer, fqns: set[str]) -> None:
     create it at their first step), so that loading can fill it in place: one step with zero
     gradients and every learning rate 0 (the parameters do not move), as
     ``torch.distributed.checkpoint.state_dict`` does."""
-    index = _param_index(pm, optimizer)
+    index = param_index(pm)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     missing = {id(p) for p in params if index.get(id(p), ("",))[0] in fqns and not optimizer.state.get(p)}
     if not missing:

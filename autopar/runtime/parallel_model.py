@@ -165,6 +165,8 @@ class ParallelModel(torch.nn.Module):
         self._resume_from = None  # a checkpoint folder to load once the plan exists
         self._tracked: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict()
         self._pending_tracked: dict[str, Any] = {}  # loaded states of objects not tracked yet
+        self._native_optimizer = None  # track(name, optimizer): the torch-native loop's optimizer
+        self._pending_optimizer = None  # a loaded checkpoint's folder whose optimizer state awaits track()
         self.resumed: Resumed | None = None  # what the last load restored
         mesh = builder.placeholder_mesh()
         self._tensors = register_tree(self, model, lambda name, t, is_param: (
@@ -787,11 +789,16 @@ class ParallelModel(torch.nn.Module):
         return float(value)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: str | None = None, *, asynchronous: bool = False) -> str:
+    def save(self, root: str | None = None, *, step: int | None = None, asynchronous: bool = False) -> str:
         """Save the training state (parameters, optimizer, step, RNG, tracked objects) into
         ``root/step-<step>`` on every rank (``runtime.checkpoint``); returns that folder. ``root``
-        defaults to compile's ``Checkpointing.root``. Asynchronous: complete after ``wait_saved()``."""
+        defaults to compile's ``Checkpointing.root``. Asynchronous: complete after ``wait_saved()``.
+        ``step``: set ``pm.step`` first (the torch-native loop counts its own steps; train_step counts)."""
         self._require_plan("save")
+        if step is not None:
+            if not isinstance(step, int) or step < 0:
+                raise AutoparError(f"save(step={step!r}): the step is an integer >= 0")
+            self.step = step
         root = root if root is not None else self._checkpoint_root("save")
         with collective_failures("checkpoint"):
             return str(self._checkpointer.save(root, asynchronous=asynchronous,
@@ -822,6 +829,14 @@ class ParallelModel(torch.nn.Module):
         """Save ``obj.state_dict()`` with every checkpoint under ``name`` (an LR scheduler, a
         ``StatefulDataLoader``, anything with ``state_dict``/``load_state_dict``), and restore it at
         once if a checkpoint already loaded holds it. Returns ``obj``."""
+        if isinstance(obj, torch.optim.Optimizer):
+            if self._fused:
+                raise AutoparError("train_step's optimizer (pm.optimizer) is saved already; track() takes the optimizer of "
+                                   "the torch-native loop (over pm.parameters())")
+            self._native_optimizer = obj  # saved as DTensors (``checkpoint_state``), not as a pickled state
+            if self._resume_from is None and self.resumed is not None and self._pending_optimizer is not None:
+                self._checkpointer.load_optimizer(self._pending_optimizer)
+            return obj
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise AutoparError(f"track({name!r}, ...) needs an object with state_dict() and load_state_dict(), got a "
                                f"{type(obj).__name__}")
