@@ -74,12 +74,21 @@ def train_worker(constraints, steps, root=None, every=None, die_at=None, save_at
     return out
 
 
-def load_worker(folder, configs):
-    """Load ``folder`` under each constraint set in turn: each one's full state right after loading."""
-    out = []
+def load_worker(folder, configs, resave_root=None):
+    """Load ``folder`` under each constraint set in turn: each one's full state right after loading.
+    ``resave_root``: the pipeline plan also saves there, and that checkpoint is loaded under dp=4
+    (the last state returned)."""
+    out, resaved = [], None
     for constraints in configs:
         pm, _ = _compile(constraints)
         pm.load(folder)
+        out.append(_state(pm))
+        if resave_root and len(pm.plan.stages) > 1:
+            resaved = pm.save(resave_root)
+        pm.close()
+    if resaved:
+        pm, _ = _compile({"dp": 4})
+        pm.load(resaved)
         out.append(_state(pm))
         pm.close()
     return out
@@ -150,17 +159,18 @@ def test_fewer_processes_replan_and_reshard(uninterrupted, tmp_path):
 
 @pytest.mark.slow
 def test_reshard_matrix(uninterrupted):
-    """Saved under dp=2 tp=2 on 4 ranks; loaded under dp=4, tp=4, ZeRO-3 dp=4, pp=2 x dp=2 and on one
-    process: the full model and optimizer state equal what was saved, bit for bit."""
+    """Saved under dp=2 tp=2 on 4 ranks; loaded under dp=4, tp=4, ZeRO-3 dp=4, pp=2 x dp=2 (which
+    saves again, loaded under dp=4) and on one process: the full model and optimizer state equal
+    what was saved, bit for bit."""
     ref, root = uninterrupted
     saved = ref["at_save"]
     folder = str(root / "manual" / "step-3")
     configs = [{"dp": 4}, {"tp": 4}, {"dp": 4, "zero": 3}, {"pp": 2, "dp": 2}]
-    results = autopar.launch(load_worker, 4, folder, configs, timeout_s=600)[0]
-    for constraints, got in zip(configs, results):
+    results = autopar.launch(load_worker, 4, folder, configs, str(root / "from-pp"), timeout_s=600)[0]
+    for constraints, got in zip(configs + ["saved under pp=2 x dp=2, loaded under dp=4"], results):
         assert got["step"] == 3
         _assert_equal_states(got, saved, exact=True, label=str(constraints))
-    assert results[3]["stages"] == 2
+    assert results[3]["stages"] == 2 and len(results) == 5
 
 
 @pytest.mark.slow

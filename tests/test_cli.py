@@ -91,3 +91,20 @@ def test_the_hugging_face_example_trains_under_autopar_run():
     steps = [l for l in done.stdout.splitlines() if l.startswith("step ")]
     assert len(steps) == 3, done.stdout[-2000:]
     assert "trained 3 steps; full state dict: 21 tensors, keys as model.state_dict()" in done.stdout
+
+
+def test_run_restarts_failed_workers_by_default(tmp_path, monkeypatch):
+    """``autopar run`` hands torchrun --max-restarts (3 unless told): with Checkpointing a killed
+    worker costs the steps since the last save, not the run."""
+    import autopar.runtime.launch as launch_mod
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    calls = []
+    monkeypatch.setattr(launch_mod.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
+    assert main(["run", str(script), "--nproc", "2"]) == 0
+    assert main(["run", str(script), "--nproc", "2", "--max-restarts", "0", "--steps", "5"]) == 0
+    first, second = calls
+    assert first[first.index("--max-restarts") + 1] == "3"
+    assert second[second.index("--max-restarts") + 1] == "0" and second[-2:] == ["--steps", "5"]
+    assert main(["run", str(script), "--max-restarts", "-1"]) == 2

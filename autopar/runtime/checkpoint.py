@@ -101,6 +101,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._group = None  # the background saves' process group, made at the first save
+        self._plan_json: tuple[str, str] | None = None  # (fingerprint, JSON) of the plan last saved
+        self._wrapped: dict = {}  # optimizer state tensor id -> (tensor, its DTensor) (``optimizer_entries``)
 
     # ------------------------------------------------------------------ saving
     def save(self, root: str | os.PathLike, *, asynchronous: bool = False, keep: int | None = None) -> Path:
@@ -127,7 +129,7 @@ class Checkpointer:
         scalars: dict = {}
         optimizer = _optimizer_of(pm)
         if optimizer is not None:
-            opt_tensors, scalars = optimizer_entries(pm, optimizer)
+            opt_tensors, scalars = optimizer_entries(pm, optimizer, cache=self._wrapped)
             tensors.update(opt_tensors)
         extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_states(pm._device),
                   "param_groups": param_groups_of(optimizer) if optimizer is not None else [],
@@ -136,7 +138,9 @@ class Checkpointer:
                   "tracked": {name: obj.state_dict() for name, obj in pm._tracked.items()}}
         (partial / EXTRAS.format(rank)).write_bytes(check_weights_only(extras, "the step's extras (tracked states, RNG)"))
         if rank == 0:
-            (partial / PLAN_FILE).write_text(pm.plan.to_json())
+            if self._plan_json is None or self._plan_json[0] != pm.plan.fingerprint:
+                self._plan_json = (pm.plan.fingerprint, pm.plan.to_json())
+            (partial / PLAN_FILE).write_text(self._plan_json[1])
         manifest = Manifest(step=step, world_size=world, plan_fingerprint=pm.plan.fingerprint, mesh=describe_mesh(pm.plan),
                             model_class=pm._model_class, params=model_identity(pm._traced), files={},
                             versions={"torch": torch.__version__, "autopar": _autopar_version()},
@@ -369,10 +373,3 @@ def _autopar_version() -> str:
         return version("autopar")
     except Exception:  # noqa: BLE001 - an uninstalled checkout
         return "unknown"
-
-
-def plan_of(folder: str | os.PathLike):
-    """The plan a checkpoint was saved under (its ``plan.json``)."""
-    from autopar.plan import Plan
-
-    return Plan.from_json((Path(folder) / PLAN_FILE).read_text())

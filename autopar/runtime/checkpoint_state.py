@@ -47,9 +47,13 @@ def param_index(pm) -> dict[int, tuple[str, object]]:
     return out
 
 
-def optimizer_entries(pm, optimizer, only: set[str] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def optimizer_entries(pm, optimizer, only: set[str] | None = None, cache: dict | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict]:
     """(``optim/<fqn>/<key>`` -> tensor entries, ``{fqn: {key: value}}`` of the non-tensor states).
-    ``only``: the parameters to include (default: every parameter with state)."""
+    ``only``: the parameters to include (default: every parameter with state). ``cache``: the
+    DTensor made for a state tensor, reused while the optimizer holds that same tensor (it
+    updates its state in place, so each save would otherwise wrap every tensor again)."""
+    cache = {} if cache is None else cache
     index = param_index(pm)
     tensors, scalars = {}, {}
     for group in optimizer.param_groups:
@@ -67,7 +71,11 @@ def optimizer_entries(pm, optimizer, only: set[str] | None = None) -> tuple[dict
                 elif isinstance(value, DTensor) or value.dim() == 0:
                     tensors[name] = value
                 elif slot is not None and tuple(value.shape) == tuple(slot.opt.shape):
-                    tensors[name] = make_dtensor(value, pm._state.mesh, pm._state.placements_of(slot.ph), slot.shape, False)
+                    hit = cache.get(id(value))
+                    if hit is None or hit[0] is not value:
+                        hit = cache[id(value)] = (value, make_dtensor(value, pm._state.mesh, pm._state.placements_of(slot.ph),
+                                                                       slot.shape, False))
+                    tensors[name] = hit[1]
                 else:
                     raise CheckpointError(
                         f"optimizer state {key!r} of {fqn} has shape {tuple(value.shape)}, not the parameter's "

@@ -1,0 +1,112 @@
+"""``ParallelModel``'s checkpoint methods (``save``, ``load``, ``load_latest``, ``track``, ...),
+apart from the step machinery; the work is ``runtime.checkpoint``'s ``Checkpointer``."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.runtime.checkpoint import Resumed
+from autopar.runtime.checkpoint_files import step_dir
+from autopar.runtime.collective_errors import collective_failures
+from autopar.runtime.collectives import active_mesh
+
+__all__ = ["CheckpointMethods"]
+
+
+class CheckpointMethods:
+    """Mixed into ``ParallelModel`` (which holds ``_checkpointer``, ``_checkpointing``, ``_tracked``,
+    ``_pending_tracked``, ``_native_optimizer``, ``_pending_optimizer``, ``resumed``, ``step``)."""
+
+    def save(self, root: str | None = None, *, step: int | None = None, asynchronous: bool = False) -> str:
+        """Save the training state (parameters, optimizer, step, RNG, tracked objects) into
+        ``root/step-<step>`` on every rank (``runtime.checkpoint``); returns that folder. ``root``
+        defaults to compile's ``Checkpointing.root``. Asynchronous: complete after ``wait_saved()``.
+        ``step``: set ``pm.step`` first (the torch-native loop counts its own steps; train_step counts)."""
+        self._require_plan("save")
+        if step is not None:
+            if not isinstance(step, int) or step < 0:
+                raise AutoparError(f"save(step={step!r}): the step is an integer >= 0")
+            self.step = step
+        root = root if root is not None else self._checkpoint_root("save")
+        with collective_failures("checkpoint"):
+            return str(self._checkpointer.save(root, asynchronous=asynchronous,
+                                               keep=self._checkpointing.keep if self._checkpointing else None))
+
+    def wait_saved(self) -> None:
+        """Wait for an asynchronous save in flight; raise ``CheckpointError`` if it failed."""
+        self._checkpointer.wait()
+
+    def load(self, folder: str) -> "Resumed":
+        """Load the checkpoint ``folder`` (one ``step-<n>``), resharded into this plan."""
+        self._require_plan("load")
+        with collective_failures("checkpoint"):
+            self.resumed = self._checkpointer.load(folder)
+        return self.resumed
+
+    def load_latest(self, root: str | None = None) -> int | None:
+        """Load the newest complete checkpoint under ``root``; its step, or None when there is none."""
+        self._require_plan("load_latest")
+        root = root if root is not None else self._checkpoint_root("load_latest")
+        step = self._checkpointer.latest(root)
+        if step is None:
+            return None
+        self.load(str(step_dir(root, step)))
+        return step
+
+    def track(self, name: str, obj: Any) -> Any:
+        """Save ``obj.state_dict()`` with every checkpoint under ``name`` (an LR scheduler, a
+        ``StatefulDataLoader``, anything with ``state_dict``/``load_state_dict``), and restore it at
+        once if a checkpoint already loaded holds it. Returns ``obj``."""
+        if isinstance(obj, torch.optim.Optimizer):
+            if self._fused:
+                raise AutoparError("train_step's optimizer (pm.optimizer) is saved already; track() takes the optimizer of "
+                                   "the torch-native loop (over pm.parameters())")
+            self._native_optimizer = obj  # saved as DTensors (``checkpoint_state``), not as a pickled state
+            if self._resume_from is None and self.resumed is not None and self._pending_optimizer is not None:
+                self._checkpointer.load_optimizer(self._pending_optimizer)
+            return obj
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise AutoparError(f"track({name!r}, ...) needs an object with state_dict() and load_state_dict(), got a "
+                               f"{type(obj).__name__}")
+        self._tracked[name] = obj
+        self._restore_tracked(name, obj)
+        return obj
+
+    def _restore_tracked(self, name: str, obj: Any) -> None:
+        if name in self._pending_tracked:
+            obj.load_state_dict(self._pending_tracked.pop(name))
+
+    def _checkpoint_root(self, what: str) -> str:
+        if self._checkpointing is None:
+            raise AutoparError(f"{what}() needs a folder: pass it, or compile with checkpoint=autopar.Checkpointing(root)")
+        return self._checkpointing.root
+
+    def _after_state_load(self) -> None:
+        """Parameters were overwritten in place (their shards): ZeRO-1/2 gathers them whole again."""
+        with active_mesh(self.comm):
+            self._gather_zero_params()
+        self._note_zero_versions()
+
+
+    @torch.no_grad()
+    def full_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """train_step's optimizer state, gathered whole on every rank: ``"<fqn>/<state key>"`` ->
+        tensor (what a checkpoint's ``optim/`` entries hold, as one device would)."""
+        from torch.distributed.tensor import DTensor
+
+        from autopar.runtime.checkpoint_state import optimizer_entries
+
+        self._require_plan("full_optimizer_state_dict")
+        if self.optimizer is None:
+            raise AutoparError("full_optimizer_state_dict is train_step's optimizer state; compile with optimizer=")
+        tensors, _ = optimizer_entries(self, self.optimizer)
+        full = {k[len("optim/"):]: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True)
+                for k, t in sorted(tensors.items())}
+        if self._pp_group is not None:
+            parts: list = [None] * dist.get_world_size(self._pp_group)
+            dist.all_gather_object(parts, full, group=self._pp_group)
+            full = {k: v for part in parts for k, v in part.items()}
+        return full
