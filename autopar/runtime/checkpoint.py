@@ -44,6 +44,7 @@ from autopar.runtime.checkpoint_state import (
 __all__ = ["Checkpointing", "Checkpointer", "Resumed", "CheckpointError"]
 
 EXTRAS = "extra-rank{}.pt"
+SHARED_EXTRAS = "extra-shared.pt"  # what every rank may need (non-tensor optimizer states)
 PLAN_FILE = "plan.json"
 
 
@@ -102,42 +103,60 @@ class Checkpointer:
         self._failure: BaseException | None = None
         self._group = None  # the background saves' process group, made at the first save
         self._plan_json: tuple[str, str] | None = None  # (fingerprint, JSON) of the plan last saved
-        self._wrapped: dict = {}  # optimizer state tensor id -> (tensor, its DTensor) (``optimizer_entries``)
+        self._wrapped: dict = {}  # optimizer entry name -> (state tensor, its DTensor) (``optimizer_entries``)
+        self._last_saved: tuple[Path, int] | None = None  # (root, step) of this model's last save
+        self._early: Path | None = None  # a checkpoint whose step, RNG and tracked states compile restored
 
     # ------------------------------------------------------------------ saving
     def save(self, root: str | os.PathLike, *, asynchronous: bool = False, keep: int | None = None) -> Path:
         """Save the training state at the current step into ``root/step-<step>``; returns that path
-        (complete once ``wait()`` returns, for an asynchronous save)."""
+        (complete once ``wait()`` returns, for an asynchronous save). Saving again the step this
+        model last saved there returns that checkpoint; any other existing ``step-<n>`` is refused."""
         pm = self.pm
         self.wait()
         root = Path(root)
         step = pm.step
         final, partial = step_dir(root, step), partial_dir(root, step)
+        if self._last_saved == (root.resolve(), step) and final.is_dir():
+            return final  # this step is saved already (train_step's save, then a last pm.save())
         rank, world = dist.get_rank(), dist.get_world_size()
         problem = None
         if rank == 0:
             if final.exists():
-                problem = (f"{final} already exists: a checkpoint of step {step} was saved before; save into another "
-                           "root, or resume from it")
+                problem = (f"{final} already exists: a checkpoint of step {step} was saved before (by another run, or "
+                           "before a load of an older step); save into another root, or remove it")
             else:
                 shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died
                 partial.mkdir(parents=True)
         problem = _agree(problem)
         if problem:
             raise CheckpointError(problem)
-        tensors = model_entries(pm._state)
-        scalars: dict = {}
-        optimizer = _optimizer_of(pm)
-        if optimizer is not None:
-            opt_tensors, scalars = optimizer_entries(pm, optimizer, cache=self._wrapped)
-            tensors.update(opt_tensors)
-        extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_states(pm._device),
-                  "param_groups": param_groups_of(optimizer) if optimizer is not None else [],
-                  "optimizer_scalars": scalars,
-                  "lr_scheduler": pm.lr_scheduler.state_dict() if pm.lr_scheduler is not None else None,
-                  "tracked": {name: obj.state_dict() for name, obj in pm._tracked.items()}}
-        (partial / EXTRAS.format(rank)).write_bytes(check_weights_only(extras, "the step's extras (tracked states, RNG)"))
+        # what can fail on one rank alone fails on every rank, before any collective of the save
+        scalars, prepared = {}, None
+        try:
+            tensors = model_entries(pm._state)
+            optimizer = _optimizer_of(pm)
+            if optimizer is not None:
+                opt_tensors, scalars = optimizer_entries(pm, optimizer, cache=self._wrapped)
+                tensors.update(opt_tensors)
+            extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_states(pm._device),
+                      "param_groups": param_groups_of(optimizer) if optimizer is not None else [],
+                      "lr_scheduler": pm.lr_scheduler.state_dict() if pm.lr_scheduler is not None else None,
+                      "tracked": {name: obj.state_dict() for name, obj in pm._tracked.items()}}
+            prepared = check_weights_only(extras, "the step's extras (tracked states, RNG)")
+            check_weights_only(scalars, "the optimizer's non-tensor state")
+            failure = None
+        except CheckpointError as exc:
+            failure = str(exc)
+        every = _gathered_objects((failure, scalars))
+        failures = [f"rank {r}: {f}" for r, (f, _) in enumerate(every) if f]
+        if failures:
+            raise CheckpointError("cannot save: " + "; ".join(failures))
+        (partial / EXTRAS.format(rank)).write_bytes(prepared)
         if rank == 0:
+            # non-tensor optimizer states of every rank's parameters, for whichever rank holds them after a re-plan
+            shared = {fqn: v for _, part in every for fqn, v in part.items()}
+            (partial / SHARED_EXTRAS).write_bytes(check_weights_only({"optimizer_scalars": shared}, "optimizer state"))
             if self._plan_json is None or self._plan_json[0] != pm.plan.fingerprint:
                 self._plan_json = (pm.plan.fingerprint, pm.plan.to_json())
             (partial / PLAN_FILE).write_text(self._plan_json[1])
@@ -146,6 +165,7 @@ class Checkpointer:
                             versions={"torch": torch.__version__, "autopar": _autopar_version()},
                             optimizer=type(optimizer).__name__ if optimizer is not None else None)
         tensors = _first_replicas(tensors)
+        self._last_saved = (root.resolve(), step)
         if asynchronous:
             staged = _staged(tensors)
             group = self._background_group()
@@ -168,7 +188,7 @@ class Checkpointer:
             dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), process_group=group)
             mine = [p.name for p in partial.iterdir() if p.name.startswith(f"__{rank}_") or p.name == EXTRAS.format(rank)]
             if rank == 0:
-                mine += [".metadata", PLAN_FILE]
+                mine += [".metadata", PLAN_FILE, SHARED_EXTRAS]
             hashes = {name: {"bytes": (partial / name).stat().st_size, "sha256": sha256_of(partial / name)} for name in mine}
             every: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, hashes, group=group)
@@ -212,6 +232,17 @@ class Checkpointer:
             dist.broadcast_object_list(steps, src=0)
         return steps[0][-1] if steps[0] else None
 
+    def restore_early(self, folder: str | os.PathLike) -> None:
+        """What a resume restores before the plan exists (at compile): the step, the RNG states and
+        the tracked objects' states (restored as they are tracked), so that the batches drawn
+        before the first step follow the checkpoint; ``load`` restores the rest."""
+        folder = Path(folder)
+        extras = self._read_extras(folder, read_manifest(folder))
+        self.pm.step = int(extras["step"])
+        restore_rng(extras["rng"], self.pm._builder.device)
+        self.pm._pending_tracked = dict(extras["tracked"])
+        self._early = folder
+
     def load(self, folder: str | os.PathLike) -> Resumed:
         """Load the checkpoint in ``folder`` into the model, its optimizer and tracked objects."""
         import torch.distributed.checkpoint as dcp
@@ -234,27 +265,57 @@ class Checkpointer:
             target.update(self._optimizer_target(optimizer, saved_keys))
         # else: the optimizer state waits for track(name, optimizer) (the native loop builds it later)
         absent = sorted(k for k in target if k not in saved_keys)
-        if absent:
-            raise CheckpointError(f"checkpoint {folder} has no {absent[0]}" + (f" (and {len(absent) - 1} more entries)"
-                                  if len(absent) > 1 else "") + f"; it was saved with optimizer {manifest.optimizer}")
+        problems = _gathered([f"checkpoint {folder} has no {absent[0]}" + (f" (and {len(absent) - 1} more entries)"
+                              if len(absent) > 1 else "") + f"; it was saved with optimizer {manifest.optimizer}"]
+                             if absent else [])
+        if problems:
+            raise CheckpointError(problems[0])
         dcp.load(target, storage_reader=SafeReader(str(folder)))
         pm._after_state_load()
         pm._pending_optimizer = None if optimizer is not None or not optimizer_state_fqns(saved_keys) else str(folder)
-        own = folder / EXTRAS.format(rank if rank < manifest.world_size else 0)
-        extras = torch.load(own, weights_only=True)
-        self._restore_extras(extras)
-        now = describe_mesh(pm.plan)
-        changes = []
-        if manifest.world_size != world:
-            changes.append(f"world size {manifest.world_size} -> {world}: re-planned, state resharded, the global batch kept")
-        if manifest.plan_fingerprint != pm.plan.fingerprint:
-            changes.append(f"plan {manifest.mesh} -> {now}")
-        if rank >= manifest.world_size:
-            changes.append("ranks beyond the saved world took rank 0's RNG and tracked states")
-        resumed = Resumed(manifest.step, str(folder), manifest.world_size, manifest.mesh, tuple(changes))
+        extras = self._read_extras(folder, manifest)
+        if self._early != folder:  # not restored at compile
+            pm.step = int(extras["step"])
+            restore_rng(extras["rng"], pm._device)
+            pm._pending_tracked = dict(extras["tracked"])
+        self._early = None
+        if optimizer is not None:
+            self._restore_optimizer_extras(optimizer, extras)
+        if pm.lr_scheduler is not None and extras.get("lr_scheduler") is not None:
+            pm.lr_scheduler.load_state_dict(extras["lr_scheduler"])
+        for name, obj in pm._tracked.items():
+            pm._restore_tracked(name, obj)
+        resumed = Resumed(manifest.step, str(folder), manifest.world_size, manifest.mesh,
+                          tuple(self._changes(manifest)))
         if rank == 0:
             print(f"autopar: {resumed.describe()} in {time.perf_counter() - t0:.1f} s", flush=True)
         return resumed
+
+    def _changes(self, manifest: Manifest) -> list[str]:
+        pm, world = self.pm, dist.get_world_size()
+        changes = []
+        if manifest.world_size != world:
+            batch = ("the global batch kept" if not pm._local else
+                     f"local batches: pass each rank its 1/{pm.data_parallel_size} share of the same global batch")
+            changes.append(f"world size {manifest.world_size} -> {world}: re-planned, state resharded, {batch}")
+        if manifest.plan_fingerprint != pm.plan.fingerprint:
+            changes.append(f"plan {manifest.mesh} -> {describe_mesh(pm.plan)}")
+        if dist.get_rank() >= manifest.world_size:
+            changes.append("ranks beyond the saved world took rank 0's RNG and tracked states")
+        return changes
+
+    def _read_extras(self, folder: Path, manifest: Manifest) -> dict:
+        """This rank's extras (rank 0's beyond the saved world) and the shared ones, each checked
+        against the manifest first (they are read before ``load`` verifies the folder)."""
+        rank = dist.get_rank()
+        names = [EXTRAS.format(rank if rank < manifest.world_size else 0), SHARED_EXTRAS]
+        problems = verify(folder, manifest, [n for n in names if n in manifest.files])
+        if problems:
+            raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+        extras = torch.load(folder / names[0], weights_only=True)
+        if (folder / SHARED_EXTRAS).is_file():
+            extras.update(torch.load(folder / SHARED_EXTRAS, weights_only=True))
+        return extras
 
     def _optimizer_target(self, optimizer, saved_keys: set[str]) -> dict:
         """The optimizer's entries to load into (its state created first where it has none)."""
@@ -272,31 +333,16 @@ class Checkpointer:
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         with torch.no_grad():
             dcp.load(self._optimizer_target(optimizer, saved_keys), storage_reader=SafeReader(str(folder)))
-        extras = torch.load(folder / EXTRAS.format(min(dist.get_rank(), read_manifest(folder).world_size - 1)),
-                            weights_only=True)
-        self._restore_optimizer_extras(optimizer, extras)
+        self._restore_optimizer_extras(optimizer, self._read_extras(folder, read_manifest(folder)))
         pm._pending_optimizer = None
 
     def _restore_optimizer_extras(self, optimizer, extras: dict) -> None:
         restore_param_groups(optimizer, extras["param_groups"])
         index = param_index(self.pm)
         by_fqn = {index[id(p)][0]: p for g in optimizer.param_groups for p in g["params"] if id(p) in index}
-        for fqn, values in extras["optimizer_scalars"].items():
+        for fqn, values in extras.get("optimizer_scalars", {}).items():
             if fqn in by_fqn:
                 optimizer.state[by_fqn[fqn]].update(values)
-
-    def _restore_extras(self, extras: dict) -> None:
-        pm = self.pm
-        pm.step = int(extras["step"])
-        restore_rng(extras["rng"], pm._device)
-        optimizer = _optimizer_of(pm)
-        if optimizer is not None:
-            self._restore_optimizer_extras(optimizer, extras)
-        if pm.lr_scheduler is not None and extras.get("lr_scheduler") is not None:
-            pm.lr_scheduler.load_state_dict(extras["lr_scheduler"])
-        pm._pending_tracked = dict(extras["tracked"])
-        for name, obj in pm._tracked.items():
-            pm._restore_tracked(name, obj)
 
     def close(self) -> None:
         self.wait()
@@ -315,13 +361,19 @@ def _agree(problem: str | None) -> str | None:
     return box[0]
 
 
-def _gathered(problems: list[str]) -> list[str]:
+def _gathered_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
     every: list[Any] = [None] * dist.get_world_size()
     if dist.get_world_size() > 1:
-        dist.all_gather_object(every, problems)
+        dist.all_gather_object(every, obj)
     else:
-        every = [problems]
-    return sorted(p for part in every for p in part)
+        every = [obj]
+    return every
+
+
+def _gathered(problems: list[str]) -> list[str]:
+    """Every rank's problems, on every rank (so that all raise, or none)."""
+    return sorted(p for part in _gathered_objects(problems) for p in part)
 
 
 def _check_same_model(manifest: Manifest, mine: dict, model_class: str, folder: Path) -> None:

@@ -144,26 +144,33 @@ def prune(root: Path, keep: int, newest: int) -> None:
 
 
 # --------------------------------------------------------------------------- safe metadata
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+    (_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                       "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+                                       "StorageMeta", "MetadataIndex")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+} | {
+    # DCP records the checkpoint path; Python 3.13 pickles pathlib classes from ``pathlib._local``
+    (module, name) for module in ("pathlib", "pathlib._local")
+    for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 }
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``Metadata`` and nothing else: a global outside DCP's metadata classes,
-    torch dtypes and shapes is refused (what a crafted ``.metadata`` would need to run code)."""
+    """Unpickles DCP's ``Metadata`` and nothing else: exactly the (module, name) pairs its metadata
+    classes, tensor dtypes, layouts and shapes need. A dotted name (which ``find_class`` would
+    follow attribute by attribute, e.g. to ``os.system`` through a module's namespace) and any
+    other global are refused: they are what a crafted ``.metadata`` would need to run code."""
 
     def find_class(self, module: str, name: str):
-        if module in _ALLOWED_MODULES and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or module.endswith("metadata"):
-                return obj
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+                return getattr(torch, name)
         raise CheckpointError(f"the checkpoint's DCP metadata names {module}.{name}, which a checkpoint never needs; "
                               "refusing to load it (it could run code)")
 

@@ -2,6 +2,7 @@
 apart from the step machinery; the work is ``runtime.checkpoint``'s ``Checkpointer``."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -30,10 +31,12 @@ class CheckpointMethods:
             if not isinstance(step, int) or step < 0:
                 raise AutoparError(f"save(step={step!r}): the step is an integer >= 0")
             self.step = step
+        cfg = self._checkpointing
         root = root if root is not None else self._checkpoint_root("save")
+        # ``keep`` prunes the run's own root only, never a folder given for one save
+        keep = cfg.keep if cfg is not None and os.path.abspath(root) == os.path.abspath(cfg.root) else None
         with collective_failures("checkpoint"):
-            return str(self._checkpointer.save(root, asynchronous=asynchronous,
-                                               keep=self._checkpointing.keep if self._checkpointing else None))
+            return str(self._checkpointer.save(root, asynchronous=asynchronous, keep=keep))
 
     def wait_saved(self) -> None:
         """Wait for an asynchronous save in flight; raise ``CheckpointError`` if it failed."""
@@ -50,6 +53,7 @@ class CheckpointMethods:
         """Load the newest complete checkpoint under ``root``; its step, or None when there is none."""
         self._require_plan("load_latest")
         root = root if root is not None else self._checkpoint_root("load_latest")
+        self._checkpointer.wait()  # a save in flight is the newest once complete
         step = self._checkpointer.latest(root)
         if step is None:
             return None

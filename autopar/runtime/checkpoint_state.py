@@ -50,8 +50,8 @@ def param_index(pm) -> dict[int, tuple[str, object]]:
 def optimizer_entries(pm, optimizer, only: set[str] | None = None, cache: dict | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict]:
     """(``optim/<fqn>/<key>`` -> tensor entries, ``{fqn: {key: value}}`` of the non-tensor states).
-    ``only``: the parameters to include (default: every parameter with state). ``cache``: the
-    DTensor made for a state tensor, reused while the optimizer holds that same tensor (it
+    ``only``: the parameters to include (default: every parameter with state). ``cache``: entry
+    name -> (state tensor, the DTensor made for it), reused while the optimizer holds that same tensor (it
     updates its state in place, so each save would otherwise wrap every tensor again)."""
     cache = {} if cache is None else cache
     index = param_index(pm)
@@ -71,9 +71,9 @@ def optimizer_entries(pm, optimizer, only: set[str] | None = None, cache: dict |
                 elif isinstance(value, DTensor) or value.dim() == 0:
                     tensors[name] = value
                 elif slot is not None and tuple(value.shape) == tuple(slot.opt.shape):
-                    hit = cache.get(id(value))
+                    hit = cache.get(name)
                     if hit is None or hit[0] is not value:
-                        hit = cache[id(value)] = (value, make_dtensor(value, pm._state.mesh, pm._state.placements_of(slot.ph),
+                        hit = cache[name] = (value, make_dtensor(value, pm._state.mesh, pm._state.placements_of(slot.ph),
                                                                        slot.shape, False))
                     tensors[name] = hit[1]
                 else:

@@ -155,7 +155,7 @@ def compile(
 def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
     """Remember where train_step saves; with ``resume``, the newest complete checkpoint to load
     (its step at once, its state when the plan exists); without, refuse a root already in use."""
-    from autopar.runtime.checkpoint_files import read_manifest, step_dir
+    from autopar.runtime.checkpoint_files import step_dir
 
     if not isinstance(cfg, Checkpointing):
         raise AutoparError(f"checkpoint= takes autopar.Checkpointing(root, every=...), got a {type(cfg).__name__}")
@@ -168,7 +168,9 @@ def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
         raise AutoparError(f"{cfg.root} already holds checkpoints of a run (newest: {folder}); resume from it "
                            "(Checkpointing(resume=True)) or save into an empty root")
     pm._resume_from = str(folder)
-    pm.step = read_manifest(folder).step
+    # the step, RNG and tracked states now (the batches drawn before the first step depend on
+    # them); parameters and optimizer when the plan exists
+    pm._checkpointer.restore_early(folder)
 
 
 class _Builder:
