@@ -162,6 +162,25 @@ def test_the_plan_fingerprint_survives_json_and_an_edited_file_gets_a_new_one(ml
     assert autopar.Plan.from_json(json.dumps(d)).fingerprint == p.fingerprint
 
 
+def other_torch_worker():
+    """Rank 1 runs (it says) another torch: compile refuses on every rank before any step."""
+    if _rank() == 1:
+        torch.__version__ = "2.11.0+cu128"
+    try:
+        _mlp(autopar.Cluster.local(2))
+    except autopar.AutoparError as exc:
+        return str(exc)
+    return "compiled"
+
+
+def test_ranks_with_other_software_are_refused_at_start():
+    t0 = time.monotonic()
+    for message in autopar.launch(other_torch_worker, 2, timeout_s=120):
+        assert "ranks run different software: rank 0 has torch 2." in message, message
+        assert "rank 1: torch 2.11.0+cu128" in message and "install the same torch" in message
+    assert time.monotonic() - t0 < 120
+
+
 # ----------------------------------------------------------------------------- batches, one process
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
+from autopar.runtime.launch import software_versions
 from autopar.runtime.checkpoint_files import (
     CheckpointError, Manifest, SafeReader, complete_steps, partial_dir, prune, read_manifest, sha256_of, step_dir,
     verify, write_manifest,
@@ -162,7 +163,7 @@ class Checkpointer:
             (partial / PLAN_FILE).write_text(self._plan_json[1])
         manifest = Manifest(step=step, world_size=world, plan_fingerprint=pm.plan.fingerprint, mesh=describe_mesh(pm.plan),
                             model_class=pm._model_class, params=model_identity(pm._traced), files={},
-                            versions={"torch": torch.__version__, "autopar": _autopar_version()},
+                            versions=software_versions(),
                             optimizer=type(optimizer).__name__ if optimizer is not None else None)
         tensors = _first_replicas(tensors)
         self._last_saved = (root.resolve(), step)
@@ -416,12 +417,3 @@ def _staged(tensors: dict) -> dict:
     tensors copied: ``DTensor.to`` keeps a CUDA mesh's copy on the CPU, where ``from_local``
     would move it back): what an asynchronous save writes while training changes the live tensors."""
     return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
-
-
-def _autopar_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("autopar")
-    except Exception:  # noqa: BLE001 - an uninstalled checkout
-        return "unknown"

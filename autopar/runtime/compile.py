@@ -480,11 +480,23 @@ def _loss_reduction(traced) -> str:
 
 
 def _check_same_plan(plan: Plan) -> None:
-    """All ranks must run the same plan: compare fingerprints. The fingerprint covers the plan's
-    decisions (``autopar.plan``), so a plan changed or edited on one rank is refused here with a
-    clear error on every rank, instead of deadlocking in the first step's collectives."""
-    prints = [None] * dist.get_world_size()
-    dist.all_gather_object(prints, plan.fingerprint)
+    """All ranks must run the same plan, and the same torch, autopar and Python versions: compare
+    them. The fingerprint covers the plan's decisions (``autopar.plan``), so a plan changed or
+    edited on one rank is refused here with a clear error on every rank, instead of deadlocking
+    in the first step's collectives."""
+    from autopar.runtime.launch import software_versions
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (plan.fingerprint, software_versions()))
+    versions = [v for _, v in every]
+    if any(v != versions[0] for v in versions):
+        differ = [f"rank {r}: " + ", ".join(f"{k} {v[k]}" for k in v if v[k] != versions[0].get(k))
+                  for r, v in enumerate(versions) if v != versions[0]]
+        raise AutoparError(
+            "ranks run different software: rank 0 has " + ", ".join(f"{k} {v}" for k, v in versions[0].items())
+            + " but " + "; ".join(differ[:4]) + (f" and {len(differ) - 4} more ranks" if len(differ) > 4 else "")
+            + "; install the same torch, autopar and Python on every node (collectives and plans differ between versions)")
+    prints = [p for p, _ in every]
     if len(set(prints)) != 1:
         others = [f"{p} on rank {r}" for r, p in enumerate(prints) if p != prints[0]]
         shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more ranks" if len(others) > 4 else "")

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from autopar.errors import AutoparError, WorkerFailedError
 
 __all__ = ["init_distributed", "launch", "free_port", "run_script", "collective_timeout_s",
-           "DEFAULT_COLLECTIVE_TIMEOUT_S"]
+           "DEFAULT_COLLECTIVE_TIMEOUT_S", "software_versions"]
 
 
 def free_port() -> int:
@@ -95,6 +95,19 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
             )
         dist.init_process_group(backend, **_restart_safe_store(world_size, seconds), **kwargs)
     _GROUP_TIMEOUT.update(group=id(dist.group.WORLD), timeout_s=seconds)
+
+
+def software_versions() -> dict[str, str]:
+    """The versions every rank of a run must share (checked at compile, recorded in checkpoints)."""
+    import platform
+
+    try:
+        from importlib.metadata import version
+
+        autopar_version = version("autopar")
+    except Exception:  # noqa: BLE001 - an uninstalled checkout
+        autopar_version = "unknown"
+    return {"torch": str(torch.__version__), "autopar": autopar_version, "python": platform.python_version()}
 
 
 def _restart_safe_store(world_size: int, timeout_s: float) -> dict:
