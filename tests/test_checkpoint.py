@@ -73,21 +73,21 @@ def train_worker(constraints, steps, root=None, every=None, die_at=None, save_at
     return out
 
 
-def load_worker(folder, configs, resave_root=None):
+def load_worker(folder, configs, resave_root=None, resave=()):
     """Load ``folder`` under each constraint set in turn: each one's full state right after loading.
-    ``resave_root``: the pipeline plan also saves there, and that checkpoint is loaded under dp=4
-    (the last state returned)."""
-    out, resaved = [], None
-    for constraints in configs:
+    ``resave``: indices of configs that also save under ``resave_root``; each of those checkpoints
+    is then loaded under dp=4 (their states appended, in order)."""
+    out, resaved = [], []
+    for i, constraints in enumerate(configs):
         pm, _ = _compile(constraints)
         pm.load(folder)
         out.append(_state(pm))
-        if resave_root and len(pm.plan.stages) > 1:
-            resaved = pm.save(resave_root)
+        if i in resave:
+            resaved.append(pm.save(os.path.join(resave_root, str(i))))
         pm.close()
-    if resaved:
+    for path in resaved:
         pm, _ = _compile({"dp": 4})
-        pm.load(resaved)
+        pm.load(path)
         out.append(_state(pm))
         pm.close()
     return out
@@ -156,18 +156,23 @@ def test_fewer_processes_replan_and_reshard(uninterrupted, tmp_path):
 
 @pytest.mark.slow
 def test_reshard_matrix(uninterrupted):
-    """Saved under dp=2 tp=2 on 4 ranks; loaded under dp=4, tp=4, ZeRO-3 dp=4, pp=2 x dp=2 (which
-    saves again, loaded under dp=4) and on one process: the full model and optimizer state equal
-    what was saved, bit for bit."""
+    """Saved under dp=2 tp=2 on 4 ranks; loaded under dp=4, tp=4, ZeRO-3 dp=4, pp=2 x dp=2 and ZeRO-2
+    dp=4 (the last two save again, each loaded under dp=4) and on one process: the full model and
+    optimizer state equal what was saved, bit for bit."""
     ref, root = uninterrupted
     saved = ref["at_save"]
     folder = str(root / "manual" / "step-3")
-    configs = [{"dp": 4}, {"tp": 4}, {"dp": 4, "zero": 3}, {"pp": 2, "dp": 2}]
-    results = autopar.launch(load_worker, 4, folder, configs, str(root / "from-pp"), timeout_s=600)[0]
-    for constraints, got in zip(configs + ["saved under pp=2 x dp=2, loaded under dp=4"], results):
+    configs = [{"dp": 4}, {"tp": 4}, {"dp": 4, "zero": 3}, {"pp": 2, "dp": 2}, {"dp": 4, "zero": 2}]
+    results = autopar.launch(load_worker, 4, folder, configs, str(root / "resaved"), (3, 4), timeout_s=600)[0]
+    labels = [str(c) for c in configs] + ["saved under pp=2 x dp=2, loaded under dp=4",
+                                          "saved under ZeRO-2 dp=4, loaded under dp=4"]
+    assert len(results) == len(labels)
+    for label, got in zip(labels, results):
         assert got["step"] == 3
-        _assert_equal_states(got, saved, exact=True, label=str(constraints))
-    assert results[3]["stages"] == 2 and len(results) == 5
+        _assert_equal_states(got, saved, exact=True, label=label)
+    assert results[3]["stages"] == 2
+    assert all(p.zero_stage == 2 for p in results[4]["plan"].params.values() if p.zero_axes), "no ZeRO-2 parameter"
+    assert any(p.zero_axes for p in results[4]["plan"].params.values())
 
 
 @pytest.mark.slow
