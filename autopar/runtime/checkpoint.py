@@ -129,7 +129,7 @@ class Checkpointer:
             else:
                 shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died
                 partial.mkdir(parents=True)
-        problem = _agree(problem)
+        problem = _from_rank0(problem)
         if problem:
             raise CheckpointError(problem)
         # what can fail on one rank alone fails on every rank, before any collective of the save
@@ -191,8 +191,7 @@ class Checkpointer:
             if rank == 0:
                 mine += [".metadata", PLAN_FILE, SHARED_EXTRAS]
             hashes = {name: {"bytes": (partial / name).stat().st_size, "sha256": sha256_of(partial / name)} for name in mine}
-            every: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, hashes, group=group)
+            every = _gathered_objects(hashes, group)
             if rank == 0:
                 files = {k: v for part in every for k, v in part.items()}
                 write_manifest(partial, dataclasses.replace(manifest, files=files))
@@ -228,20 +227,15 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
     def latest(self, root: str | os.PathLike) -> int | None:
         """The newest complete checkpoint's step under ``root`` (rank 0's view, the same on every rank)."""
-        steps = [complete_steps(root)] if dist.get_rank() == 0 else [None]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(steps, src=0)
-        return steps[0][-1] if steps[0] else None
+        steps = _from_rank0(complete_steps(root) if dist.get_rank() == 0 else None)
+        return steps[-1] if steps else None
 
     def restore_early(self, folder: str | os.PathLike) -> None:
         """What a resume restores before the plan exists (at compile): the step, the RNG states and
         the tracked objects' states (restored as they are tracked), so that the batches drawn
         before the first step follow the checkpoint; ``load`` restores the rest."""
         folder = Path(folder)
-        extras = self._read_extras(folder, read_manifest(folder))
-        self.pm.step = int(extras["step"])
-        restore_rng(extras["rng"], self.pm._builder.device)
-        self.pm._pending_tracked = dict(extras["tracked"])
+        self._restore_run_state(self._read_extras(folder, read_manifest(folder)), self.pm._builder.device)
         self._early = folder
 
     def load(self, folder: str | os.PathLike) -> Resumed:
@@ -255,9 +249,7 @@ class Checkpointer:
         manifest = read_manifest(folder)
         rank, world = dist.get_rank(), dist.get_world_size()
         names = sorted(manifest.files)
-        problems = _gathered(verify(folder, manifest, names[rank::world]))
-        if problems:
-            raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+        _raise_if_damaged(folder, _gathered(verify(folder, manifest, names[rank::world])))
         _check_same_model(manifest, model_identity(pm._traced), pm._model_class, folder)
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         target = model_entries(pm._state)
@@ -274,11 +266,9 @@ class Checkpointer:
         dcp.load(target, storage_reader=SafeReader(str(folder)))
         pm._after_state_load()
         pm._pending_optimizer = None if optimizer is not None or not optimizer_state_fqns(saved_keys) else str(folder)
-        extras = self._read_extras(folder, manifest)
+        extras = self._read_extras(folder, manifest, verified=True)
         if self._early != folder:  # not restored at compile
-            pm.step = int(extras["step"])
-            restore_rng(extras["rng"], pm._device)
-            pm._pending_tracked = dict(extras["tracked"])
+            self._restore_run_state(extras, pm._device)
         self._early = None
         if optimizer is not None:
             self._restore_optimizer_extras(optimizer, extras)
@@ -305,14 +295,19 @@ class Checkpointer:
             changes.append("ranks beyond the saved world took rank 0's RNG and tracked states")
         return changes
 
-    def _read_extras(self, folder: Path, manifest: Manifest) -> dict:
-        """This rank's extras (rank 0's beyond the saved world) and the shared ones, each checked
-        against the manifest first (they are read before ``load`` verifies the folder)."""
+    def _restore_run_state(self, extras: dict, device) -> None:
+        """The step, the RNG states, and the tracked objects' states (each restored as it is tracked)."""
+        self.pm.step = int(extras["step"])
+        restore_rng(extras["rng"], device)
+        self.pm._pending_tracked = dict(extras["tracked"])
+
+    def _read_extras(self, folder: Path, manifest: Manifest, verified: bool = False) -> dict:
+        """This rank's extras (rank 0's beyond the saved world) and the shared ones, checked against
+        the manifest first unless ``load`` has ``verified`` the folder already."""
         rank = dist.get_rank()
         names = [EXTRAS.format(rank if rank < manifest.world_size else 0), SHARED_EXTRAS]
-        problems = verify(folder, manifest, [n for n in names if n in manifest.files])
-        if problems:
-            raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+        if not verified:
+            _raise_if_damaged(folder, verify(folder, manifest, [n for n in names if n in manifest.files]))
         extras = torch.load(folder / names[0], weights_only=True)
         if (folder / SHARED_EXTRAS).is_file():
             extras.update(torch.load(folder / SHARED_EXTRAS, weights_only=True))
@@ -354,19 +349,19 @@ def _optimizer_of(pm):
     return pm.optimizer if pm.optimizer is not None else pm._native_optimizer
 
 
-def _agree(problem: str | None) -> str | None:
-    """Rank 0's verdict (None: go on), on every rank."""
-    box = [problem]
+def _from_rank0(value):
+    """Rank 0's ``value``, on every rank."""
+    box = [value]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _gathered_objects(obj) -> list:
-    """Every rank's ``obj``, in rank order, on every rank."""
-    every: list[Any] = [None] * dist.get_world_size()
-    if dist.get_world_size() > 1:
-        dist.all_gather_object(every, obj)
+def _gathered_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` (of ``group``, default all), in rank order, on every rank."""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    if len(every) > 1:
+        dist.all_gather_object(every, obj, group=group)
     else:
         every = [obj]
     return every
@@ -375,6 +370,11 @@ def _gathered_objects(obj) -> list:
 def _gathered(problems: list[str]) -> list[str]:
     """Every rank's problems, on every rank (so that all raise, or none)."""
     return sorted(p for part in _gathered_objects(problems) for p in part)
+
+
+def _raise_if_damaged(folder: Path, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
 
 
 def _check_same_model(manifest: Manifest, mine: dict, model_class: str, folder: Path) -> None:

@@ -6,7 +6,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.runtime.checkpoint import Resumed
@@ -69,7 +68,7 @@ class CheckpointMethods:
                 raise AutoparError("train_step's optimizer (pm.optimizer) is saved already; track() takes the optimizer of "
                                    "the torch-native loop (over pm.parameters())")
             self._native_optimizer = obj  # saved as DTensors (``checkpoint_state``), not as a pickled state
-            if self._resume_from is None and self.resumed is not None and self._pending_optimizer is not None:
+            if self._pending_optimizer is not None:  # a load already ran, without this optimizer
                 self._checkpointer.load_optimizer(self._pending_optimizer)
             return obj
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -94,7 +93,6 @@ class CheckpointMethods:
             self._gather_zero_params()
         self._note_zero_versions()
 
-
     @torch.no_grad()
     def full_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
         """train_step's optimizer state, gathered whole on every rank: ``"<fqn>/<state key>"`` ->
@@ -109,8 +107,4 @@ class CheckpointMethods:
         tensors, _ = optimizer_entries(self, self.optimizer)
         full = {k[len("optim/"):]: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True)
                 for k, t in sorted(tensors.items())}
-        if self._pp_group is not None:
-            parts: list = [None] * dist.get_world_size(self._pp_group)
-            dist.all_gather_object(parts, full, group=self._pp_group)
-            full = {k: v for part in parts for k, v in part.items()}
-        return full
+        return self._merged_over_stages(full)

@@ -510,8 +510,7 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         self.step += 1
         cfg = self._checkpointing
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
-            with collective_failures("checkpoint"):
-                self._checkpointer.save(cfg.root, asynchronous=cfg.asynchronous, keep=cfg.keep)
+            self.save(asynchronous=cfg.asynchronous)
         return total
 
     def _train_step(self, inputs: tuple, target: Any) -> float:
@@ -807,11 +806,17 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
             steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
             # a copy: for a replicated tensor no step runs, and the live parameter would be returned
             full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).to("cpu", copy=True)
-        if self._pp_group is not None:  # every stage's tensors, on every rank
-            parts: list = [None] * dist.get_world_size(self._pp_group)
-            dist.all_gather_object(parts, full, group=self._pp_group)
-            full = {k: v for part in parts for k, v in part.items()}
+        full = self._merged_over_stages(full)
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
+
+    def _merged_over_stages(self, mine: dict) -> dict:
+        """``mine`` (this rank's stage's entries) merged with every other pipeline stage's, on every
+        rank; as is without pipelining."""
+        if self._pp_group is None:
+            return mine
+        parts: list = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(parts, mine, group=self._pp_group)
+        return {k: v for part in parts for k, v in part.items()}
 
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()
