@@ -8,6 +8,7 @@ state + saved bytes <= budget.
 """
 import itertools
 import math
+import os
 
 import numpy as np
 import pytest
@@ -371,3 +372,35 @@ def test_calibrated_exposed_share_sets_the_floor_of_hidden_communication():
         assert sol.choice == {"a": want}
         assert math.isclose(sol.objective_s, min(1.0 + 0.4 * 0.5, 1.0 + extra), rel_tol=1e-9)
         assert math.isclose(evaluate(p, sol.choice).step_time_s, sol.objective_s, rel_tol=1e-9)
+
+
+def test_solver_output_hiding_on_two_threads_gives_stdout_back(capfd):
+    # HiGHS's banner is hidden by pointing fd 1 at /dev/null while it solves; two planner threads
+    # whose solves overlap (A in, B in, A out, B out) must leave fd 1 on the real stdout
+    import threading
+
+    from autopar.planner.ilp import _quiet_stdout
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with _quiet_stdout(True):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with _quiet_stdout(True):
+            b_in.set()
+            a_out.wait(5)
+            os.write(1, b"hidden while solving\n")
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os.write(1, b"stdout is back\n")
+    out = capfd.readouterr().out
+    assert "stdout is back" in out and "hidden while solving" not in out

@@ -256,6 +256,29 @@ def test_planning_twice_is_byte_identical():
     assert a == b
 
 
+
+def test_planning_on_worker_threads_gives_the_plan_planned_on_one_thread(capfd):
+    # the search runs its meshes, the comparison plan without constraints and the baseline on
+    # worker threads: the plan (with its comparison and baseline) must be the one-thread plan,
+    # and the warnings the workers silence, and the stdout their solvers hide, must be the user's
+    # again afterwards
+    from autopar.planner import search
+
+    cluster = Cluster.local(4)
+    for constraints in (Constraints(), Constraints(dp=2, tp=2), Constraints(zero=3)):
+        plans = []
+        for threads in (1, 2):
+            search._RESULTS.clear()  # nothing carried over from the other run
+            filters = list(warnings.filters)
+            plans.append(plan_gpt(cluster=cluster, constraints=constraints,
+                                  solver=autopar.SolverConfig(planner_threads=threads)))
+            assert warnings.filters == filters
+        one, two = plans
+        assert _json(one) == _json(two), constraints
+        assert one.free_step_time_s == two.free_step_time_s and one.baseline == two.baseline
+    print("stdout still reaches the user")
+    assert "stdout still reaches the user" in capfd.readouterr().out
+
 def test_unknown_op_is_reported_in_the_plan():
     class Cum(nn.Module):
         def __init__(self):
@@ -484,3 +507,35 @@ def test_materialised_attention_is_sharded_by_heads_and_costs_its_memory_traffic
     assert plans["math"].predicted.step_time_s > plans["sdpa"].predicted.step_time_s
     with pytest.raises(ValueError, match="attention must be 'sdpa' or 'math'"):
         GPT(GPTConfig(attention="flash"))
+
+
+def test_warnings_silenced_by_two_planner_threads_come_back():
+    # catch_warnings swaps process-global state: two threads overlapping (A in, B in, A out,
+    # B out) would restore B's saved "ignore" last and leave warnings off for good
+    import threading
+
+    from autopar.planner.op_memory import warnings_silenced
+
+    before = list(warnings.filters)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with warnings_silenced():
+            a_in.set()
+            b_in.wait(0.5)  # B cannot get in while A is: this times out
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with warnings_silenced():
+            b_in.set()
+            a_out.wait(5)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert warnings.filters == before
+    with pytest.warns(UserWarning, match="heard"):
+        warnings.warn("heard")

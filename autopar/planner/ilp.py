@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -68,6 +69,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autopar.planner.local_search import AssignmentCosts, improve
+from autopar.planner.threads import solver_running
 from autopar.planner.ilp_model import (
     COL_AUX, COL_INDICATOR, COL_STRATEGY, MIB, MS, IlpModel, InfeasibleProblem, build_model, model_proto,
 )
@@ -89,7 +91,9 @@ class SolverConfig:
     solved as one MIP. ``prove_limit``: the LP pass proves a plan optimal when the proof MIP's
     columns x relative gap to the LP bound is at most this (0: always); otherwise the plan is
     reported with that gap (FEASIBLE). ``prove_best_limit``: the search proves the plan it
-    chose (only that one) up to this effort."""
+    chose (only that one) up to this effort. ``planner_threads``: threads the search runs its
+    independent attempts on (None: ``AUTOPAR_PLANNER_THREADS``, else one per CPU; the plan does not
+    depend on it)."""
 
     time_limit_s: float = 20.0
     threads: int = 1
@@ -98,6 +102,7 @@ class SolverConfig:
     reduced_cost_fixing: bool = True
     prove_limit: float = 60.0
     prove_best_limit: float = 250.0
+    planner_threads: int | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -196,27 +201,41 @@ class _MipResult:
     solve_s: float
 
 
+_QUIET_LOCK = threading.Lock()
+_QUIET_STATE = {"depth": 0, "saved": -1, "null": -1}  # solves inside _quiet_stdout now; fds to restore
+
+
 @contextlib.contextmanager
 def _quiet_stdout(active: bool):
     """HiGHS (OR-Tools 9.15) prints a banner to the process's stdout on every solve, whatever
-    the output settings: hide it at the file-descriptor level while it solves."""
+    the output settings: hide it at the file-descriptor level while it solves. Solves on several
+    planner threads share one redirection (the first in redirects, the last out restores), so
+    none can save the other's ``/dev/null`` as "the" stdout."""
     if not active:
         yield
         return
+    with _QUIET_LOCK:
+        if _QUIET_STATE["depth"] == 0:
+            try:
+                sys.stdout.flush()
+                saved = os.dup(1)
+            except (OSError, ValueError, AttributeError):
+                saved = -1
+            if saved >= 0:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)
+                _QUIET_STATE.update(saved=saved, null=null)
+        _QUIET_STATE["depth"] += 1
     try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
         yield
     finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
+        with _QUIET_LOCK:
+            _QUIET_STATE["depth"] -= 1
+            if _QUIET_STATE["depth"] == 0 and _QUIET_STATE["saved"] >= 0:
+                os.dup2(_QUIET_STATE["saved"], 1)
+                os.close(_QUIET_STATE["saved"])
+                os.close(_QUIET_STATE["null"])
+                _QUIET_STATE.update(saved=-1, null=-1)
 
 
 def _run_mip(md: IlpModel, keep, config: SolverConfig) -> _MipResult:
@@ -225,7 +244,7 @@ def _run_mip(md: IlpModel, keep, config: SolverConfig) -> _MipResult:
     solver.SetTimeLimit(int(config.time_limit_s * 1000))
     solver.SetNumThreads(int(config.threads))
     t = time.perf_counter()
-    with _quiet_stdout(config.backend == "HIGHS"):
+    with _quiet_stdout(config.backend == "HIGHS"), solver_running():
         status = solver.Solve()
     solve_s = time.perf_counter() - t
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
@@ -357,7 +376,8 @@ def _solve_lp_first(md: IlpModel, problem: Problem, budget_bytes: float | None, 
     None; its predicted effort), or None to solve the whole model as one MIP instead."""
     t0 = time.perf_counter()
     lp, cols = _instantiate(md, "CLP", relax=True)
-    status = lp.Solve()
+    with solver_running():
+        status = lp.Solve()
     if status == pywraplp.Solver.INFEASIBLE and budget_bytes is not None:
         raise _infeasible(budget_bytes)  # the relaxation is: so is every assignment
     if status != pywraplp.Solver.OPTIMAL:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -58,6 +59,19 @@ def _signature(node: fx.Node, autocast_dtype) -> tuple:
     return (str(node.target), repr(args), str(autocast_dtype))
 
 
+_WARNINGS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def warnings_silenced():
+    """``warnings.catch_warnings()`` ignoring everything, one thread at a time: it swaps
+    process-global state, and two planner threads (``search.run_concurrently``) interleaving
+    their enter and exit could leave warnings switched off for good."""
+    with _WARNINGS_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def op_memory(node: fx.Node, autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> OpMemory:
     """The memory profile of ``node`` (a call_function op of a traced graph)."""
     from autopar.trace import tensor_inputs
@@ -70,8 +84,7 @@ def op_memory(node: fx.Node, autocast_dtype: torch.dtype | None = None, device_t
     hit = _CACHE.get(sig)
     if hit is None:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings_silenced():
                 hit = _measure(node, inputs, autocast_dtype, device_type)
         except Exception:  # noqa: BLE001 - any op torch cannot fake gets the conservative guess
             hit = _fallback(node, len(inputs), len(outs))

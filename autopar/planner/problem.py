@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,7 +24,7 @@ from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work, param_memory, reshard_time
-from autopar.planner.op_memory import op_memory
+from autopar.planner.op_memory import op_memory, warnings_silenced
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
 from autopar.trace import TracedGraph, tensor_inputs
@@ -166,8 +165,7 @@ def build_problem(
             continue
         key = (n.name, ctx.mesh_shape)
         if key not in cache:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings_silenced():
                 cache[key] = enumerate_strategies(n, ctx.mesh_shape, ctx.axis_names)
         ns: NodeStrategies = cache[key]
         strategies = list(ns.strategies)

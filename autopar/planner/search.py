@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from autopar.planner.evaluate import Evaluation, evaluate
 from autopar.planner.extract import extract_plan, predicted_of
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
 from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem
+from autopar.planner.threads import run_concurrently
 from autopar.trace import TracedGraph
 
 __all__ = ["search_plan", "mesh_candidates", "naive_dp_baseline", "USABLE_MEMORY_FRACTION", "AXES"]
@@ -98,14 +100,18 @@ _RESULTS: OrderedDict = OrderedDict()
 _MEMO_SIZE = 8
 
 
+_MEMO_LOCK = threading.RLock()  # the search's worker threads share the memos
+
+
 def _memo(table: OrderedDict, key, make):
-    if key in table:
-        table.move_to_end(key)
-        return table[key]
-    value = table[key] = make()
-    while len(table) > _MEMO_SIZE:
-        table.popitem(last=False)
-    return value
+    with _MEMO_LOCK:
+        if key in table:
+            table.move_to_end(key)
+            return table[key]
+        value = table[key] = make()
+        while len(table) > _MEMO_SIZE:
+            table.popitem(last=False)
+        return value
 
 
 def cost_context(mesh, cluster, policy, optimizer) -> CostContext:
@@ -127,7 +133,8 @@ def _graph_key(traced: TracedGraph) -> str:
     change it; a pipeline search asks for it once per stage count it weighs)."""
     import weakref
 
-    hit = _GRAPH_KEYS.get(id(traced))
+    with _MEMO_LOCK:
+        hit = _GRAPH_KEYS.get(id(traced))
     if hit is not None and hit[0]() is traced:
         return hit[1]
     parts = [traced.gm.code, repr((traced.has_loss, tuple(traced.input_names)))]
@@ -135,9 +142,10 @@ def _graph_key(traced: TracedGraph) -> str:
         meta = sorted((k, repr(v)) for k, v in n.meta.items() if k.startswith("autopar."))
         parts.append(f"{n.name}|{n.op}|{n.target}|{meta}")
     key = fingerprint_of("\n".join(parts))
-    for k in [k for k, (ref, _) in _GRAPH_KEYS.items() if ref() is None]:
-        del _GRAPH_KEYS[k]
-    _GRAPH_KEYS[id(traced)] = (weakref.ref(traced), key)
+    with _MEMO_LOCK:
+        for k in [k for k, (ref, _) in _GRAPH_KEYS.items() if ref() is None]:
+            del _GRAPH_KEYS[k]
+        _GRAPH_KEYS[id(traced)] = (weakref.ref(traced), key)
     return key
 
 
@@ -350,32 +358,38 @@ def _search_single_stage(
     failures: list[InfeasibleProblem] = []
     micro_options = _candidates(c, bool(blocks.blocks))
     seen_problems: dict[tuple, tuple[int, int]] = {}
+    searched: list[tuple[int, int]] = []
+    skipped: dict[tuple[int, int], tuple[str, str]] = {}
     for mesh in meshes:
         mirror = _mirror_of(mesh, cluster, c, seen_problems)
-        if mirror is not None:
-            outcomes.append((f"dp={mesh[0]} tp={mesh[1]}", f"skipped: the same problem as dp={mirror[0]} tp={mirror[1]} "
-                             "with the axes swapped (no constraint tells the axes apart and their groups have the same shape)"))
+        if mirror is None:
+            searched.append(mesh)
+        else:
+            skipped[mesh] = (f"dp={mesh[0]} tp={mesh[1]}", f"skipped: the same problem as dp={mirror[0]} tp={mirror[1]} "
+                             "with the axes swapped (no constraint tells the axes apart and their groups have the same shape)")
+
+    # The meshes' searches are independent: on worker threads (the solvers release the GIL, so
+    # one mesh's LP runs beside another's problem building), with the comparison plan without
+    # constraints and the baseline beside them; the largest problems first.
+    tasks: dict = {}
+    results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
+    free_like = dataclasses.replace(c, pp=None).is_free()  # pp=1 is what a single-stage search does anyway
+    if _with_free and not free_like and not _step_time_only and "free" not in results:
+        tasks["free"] = lambda: _free_step_time(traced, cluster, precision, optimizer, solver, cache)
+    for mesh in sorted(searched, key=lambda m: -min(m)):  # both axes split: the most strategies per node
+        tasks[mesh] = (lambda mesh=mesh: _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c,
+                                                      budget, solver, cache, progress))
+    if _with_baseline and not _step_time_only:
+        tasks["baseline"] = lambda: naive_dp_baseline(traced, cluster, policy, optimizer, solver, blocks=blocks, cache=cache)
+    done = run_concurrently(tasks, solver.planner_threads)
+    for mesh in meshes:
+        if mesh in skipped:
+            outcomes.append(skipped[mesh])
             continue
-        fits_without_recompute = False
-        for recompute, micro in micro_options:
-            label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
-            if recompute and fits_without_recompute and c.recompute is None:
-                # recompute only adds compute: it can win only where memory binds, and it did not
-                outcomes.append((label, "skipped: the plan without recompute is not memory bound"))
-                continue
-            if progress:
-                progress(label)
-            try:
-                att = _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver, cache)
-            except InfeasibleProblem as exc:
-                failures.append(exc)
-                outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
-                continue
-            attempts.append(att)
-            if not recompute and att.solution.memory_slack_bytes == float("inf"):
-                fits_without_recompute = True
-            outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"
-                                    + _solver_note(att.solution, solver)))
+        mesh_attempts, mesh_outcomes, mesh_failures = done[mesh]
+        attempts += mesh_attempts
+        outcomes += mesh_outcomes
+        failures += mesh_failures
     batch = traced.global_batch
     if not attempts and c.microbatches is None and batch:
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
@@ -402,28 +416,59 @@ def _search_single_stage(
         return best.evaluation.step_time_s
     strategy_s = time.perf_counter() - t_start
 
-    results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
     if _with_baseline:
-        baseline = naive_dp_baseline(traced, cluster, policy, optimizer, solver, blocks=blocks, cache=cache)
+        baseline = done["baseline"]
     else:
         baseline = Baseline("naive data parallel", None, False, "not computed")
-    free_like = dataclasses.replace(c, pp=None).is_free()  # pp=1 is what a single-stage search does anyway
     if free_like:
         results["free"] = best.evaluation.step_time_s
     free_time = None
     if _with_free and not free_like:
-        if "free" not in results:
-            try:
-                results["free"] = _search_single_stage(
-                    traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer, solver=solver,
-                    _with_baseline=False, _with_free=False, _cache=cache, _step_time_only=True)
-            except NoFeasiblePlanError:
-                results["free"] = None
+        if "free" in done:
+            results["free"] = done["free"]
         free_time = results["free"]
     plan = extract_plan(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes)
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
     return plan
+
+
+def _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c, budget, solver, cache, progress):
+    """Every (recompute, microbatches) attempt on one mesh: (attempts, outcomes, failures)."""
+    attempts: list[_Attempt] = []
+    outcomes: list[tuple[str, str]] = []
+    failures: list[InfeasibleProblem] = []
+    fits_without_recompute = False
+    for recompute, micro in micro_options:
+        label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
+        if recompute and fits_without_recompute and c.recompute is None:
+            # recompute only adds compute: it can win only where memory binds, and it did not
+            outcomes.append((label, "skipped: the plan without recompute is not memory bound"))
+            continue
+        if progress:
+            progress(label)
+        try:
+            att = _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver, cache)
+        except InfeasibleProblem as exc:
+            failures.append(exc)
+            outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
+            continue
+        attempts.append(att)
+        if not recompute and att.solution.memory_slack_bytes == float("inf"):
+            fits_without_recompute = True
+        outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"
+                                + _solver_note(att.solution, solver)))
+    return attempts, outcomes, failures
+
+
+def _free_step_time(traced, cluster, precision, optimizer, solver, cache) -> float | None:
+    """The predicted step time of the plan without constraints (None: none fits)."""
+    try:
+        return _search_single_stage(traced, cluster, constraints=Constraints(), precision=precision, optimizer=optimizer,
+                                    solver=solver, _with_baseline=False, _with_free=False, _cache=cache,
+                                    _step_time_only=True)
+    except NoFeasiblePlanError:
+        return None
 
 
 def _refuse_moved_writes(att: _Attempt, c: Constraints) -> None:
