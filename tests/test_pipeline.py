@@ -247,6 +247,33 @@ def test_free_plan_weighs_pipelines_on_several_nodes():
     assert len(one_node.stages) == 1 and not any(lab.startswith("pp=") for lab, _ in one_node.solver.candidates)
 
 
+
+def test_free_plan_searches_the_microbatch_count_of_its_pipeline():
+    """Each microbatch's sends pay the link's latency: over a high-latency inter-node link, the
+    default one sample per microbatch (16) makes the pipeline slower than the single-stage plan,
+    and fewer, larger microbatches win despite the larger bubble. The free plan must find the
+    count that brute force over the forced plans finds."""
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    local = autopar.Cluster.local(4)
+    link = dataclasses.replace(local.inter_node, bandwidth=1e8, latency=5e-4)
+    cluster = dataclasses.replace(local, nodes=2, devices_per_node=2, inter_node=link)
+    cfg = GPTConfig(n_layer=4, n_embd=256, block_size=8, n_head=4)
+    model = GPT(cfg)
+    x, y = example_batch(cfg, 16, seed=0)
+    free = autopar.plan(model, cluster, x, loss_fn=gpt_loss, example_target=y)
+    forced = {m: autopar.plan(model, cluster, x, loss_fn=gpt_loss, example_target=y,
+                              constraints=autopar.Constraints(pp=2, dp=1, tp=2, microbatches=m, schedule="1f1b"))
+              for m in (16, 8, 4, 2)}
+    times = {m: p.predicted.step_time_s for m, p in forced.items()}
+    best = min(times, key=times.get)
+    single = autopar.plan(model, cluster, x, loss_fn=gpt_loss, example_target=y, constraints=autopar.Constraints(pp=1))
+    assert times[16] > single.predicted.step_time_s > times[best]  # the default count alone would not pipeline
+    assert (free.pipeline_degree, free.microbatches, free.schedule) == (2, best, "1f1b")
+    assert free.predicted.step_time_s == pytest.approx(times[best], rel=1e-9)
+    labels = [lab for lab, _ in free.solver.candidates]
+    assert {m for m in times if f"pp=2 dp=1 tp=2 microbatches={m} 1f1b" in labels} >= {16, best}
+
 def test_timeline_simulation_matches_the_schedule_models():
     from autopar.timeline import simulate
 

@@ -14,8 +14,10 @@ The search, in order:
 4. The schedule's time and memory (``stages``): bubble, microbatches in flight per stage; a stage
    whose predicted peak exceeds the device's memory is refused here, naming it.
 
-Not yet searched (``Constraints`` fixes them): the stage count (``pp``), the microbatch count
-(default ``2 * pp`` where the batch allows), the schedule (default 1F1B).
+With ``pp`` given, the constraints fix the microbatch count (default ``2 * pp`` where the batch
+allows) and the schedule (default 1F1B). A plan without ``pp`` on several nodes also weighs
+pipelines (``free_pipeline_candidates``, ``best_of``): stage counts, 1F1B or interleaved 1F1B,
+then the microbatch count of the fastest.
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ MAX_FREE_PIPELINES = 5
 FREE_MEMORY_ROUNDS = 3
 
 
-def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float]:
-    """(the cluster one stage plans on, the bandwidth between consecutive stages in bytes/s)."""
+def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float, float]:
+    """(the cluster one stage plans on, the bandwidth between consecutive stages in bytes/s, the
+    latency of one message between them in seconds)."""
     if cluster.nodes % pp == 0:
         sub = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
         link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
@@ -60,7 +63,7 @@ def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float]:
         raise ConstraintError(
             f"pp={pp} does not split the cluster's {cluster.nodes} nodes x {cluster.devices_per_node} devices into equal "
             f"stages (whole nodes per stage, or a share of one node); choose pp dividing {cluster.nodes} (the node count)")
-    return sub, link.effective_bandwidth
+    return sub, link.effective_bandwidth, link.latency
 
 
 def virtual_stages(schedule: str, asked: int | None) -> int:
@@ -99,7 +102,8 @@ class _Priced:
     bubble: float
 
 
-def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, link_bw: float) -> _Priced:
+def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, link_bw: float,
+           link_latency: float = 0.0) -> _Priced:
     """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
     ``blocks``: the graph's repeated blocks (``find_repeated_blocks``)."""
     n_stages = pp * v
@@ -124,8 +128,11 @@ def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, 
     total_produced = sum(produced) or 1.0
     total_compute = sum(compute) or 1.0
     pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
-    sends = [2.0 * b / link_bw for b in cut.boundary_bytes]
-    p2p = (sum(sends) + (m - 1) * max(sends, default=0.0)) / m
+    # per microbatch and boundary: its activations forward and their gradient backward, each one
+    # message (latency + bytes / bandwidth); on the critical path, one microbatch crosses every
+    # boundary and the other m - 1 queue on the slowest one
+    sends = [2.0 * (link_latency + b / m / link_bw) for b in cut.boundary_bytes]
+    p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
     # the submesh's step (compute and its collectives), stretched as the schedule stretches compute
     step = inner.predicted.step_time_s * pipe_compute / total_compute + p2p
     mem = dict(inner.predicted.memory_bytes)
@@ -167,7 +174,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     if schedule not in PIPELINE_SCHEDULES:
         raise ConstraintError(f"schedule={schedule!r} does not run yet; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
     v = virtual_stages(schedule, c.virtual_stages)
-    sub, link_bw = stage_cluster(cluster, pp)
+    sub, link_bw, link_latency = stage_cluster(cluster, pp)
     m = c.microbatches or default_microbatches(traced.global_batch, pp)
     if traced.global_batch and traced.global_batch % m:
         raise ConstraintError(f"microbatches={m} does not divide the batch of {traced.global_batch}")
@@ -194,7 +201,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
             inner = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
         except NoFeasiblePlanError:
             break  # a smaller budget than any per-operator plan needs: the last overflow is the answer
-        priced = _price(traced, blocks, inner, pp, v, m, schedule, link_bw)
+        priced = _price(traced, blocks, inner, pp, v, m, schedule, link_bw, link_latency)
         worst = max(priced.peaks)
         if worst <= budget:
             break
@@ -321,21 +328,22 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
     """The fastest of the single-stage plan (None: ``failure`` says why there is none) and the
     pipeline plans of ``candidates`` (sorted by ``pp``): ``MAX_FREE_PIPELINES`` of them spread
     over the range, then the neighbours of the fastest until it stops moving, each under 1F1B
-    and interleaved 1F1B; every alternative's outcome is listed in the plan's solver report."""
+    and interleaved 1F1B, then the fastest's microbatch count halved while that is faster; every
+    alternative's outcome is listed in the plan's solver report."""
     from autopar.planner.ilp import InfeasibleProblem
 
     tried: list[tuple[str, str]] = []
-    best = single
+    best_pipe, best_c = None, None  # the fastest pipeline plan and its constraints
     if single is None or single.recompute_blocks:
         # memory binds on one stage's devices already: a stage holding pp microbatches recomputes
         # too (PTD-P's choice), so its per-operator plan starts there rather than finding out
         candidates = [dataclasses.replace(c, recompute=True) if c.recompute is None else c for c in candidates]
 
-    def price(cand) -> float | None:
-        """Price ``cand`` under 1F1B and interleaved 1F1B; its faster step time (None: neither fits)."""
-        nonlocal best
+    def price(cand, schedules=("1f1b", "interleaved-1f1b")) -> float | None:
+        """Price ``cand`` under each of ``schedules``; its fastest step time (None: none fits)."""
+        nonlocal best_pipe, best_c
         fastest = None
-        for schedule in ("1f1b", "interleaved-1f1b"):
+        for schedule in schedules:
             c = dataclasses.replace(cand, schedule=schedule)
             label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
             try:
@@ -347,8 +355,8 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
                 continue
             tried.append((label, f"{plan.predicted.step_time_s * 1e3:.3f} ms/step, peak "
                                  f"{plan.predicted.peak_memory_bytes / GiB:.2f} GiB, bubble {plan.bubble_fraction * 100:.1f}%"))
-            if best is None or plan.predicted.step_time_s < best.predicted.step_time_s * (1 - 1e-9):
-                best = plan
+            if best_pipe is None or plan.predicted.step_time_s < best_pipe.predicted.step_time_s * (1 - 1e-9):
+                best_pipe, best_c = plan, c
             if fastest is None or plan.predicted.step_time_s < fastest:
                 fastest = plan.predicted.step_time_s
         return fastest
@@ -375,6 +383,23 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
             break
         for j in fresh:
             times[j] = price(candidates[j])
+    # then the microbatch count of the fastest pipeline (faster than the single-stage plan or not):
+    # halved while that is faster (fewer, larger
+    # microbatches: a larger bubble, less per-microbatch cost: sends' latency, smaller matmuls'
+    # efficiency, ZeRO's gathers and reductions per microbatch)
+    while best_c is not None:
+        m = best_c.microbatches // 2
+        batch = traced.global_batch
+        if best_c.microbatches % 2 or m < best_c.pp or (batch // m) % (best_c.dp or 1):
+            break
+        before = best_c
+        price(dataclasses.replace(best_c, microbatches=m), schedules=(best_c.schedule,))
+        if best_c is before:
+            break
+    best = single
+    if best_pipe is not None and (single is None or best_pipe.predicted.step_time_s
+                                  < single.predicted.step_time_s * (1 - 1e-9)):
+        best = best_pipe
     if best is None:
         raise failure
     # every alternative weighed: the single-stage search's, then the pipelines'
