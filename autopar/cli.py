@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int)
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--pp", type=int, help="pipeline stages (1: no pipeline; default: the planner weighs them on several nodes)")
-    p.add_argument("--schedule", help="pipeline schedule: 1f1b, gpipe, interleaved-1f1b, zero-bubble, zbv")
+    p.add_argument("--schedule", help="pipeline schedule: 1f1b, gpipe, interleaved-1f1b, zero-bubble, zbv, dualpipev")
     p.add_argument("--microbatches", type=int)
     p.add_argument("--draw", metavar="PNG", help="also write a pipeline plan's predicted timeline here")
     p.add_argument("--recompute", choices=["on", "off"])

@@ -20,7 +20,7 @@ from autopar.layouts import Partial, Placement, Shard, format_placement, parse_p
 
 __all__ = ["Constraints", "annotate", "collect_annotations", "with_annotations", "SCHEDULES", "MESH_AXES"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 # The mesh axes a placement can name (the planner's ``constraint_filter.AXES``; a test keeps them
 # equal). Checked here, where a pin is written, so a bad axis is refused at ``annotate`` /
 # ``Constraints(...)`` rather than deep inside the solver.

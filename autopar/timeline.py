@@ -9,9 +9,9 @@ forward). Per rank, GPipe runs every forward then every backward and 1F1B its wa
 then one forward / one backward, then the rest, as ``torch.distributed.pipelining`` runs them.
 Several looped stages per rank run Megatron's interleaved 1F1B order (stage chunks in groups of
 ``pp`` microbatches; zero-bubble's split weight gradients are drawn inside the backward): the
-shape of those schedules, not torch's exact order. For zbv's V, or where the microbatches are
-not a multiple of ``pp``, a rank takes, when free, the ready backward of the
-earliest microbatch once it holds its in-flight limit (``planner.stages.in_flight``), else the
+shape of those schedules, not torch's exact order. For the V schedules (zbv, dualpipev), or
+where the microbatches are not a multiple of ``pp``, a rank takes, when free, the ready backward
+of the earliest microbatch once it holds its in-flight limit (``planner.stages.in_flight``), else the
 earliest ready forward. Sends between stages are not drawn.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _interleaved_order(rank: int, ranks: int, virtual: int, m: int) -> list[tupl
 def simulate(stage_times: list[float], rank_of: list[int], microbatches: int, schedule: str) -> list[TimelineOp]:
     """The operations of one step (see the module docstring); ``stage_times[s]``: stage ``s``'s
     forward + backward for one microbatch; ``rank_of[s]``: the pipeline rank running it."""
-    from autopar.planner.stages import in_flight
+    from autopar.planner.stages import V_SCHEDULES, in_flight
 
     n, m = len(stage_times), microbatches
     ranks = max(rank_of) + 1
@@ -81,7 +81,7 @@ def simulate(stage_times: list[float], rank_of: list[int], microbatches: int, sc
     orders: dict[int, list[tuple[str, int, int]]] = {}
     if virtual == 1:
         orders = {r: [(k, stage_of_rank[r][0], i) for k, i in _fixed_order(schedule, r, ranks, m)] for r in range(ranks)}
-    elif m % ranks == 0 and schedule != "zbv":  # looped stages: stage chunk * pp + r on rank r
+    elif m % ranks == 0 and schedule not in V_SCHEDULES:  # looped stages: stage chunk * pp + r on rank r
         orders = {r: [(k, c * ranks + r, i) for k, c, i in _interleaved_order(r, ranks, virtual, m)] for r in range(ranks)}
     fixed = bool(orders)
     pending = {r: [("F", s, i) for i in range(m) for s in stage_of_rank[r]]

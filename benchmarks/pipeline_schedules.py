@@ -4,7 +4,8 @@ One invocation runs, on this machine's gloo processes:
 
 * the baseline: the whole model in one process (``Constraints(microbatches=m)``, no pipeline),
   the same microbatches one after the other: ``T1``;
-* every schedule autopar runs (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV) with
+* every schedule autopar runs (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV,
+  DualPipeV) with
   ``pp`` stages on ``pp`` processes, for each microbatch count: ``Tpp``.
 
 Printed per row: the measured step (median of the timed steps), the plan's predicted step and
@@ -34,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 
 
 def _model_and_batch(layers: int, width: int, seq: int, batch: int):

@@ -83,6 +83,8 @@ def test_interleaved_plans():
     one, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="1f1b")
     assert plan.bubble_fraction < one.bubble_fraction  # interleaving shrinks the bubble
     assert autopar.Plan.from_json(zbv.to_json()) == zbv
+    dual, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="dualpipev")
+    assert [s.first_rank for s in dual.stages] == [0, 2, 2, 0] and dual.microbatches == 4  # the V, 2 pp microbatches
 
 
 def test_schedule_models():
@@ -101,6 +103,10 @@ def test_schedule_models():
     assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight("interleaved-1f1b", r, 4, 8, 2) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
     assert in_flight("zbv", 0, 4, 8, 2) == 4
+    # DualPipeV: (p - 1) slots of F&B + B - 3W = 2/3 of a stage (F&B run one after the other);
+    # PP + 1 chunks of activations per rank, 2 chunks per microbatch through a rank
+    assert schedule_step_time([2.0] * 8, 8, "dualpipev", 4)[0] == pytest.approx(8 * 0.5 + 3 * 0.25 * 2 / 3)
+    assert in_flight("dualpipev", 0, 4, 8, 2) == 4.5 and in_flight("dualpipev", 3, 4, 2, 2) == 2
     assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8] * 4
     assert in_flight("1f1b", 0, 4, 2) == 2
 
@@ -155,6 +161,8 @@ def test_stage_programs_chain():
     (dict(pp=2, schedule="zero-bubble", zero=3), "zero-bubble schedules run without ZeRO"),
     (dict(pp=2, virtual_stages=2), "virtual_stages=2 needs an interleaved schedule"),
     (dict(pp=2, schedule="zbv", virtual_stages=3), "zbv runs exactly 2 stages per rank"),
+    (dict(pp=2, schedule="dualpipev", microbatches=2), "dualpipev needs at least as many microbatches as stages"),
+    (dict(pp=2, schedule="dualpipev", zero=2), "run without ZeRO"),
     (dict(schedule="gpipe"), "applies to pipeline plans"),
     (dict(pp=2, microbatches=3), "microbatches=3 does not divide the batch of 8"),
 ])
@@ -183,6 +191,7 @@ CASES_2 = [
     ("gpt", {"pp": 2, "schedule": "interleaved-1f1b"}, "sgd"),
     ("gpt", {"pp": 2, "schedule": "zero-bubble"}, "adamw"),
     ("gpt", {"pp": 2, "schedule": "zbv"}, "sgd"),
+    ("gpt", {"pp": 2, "schedule": "dualpipev", "microbatches": 8}, "adamw"),
 ]
 CASES_4 = [
     ("gpt", {"pp": 4}, "sgd"),
@@ -193,6 +202,7 @@ CASES_4 = [
     ("gpt", {"pp": 4, "schedule": "interleaved-1f1b"}, "adamw"),
     ("gpt", {"pp": 2, "dp": 2, "schedule": "zero-bubble"}, "sgd"),
     ("gpt", {"pp": 2, "tp": 2, "schedule": "zbv"}, "adamw"),
+    ("gpt", {"pp": 2, "dp": 2, "schedule": "dualpipev"}, "sgd"),
 ]
 
 
@@ -310,6 +320,10 @@ def test_plan_draw_writes_a_png(tmp_path):
     ops = plan.draw(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     assert {o.rank for o in ops} == {0, 1} and {o.stage for o in ops} == {0, 1, 2, 3}
+    dual, *_ = _plan("gpt", 4, pp=2, dp=2, schedule="dualpipev")
+    ops = dual.draw(str(tmp_path / "dualpipev.png"))
+    assert len(ops) == 2 * 4 * dual.microbatches  # a forward and a backward per stage and microbatch
+    assert {(o.stage, o.rank) for o in ops} == {(0, 0), (1, 1), (2, 1), (3, 0)}  # the V
     single, *_ = _plan("gpt", 4, dp=4)
     with pytest.raises(autopar.AutoparError, match="has one stage"):
         single.draw(str(tmp_path / "none.png"))

@@ -32,8 +32,9 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
-from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, cut_model, cut_stages, in_flight,
-                                    local_bytes, schedule_step_time, stage_rank)
+from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
+                                    V_SCHEDULES, cut_model, cut_stages, in_flight, local_bytes, schedule_step_time,
+                                    stage_rank)
 
 __all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
            "best_of", "MAX_FREE_PIPELINES"]
@@ -73,8 +74,8 @@ def virtual_stages(schedule: str, asked: int | None) -> int:
             raise ConstraintError(f"virtual_stages={asked} needs an interleaved schedule (interleaved-1f1b, zero-bubble, "
                                   f"zbv); {schedule} runs one stage per rank")
         return 1
-    if schedule == "zbv" and asked not in (None, 2):
-        raise ConstraintError(f"zbv runs exactly 2 stages per rank (a V), not virtual_stages={asked}")
+    if schedule in V_SCHEDULES and asked not in (None, 2):
+        raise ConstraintError(f"{schedule} runs exactly 2 stages per rank (a V), not virtual_stages={asked}")
     return asked or 2
 
 
@@ -182,7 +183,10 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         raise ConstraintError(f"{schedule} runs microbatches in rounds of pp={pp}: microbatches={m} must be a multiple of "
                               f"{max(1, m // pp)}; use microbatches={2 * pp}")
     zero = c.zero
-    if schedule in ("zero-bubble", "zbv"):
+    if schedule == "dualpipev" and m < 2 * pp:
+        raise ConstraintError(f"dualpipev needs at least as many microbatches as stages: microbatches={m} < "
+                              f"{2 * pp} stages (2 per rank); use microbatches={2 * pp} or more")
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
         # their weight pass takes gradients through the parameters' graph apart from the input pass;
         # a parameter gathered over the data axis (ZeRO-3) or reduce-scattered per microbatch
         # (ZeRO-2) does not take part in it yet

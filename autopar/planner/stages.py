@@ -29,11 +29,15 @@ from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
 __all__ = ["StageCut", "CutModel", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
-           "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_W_SHARE", "local_bytes"]
+           "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES",
+           "ZERO_BUBBLE_W_SHARE", "local_bytes"]
 
 # the schedules a pipeline plan can run today (``Constraints(schedule=)``); the first is the default
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")  # several stages per rank
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r
+# schedules that run the weight gradients apart from the input gradients (torch's split backward)
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,9 @@ def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
 
 def stage_rank(stage: int, ranks: int, schedule: str) -> int:
     """The pipeline rank (``pp`` coordinate) running ``stage``: stage ``s`` on rank ``s % pp``
-    (looped), or for ``zbv`` the V shape (rank ``r`` runs stages ``r`` and ``2 pp - 1 - r``)."""
-    if schedule == "zbv":
+    (looped), or for the V schedules (zbv, dualpipev) the V shape (rank ``r`` runs stages ``r`` and
+    ``2 pp - 1 - r``)."""
+    if schedule in V_SCHEDULES:
         return stage if stage < ranks else 2 * ranks - 1 - stage
     return stage % ranks
 
@@ -203,6 +208,13 @@ MAX_CUTS = 400
 ZERO_BUBBLE_W_SHARE = 1.0 / 3.0
 
 
+# per bubble slot of the multi-stage schedules, the share of one stage's forward + backward
+# (1 = F + B, W = ZERO_BUBBLE_W_SHARE, B = 2 W) that stays idle (schedule_step_time): interleaved
+# all of it; zero bubble F + B - 2 W; DualPipeV F&B + B - 3 W with F&B = F + B, i.e. 1 - W
+_BUBBLE_SLOT = {"interleaved-1f1b": 1.0, "zero-bubble": 1.0 - 2 * ZERO_BUBBLE_W_SHARE,
+                "zbv": 1.0 - 2 * ZERO_BUBBLE_W_SHARE, "dualpipev": 1.0 - ZERO_BUBBLE_W_SHARE}
+
+
 def schedule_step_time(stage_times: list[float], microbatches: int, schedule: str, ranks: int) -> tuple[float, float]:
     """(step time, bubble fraction) of ``schedule`` running stages of per-step times ``stage_times``
     (each the sum over the step's microbatches) on ``ranks`` pipeline ranks.
@@ -211,7 +223,11 @@ def schedule_step_time(stage_times: list[float], microbatches: int, schedule: st
     stages per rank): ``m max_r T_r + (p - 1) max_s t_s`` with ``T_r`` a rank's stages per
     microbatch (the bubble shrinks ``v``-fold). Zero bubble: the same with the bubble's stage
     time less the deferred weight gradients, ``(1 - 2 W) max_s t_s`` (Qi et al. 2024, ZB-1P).
-    The bubble fraction is the share of the ranks' time idle."""
+    DualPipeV: the same with ``(F&B + B - 3 W)`` per bubble slot (DeepSeek-V3 report, Table 2; its
+    ``PP/2 - 1`` counts pairs of chunks, here ``p - 1`` ranks of two stages), where torch's
+    overlapped F&B runs the forward and the backward one after the other: ``F + 2 B - 3 W``, with
+    ``B = 2 F`` and ``W = B / 2`` two thirds of a stage's time (the zero-bubble schedules: one
+    third). The bubble fraction is the share of the ranks' time idle."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ConstraintError(f"schedule={schedule!r} has no time model; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
     m, p = microbatches, ranks
@@ -222,7 +238,7 @@ def schedule_step_time(stage_times: list[float], microbatches: int, schedule: st
         per_rank = [0.0] * p
         for s, t in enumerate(per_micro):
             per_rank[stage_rank(s, p, schedule)] += t
-        tail = max(per_micro) * (1.0 if schedule == "interleaved-1f1b" else 1.0 - 2 * ZERO_BUBBLE_W_SHARE)
+        tail = max(per_micro) * _BUBBLE_SLOT[schedule]
         step = m * max(per_rank) + (p - 1) * tail
     busy = sum(stage_times) / p  # what an average rank computes
     return step, (1.0 - busy / step) if step > 0 else 0.0
@@ -232,7 +248,8 @@ def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, virtual: 
     """Microbatches whose activations rank ``rank`` holds at its peak, in units of one microbatch
     through all of the rank's stages: GPipe ``m``; 1F1B ``min(m, p - r)``; interleaved and
     interleaved zero bubble, torch's warm-up depth ``2 (p - 1 - r) + (v - 1) p + 1`` stage
-    chunks, each ``1/v`` of the rank's stages; ZBV ``p`` (Qi et al.: ZB-V holds 2p chunks)."""
+    chunks, each ``1/v`` of the rank's stages; ZBV ``p`` (Qi et al.: ZB-V holds 2p chunks);
+    DualPipeV ``p + 1/2`` (the DeepSeek-V3 report's ``PP + 1`` chunks of activations, two per rank)."""
     m, p, v, r = microbatches, ranks, virtual, rank
     if schedule == "gpipe":
         return float(m)
@@ -240,4 +257,6 @@ def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, virtual: 
         return float(min(m, p - r))
     if schedule == "zbv":
         return float(min(m, p))
+    if schedule == "dualpipev":
+        return min(float(m), p + 0.5)
     return min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) / v

@@ -28,13 +28,15 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.layouts import Layout
+from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.runtime.collectives import shard_tensor
 
 __all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                    "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+                    "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                    "dualpipev": "ScheduleDualPipeV"}
 
 
 def local_stages(plan, pp_rank: int) -> list[int]:
@@ -117,7 +119,7 @@ class PipelineRunner:
             last = index == self.n_stages - 1
             module = _StageModule(prog, _state_of(store, prog.state_names), run, self.constants, last,
                                   [store.slots[n].local for n in prog.state_names if n in store.slots],
-                                  copy_outputs=plan.schedule in ("zero-bubble", "zbv"))
+                                  copy_outputs=plan.schedule in SPLIT_BACKWARD_SCHEDULES)
             ins = batch_metas if index == 0 else metas[index - 1]
             outs = [torch.empty((1,), device="meta", requires_grad=True)] if last else metas[index]
             self.pipe_stages.append(pipelining.PipelineStage(module, index, self.n_stages, device, input_args=tuple(ins),
