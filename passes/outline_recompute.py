@@ -37,10 +37,21 @@ def _instance_of(module: str, instances: tuple[str, ...]) -> str | None:
     return None
 
 
+def _stage_of(gm: fx.GraphModule, plan) -> dict[str, int]:
+    """Each node's pipeline stage, as ``split_stages`` will place it (empty for one stage)."""
+    if len(plan.stages) < 2:
+        return {}
+    from autopar.passes.split_stages import stage_of_nodes
+
+    planned = {n.name: s.index for s in plan.stages for n in s.nodes}
+    return stage_of_nodes(gm, planned, set())
+
+
 def outline_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Requires: the plan's ``recompute_blocks`` name block instances by module prefix.
     Guarantees: every node of a recomputed instance runs inside a ``Checkpointed`` submodule
-    (``gm.meta[RECOMPUTE_KEY]`` lists their names); the program computes what it computed before;
+    (``gm.meta[RECOMPUTE_KEY]`` lists their names); no submodule spans two pipeline stages; the
+    program computes what it computed before;
     ``gm.meta`` is carried over. A program with nothing to recompute is returned unchanged.
     Why: the planner priced these blocks' activations as recomputed, not kept.
     """
@@ -51,13 +62,17 @@ def outline_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     run_of: dict[str, int] = {}
     run_instance: dict[int, str | None] = {}
     run, current = 0, object()
+    # a pipeline plan: runs end at stage boundaries too (``split_stages`` places each outlined
+    # run in the stage of the nodes it holds)
+    stage_of = _stage_of(gm, ctx.plan)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         inst = _instance_of(node.meta.get("autopar.module", ""), instances)
-        if inst != current:
+        key = (stage_of.get(node.name), inst)
+        if key != current:
             run += 1
-            current = inst
+            current = key
             run_instance[run] = inst
         run_of[node.name] = run
     meta = dict(gm.meta)

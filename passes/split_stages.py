@@ -58,6 +58,8 @@ def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[
             stage[n.name] = stage[n.args[0].name]
         elif n.name in planned and n.op != "placeholder":
             stage[n.name] = planned[n.name]
+        elif n.op == "call_module" and (inside := _planned_inside(program, n, planned)) is not None:
+            stage[n.name] = inside
     for n in reversed(nodes):  # inserted nodes: with their earliest user
         if n.op == "placeholder" or n.name in stage:
             continue
@@ -79,6 +81,18 @@ def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[
                 raise StageSplitError(f"'{n.name}' is used in stage {stage[n.name]} and by '{late[0]}' in stage "
                                       f"{stage[late[0]]}: a parameter belongs to one stage")
     return stage
+
+
+def _planned_inside(program: fx.GraphModule, n: fx.Node, planned: dict[str, int]) -> int | None:
+    """The stage of an outlined submodule (``outline_recompute``: its nodes keep their names and
+    never span stages): that of the planned nodes it runs, None if it runs none."""
+    sub = program.get_submodule(n.target)
+    sub = getattr(sub, "inner", sub)  # Checkpointed
+    graph = getattr(sub, "graph", None)
+    stages = {planned[m.name] for m in graph.nodes if m.name in planned and m.op != "placeholder"} if graph else set()
+    if len(stages) > 1:
+        raise StageSplitError(f"the outlined submodule '{n.target}' runs nodes of stages {sorted(stages)}")
+    return stages.pop() if stages else None
 
 
 def split_stages(program: fx.GraphModule, planned: dict[str, int], state: set[str], stages: int) -> list[StageProgram]:

@@ -155,6 +155,29 @@ def test_stage_programs_chain():
     assert str(last_out.args[0]) == str(next(n for n in program.graph.nodes if n.op == "output").args[0])
 
 
+
+def test_recomputed_blocks_run_checkpointed_in_their_own_stage():
+    """A pipeline plan that recomputes: every stage program runs its own blocks under activation
+    checkpointing and holds its own parameters (outlining once cut the whole program into
+    submodules that all landed in the last stage, and a stage ran parameters its rank lacked)."""
+    from autopar.passes.outline_recompute import Checkpointed
+
+    plan, model, batches, loss = _plan("gpt", 4, pp=2, dp=2, recompute=True)
+    assert plan.recompute_blocks
+    x, y = batches[0]
+    m = plan.microbatches
+    traced = trace_model(model, (x[: x.shape[0] // m],), loss_fn=loss, example_target=y[: y.shape[0] // m])
+    program = run_passes(copy.deepcopy(traced.gm), PassContext.for_plan(plan))
+    state = set(traced.param_fqns) | set(traced.buffer_fqns)
+    planned = {n.name: s.index for s in plan.stages for n in s.nodes}
+    stages = split_stages(program, planned, state, 2)
+    for st in stages:
+        assert set(st.state_names) == {p.node for p in plan.stages[st.index].params}
+        checkpointed = [n for n in st.gm.graph.nodes if n.op == "call_module"
+                        and isinstance(st.gm.get_submodule(n.target), Checkpointed)]
+        blocks = {b for b in plan.recompute_blocks if any(n.module.startswith(b + ".") for n in plan.stages[st.index].nodes)}
+        assert blocks and len(checkpointed) >= len(blocks), (st.index, blocks)
+
 @pytest.mark.parametrize("constraints, match", [
     (dict(pp=3), "pp=3 does not divide the 4 devices"),
     (dict(pp=2, dp=4), "dp=4 does not divide the 2 devices of a pipeline stage"),
@@ -192,6 +215,7 @@ CASES_2 = [
     ("gpt", {"pp": 2, "schedule": "zero-bubble"}, "adamw"),
     ("gpt", {"pp": 2, "schedule": "zbv"}, "sgd"),
     ("gpt", {"pp": 2, "schedule": "dualpipev", "microbatches": 8}, "adamw"),
+    ("gpt", {"pp": 2, "recompute": True}, "sgd"),
 ]
 CASES_4 = [
     ("gpt", {"pp": 4}, "sgd"),

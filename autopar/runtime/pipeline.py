@@ -20,11 +20,13 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import operator
 import weakref
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from autopar.errors import AutoparError
 from autopar.layouts import Layout
@@ -212,7 +214,27 @@ def _boundary_metas(programs, program, plan, comm, input_layouts) -> tuple[list,
     nodes = {n.name: n for n in program.graph.nodes}
     first = [_meta_of(nodes[n], plan, comm, input_layouts) for n in programs[0].input_names]
     return ([t for t in first if t is not None],
-            [[_meta_of(nodes[n], plan, comm, input_layouts) for n in p.output_names] for p in programs[:-1]])
+            [[_meta_of(_producer(program, nodes[n]), plan, comm, input_layouts) for n in p.output_names]
+             for p in programs[:-1]])
+
+
+def _producer(program: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """The traced node whose value ``node`` is: itself, or where ``outline_recompute`` moved the
+    computation into a submodule (node names kept), the node inside it that returns the value."""
+    index = None
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and node.args[0].op == "call_module":
+        node, index = node.args[0], node.args[1]
+    if node.op != "call_module":
+        return node
+    sub = program.get_submodule(node.target)
+    sub = getattr(sub, "inner", sub)  # Checkpointed
+    value = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    if isinstance(value, (tuple, list)):
+        value = value[index if index is not None else 0] if (index is not None or len(value) == 1) else value
+    if not isinstance(value, fx.Node):
+        raise AutoparError(f"internal: the outlined submodule '{node.target}' sends a non-tensor across a stage boundary")
+    return value
 
 
 def _state_of(store, names: tuple[str, ...]) -> Callable[[], list]:
