@@ -51,6 +51,7 @@ def FAMILIES(model: str, world: int = 4) -> dict[str, tuple[dict, str]]:
         "pp_1f1b": ({"pp": 2, "dp": half, "tp": 1, "zero": 0}, "fp32"),
         "pp_gpipe": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "schedule": "gpipe"}, "fp32"),
         "pp_interleaved": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "schedule": "interleaved-1f1b"}, "fp32"),
+        "pp_recompute": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "recompute": True}, "fp32"),
     }
 
 
