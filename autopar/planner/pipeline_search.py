@@ -139,10 +139,16 @@ def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, 
     mem = dict(inner.predicted.memory_bytes)
     state = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer_state"))
     working = max(inner.predicted.peak_memory_bytes - state, 0.0)
+    # of that working set, the activations kept for backward exist once per microbatch in flight;
+    # the rest is the transient working set of one op at the peak (for a model with a loss: the
+    # start of backward, at the loss, on the last stage), there once
+    kept = min(mem.get("activations", working), working)
+    transient = working - kept
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     owned = [[p for p in inner.params.values() if cut.stage_of.get(p.node) == s] for s in range(n_stages)]
     rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
     peaks = []  # per pipeline rank: its stages' state, the activations of its microbatches in flight, p2p buffers
+    loss_rank = rank_of[n_stages - 1]
     for r in range(pp):
         mine = [s for s in range(n_stages) if rank_of[s] == r]
         pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
@@ -152,7 +158,8 @@ def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, 
         # whole step's boundary bytes (m microbatches of 1/m)
         buffers = sum((cut.boundary_bytes[s - 1] if s > 0 else 0.0)
                       + (cut.boundary_bytes[s] if s < n_stages - 1 else 0.0) for s in mine)
-        peaks.append(state * pshare + working * ashare * in_flight(schedule, r, pp, m, v) + buffers)
+        peaks.append(state * pshare + kept * ashare * in_flight(schedule, r, pp, m, v)
+                     + (transient if r == loss_rank else transient * ashare) + buffers)
     return _Priced(inner, cut.stage_of, cut.stage_time_s, owned, rank_of, peaks, step, bubble)
 
 
