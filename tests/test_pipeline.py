@@ -181,11 +181,11 @@ def test_recomputed_blocks_run_checkpointed_in_their_own_stage():
 @pytest.mark.parametrize("constraints, match", [
     (dict(pp=3), "pp=3 does not divide the 4 devices"),
     (dict(pp=2, dp=4), "dp=4 does not divide the 2 devices of a pipeline stage"),
-    (dict(pp=2, schedule="zero-bubble", zero=3), "zero-bubble schedules run without ZeRO"),
+    (dict(pp=2, schedule="zero-bubble", zero=3), "zero-bubble schedules run with zero=0 or 1"),
     (dict(pp=2, virtual_stages=2), "virtual_stages=2 needs an interleaved schedule"),
     (dict(pp=2, schedule="zbv", virtual_stages=3), "zbv runs exactly 2 stages per rank"),
     (dict(pp=2, schedule="dualpipev", microbatches=2), "dualpipev needs at least as many microbatches as stages"),
-    (dict(pp=2, schedule="dualpipev", zero=2), "run without ZeRO"),
+    (dict(pp=2, schedule="dualpipev", zero=2), "run with zero=0 or 1"),
     (dict(schedule="gpipe"), "applies to pipeline plans"),
     (dict(pp=2, microbatches=3), "microbatches=3 does not divide the batch of 8"),
 ])
@@ -226,7 +226,8 @@ CASES_4 = [
     ("gpt", {"pp": 4, "schedule": "interleaved-1f1b"}, "adamw"),
     ("gpt", {"pp": 2, "dp": 2, "schedule": "zero-bubble"}, "sgd"),
     ("gpt", {"pp": 2, "tp": 2, "schedule": "zbv"}, "adamw"),
-    ("gpt", {"pp": 2, "dp": 2, "schedule": "dualpipev"}, "sgd"),
+    ("gpt", {"pp": 2, "dp": 2, "schedule": "dualpipev", "zero": 1}, "sgd"),
+    ("gpt", {"pp": 2, "dp": 2, "schedule": "zbv", "zero": 1}, "adamw"),
 ]
 
 

@@ -95,6 +95,17 @@ def test_zero3_with_tp_keeps_a_weight_whose_only_long_dim_is_on_tp():
     assert p.params["0.weight"].layout.startswith("[S(")
 
 
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero1_and_zero2_keep_every_parameter_whole_on_dp(zero):
+    # ZeRO-1/2 shard optimizer state (and gradients) on 'dp', never a parameter: a 1-D parameter
+    # (a bias, a norm weight) once slipped through as sharded on 'dp', gathered ZeRO-3 style,
+    # because "has it a whole dim left to shard" was asked of its already sharded layout
+    p = plan_gpt(cluster=Cluster.local(4), constraints=Constraints(dp=4, tp=1, zero=zero))
+    for fqn, pp in p.params.items():
+        assert pp.layout.startswith("[R"), (fqn, pp.layout)
+        assert pp.zero_axes == ("dp",) and pp.zero_stage == zero, (fqn, pp.zero_axes, pp.zero_stage)
+
 @pytest.mark.slow
 def test_zero0_shards_nothing_on_dp():
     p = plan_gpt(cluster=Cluster.local(4), constraints=Constraints(dp=4, tp=1, zero=0))

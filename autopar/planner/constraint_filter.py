@@ -161,9 +161,12 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
                 zero_dp = dp_a in s.zero_axes
                 # a parameter with no whole dim larger than 1 (a scalar, a bias already split on
                 # 'tp') has nothing to shard on 'dp': every stage keeps it replicated there
-                shardable = state_dim(meta.shape, lay) is not None
+                # (whole: as the parameter would be with 'dp' replicated)
+                shardable = state_dim(meta.shape, tuple(p if a != dp_a else Replicate() for a, p in enumerate(lay))) is not None
                 if z == 0 and (sharded_dp or zero_dp):
                     return "zero=0 keeps parameters and optimizer state replicated on 'dp'"
+                if z in (1, 2) and sharded_dp:
+                    return f"zero={z} keeps parameters replicated on 'dp' (zero=3 shards them)"
                 if z in (1, 2) and shardable and not (zero_dp and s.zero_stage == z):
                     return f"zero={z} shards optimizer state{' and gradients' if z == 2 else ''} on 'dp' with parameters replicated there"
                 if z == 3 and not sharded_dp:

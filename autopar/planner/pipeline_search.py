@@ -196,11 +196,12 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     if schedule in SPLIT_BACKWARD_SCHEDULES:
         # their weight pass takes gradients through the parameters' graph apart from the input pass;
         # a parameter gathered over the data axis (ZeRO-3) or reduce-scattered per microbatch
-        # (ZeRO-2) does not take part in it yet
-        if zero not in (None, 0):
-            raise ConstraintError(f"schedule={schedule} with zero={zero}: zero-bubble schedules run without ZeRO for now "
-                                  "(zero=0); use 1f1b or interleaved-1f1b for sharded parameters and optimizer state")
-        zero = 0
+        # (ZeRO-2) does not take part in it yet. ZeRO-1 (optimizer state sharded, parameters and
+        # gradients whole) does: its gradients are reduced after the schedule, as without ZeRO
+        if zero not in (None, 0, 1):
+            raise ConstraintError(f"schedule={schedule} with zero={zero}: zero-bubble schedules run with zero=0 or 1 for "
+                                  "now; use 1f1b or interleaved-1f1b for sharded gradients and parameters (zero=2, 3)")
+        zero = zero or 0
     inner_c = dataclasses.replace(c, pp=None, schedule=None, microbatches=m, virtual_stages=None, zero=zero)
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
