@@ -21,12 +21,13 @@ from autopar.plan import Plan
 from autopar.api import plan
 from autopar.planner.ilp import SolverConfig
 from autopar.runtime.checkpoint import Checkpointing, Resumed
+from autopar.runtime.monitor import Monitoring, SlowStepWarning
 from autopar.runtime.compile import compile
 from autopar.runtime.launch import launch
 from autopar.runtime.parallel_model import ParallelModel
 
 __all__ = [
     "Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "Constraints", "annotate", "Plan", "plan",
-    "SolverConfig", "compile", "Checkpointing", "Resumed", "CheckpointError", "launch", "ParallelModel", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
+    "SolverConfig", "compile", "Checkpointing", "Resumed", "Monitoring", "SlowStepWarning", "CheckpointError", "launch", "ParallelModel", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
     "PlanFormatError", "TraceError",
 ]

@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="restart every worker this many times after one fails (default %(default)s); a script compiled "
                         "with checkpoint=autopar.Checkpointing(root) resumes from its newest checkpoint")
     r.set_defaults(func=_cmd_run)
+    rep = sub.add_parser("report", help="print a monitored run's steps (measured vs predicted) and plot them "
+                                        "(a run compiled with monitor=autopar.Monitoring(RUN_DIR))")
+    rep.add_argument("run_dir")
+    rep.add_argument("--no-plot", action="store_true", help="the table only")
+    rep.set_defaults(func=_cmd_report)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -125,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
 # ``autopar run`` restarts failed workers (torchrun's --max-restarts): with Checkpointing a run
 # resumes by itself; a script that keeps failing stops after this many tries
 DEFAULT_MAX_RESTARTS = 3
+
+
+def _cmd_report(args) -> int:
+    from autopar.runtime.monitor import report_run
+
+    print(report_run(args.run_dir, png=not args.no_plot))
+    return 0
 
 
 def _check_nproc(nproc: int) -> None:

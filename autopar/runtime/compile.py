@@ -21,6 +21,7 @@ from autopar.errors import AutoparError, ConstraintError, InputMismatchError, Pl
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
 from autopar.runtime.checkpoint import Checkpointing
+from autopar.runtime.monitor import Monitoring, StepMonitor
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.trace import trace_model
 
@@ -43,6 +44,7 @@ def compile(
     batch: str = "global",
     checkpoint: Checkpointing | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    monitor: Monitoring | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's sharded program. Call it in every process.
 
@@ -83,6 +85,10 @@ def compile(
     optimizer state and RNG states are loaded (resharded if it was saved under another plan or
     world size) as soon as the plan exists: here with ``example_inputs``, else at the first call.
     Objects registered with ``pm.track(name, obj)`` (LR scheduler, data loader) are restored too.
+
+    ``monitor=autopar.Monitoring(run_dir)``: every train_step's measured time, beside the plan's
+    prediction, with tokens/s and MFU, is appended to ``run_dir/steps.jsonl`` (rank 0), and a run
+    of steps far slower than predicted warns (``runtime.monitor``); ``autopar report run_dir``.
 
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())
@@ -126,6 +132,8 @@ def compile(
         if example_target is not None:
             raise AutoparError("example_target= without example_inputs=: pass both to plan ahead, or neither")
     _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster)
+    if monitor is not None and not isinstance(monitor, Monitoring):
+        raise AutoparError(f"monitor= takes autopar.Monitoring(run_dir), got a {type(monitor).__name__}")
     if not fused and constraints is not None and (constraints.microbatches or 1) > 1:
         raise ConstraintError(
             f"Constraints(microbatches={constraints.microbatches}) splits train_step's batch; in the torch-native loop "
@@ -145,6 +153,8 @@ def compile(
     pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
     if checkpoint is not None:
         _set_up_checkpointing(pm, checkpoint)
+    if monitor is not None:
+        pm._monitor = StepMonitor(monitor, dist.get_rank() if dist.is_initialized() else 0)
     if example_inputs is not None:
         inputs = _as_tuple(example_inputs)
         built = builder.primary(inputs, example_target, agree=False)

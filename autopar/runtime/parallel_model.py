@@ -162,6 +162,7 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         self._tracker: MemoryTracker | None = None  # set by measure_step
         self._checkpointer = Checkpointer(self)
         self._checkpointing: Checkpointing | None = None  # compile(checkpoint=...): train_step saves
+        self._monitor = None  # compile(monitor=...): a runtime.monitor.StepMonitor, records every train_step
         self._resume_from = None  # a checkpoint folder to load once the plan exists
         self._tracked: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict()
         self._pending_tracked: dict[str, Any] = {}  # loaded states of objects not tracked yet
@@ -503,11 +504,21 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
 
     def _checked_train_step(self, inputs: tuple, target: Any) -> float:
         """``train_step`` on a batch already checked."""
+        cuda = self._device.type == "cuda" and self._monitor is not None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
+        t0 = time.perf_counter()
         with collective_failures("train_step"):
             total = self._train_step(inputs, target)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
+        if self._monitor is not None:
+            if cuda:
+                torch.cuda.synchronize(self._device)
+            self._monitor.record(self.plan, dist.get_world_size() if dist.is_initialized() else 1, self.step,
+                                 time.perf_counter() - t0, total, inputs,
+                                 int(torch.cuda.max_memory_allocated(self._device)) if cuda else None)
         cfg = self._checkpointing
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)

@@ -1,0 +1,66 @@
+"""Per-step monitoring (runtime.monitor): what train_step records, the slow-step warning, the report."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.cli import main as cli_main
+from autopar.errors import AutoparError
+from autopar.runtime.parity import build_case
+
+
+def _monitored_run(run_dir, steps):
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    pm = autopar.compile(model, autopar.Cluster.local(), x, loss_fn=loss, example_target=y,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         monitor=autopar.Monitoring(run_dir, slow_factor=1e-9, slow_steps=2))
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for xb, yb in batches[:steps]:
+            losses.append(pm.train_step(xb, target=yb))
+    slow = [str(w.message) for w in caught if issubclass(w.category, autopar.SlowStepWarning)]
+    return {"losses": losses, "slow": slow, "fingerprint": pm.plan.fingerprint,
+            "predicted": pm.plan.predicted.step_time_s, "tokens": int(x.numel())}
+
+
+def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys):
+    results = autopar.launch(_monitored_run, 2, str(tmp_path), 3)
+    lines = [json.loads(s) for s in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    r = results[0]
+    assert [s["step"] for s in lines] == [1, 2, 3]  # rank 0 writes, once per step
+    for s, loss in zip(lines, r["losses"]):
+        assert s["wall_s"] > 0 and s["predicted_s"] == r["predicted"] and s["loss"] == loss
+        assert s["ratio"] == pytest.approx(s["wall_s"] / s["predicted_s"])
+        assert s["tokens_per_s"] == pytest.approx(r["tokens"] / s["wall_s"]) and 0 < s["mfu"] < 1
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["fingerprint"] == r["fingerprint"] and run["world_size"] == 2 and run["versions"]["torch"]
+    assert autopar.Plan.from_json((tmp_path / "plan.json").read_text()).fingerprint == r["fingerprint"]
+    # a streak of 2 slow steps warns once, on every rank, naming the steps
+    assert all(len(res["slow"]) == 1 and "steps 1..2" in res["slow"][0] for res in results), results
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "measured ms" in out and len([ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]) == 3
+    assert (tmp_path / "step_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_monitoring_refuses_bad_settings(tmp_path):
+    with pytest.raises(AutoparError, match="slow_factor"):
+        autopar.Monitoring(tmp_path, slow_factor=0)
+    with pytest.raises(AutoparError, match="slow_steps"):
+        autopar.Monitoring(tmp_path, slow_steps=0)
+    with pytest.raises(AutoparError, match="needs a folder"):
+        autopar.Monitoring("")
+    from autopar.runtime.monitor import read_steps
+
+    with pytest.raises(AutoparError, match="monitor=autopar.Monitoring"):
+        read_steps(tmp_path)
+
+
+def test_compile_refuses_a_monitor_that_is_not_monitoring(tmp_path):
+    model, batches, loss = build_case("gpt")
+    with pytest.raises(AutoparError, match="monitor= takes autopar.Monitoring"):
+        autopar.compile(model, autopar.Cluster.local(1), monitor=str(tmp_path))
