@@ -66,6 +66,15 @@ def test_mesh_axes_match_the_planner():
     assert MESH_AXES == AXES
 
 
+def test_schedules_match_the_planner_and_the_runtime():
+    # Constraints(schedule=) accepts exactly the schedules the planner prices and the runtime runs
+    from autopar.constraints import SCHEDULES
+    from autopar.planner.stages import PIPELINE_SCHEDULES
+    from autopar.runtime.pipeline import SCHEDULE_CLASSES
+
+    assert set(SCHEDULES) == set(PIPELINE_SCHEDULES) == set(SCHEDULE_CLASSES)
+
+
 @pytest.mark.parametrize("text, hint", [
     ("S(x)", r"bad placement 'S\(x\)'"),
     ("Shard(0)", r"bad placement 'Shard\(0\)' \(did you mean 'S\(0\)'\?\)"),

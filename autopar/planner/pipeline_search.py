@@ -104,7 +104,7 @@ class _Priced:
 
 
 def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, link_bw: float,
-           link_latency: float = 0.0) -> _Priced:
+           link_latency: float) -> _Priced:
     """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
     ``blocks``: the graph's repeated blocks (``find_repeated_blocks``)."""
     n_stages = pp * v
@@ -395,10 +395,9 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
             break
         for j in fresh:
             times[j] = price(candidates[j])
-    # then the microbatch count of the fastest pipeline (faster than the single-stage plan or not):
-    # halved while that is faster (fewer, larger
-    # microbatches: a larger bubble, less per-microbatch cost: sends' latency, smaller matmuls'
-    # efficiency, ZeRO's gathers and reductions per microbatch)
+    # then the microbatch count of the fastest pipeline (faster than the single-stage plan or not),
+    # halved while that is faster: fewer, larger microbatches make a larger bubble but cost less per
+    # microbatch (sends' latency, smaller matmuls' efficiency, ZeRO's gathers and reductions)
     while best_c is not None:
         m = best_c.microbatches // 2
         batch = traced.global_batch

@@ -408,7 +408,9 @@ def _search_single_stage(
                 except InfeasibleProblem as exc:
                     outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
     if not attempts:
-        _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
+        from autopar.planner.diagnose import raise_no_plan
+
+        raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures)
     best = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
     _refuse_moved_writes(best, c)
     best = _prove_best(best, c, budget, solver, outcomes)
@@ -536,35 +538,6 @@ def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solve
     return Baseline("naive data parallel", pred, fits, note)
 
 
-def _raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures):
-    non_memory = [f for f in failures if f.family != "memory"]
-    if non_memory and all(f.family != "memory" for f in failures):
-        f = non_memory[0]
-        raise NoFeasiblePlanError(f"no plan satisfies the constraints ({f.family}): {f.detail}. Relax {c}.")
-    # the least memory any plan needs on this cluster: the leanest simulated peak the search met,
-    # and the simulated peak of the assignment minimising the ILP's (linear) memory model
-    need = min((f.peak_bytes for f in failures if getattr(f, "peak_bytes", None) is not None), default=math.inf)
-    recomputes = [c.recompute] if c.recompute is not None and blocks.blocks else (
-        [True, False] if blocks.blocks else [False])
-    for mesh in meshes:
-        for recompute in recomputes:
-            try:
-                ctx = cost_context(mesh, cluster, policy, optimizer)
-                problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=_leanest_micro(traced, mesh, c),
-                                        strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
-                sol = solve(problem, None, solver, objective="memory")
-                need = min(need, evaluate(problem, sol.choice).peak_bytes)
-            except InfeasibleProblem:
-                continue
-    have = cluster.device.memory_bytes
-    suggestion = _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver)
-    raise NoFeasiblePlanError(
-        f"no plan fits in memory: the leanest plan on {cluster.world_size} x {cluster.device.name} needs "
-        f"{need / 2**30:.3g} GiB per device, but a device has {have / 2**30:.3g} GiB "
-        f"({budget / 2**30:.3g} GiB usable). {suggestion}"
-    )
-
-
 def _microbatch_counts(batch: int, dp: int) -> list[int]:
     """Gradient-accumulation counts 2, 4, 8, ... that cut ``batch`` into equal microbatches which
     still split evenly over ``dp`` (fewest steps first)."""
@@ -573,39 +546,3 @@ def _microbatch_counts(batch: int, dp: int) -> list[int]:
         counts.append(m)
         m *= 2
     return counts
-
-
-def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -> int:
-    """The most microbatches the batch allows on this mesh (the least activation memory)."""
-    if c.microbatches is not None:
-        return c.microbatches
-    counts = _microbatch_counts(traced.global_batch or 1, mesh[0])
-    return counts[-1] if counts else 1
-
-
-def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver) -> str:
-    """Double the node count until the leanest plan fits (up to 4096 nodes)."""
-    if c.dp is not None or c.tp is not None:
-        return "Relax the fixed dp/tp degrees or add devices."
-    nodes = cluster.nodes
-    budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
-    while nodes < 4096:
-        nodes *= 2
-        bigger = cluster.with_nodes(nodes)
-        cache: dict = {}
-        for mesh in mesh_candidates(bigger, c):
-            ctx = CostContext(mesh, AXES, bigger, policy, optimizer)
-            problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=_leanest_micro(traced, mesh, c),
-                                    strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
-            try:
-                sol = solve(problem, None, solver, objective="memory")
-            except InfeasibleProblem:
-                continue
-            if evaluate(problem, sol.choice).peak_bytes <= budget:
-                from autopar.cost_models.hardware import PRESETS
-
-                how = (f"Cluster.preset({cluster.name!r}, nodes={nodes})" if cluster.name in PRESETS
-                       else f"cluster.with_nodes(nodes={nodes})")
-                return (f"The smallest {cluster.name} cluster that fits has {nodes} nodes "
-                        f"({nodes * cluster.devices_per_node} devices): {how}.")
-    return "No cluster of this preset up to 4096 nodes fits it: use a lower precision, an optimizer with less state, or a smaller model."

@@ -5,8 +5,8 @@ MIP solvers are C++ and release the GIL. Left to the GIL, threads interleave the
 small slices, so every problem is built slowly at once and the largest LP starts late. Here a
 thread runs Python only while it holds the *turn* and gives the turn away while its solver runs:
 the largest problem is built first without interruption, and the others are built while its LP
-solves (the turn goes to the waiting task given first). Results never depend on the threads: each task is deterministic, and the memos the tasks
-share hold pure values.
+solves (the turn goes to the waiting task given first). Results never depend on the threads:
+each task is deterministic, and the memos the tasks share hold pure values.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["run_concurrently", "solver_running"]
+
 
 class _Turn:
     """The right to run Python, given to the waiting thread of highest priority (the smallest
@@ -75,8 +76,8 @@ def _with_turn(f, priority: tuple):
 
 def run_concurrently(tasks: dict, threads: int | None) -> dict:
     """Run the callables of ``tasks`` on up to ``threads`` worker threads (None: the
-    environment's ``AUTOPAR_PLANNER_THREADS``, else one per CPU),
-    started in the order given (put the longest first); their results by key. The first exception
+    environment's ``AUTOPAR_PLANNER_THREADS``, else one per CPU), started in the order given (put
+    the longest first); their results by key. The first exception
     is re-raised after every task has ended. A task may itself call this (its turn is given
     away while it waits)."""
     if threads is None:

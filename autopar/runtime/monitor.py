@@ -54,14 +54,6 @@ class Monitoring:
             raise AutoparError(f"Monitoring.slow_steps must be a positive integer, got {self.slow_steps!r}")
 
 
-def _peak_flops(plan) -> float:
-    from autopar.cluster import Cluster
-    from autopar.cost_models.memory import precision_policy
-
-    cluster = Cluster.from_json(plan.cluster_json)
-    return cluster.device.peak_flops.for_dtype(precision_policy(plan.precision).compute_dtype)
-
-
 class StepMonitor:
     """Records steps for one compiled model; only rank 0 writes."""
 
@@ -75,8 +67,7 @@ class StepMonitor:
     def _start(self, plan, world_size: int) -> None:
         from autopar.runtime.launch import software_versions
 
-        self._plan, self._world = plan, world_size
-        self._peak = _peak_flops(plan) * world_size
+        self._plan = plan
         if self.rank != 0:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +89,8 @@ class StepMonitor:
             "step": step, "wall_s": wall_s, "predicted_s": predicted, "ratio": ratio, "loss": loss,
             "samples_per_s": samples / wall_s if samples and wall_s > 0 else None,
             "tokens_per_s": tokens / wall_s if tokens and wall_s > 0 else None,
-            "mfu": plan.predicted.model_flops / (wall_s * self._peak) if wall_s > 0 and self._peak > 0 else None,
+            # the plan's MFU is model FLOPs / (predicted step x devices x peak): scaled to the wall time
+            "mfu": plan.predicted.mfu * predicted / wall_s if wall_s > 0 else None,
             "peak_bytes": peak_bytes, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
         }
         self._check_slow(step, ratio)

@@ -31,6 +31,7 @@ import torch.fx as fx
 from autopar.errors import AutoparError
 from autopar.layouts import Layout
 from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES
+from autopar.passes.outline_recompute import outlined_graph
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.runtime.collectives import shard_tensor
 
@@ -227,11 +228,9 @@ def _producer(program: fx.GraphModule, node: fx.Node) -> fx.Node:
         node, index = node.args[0], node.args[1]
     if node.op != "call_module":
         return node
-    sub = program.get_submodule(node.target)
-    sub = getattr(sub, "inner", sub)  # Checkpointed
-    value = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    if isinstance(value, (tuple, list)):
-        value = value[index if index is not None else 0] if (index is not None or len(value) == 1) else value
+    value = next(n for n in outlined_graph(program, node).nodes if n.op == "output").args[0]
+    if isinstance(value, (tuple, list)) and (index is not None or len(value) == 1):
+        value = value[index or 0]
     if not isinstance(value, fx.Node):
         raise AutoparError(f"internal: the outlined submodule '{node.target}' sends a non-tensor across a stage boundary")
     return value
