@@ -42,7 +42,10 @@ def _pipeline_lines(plan) -> list[str]:
              f"  {'stage':>5} {'ranks':>9}  {'fwd+bwd / microbatch':>20}  {'peak memory':>12}  layers"]
     for st in plan.stages:
         ranks = f"{st.first_rank}-{st.first_rank + size - 1}" if size > 1 else str(st.first_rank)
-        lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {_gib(st.peak_memory_bytes):>12}  {st.span}")
+        mine = [b for b in plan.recompute_blocks if any(n.module.startswith(b + ".") for n in st.nodes)]
+        rc = f" (recomputes {len(mine)} block(s))" if mine else ""
+        lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {_gib(st.peak_memory_bytes):>12}  "
+                     f"{st.span}{rc}")
     return lines
 
 

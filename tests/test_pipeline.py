@@ -178,6 +178,70 @@ def test_recomputed_blocks_run_checkpointed_in_their_own_stage():
         blocks = {b for b in plan.recompute_blocks if any(n.module.startswith(b + ".") for n in plan.stages[st.index].nodes)}
         assert blocks and len(checkpointed) >= len(blocks), (st.index, blocks)
 
+def _tight_cluster(world: int = 2) -> autopar.Cluster:
+    """A local cluster whose devices hold the GPT's first pipeline rank (1F1B, pp=2) only when it
+    recomputes, and the last rank (one microbatch in flight) without: halfway between the two
+    ranks' peaks without recompute."""
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    plain, model, batches, loss = _plan("gpt", world, pp=2, recompute=False)
+    first, last = (max(s.peak_memory_bytes for s in plain.stages if s.first_rank == r) for r in (0, world // 2))
+    assert first > last  # 1F1B: the first rank holds more microbatches in flight
+    local = autopar.Cluster.local(world)
+    memory = int((first + last) / 2 / USABLE_MEMORY_FRACTION)
+    return dataclasses.replace(local, device=dataclasses.replace(local.device, memory_bytes=memory))
+
+
+def _tight_plan():
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    return autopar.plan(model, _tight_cluster(), x, loss_fn=loss, example_target=y,
+                        constraints=autopar.Constraints(pp=2))
+
+
+def test_only_the_ranks_that_overflow_recompute():
+    """Per-rank recompute: under 1F1B the first rank holds pp microbatches in flight and the last
+    one, so where only the first overflows, only its blocks are checkpointed and the last runs
+    its forward once: faster than recomputing everywhere, every rank within its memory."""
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    cluster = _tight_cluster()
+    budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
+    plan = _tight_plan()
+    first_stage = {n.module.split(".")[0] + "." + n.module.split(".")[1] for n in plan.stages[0].nodes
+                   if n.module.startswith("blocks.")}
+    assert plan.recompute_blocks and set(plan.recompute_blocks) <= first_stage, (plan.recompute_blocks, first_stage)
+    assert all(s.peak_memory_bytes <= budget for s in plan.stages)
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    everywhere = autopar.plan(model, cluster, x, loss_fn=loss, example_target=y,
+                              constraints=autopar.Constraints(pp=2, recompute=True))
+    assert len(everywhere.recompute_blocks) > len(plan.recompute_blocks)
+    assert plan.predicted.step_time_s < everywhere.predicted.step_time_s
+    assert "recomputes" in plan.summary()
+
+
+def _per_rank_recompute_parity():
+    from autopar.runtime.parity import parity_worker
+
+    plan = _tight_plan()
+    out = []
+    for opt in ("sgd", "adamw"):
+        r = parity_worker("gpt", None, opt=opt, lr=0.05 if opt == "sgd" else 1e-3, plan=plan)
+        r.pop("program"), r.pop("plan")
+        out.append(dict(r, case="gpt", constraints="pp=2, recompute per rank", optimizer=opt,
+                        recompute_blocks=plan.recompute_blocks))
+    return out
+
+
+@pytest.mark.slow
+def test_per_rank_recompute_parity():
+    """The plan above runs (rank 0 checkpoints its blocks, rank 1 does not) with parity."""
+    results = autopar.launch(_per_rank_recompute_parity, 2)
+    assert results[0][0]["recompute_blocks"] == ("blocks.0",)
+    _check(results[0])
+
+
 @pytest.mark.parametrize("constraints, match", [
     (dict(pp=3), "pp=3 does not divide the 4 devices"),
     (dict(pp=2, dp=4), "dp=4 does not divide the 2 devices of a pipeline stage"),

@@ -101,12 +101,30 @@ class _Priced:
     peaks: list  # per pipeline rank: predicted peak bytes per device
     step_s: float
     bubble: float
+    recompute_blocks: tuple  # the block instances checkpointed (those of the ranks that recompute)
+    comm_bytes: tuple  # Predicted.comm_bytes with those instances checkpointed
 
 
-def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, link_bw: float,
-           link_latency: float) -> _Priced:
+def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
+    """(state, kept activations, transient working set) of a submesh plan's per-device memory:
+    the activations kept for backward exist once per microbatch in flight; the rest of the
+    working set is the transient of one op at the peak, there once."""
+    state = sum(categories.get(k, 0.0) for k in ("params", "grads", "optimizer_state"))
+    working = max(peak - state, 0.0)
+    kept = min(categories.get("activations", working), working)
+    return state, kept, working - kept
+
+
+def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: str, link_bw: float,
+           link_latency: float, budget: float, per_rank_recompute: bool) -> _Priced:
     """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
-    ``blocks``: the graph's repeated blocks (``find_repeated_blocks``)."""
+    ``blocks``: the graph's repeated blocks (``find_repeated_blocks``); ``att``: the search's
+    attempt behind ``inner`` (its problem and choice).
+
+    Recompute per rank (``per_rank_recompute``, the planner's choice rather than the user's): of
+    the instances ``inner`` checkpoints, a rank keeps checkpointing its own only where it would
+    overflow ``budget`` without (under 1F1B the first rank holds ``pp`` microbatches in flight, the
+    last one), and the others run their forward once."""
     n_stages = pp * v
     placements = inner.nodes
     chosen = set(inner.recompute_blocks)
@@ -114,9 +132,22 @@ def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, 
     mesh_sizes = tuple(s for _, s in inner.mesh_axes)
     cm = cut_model(traced.graph, placements, mesh_sizes, link_bw, recomputed, blocks.instance_of)
     cut = cut_stages(traced.graph, cm, n_stages)
-    compute = [0.0] * n_stages
+    stage_of = lambda name: cut.stage_of.get(name, n_stages - 1)  # noqa: E731
+    rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
+    # per stage: compute without any recompute, and the recomputed forward of its checkpointed
+    # instances (the problem priced every block's backward with its forward again when it was
+    # built with recompute; evaluation takes that back per instance, as here)
+    problem, choice = att.problem, att.solution.choice
+    plain, again, as_cut = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
     for n in placements.values():
-        compute[cut.stage_of.get(n.name, n_stages - 1)] += n.compute_s
+        as_cut[stage_of(n.name)] += n.compute_s
+        extra = 0.0
+        var = problem.nodes.get(n.rep or n.name)  # None: a getitem (its producer's compute)
+        if problem.recompute and var is not None and var.in_block:
+            extra = float(var.fwd_s[choice[var.name]]) / var.count
+        plain[stage_of(n.name)] += n.compute_s - extra
+        if n.name in recomputed:
+            again[stage_of(n.name)] += extra
     # the activations a stage keeps for backward scale with what its operators produce (per
     # device, in their planned layouts); their share of the submesh plan's working set is the stage's
     produced = [0.0] * n_stages
@@ -124,32 +155,22 @@ def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, 
         placed = placements.get(node.name)
         if node.op != "call_function" or node.target is operator.getitem or placed is None:
             continue
-        produced[cut.stage_of.get(node.name, n_stages - 1)] += local_bytes(node, placed.outs[0] if placed.outs else None,
-                                                                           mesh_sizes)
+        produced[stage_of(node.name)] += local_bytes(node, placed.outs[0] if placed.outs else None, mesh_sizes)
     total_produced = sum(produced) or 1.0
-    total_compute = sum(compute) or 1.0
-    pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
-    # per microbatch and boundary: its activations forward and their gradient backward, each one
-    # message (latency + bytes / bandwidth); on the critical path, one microbatch crosses every
-    # boundary and the other m - 1 queue on the slowest one
-    sends = [2.0 * (link_latency + b / m / link_bw) for b in cut.boundary_bytes]
-    p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
-    # the submesh's step (compute and its collectives), stretched as the schedule stretches compute
-    step = inner.predicted.step_time_s * pipe_compute / total_compute + p2p
-    mem = dict(inner.predicted.memory_bytes)
-    state = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer_state"))
-    working = max(inner.predicted.peak_memory_bytes - state, 0.0)
-    # of that working set, the activations kept for backward exist once per microbatch in flight;
-    # the rest is the transient working set of one op at the peak (for a model with a loss: the
-    # start of backward, at the loss, on the last stage), there once
-    kept = min(mem.get("activations", working), working)
-    transient = working - kept
+    with_rc = _memory_parts(dict(inner.predicted.memory_bytes), inner.predicted.peak_memory_bytes)
+    without_rc = with_rc
+    if chosen and per_rank_recompute:
+        from autopar.planner.evaluate import evaluate
+
+        ev = evaluate(problem, choice, frozenset())
+        without_rc = _memory_parts(ev.memory.categories, ev.peak_bytes)
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
-    owned = [[p for p in inner.params.values() if cut.stage_of.get(p.node) == s] for s in range(n_stages)]
-    rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
-    peaks = []  # per pipeline rank: its stages' state, the activations of its microbatches in flight, p2p buffers
+    owned = [[p for p in inner.params.values() if stage_of(p.node) == s] for s in range(n_stages)]
     loss_rank = rank_of[n_stages - 1]
-    for r in range(pp):
+
+    def peak(r: int, recomputes: bool) -> float:
+        """Rank ``r``'s stages' state, the activations of its microbatches in flight, p2p buffers."""
+        state, kept, transient = with_rc if recomputes else without_rc
         mine = [s for s in range(n_stages) if rank_of[s] == r]
         pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
         ashare = sum(produced[s] for s in mine) / total_produced
@@ -158,20 +179,51 @@ def _price(traced, blocks, inner: Plan, pp: int, v: int, m: int, schedule: str, 
         # whole step's boundary bytes (m microbatches of 1/m)
         buffers = sum((cut.boundary_bytes[s - 1] if s > 0 else 0.0)
                       + (cut.boundary_bytes[s] if s < n_stages - 1 else 0.0) for s in mine)
-        peaks.append(state * pshare + kept * ashare * in_flight(schedule, r, pp, m, v)
-                     + (transient if r == loss_rank else transient * ashare) + buffers)
-    return _Priced(inner, cut.stage_of, cut.stage_time_s, owned, rank_of, peaks, step, bubble)
+        # the transient: whole where the loss starts backward, and on a rank that recomputes (a
+        # block's saved set is re-created there, one block at a time); elsewhere its share
+        whole = r == loss_rank or recomputes
+        return (state * pshare + kept * ashare * in_flight(schedule, r, pp, m, v)
+                + (transient if whole else transient * ashare) + buffers)
+
+    recomputes = [bool(chosen) and not (per_rank_recompute and peak(r, False) <= budget) for r in range(pp)]
+    peaks = [peak(r, recomputes[r]) for r in range(pp)]
+    compute = [plain[s] + (again[s] if recomputes[rank_of[s]] else 0.0) for s in range(n_stages)]
+    kept_blocks = tuple(b for b in inner.recompute_blocks
+                        if any(recomputes[rank_of[stage_of(k)]] for k, i in recomputed.items() if i == b))
+    # the submesh's step (compute and its collectives) less the recomputed forward the ranks that
+    # fit do not run, stretched as the schedule stretches compute
+    inner_step = inner.predicted.step_time_s - (sum(plain) + sum(again) - sum(compute))
+    pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
+    # per microbatch and boundary: its activations forward and their gradient backward, each one
+    # message (latency + bytes / bandwidth); on the critical path, one microbatch crosses every
+    # boundary and the other m - 1 queue on the slowest one
+    sends = [2.0 * (link_latency + b / m / link_bw) for b in cut.boundary_bytes]
+    p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
+    step = inner_step * pipe_compute / (sum(compute) or 1.0) + p2p
+    # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
+    stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
+    comm_bytes = inner.predicted.comm_bytes
+    if kept_blocks != inner.recompute_blocks:  # a recomputed block's ZeRO-3 gathers run again in backward
+        from autopar.planner.comm_model import predict_comm_bytes
+        from autopar.planner.evaluate import autocast_dtype
+
+        comm_bytes = tuple((k, float(b)) for k, b in sorted(predict_comm_bytes(
+            problem, choice, frozenset(kept_blocks), autocast_dtype=autocast_dtype(problem)).items()))
+    return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks, comm_bytes)
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
-                         progress=None, inner_search, memory_rounds: int | None = None) -> Plan:
+                         progress=None, inner_search, memory_rounds: int | None = None,
+                         recompute_first: bool = False) -> Plan:
     """The pipeline plan for ``constraints.pp`` stages (see the module docstring).
     ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back).
 
     Memory: the per-operator plan is first made with the memory of ``pp`` devices; when a
     pipeline rank's peak (its stages' state, activations of its microbatches in flight) then
     exceeds the device, it is made again with recompute (unless the constraints fix it), then
-    with that budget shrunk by the overshoot, up to ``memory_rounds`` (``_MEMORY_ROUNDS``) times."""
+    with that budget shrunk by the overshoot, up to ``memory_rounds`` (``_MEMORY_ROUNDS``) times.
+    ``recompute_first``: start with recompute (the single-stage plan needed it already). Unless the
+    constraints fix recompute, only the ranks that overflow without it recompute (``_price``)."""
     from autopar.planner.blocks import find_repeated_blocks
     from autopar.planner.constraint_filter import pin_key
     from autopar.planner.search import USABLE_MEMORY_FRACTION, naive_dp_baseline
@@ -203,6 +255,8 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
                                   "now; use 1f1b or interleaved-1f1b for sharded gradients and parameters (zero=2, 3)")
         zero = zero or 0
     inner_c = dataclasses.replace(c, pp=None, schedule=None, microbatches=m, virtual_stages=None, zero=zero)
+    if recompute_first and c.recompute is None:
+        inner_c = dataclasses.replace(inner_c, recompute=True)
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
     scale = float(pp)  # the submesh plan's memory: pp devices' worth, shrunk below while a rank overflows
@@ -210,10 +264,11 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     for _ in range(memory_rounds or _MEMORY_ROUNDS):
         roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
         try:
-            inner = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
+            inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
         except NoFeasiblePlanError:
             break  # a smaller budget than any per-operator plan needs: the last overflow is the answer
-        priced = _price(traced, blocks, inner, pp, v, m, schedule, link_bw, link_latency)
+        priced = _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, link_latency, budget,
+                        per_rank_recompute=c.recompute is None)
         worst = max(priced.peaks)
         if worst <= budget:
             break
@@ -236,17 +291,20 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
 _MEMORY_ROUNDS = 4
 
 
-def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search) -> Plan:
+def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search):
+    """(the per-operator plan of one stage's submesh, the search's attempt behind it)."""
     key = (id(traced), traced.gm.code, roomy.to_json(), repr(inner_c), repr(precision), repr(optimizer), repr(solver))
-    inner = _INNER.get(key)
-    if inner is None:
+    found = _INNER.get(key)
+    if found is None:
+        cache: dict = {}
         inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
-                             progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False)
-        _INNER[key] = inner
-        while len(_INNER) > 16:
+                             progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False,
+                             _cache=cache)
+        found = _INNER[key] = (inner, cache["chosen"])
+        while len(_INNER) > 8:
             _INNER.popitem(last=False)
     _INNER.move_to_end(key)
-    return inner
+    return found
 
 
 def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int, v: int, m: int, schedule: str,
@@ -273,7 +331,7 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
     mfu = inner.predicted.model_flops / (step * cluster.world_size * peak_flops) if step > 0 else 0.0
     predicted = dataclasses.replace(
         inner.predicted, step_time_s=_r(step), peak_memory_bytes=_r(priced.peaks[worst]),
-        memory_bytes=tuple((k, _r(val)) for k, val in shown.items()), mfu=_r(mfu))
+        memory_bytes=tuple((k, _r(val)) for k, val in shown.items()), mfu=_r(mfu), comm_bytes=priced.comm_bytes)
     cjson = json.dumps(c.to_dict(), sort_keys=True)
     notes = inner.notes + (
         "pipeline plans price every stage with the same per-operator decisions (one submesh plan for the whole "
@@ -281,6 +339,7 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
     )
     return dataclasses.replace(
         inner, stages=tuple(stages), schedule=schedule, microbatches=m, predicted=predicted,
+        recompute=bool(priced.recompute_blocks), recompute_blocks=priced.recompute_blocks,
         bubble_fraction=_r(priced.bubble), virtual_stages=v, cluster_json=cluster.to_json(), constraints=cjson,
         notes=notes, free_step_time_s=None, baseline=baseline,
         inputs_fingerprint=fingerprint_of(inner.inputs_fingerprint, cluster.to_json(), cjson, "pipeline"))
@@ -346,10 +405,9 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
 
     tried: list[tuple[str, str]] = []
     best_pipe, best_c = None, None  # the fastest pipeline plan and its constraints
-    if single is None or single.recompute_blocks:
-        # memory binds on one stage's devices already: a stage holding pp microbatches recomputes
-        # too (PTD-P's choice), so its per-operator plan starts there rather than finding out
-        candidates = [dataclasses.replace(c, recompute=True) if c.recompute is None else c for c in candidates]
+    # memory binds on one stage's devices already: a stage holding pp microbatches recomputes too
+    # (PTD-P's choice), so its per-operator plan starts there rather than finding out
+    recompute_first = single is None or bool(single.recompute_blocks)
 
     def price(cand, schedules=("1f1b", "interleaved-1f1b")) -> float | None:
         """Price ``cand`` under each of ``schedules``; its fastest step time (None: none fits)."""
@@ -361,7 +419,7 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
             try:
                 plan = search_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
                                             solver=solver, progress=progress, inner_search=inner_search,
-                                            memory_rounds=FREE_MEMORY_ROUNDS)
+                                            memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first)
             except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
                 tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
                 continue

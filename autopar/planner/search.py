@@ -416,6 +416,7 @@ def _search_single_stage(
     best = _prove_best(best, c, budget, solver, outcomes)
     if _step_time_only:
         return best.evaluation.step_time_s
+    cache["chosen"] = best  # the pipeline search re-prices its problem with recompute per stage
     strategy_s = time.perf_counter() - t_start
 
     if _with_baseline:
