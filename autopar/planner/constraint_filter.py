@@ -15,6 +15,7 @@ from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
 from autopar.ir import is_local_batch
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
+from autopar.planner.experts import expert_axis, expert_params
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
 from autopar.trace import TracedGraph, tensor_inputs
@@ -123,6 +124,9 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
 
     local = is_local_batch(traced.graph)
     batch = traced.global_batch
+    ep_a = expert_axis(mesh, c.ep)
+    experts = expert_params(traced.graph) if ep_a is not None else {}
+    ep_rule = f"ep={c.ep} shards experts (dim 0) on axis '{AXES[ep_a]}'" if ep_a is not None else ""
 
     def allowed(node: fx.Node, s: Strategy) -> str | None:
         kind = node.meta.get("autopar.kind")
@@ -155,6 +159,11 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
             for pattern, axes in c.placements:
                 if _matches(fqn, pattern) and not _pin_layout_ok(lay, axes, mesh):
                     return f"pinned to {dict(axes)}"
+            if node.name in experts:
+                if lay[ep_a] != Shard(0) or ep_a in s.zero_axes:
+                    return ep_rule
+                if ep_a == dp_a:
+                    return None  # the data-parallel axis holds experts, not replicas: no ZeRO there
             z = c.zero
             if z is not None and mesh[dp_a] > 1:
                 sharded_dp = isinstance(lay[dp_a], Shard)
@@ -190,6 +199,8 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
             # data parallel: every op uses whole weights on 'dp' (stored sharded there only under ZeRO-3,
             # and then gathered before use), so activations keep their batch shards
             for arg, lay in zip(tensor_inputs(node), s.ins):
+                if arg.name in experts and ep_a == dp_a:
+                    continue  # an expert is used where it lives (below)
                 if arg.meta.get("autopar.kind") == "param" and lay is not None and not isinstance(lay[dp_a], Replicate):
                     return f"dp={c.dp} uses whole weights on axis 'dp'"
         if kind == "op" and (c.tp or 1) > 1:
@@ -200,6 +211,11 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
                     shape = arg.meta["autopar.outputs"][0].shape
                     if len(shape) >= 2 and any(d % mesh[tp_a] == 0 for d in shape) and not isinstance(lay[tp_a], Shard):
                         return f"tp={c.tp} computes with weights sharded on 'tp'"
+        if kind == "op" and experts:
+            # each expert computes on the devices that hold it: tokens move to it, it does not move
+            for arg, lay in zip(tensor_inputs(node), s.ins):
+                if arg.name in experts and lay is not None and lay[ep_a] != Shard(0):
+                    return f"{ep_rule}: tokens move to their experts, experts are not gathered"
         if node.name in out_pins and kind == "op":
             if not _pin_layout_ok(s.outs[0], out_pins[node.name], mesh):
                 return f"output pinned to {dict(out_pins[node.name])}"

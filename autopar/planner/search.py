@@ -21,6 +21,7 @@ from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Baseline, Plan, fingerprint_of
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
+from autopar.planner.experts import check_experts
 from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
 from autopar.planner.evaluate import Evaluation, evaluate
@@ -70,12 +71,9 @@ def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
         tps = [world // c.dp]
     else:
         tps = [t for t in _divisors(min(cluster.devices_per_node, world)) if world % t == 0]
-    if c.ep is not None:
-        if c.ep > 1:
-            raise ConstraintError(
-                f"ep={c.ep}: the model has no expert layers (stacked expert weights with a routed dispatch); "
-                "expert parallelism needs them. Leave ep unset."
-            )
+    if c.ep is not None and world % c.ep:
+        raise ConstraintError(f"ep={c.ep} does not divide the {world} devices of "
+                              f"{'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world}")
     return [(world // t, t) for t in tps]
 
 
@@ -344,7 +342,7 @@ def _search_single_stage(
     precision = policy.name
     optimizer = optimizer_spec(optimizer)
     c = constraints
-    meshes = mesh_candidates(cluster, c)
+    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c))
     check_heads(traced, c)
     for mesh in meshes:
         validate_pins(traced, c, mesh)

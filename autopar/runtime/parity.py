@@ -53,6 +53,13 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
+    if name == "moe":  # examples.moe: static-capacity top-2 experts with token dropping, an auxiliary loss
+        from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+        cfg = MoEConfig()
+        model = MoEGPT(cfg)
+        batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
+        return model, batches, moe_loss
     if name == "gpt_tuple":
         from examples.gpt import GPTConfig, example_batch, gpt_loss
 

@@ -1,0 +1,95 @@
+"""Mixture-of-experts layers, recognised from the graph (not from a module class).
+
+An *expert weight* is a parameter of three or more dims stacked over experts: a contraction
+(``einsum``, ``bmm``, ``matmul``) consumes it with its dim 0 as a batch dim (kept in the output,
+shared with another operand, not summed over), in a graph that routes tokens (a ``topk``).
+Expert parallelism (``Constraints(ep=k)``) shards those weights' dim 0 over a mesh axis of size
+``k``; the tokens move to their experts by the all-to-all of the reshard into the expert
+computation (GShard), which the planner prices as any other reshard.
+
+The expert axis is one of the two mesh axes ('dp' or 'tp', 'dp' first: experts borrow the data-
+parallel devices, as GShard and DeepSpeed-MoE place them).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.constraints import Constraints
+from autopar.errors import ConstraintError
+
+__all__ = ["expert_params", "expert_axis", "check_experts"]
+
+_CONTRACTIONS = ("einsum", "bmm", "matmul")
+
+
+def _op_name(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+
+
+def _dim0_is_batch(user: fx.Node, param: fx.Node) -> bool:
+    """Whether ``user`` (a contraction) treats ``param``'s dim 0 as a batch dim."""
+    name = _op_name(user)
+    if name == "einsum":
+        equation, operands = user.args[0], list(user.args[1])
+        if param not in operands:
+            return False
+        lhs, out = equation.replace(" ", "").split("->")
+        specs = lhs.split(",")
+        label = specs[operands.index(param)][0]
+        return label in out and sum(label in s for s in specs) >= 2
+    ndim = len(param.meta["autopar.outputs"][0].shape)
+    return name in ("bmm", "matmul") and ndim >= 3 and param in user.args[:2]
+
+
+def expert_params(graph: fx.Graph) -> dict[str, str]:
+    """Parameter node name -> fqn of every expert weight (none when nothing routes tokens)."""
+    if not any(n.op == "call_function" and _op_name(n) == "topk" for n in graph.nodes):
+        return {}
+    out = {}
+    for n in graph.nodes:
+        if n.meta.get("autopar.kind") != "param":
+            continue
+        meta = n.meta["autopar.outputs"][0]
+        if meta is None or len(meta.shape) < 3 or meta.shape[0] < 2:
+            continue
+        if any(u.op == "call_function" and _op_name(u) in _CONTRACTIONS and _dim0_is_batch(u, n) for u in n.users):
+            out[n.name] = n.meta["autopar.fqn"]
+    return out
+
+
+def expert_axis(mesh: tuple[int, ...], ep: int | None) -> int | None:
+    """The mesh axis experts are sharded on for ``Constraints(ep=ep)`` (None: no expert axis)."""
+    if not ep or ep == 1:
+        return None
+    for a, size in enumerate(mesh):
+        if size == ep:
+            return a
+    return None
+
+
+def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The meshes of ``meshes`` with an axis for ``c.ep`` (all of them without ``ep``); errors
+    say what is wrong: no expert layers, a degree no mesh axis has, experts that do not divide."""
+    if not c.ep or c.ep == 1:
+        return meshes
+    experts = expert_params(graph)
+    if not experts:
+        raise ConstraintError(
+            f"ep={c.ep}: the model has no expert layers (weights stacked over experts, [experts, ...], used as the "
+            "batch dim of an einsum/bmm in a graph that routes tokens with topk); expert parallelism needs them. "
+            "Leave ep unset.")
+    sizes = {}
+    for n in graph.nodes:
+        if n.name in experts:
+            sizes[experts[n.name]] = n.meta["autopar.outputs"][0].shape[0]
+    uneven = {f: e for f, e in sizes.items() if e % c.ep}
+    if uneven:
+        f, e = next(iter(uneven.items()))
+        raise ConstraintError(f"ep={c.ep} does not divide the {e} experts of {f!r}; choose ep dividing {e}")
+    fitting = [m for m in meshes if expert_axis(m, c.ep) is not None]
+    if not fitting:
+        shapes = ", ".join(f"dp={m[0]} x tp={m[1]}" for m in meshes)
+        raise ConstraintError(
+            f"ep={c.ep}: the expert axis is one mesh axis (dp or tp) of size {c.ep}, and no allowed mesh has one "
+            f"({shapes}); set dp={c.ep} or tp={c.ep} (the other degree takes the rest of the devices)")
+    return fitting

@@ -1,0 +1,149 @@
+"""A mixture-of-experts GPT in plain PyTorch, static capacity (GShard / Switch Transformer).
+
+Every block's MLP is a layer of ``n_experts`` experts stored as stacked weights
+(``[experts, d, ff]``), routed top-k per token with a fixed capacity per expert:
+
+* each sequence is a routing *group* (GShard): its tokens compete for ``capacity`` slots per
+  expert, ``ceil(top_k * tokens * capacity_factor / experts)``; the first choices of every
+  token are placed before the second choices, in token order; a token past an expert's capacity
+  is dropped by that expert (its output there is zero, the residual carries it on);
+* dispatch and combine are one-hot einsums (``[group, token, expert, slot]``), so every shape is
+  static and the expert computation is two batched matmuls over the expert dimension;
+* the Switch auxiliary load-balancing loss (``experts * sum_e f_e * P_e``: the share of first
+  choices routed to expert ``e`` times its mean router probability) is returned beside the
+  logits, summed over layers; ``moe_loss`` adds it to the cross-entropy.
+
+Nothing here names a parallel strategy: the planner sees einsums over a stacked expert dimension.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt import CausalSelfAttention, GPTConfig
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    vocab_size: int = 256
+    block_size: int = 16
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    n_experts: int = 4
+    top_k: int = 2
+    ff: int = 128  # each expert's hidden size
+    capacity_factor: float = 1.0  # < the routing's imbalance: some tokens are dropped
+    aux_weight: float = 0.01
+
+    def attention_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                         n_head=self.n_head, n_embd=self.n_embd)
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for a group of ``tokens``."""
+        return max(1, math.ceil(self.top_k * tokens * self.capacity_factor / self.n_experts))
+
+
+class MoELayer(nn.Module):
+    """Top-k routing with capacity; returns (output, auxiliary load-balancing loss)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        e, d, f = cfg.n_experts, cfg.n_embd, cfg.ff
+        self.router = nn.Linear(d, e, bias=False)
+        self.w_in = nn.Parameter(torch.randn(e, d, f) * d**-0.5)
+        self.w_out = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        groups, tokens, _ = x.shape
+        e, k, cap = cfg.n_experts, cfg.top_k, cfg.capacity(x.shape[1])
+        probs = self.router(x).softmax(dim=-1)  # [g, s, e]
+        gate, choice = probs.topk(k, dim=-1)  # [g, s, k]
+        gate = gate / gate.sum(dim=-1, keepdim=True)
+        chosen = F.one_hot(choice, e).to(x.dtype)  # [g, s, k, e]
+        # slot of each (token, choice) in its expert's buffer: first choices of all tokens first
+        by_rank = chosen.transpose(1, 2).reshape(groups, k * tokens, e)  # [g, k*s, e]
+        slot = torch.cumsum(by_rank, dim=1) * by_rank - 1  # -1 where not routed
+        kept = by_rank * (slot < cap).to(x.dtype)  # past capacity: dropped
+        slot_hot = F.one_hot(slot.clamp(0, cap - 1).long(), cap).to(x.dtype)  # [g, k*s, e, c]
+        dispatch = (kept.unsqueeze(-1) * slot_hot).reshape(groups, k, tokens, e, cap).sum(dim=1)  # [g, s, e, c]
+        gates = gate.transpose(1, 2).reshape(groups, k * tokens, 1)
+        combine = ((kept * gates).unsqueeze(-1) * slot_hot).reshape(groups, k, tokens, e, cap).sum(dim=1)
+        expert_in = torch.einsum("gsec,gsd->egcd", dispatch, x)
+        hidden = F.gelu(torch.einsum("egcd,edf->egcf", expert_in, self.w_in))
+        expert_out = torch.einsum("egcf,efd->egcd", hidden, self.w_out)
+        y = torch.einsum("gsec,egcd->gsd", combine, expert_out)
+        # Switch Transformer's auxiliary loss over the whole batch: first choices' share per expert
+        share = chosen[:, :, 0, :].mean(dim=(0, 1))
+        aux = e * (share * probs.mean(dim=(0, 1))).sum()
+        return y, aux
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg.attention_config())
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.moe = MoELayer(cfg)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.ln_1(x))
+        y, aux = self.moe(self.ln_2(x))
+        return x + y, aux
+
+
+class MoEGPT(nn.Module):
+    """GPT with an MoE layer in every block; ``forward`` returns (logits, auxiliary loss)."""
+
+    def __init__(self, cfg: MoEConfig = MoEConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([MoEBlock(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            x, a = block(x)
+            aux = aux + a
+        return self.lm_head(self.ln_f(x)), aux
+
+
+def moe_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, aux_weight: float = 0.01) -> torch.Tensor:
+    logits, aux = out
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1)) + aux_weight * aux
+
+
+def example_batch(cfg: MoEConfig, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    return idx, tgt
+
+
+def main() -> None:
+    """Plan the MoE GPT on 4 local processes and print the plan (python -m examples.moe)."""
+    import autopar
+
+    cfg = MoEConfig()
+    model = MoEGPT(cfg)
+    x, y = example_batch(cfg, 8)
+    plan = autopar.plan(model, autopar.Cluster.local(4), x, loss_fn=moe_loss, example_target=y)
+    print(plan.summary())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Expert parallelism: expert layers recognised from the graph, Constraints(ep=) honoured or refused
+clearly, the all-to-alls of the program counted and their bytes against the plan, and parity with
+one device on real gloo processes (static capacity with token dropping and an auxiliary loss)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import ConstraintError
+from autopar.planner.experts import expert_params
+from autopar.runtime.parity import build_case, parity_failures, parity_suite
+from autopar.trace import trace_model
+
+TOL = 1e-5
+
+
+def _plan(case: str = "moe", world: int = 4, **constraints):
+    model, batches, loss = build_case(case)
+    x, y = batches[0]
+    return autopar.plan(model, autopar.Cluster.local(world), x, loss_fn=loss, example_target=y,
+                        constraints=autopar.Constraints(**constraints))
+
+
+def _traced(case: str):
+    model, batches, loss = build_case(case)
+    x, y = batches[0]
+    return trace_model(model, (x,), loss_fn=loss, example_target=y)
+
+
+def test_expert_weights_are_recognised_from_the_graph():
+    """The stacked [experts, d, ff] weights contracted over their expert dim, and nothing else:
+    not the router, not attention, not a dense GPT's weights."""
+    assert sorted(expert_params(_traced("moe").graph).values()) == [
+        f"blocks.{i}.moe.{w}" for i in range(2) for w in ("w_in", "w_out")]
+    assert expert_params(_traced("gpt").graph) == {}
+
+
+def test_the_example_drops_tokens():
+    """Capacity factor 1 with top-2 routing: some (token, expert) pairs exceed their expert's
+    capacity and are dropped, so parity covers dropping, not only routing."""
+    from examples.moe import MoEConfig
+
+    model, batches, loss = build_case("moe")
+    layer = model.blocks[0].moe
+    seen = {}
+    layer.register_forward_pre_hook(lambda m, inp: seen.update(x=inp[0]))
+    model(batches[0][0])
+    x = seen["x"]
+    cfg = MoEConfig()
+    probs = layer.router(x).softmax(-1)
+    routed = probs.topk(cfg.top_k, dim=-1).indices  # [g, s, k]
+    per_expert = torch.nn.functional.one_hot(routed, cfg.n_experts).sum(dim=(1, 2))  # [g, e]
+    assert (per_expert > cfg.capacity(x.shape[1])).any()
+
+
+@pytest.mark.parametrize("constraints, axis", [(dict(dp=4, ep=4), 0), (dict(dp=2, tp=2, ep=2), 0), (dict(ep=4), None)])
+def test_ep_shards_experts_on_their_axis(constraints, axis):
+    """ep=k: every expert weight is split over its expert dim on a mesh axis of size k; with dp
+    given, tokens reach them by all-to-all (GShard's dispatch and combine)."""
+    plan = _plan(**constraints)
+    sizes = dict(plan.mesh_axes)
+    experts = [p for p in plan.params.values() if ".moe.w_" in p.fqn]
+    assert len(experts) == 4
+    for p in experts:
+        placements = p.layout.strip("[]").split(", ")
+        on = [a for a, pl in zip(("dp", "tp"), placements) if pl == "S(0)" and sizes[a] == constraints["ep"]]
+        assert on, (p.fqn, p.layout, plan.mesh_axes)
+        if axis is not None:
+            assert on[0] == ("dp", "tp")[axis]
+    if "dp" in constraints:
+        assert dict(plan.predicted.comm_bytes).get("all_to_all", 0) > 0
+
+
+@pytest.mark.parametrize("case, constraints, match", [
+    ("gpt", dict(ep=2), "no expert layers"),
+    ("moe", dict(ep=3), "ep=3 does not divide the 4 devices"),
+    ("moe", dict(dp=4, tp=1, ep=2), "no allowed mesh has one"),
+])
+def test_ep_refusals(case, constraints, match):
+    with pytest.raises(ConstraintError, match=match):
+        _plan(case, **constraints)
+
+
+def test_ep_must_divide_the_experts():
+    with pytest.raises(ConstraintError, match="ep=8 does not divide the 4 experts"):
+        _plan("moe", 8, ep=8)
+
+
+CASES_4 = [
+    ("moe", {"dp": 4, "ep": 4}),
+    ("moe", {"dp": 2, "tp": 2, "ep": 2}),
+    ("moe", {}),
+]
+
+
+def _expert_parallel_suite():
+    """Parity for CASES_4, then one measured step of dp=4 ep=4: collectives by kind, calls and bytes."""
+    out = {"parity": parity_suite(CASES_4)}
+    model, batches, loss = build_case("moe")
+    x, y = batches[0]
+    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
+                         constraints=autopar.Constraints(dp=4, ep=4))
+    pm.train_step(x, target=y)
+    m = pm.measure_step(x, target=y)
+    out["calls"] = dict(pm.comm.stats.calls)
+    out["bytes"], out["predicted"] = m.comm_bytes, {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}
+    pm.close()
+    return out
+
+
+@pytest.mark.slow
+def test_expert_parallel_parity_and_all_to_alls():
+    results = autopar.launch(_expert_parallel_suite, 4)
+    failures = [line for r in results[0]["parity"] for line in parity_failures(r, TOL)]
+    assert not failures, "\n".join(failures)
+    assert {r["optimizer"] for r in results[0]["parity"]} == {"adamw", "sgd"}
+    for r in results:
+        # per MoE layer: dispatch and combine, forward and backward; 2 layers
+        assert r["calls"].get("all_to_all") == 8, r["calls"]
+        assert r["bytes"] == r["predicted"], (r["bytes"], r["predicted"])
+
+
+def _two_rank_suite():
+    return parity_suite([("moe", {"ep": 2}), ("moe", {"dp": 2, "ep": 2}, "sgd")])
+
+
+@pytest.mark.slow
+def test_expert_parallel_parity_two_ranks():
+    results = autopar.launch(_two_rank_suite, 2)
+    failures = [line for r in results[0] for line in parity_failures(r, TOL)]
+    assert not failures, "\n".join(failures)
