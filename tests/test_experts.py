@@ -87,10 +87,38 @@ def test_ep_must_divide_the_experts():
         _plan("moe", 8, ep=8)
 
 
+def test_free_plan_puts_many_experts_on_an_expert_axis():
+    """16 experts on 2 nodes of 8 H100s: the free plan splits the experts over a mesh axis and
+    reaches them by all-to-all, while attention stays data parallel on that axis (its weights whole
+    there, its batch split); explain() lists what the expert weights' alternatives would cost."""
+    from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+    cfg = MoEConfig(vocab_size=32000, n_experts=16, n_embd=1024, ff=4096, n_layer=4, n_head=16, block_size=1024,
+                    capacity_factor=1.25)
+    with torch.device("meta"):
+        model = MoEGPT(cfg)
+    x, y = example_batch(cfg, 64)
+    plan = autopar.plan(model, autopar.Cluster.preset("dgx-h100").with_nodes(2), x, loss_fn=moe_loss,
+                        example_target=y, precision="bf16-mixed")
+    axes = [a for a, _ in plan.mesh_axes]
+    w_in = plan.params["blocks.0.moe.w_in"].layout.strip("[]").split(", ")
+    ep_axes = [a for a, p in zip(axes, w_in) if p == "S(0)" and dict(plan.mesh_axes)[a] > 1]
+    assert ep_axes, plan.params["blocks.0.moe.w_in"]
+    ep = axes.index(ep_axes[0])
+    qkv = plan.params["blocks.0.attn.qkv.weight"].layout.strip("[]").split(", ")
+    assert qkv[ep] == "R"  # attention's weights are not split over the experts' axis
+    sdpa = next(n for n in plan.nodes.values() if "scaled_dot_product_attention" in n.op)
+    assert sdpa.ins[0].strip("[]").split(", ")[ep] == "S(0)"  # its batch is
+    assert dict(plan.predicted.comm_bytes).get("all_to_all", 0) > 0
+    why = plan.explain("blocks.0.moe")
+    assert "p_blocks_0_moe_w_in" in why and "alternative" in why
+
+
 CASES_4 = [
     ("moe", {"dp": 4, "ep": 4}),
     ("moe", {"dp": 2, "tp": 2, "ep": 2}),
     ("moe", {}),
+    ("moe_ce", {"pp": 2, "dp": 2, "ep": 2}, "sgd"),  # composed with a pipeline (a loss microbatches keep)
 ]
 
 

@@ -201,9 +201,23 @@ def test_uneven_dims_are_excluded_with_a_reason():
     assert not wns.excluded
 
 
+@pytest.mark.parametrize("fn, opname, dims", [
+    (lambda s, x: torch.topk(x, 2, dim=1)[0], "topk", {0, 2}),
+    (lambda s, x: torch.sort(x, -1)[0], "sort", {0, 1}),
+    (lambda s, x: F.one_hot(x.argmax(1), 6).float(), "one_hot", {0, 1}),
+])
+def test_routing_ops_split_every_dim_but_their_own(fn, opname, dims):
+    """topk / sort keep the dim they select along whole; one_hot keeps its classes whole (an MoE
+    router's ops: batch-split tokens route on their own devices)."""
+    tg = trace_model(Fn(fn), torch.randn(4, 6, 8))
+    ns = strategies_of(one_op(tg, opname), ((2,), ("tp",)))
+    split = {s.outs[0][0].dim for s in ns.strategies if isinstance(s.outs[0][0], Shard)}
+    assert split == dims
+
+
 @pytest.mark.parametrize("fn, opname", [
     (lambda s, x: torch.cummax(x, 1)[0], "cummax"),
-    (lambda s, x: torch.sort(x, -1)[0], "sort"),
+    (lambda s, x: torch.kthvalue(x, 2, -1)[0], "kthvalue"),
 ])
 def test_op_without_rule_falls_back_to_replicated_with_warning(fn, opname):
     m = Fn(fn)

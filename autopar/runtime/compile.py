@@ -484,7 +484,9 @@ def _loss_reduction(traced) -> str:
     if len(kinds) != 1 or kinds == {"none"}:
         raise AutoparError(
             f"cannot tell how the loss reduces over the batch (found {sorted(kinds) or 'no reduction'}); "
-            "gradient accumulation needs a mean or sum loss: use Constraints(microbatches=1)"
+            "microbatches (gradient accumulation, pipelines) need a loss that is one mean or one sum over the "
+            "samples, or splitting the batch changes its value (e.g. a mixture-of-experts auxiliary loss over the "
+            "whole batch beside a mean cross-entropy): use Constraints(microbatches=1) without pp"
         )
     return kinds.pop()
 

@@ -53,13 +53,16 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
-    if name == "moe":  # examples.moe: static-capacity top-2 experts with token dropping, an auxiliary loss
+    if name in ("moe", "moe_ce"):
+        # examples.moe: static-capacity top-2 experts with token dropping and an auxiliary loss over
+        # the whole batch; "moe_ce": cross-entropy alone (a mean over samples, which microbatches
+        # and pipelines preserve; the auxiliary loss, a product of batch means, they do not)
         from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
         cfg = MoEConfig()
         model = MoEGPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
-        return model, batches, moe_loss
+        return model, batches, (moe_loss if name == "moe" else _moe_ce)
     if name == "gpt_tuple":
         from examples.gpt import GPTConfig, example_batch, gpt_loss
 
@@ -135,6 +138,12 @@ def parity_failures(result: dict[str, Any], tol: float = 1e-5) -> list[str]:
         failures.append(f"{label}: loss err {result['loss_err']:.2e}, param err {result['param_err']:.2e} "
                         f"(worst {result['worst'][:2]})")
     return failures
+
+
+def _moe_ce(out, target):
+    from examples.gpt import gpt_loss
+
+    return gpt_loss(out[0], target)
 
 
 def parity_suite(cases: list[tuple], steps: int = 5, optimizers: tuple[str, ...] = ("adamw", "sgd")) -> list[dict[str, Any]]:

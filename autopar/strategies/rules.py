@@ -508,6 +508,15 @@ def index(op: OpView) -> list[AxisOption]:
     return options
 
 
+def one_hot(op: OpView) -> list[AxisOption]:
+    """one_hot(x, num_classes): any dim of ``x`` may be split, the classes (a new last dim) stay
+    whole; ``num_classes=-1`` (the classes read from the data) runs replicated."""
+    x = op.in_metas[0]
+    if op.arg("num_classes", -1) in (-1, None):
+        return []
+    return [AxisOption((Shard(d),), (Shard(d),)) for d in range(len(x.shape)) if x.shape[d] > 1]
+
+
 def replicated_only(op: OpView) -> list[AxisOption]:
     return []
 
@@ -543,6 +552,7 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "batch_norm": batch_norm,
     "cumsum": along_dim, "cumprod": along_dim, "diff": along_dim, "flip": along_dim, "logcumsumexp": along_dim,
     "gather": gather, "index": index,
+    "topk": along_dim, "sort": along_dim, "argsort": along_dim, "one_hot": one_hot,
     # elementwise ops torch does not tag pointwise on every overload (the tagged ones need no entry)
     "where": pointwise, "masked_fill": pointwise, "hardswish": pointwise, "hardsigmoid": pointwise,
     "hardtanh": pointwise, "bitwise_and": pointwise, "bitwise_or": pointwise,
