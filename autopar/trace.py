@@ -30,6 +30,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.functionalize import functionalize_inplace
+from autopar.grouped_mm import redirect_grouped_mm
+from autopar.regions import outline_token_regions
 from autopar.loss_rewrite import exact_token_mean
 
 # ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
@@ -138,6 +140,13 @@ def _sanitize(fqn: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in fqn)
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a (fake) tensor value across detached views: storage, shape, strides, offset."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return (StorageWeakRef(t.untyped_storage()), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
 class _ModuleTracker:
     """Global forward hooks that remember which user module is running (for error messages)."""
 
@@ -145,12 +154,20 @@ class _ModuleTracker:
         self.names = {id(m): name for name, m in model.named_modules()}
         self.classes = {id(m): type(m).__name__ for _, m in model.named_modules()}
         self.stack: list[int] = []
+        # module path -> the storage keys (``tensor_key``) of its first call's positional
+        # arguments, None where an argument is not a tensor; calls counted in ``calls``
+        self.call_args: dict[str, list] = {}
+        self.calls: dict[str, int] = {}
 
     @contextlib.contextmanager
     def active(self):
         def pre(mod, args):
             if id(mod) in self.names:
                 self.stack.append(id(mod))
+                name = self.names[id(mod)]
+                self.calls[name] = self.calls.get(name, 0) + 1
+                if name not in self.call_args:
+                    self.call_args[name] = [tensor_key(a) if isinstance(a, torch.Tensor) else None for a in args]
 
         def post(mod, args, out):
             if id(mod) in self.names and self.stack and self.stack[-1] == id(mod):
@@ -376,7 +393,7 @@ def trace_model(
         if capture == "export":
             raise _UseExport()
         with fake_mode, tracker.active(), warnings.catch_warnings(), _no_fx_stack_traces(), \
-                _autocast(device_type, autocast_dtype):
+                _autocast(device_type, autocast_dtype), redirect_grouped_mm():
             warnings.simplefilter("ignore")
             gm = make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
     except TraceError:
@@ -428,6 +445,7 @@ def trace_model(
     exact_token_mean(gm)  # mean losses over non-ignored targets: sum / count, exact under any split
     functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
     _annotate_nodes(gm.graph, module_prefix)
+    outline_token_regions(gm, model, tracker.call_args, tracker.calls)  # dropless MoE layers: one node each
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     out_leaves = [x for x in pytree.tree_leaves(output_val) if isinstance(x, fx.Node)]

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["REAL_MODELS", "HF_MODELS", "CNN_MODELS", "build_real"]
+__all__ = ["REAL_MODELS", "HF_MODELS", "MOE_MODELS", "CNN_MODELS", "build_real"]
 
 VOCAB, SEQ, BATCH = 128, 16, 8
 _HIDDEN = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=VOCAB,
@@ -91,6 +91,9 @@ def _hf_model(name: str) -> nn.Module:
                         eos_token_id=2)
     if name == "gemma":
         return _decoder("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=2, head_dim=16)
+    if name == "mixtral":  # dropless top-2 of 4 experts, stacked weights, grouped matmuls (transformers 5)
+        return _decoder("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2)
     if name == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                                       embd_pdrop=0.0, attn_pdrop=0.0)
@@ -250,8 +253,9 @@ class ConvNeXtTiny(nn.Module):
 
 _CNNS = {"resnet": ResNetTiny, "mobilenet_v3": MobileNetV3Tiny, "convnext": ConvNeXtTiny}
 HF_MODELS = ("bert", "t5", "llama", "mistral", "qwen2", "gpt_neox", "opt", "phi", "phi3", "gemma", "vit")
+MOE_MODELS = ("mixtral",)
 CNN_MODELS = tuple(_CNNS)
-REAL_MODELS = HF_MODELS + CNN_MODELS
+REAL_MODELS = HF_MODELS + MOE_MODELS + CNN_MODELS
 
 
 def build_real(name: str, seed: int = 0, steps: int = 4):

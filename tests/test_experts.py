@@ -114,6 +114,35 @@ def test_free_plan_puts_many_experts_on_an_expert_axis():
     assert "p_blocks_0_moe_w_in" in why and "alternative" in why
 
 
+def test_grouped_mm_op_gradients():
+    """autopar::grouped_mm (the dropless grouped matmul autopar traces and runs): values and
+    gradients against a loop of matmuls in float64, with an empty group and rows past the last."""
+    from autopar.grouped_mm import grouped_mm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    offs = torch.tensor([3, 3, 8])
+    want = torch.cat([x[:3] @ w[0], x[3:8] @ w[2], torch.zeros(2, 5, dtype=torch.float64)])
+    assert torch.allclose(grouped_mm(x, w, offs), want)
+    assert torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, offs), (x, w))
+
+
+def test_dropless_experts_become_one_token_wise_node():
+    """Hugging Face's Mixtral (transformers' grouped-matmul experts): each layer's experts module
+    is one token-wise node, called with its positional arguments in order, its tokens split by
+    dp=4 and its expert weights whole."""
+    traced = _traced("real:mixtral")
+    regions = [n for n in traced.graph.nodes if n.op == "call_function" and "token_region" in str(n.target)]
+    assert [n.target.path for n in regions] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert not any("grouped_mm" in str(n.target) or "sort" in str(n.target) for n in traced.graph.nodes)
+    hidden, index, weights = (a.meta["autopar.outputs"][0] for a in regions[0].args[:3])
+    assert hidden.is_floating and index.dtype == torch.int64 and weights.shape == index.shape
+    plan = _plan("real:mixtral", dp=4)
+    node = plan.nodes[regions[0].name]
+    assert node.outs == ("[S(0), R]",) and node.ins[:3] == ("[S(0), R]",) * 3 and node.ins[3:] == ("[R, R]",) * 2
+
+
 CASES_4 = [
     ("moe", {"dp": 4, "ep": 4}),
     ("moe", {"dp": 2, "tp": 2, "ep": 2}),
@@ -152,6 +181,16 @@ def test_expert_parallel_parity_and_all_to_alls():
 
 def _two_rank_suite():
     return parity_suite([("moe", {"ep": 2}), ("moe", {"dp": 2, "ep": 2}, "sgd")])
+
+
+@pytest.mark.slow
+def test_mixtral_trains_with_parity():
+    """A tiny Hugging Face Mixtral (dropless top-2 of 4 experts), unmodified, on 4 processes:
+    the free plan, dp=4 and dp=2 x tp=2."""
+    results = autopar.launch(parity_suite, 4, [("real:mixtral", {}), ("real:mixtral", {"dp": 4}, "sgd"),
+                                               ("real:mixtral", {"dp": 2, "tp": 2}, "sgd")])
+    failures = [line for r in results[0] for line in parity_failures(r, TOL)]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow

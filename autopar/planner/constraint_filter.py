@@ -16,6 +16,7 @@ from autopar.errors import ConstraintError
 from autopar.ir import is_local_batch
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
 from autopar.planner.experts import expert_axis, expert_params
+from autopar.regions import REGION_FLOPS_KEY
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
 from autopar.trace import TracedGraph, tensor_inputs
@@ -203,9 +204,10 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
                     continue  # an expert is used where it lives (below)
                 if arg.meta.get("autopar.kind") == "param" and lay is not None and not isinstance(lay[dp_a], Replicate):
                     return f"dp={c.dp} uses whole weights on axis 'dp'"
-        if kind == "op" and (c.tp or 1) > 1:
+        if kind == "op" and (c.tp or 1) > 1 and REGION_FLOPS_KEY not in node.meta:
             # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
-            # FSDP on the tp axis, which zero= expresses)
+            # FSDP on the tp axis, which zero= expresses); a token-wise region (a dropless MoE layer)
+            # splits its tokens on 'tp' instead, its weights whole
             for arg, lay in zip(tensor_inputs(node), s.ins):
                 if arg.meta.get("autopar.kind") == "param" and lay is not None:
                     shape = arg.meta["autopar.outputs"][0].shape

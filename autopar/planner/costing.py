@@ -19,6 +19,7 @@ from autopar.cost_models.communication import CommGroup, axis_group, collective_
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
+from autopar.regions import REGION_FLOPS_KEY
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
@@ -70,6 +71,8 @@ def node_flops(node: fx.Node) -> tuple[float, str]:
     """Global forward FLOPs of ``node`` and its kind ("matmul", "attention", "pointwise", ...)."""
     if node.op != "call_function":
         return 0.0, "other"
+    if REGION_FLOPS_KEY in node.meta:  # a token-wise region: its ops' forward FLOPs, mostly grouped matmuls
+        return float(node.meta[REGION_FLOPS_KEY]), "matmul"
     name = _op_name(node)
     outs = node.meta["autopar.outputs"]
     out = outs[0] if outs else None
@@ -77,6 +80,8 @@ def node_flops(node: fx.Node) -> tuple[float, str]:
         return 0.0, "other"
     op = OpView(node)
     if name == "linear":
+        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
+    if name == "grouped_mm":  # every row times its group's [k, n] weight
         return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
     if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
         a = op.in_metas[1] if name in ("addmm", "baddbmm") else op.in_metas[0]

@@ -517,6 +517,13 @@ def one_hot(op: OpView) -> list[AxisOption]:
     return [AxisOption((Shard(d),), (Shard(d),)) for d in range(len(x.shape)) if x.shape[d] > 1]
 
 
+def token_region(op: OpView) -> list[AxisOption]:
+    """A token-wise region (``autopar.regions``): the tokens (dim 0 of every activation input and of
+    the output) split alike, the module's weights whole."""
+    ins = tuple(R if n.meta.get("autopar.kind") in ("param", "buffer") else Shard(0) for n in op.inputs)
+    return [AxisOption(ins, (Shard(0),))]
+
+
 def replicated_only(op: OpView) -> list[AxisOption]:
     return []
 
@@ -552,7 +559,7 @@ RULES: dict[str, Callable[[OpView], list[AxisOption]]] = {
     "batch_norm": batch_norm,
     "cumsum": along_dim, "cumprod": along_dim, "diff": along_dim, "flip": along_dim, "logcumsumexp": along_dim,
     "gather": gather, "index": index,
-    "topk": along_dim, "sort": along_dim, "argsort": along_dim, "one_hot": one_hot,
+    "topk": along_dim, "sort": along_dim, "argsort": along_dim, "one_hot": one_hot, "token_region": token_region,
     # elementwise ops torch does not tag pointwise on every overload (the tagged ones need no entry)
     "where": pointwise, "masked_fill": pointwise, "hardswish": pointwise, "hardsigmoid": pointwise,
     "hardtanh": pointwise, "bitwise_and": pointwise, "bitwise_or": pointwise,

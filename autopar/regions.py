@@ -1,0 +1,143 @@
+"""Token-wise regions: dropless mixture-of-experts layers as one node of the traced graph.
+
+A dropless MoE layer sorts its (token, expert) pairs by expert, counts the rows of each expert
+and runs one grouped matmul per weight over those counts (``autopar::grouped_mm``). Read op by
+op, that is a sort over *every* token of the batch: none of its ops can be split, so the planner
+would gather the batch on every device. Read as a whole, the layer is token-wise: each token's
+output depends on that token alone (and on the weights), so any split of the tokens computes the
+same rows, each device sorting and grouping its own tokens.
+
+``outline_token_regions`` finds each module whose ops include a grouped matmul and replaces its
+nodes with one call of ``TokenRegion`` (the module's own forward on the device's tokens, with
+the parameters the graph passes in), so its sharding rule (``strategies.rules.token_region``)
+can split the tokens, dim 0 of every activation input and of the output, with the weights whole.
+Its forward FLOPs (the grouped matmuls' and the rest's) are kept in ``REGION_FLOPS_KEY``.
+
+A module is outlined only when this reading holds from its shapes: one output whose dim 0 is the
+dim 0 of every activation input (the tokens). Otherwise its ops stay in the graph (and run
+replicated where no rule splits them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.grouped_mm import redirect_grouped_mm
+
+__all__ = ["TokenRegion", "outline_token_regions", "REGION_FLOPS_KEY"]
+
+REGION_FLOPS_KEY = "autopar.region_flops"
+
+
+class TokenRegion:
+    """Calls ``module`` (a submodule of the user's model) on local tokens with the given state:
+    ``TokenRegion(module, state_names, n_inputs)(*inputs, *state)``."""
+
+    __module__ = "autopar.regions"
+
+    def __init__(self, module: torch.nn.Module, path: str, state_names: tuple[str, ...], n_inputs: int):
+        self.module, self.path, self.state_names, self.n_inputs = module, path, state_names, n_inputs
+        self.__name__ = "token_region"
+
+    def __call__(self, *args):
+        inputs, state = args[: self.n_inputs], args[self.n_inputs:]
+        with redirect_grouped_mm():  # any dtype, any alignment (torch's kernels take neither)
+            return torch.func.functional_call(self.module, dict(zip(self.state_names, state)), inputs)
+
+    def __deepcopy__(self, memo):
+        return self  # it holds no state of its own: the parameters come in as arguments
+
+    def __repr__(self) -> str:
+        return f"token_region({self.path})"
+
+
+def _is_grouped_mm(n: fx.Node) -> bool:
+    return n.op == "call_function" and "autopar.grouped_mm" in str(n.target)
+
+
+def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args: dict, calls: dict) -> list[str]:
+    """Outline every token-wise region of ``gm`` (traced from ``model``, nodes annotated); returns
+    the module paths outlined. ``call_args``: module path -> its call's positional arguments
+    (``trace.tensor_key`` of each tensor, else None); ``calls``: module path -> times called
+    (a module called more than once is not outlined)."""
+    from autopar.planner.costing import node_flops
+
+    modules = dict(model.named_modules())
+    paths = []
+    for n in gm.graph.nodes:
+        p = n.meta.get("autopar.module", "")
+        if _is_grouped_mm(n) and p in modules and p not in paths:
+            paths.append(p)
+    done = []
+    for path in paths:
+        members = [n for n in gm.graph.nodes if n.op == "call_function"
+                   and (n.meta.get("autopar.module", "") == path or n.meta.get("autopar.module", "").startswith(path + "."))]
+        inside = set(members)
+        inputs, state = [], []
+        for n in members:
+            for a in n.all_input_nodes:
+                if a in inside or a in inputs or a in state:
+                    continue
+                kind = a.meta.get("autopar.kind")
+                fqn = a.meta.get("autopar.fqn", "")
+                if kind in ("param", "buffer") and fqn.startswith(path + "."):
+                    state.append(a)
+                elif kind in ("param", "buffer"):
+                    break  # reads another module's state: not a region of this module
+                else:
+                    inputs.append(a)
+        outputs = [n for n in members if any(u not in inside for u in n.users)]
+        inputs = _in_call_order(inputs, call_args.get(path)) if calls.get(path) == 1 else None
+        if len(outputs) != 1 or not inputs or not _token_wise(inputs, outputs[0]):
+            continue
+        out = outputs[0]
+        region = TokenRegion(modules[path], path, tuple(a.meta["autopar.fqn"][len(path) + 1:] for a in state), len(inputs))
+        with gm.graph.inserting_before(out):
+            call = gm.graph.call_function(region, tuple(inputs) + tuple(state))
+        call.meta = {k: v for k, v in out.meta.items() if k.startswith("autopar.") or k == "val"}
+        call.meta[REGION_FLOPS_KEY] = sum(node_flops(n)[0] for n in members)
+        call.meta["autopar.module"] = path
+        out.replace_all_uses_with(call)
+        for n in reversed(members):
+            gm.graph.erase_node(n)
+        # the call must come after every input (an input may be defined between the members)
+        _move_after_inputs(gm.graph, call)
+        done.append(path)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | None:
+    """``inputs`` ordered as the module's positional arguments; None unless they are exactly the
+    call's tensor arguments."""
+    from autopar.trace import tensor_key
+
+    if not args or any(a is None for a in args):
+        return None
+    keyed = {}
+    for n in inputs:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        keyed[tensor_key(val)] = n
+    ordered = [keyed.get(a) for a in args]
+    if any(n is None for n in ordered) or len(set(ordered)) != len(inputs):
+        return None
+    return ordered
+
+
+def _token_wise(inputs: list[fx.Node], out: fx.Node) -> bool:
+    metas = [a.meta.get("autopar.outputs", (None,)) for a in inputs + [out]]
+    if any(len(m) != 1 or m[0] is None or not m[0].shape for m in metas):
+        return False
+    tokens = metas[-1][0].shape[0]
+    return tokens > 1 and all(m[0].shape[0] == tokens for m in metas[:-1])
+
+
+def _move_after_inputs(graph: fx.Graph, call: fx.Node) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(call.all_input_nodes, key=lambda a: order[a])
+    if order[last] > order[call]:
+        last.append(call)
