@@ -74,13 +74,21 @@ grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 
 class _Redirect(TorchFunctionMode):
+    def __init__(self, expert_axis: int | None):
+        super().__init__()
+        self.expert_axis = expert_axis
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _TARGETS:
+        if func in _TARGETS or func is torch.ops.autopar.grouped_mm.default:
             x, w = args[0], args[1]
             offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
             if offs is not None and x.dim() == 2 and w.dim() == 3 and kwargs.get("bias") is None \
                     and kwargs.get("out_dtype") in (None, x.dtype):
+                if self.expert_axis is not None and w.shape[0] != offs.shape[0]:
+                    from autopar.runtime.expert_dispatch import ep_grouped_mm
+
+                    return ep_grouped_mm(x, w, offs, self.expert_axis)
                 return grouped_mm(x, w, offs)
         return func(*args, **kwargs)
 
@@ -89,7 +97,9 @@ _TARGETS = {f for f in (getattr(torch.nn.functional, "grouped_mm", None), getatt
 
 
 @contextlib.contextmanager
-def redirect_grouped_mm():
-    """While active, 2-D x 3-D ``grouped_mm`` calls (no bias) run ``autopar::grouped_mm``."""
-    with _Redirect():
+def redirect_grouped_mm(expert_axis: int | None = None):
+    """While active, 2-D x 3-D ``grouped_mm`` calls (no bias) run ``autopar::grouped_mm``; with
+    ``expert_axis``, those whose weight holds fewer experts than ``offs`` counts run
+    ``runtime.expert_dispatch.ep_grouped_mm`` over that mesh axis (expert parallelism)."""
+    with _Redirect(expert_axis):
         yield

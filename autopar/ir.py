@@ -16,7 +16,7 @@ from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
+__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -136,6 +136,47 @@ def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tu
     if channel_axes and view.input_index("running_mean") is not None:
         out += [("all_gather", a, 2.0 * channels * 4, True) for a in channel_axes]
     return out
+
+
+def region_expert_axis(node: fx.Node, ins: list, mesh_shape) -> int | None:
+    """The mesh axis (size > 1) a token-wise region's expert weights are split over, by experts
+    (dim 0), in the input layouts ``ins``; None when they are not."""
+    from autopar.regions import REGION_EXPERTS_KEY
+
+    experts = set(node.meta.get(REGION_EXPERTS_KEY, ()))
+    for i, a in enumerate(node.args):
+        if isinstance(a, fx.Node) and a.name in experts and i < len(ins) and ins[i] is not None:
+            for axis, p in enumerate(ins[i]):
+                if isinstance(p, Shard) and p.dim == 0 and mesh_shape[axis] > 1:
+                    return axis
+    return None
+
+
+def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[str, int, float, bool]]:
+    """What an expert-parallel token region moves per microbatch (``runtime.expert_dispatch``), as
+    ``(kind, mesh axis, bytes, whether forward moves them)``: per grouped matmul, the per-expert
+    row counts (int64), each rank's rows to the experts' ranks and the results back, and in
+    backward the results' gradients out and the rows' gradients back. Rows received are as many
+    as sent under balanced routing (what is priced; the bytes each rank sends first are exact)."""
+    import math
+
+    from autopar.regions import REGION_GROUPED_KEY
+
+    if node.op != "call_function" or out is None:
+        return []
+    axis = region_expert_axis(node, ins, mesh_shape)
+    if axis is None:
+        return []
+    split = math.prod(k for p, k in zip(out, mesh_shape) if isinstance(p, Shard) and p.dim == 0)
+    experts = next(a for a in node.args if isinstance(a, fx.Node) and a.name in
+                   set(node.meta.get("autopar.region_experts", ()))).meta["autopar.outputs"][0].shape[0]
+    moves = []
+    for rows, k, n, item in node.meta.get(REGION_GROUPED_KEY, ()):
+        local = rows / split
+        moves += [("all_to_all", axis, 8.0 * experts, True), ("all_to_all", axis, local * k * item, True),
+                  ("all_to_all", axis, local * n * item, True), ("all_to_all", axis, local * n * item, False),
+                  ("all_to_all", axis, local * k * item, False)]
+    return moves
 
 
 def prefetchable_gather(shape, src: Layout, dst: Layout, gsrc: Layout | None, gdst: Layout | None, mesh_shape):

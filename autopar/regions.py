@@ -24,9 +24,11 @@ import torch.fx as fx
 
 from autopar.grouped_mm import redirect_grouped_mm
 
-__all__ = ["TokenRegion", "outline_token_regions", "REGION_FLOPS_KEY"]
+__all__ = ["TokenRegion", "outline_token_regions", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY", "REGION_GROUPED_KEY"]
 
 REGION_FLOPS_KEY = "autopar.region_flops"
+REGION_EXPERTS_KEY = "autopar.region_experts"  # its expert weights (parameter node names): split over experts
+REGION_GROUPED_KEY = "autopar.region_grouped"  # its grouped matmuls: (rows, k, n, bytes per element) each
 
 
 class TokenRegion:
@@ -39,9 +41,11 @@ class TokenRegion:
         self.module, self.path, self.state_names, self.n_inputs = module, path, state_names, n_inputs
         self.__name__ = "token_region"
 
-    def __call__(self, *args):
+    def __call__(self, *args, expert_axis: int | None = None):
+        """``expert_axis``: the mesh axis the region's expert weights are split over (their
+        grouped matmuls then exchange rows with the ranks holding the other experts)."""
         inputs, state = args[: self.n_inputs], args[self.n_inputs:]
-        with redirect_grouped_mm():  # any dtype, any alignment (torch's kernels take neither)
+        with redirect_grouped_mm(expert_axis):  # any dtype, any alignment (torch's kernels take neither)
             return torch.func.functional_call(self.module, dict(zip(self.state_names, state)), inputs)
 
     def __deepcopy__(self, memo):
@@ -92,10 +96,13 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
             continue
         out = outputs[0]
         region = TokenRegion(modules[path], path, tuple(a.meta["autopar.fqn"][len(path) + 1:] for a in state), len(inputs))
+        experts = tuple(a.name for a in state if _only_grouped_weight(a, inside))
         with gm.graph.inserting_before(out):
             call = gm.graph.call_function(region, tuple(inputs) + tuple(state))
         call.meta = {k: v for k, v in out.meta.items() if k.startswith("autopar.") or k == "val"}
         call.meta[REGION_FLOPS_KEY] = sum(node_flops(n)[0] for n in members)
+        call.meta[REGION_EXPERTS_KEY] = experts
+        call.meta[REGION_GROUPED_KEY] = tuple(_grouped_shapes(n) for n in members if _is_grouped_mm(n))
         call.meta["autopar.module"] = path
         out.replace_all_uses_with(call)
         for n in reversed(members):
@@ -126,6 +133,38 @@ def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | 
     if any(n is None for n in ordered) or len(set(ordered)) != len(inputs):
         return None
     return ordered
+
+
+def _only_grouped_weight(param: fx.Node, inside: set) -> bool:
+    """Whether every use of ``param`` in the region is the weight of a grouped matmul (through
+    transposes, views and casts): what expert parallelism can split over experts."""
+    from autopar.strategies.rules import _op_name
+
+    meta = param.meta["autopar.outputs"][0]
+    if meta is None or len(meta.shape) != 3:
+        return False
+    frontier, seen = [param], False
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u not in inside:
+                return False
+            if _is_grouped_mm(u):
+                if u.args[1] is not n:
+                    return False
+                seen = True
+            elif _op_name(u) in ("transpose", "permute", "view", "reshape", "to", "_to_copy", "contiguous"):
+                frontier.append(u)
+            else:
+                return False
+    return seen
+
+
+def _grouped_shapes(n: fx.Node) -> tuple[int, int, int, int]:
+    """(rows, k, n, bytes per element) of a grouped matmul."""
+    x = n.args[0].meta["autopar.outputs"][0]
+    out = n.meta["autopar.outputs"][0]
+    return (x.shape[0], x.shape[1], out.shape[1], x.itemsize)
 
 
 def _token_wise(inputs: list[fx.Node], out: fx.Node) -> bool:

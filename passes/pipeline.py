@@ -8,6 +8,7 @@ import torch.fx as fx
 from autopar.passes.cleanup import eliminate_dead_code_pass
 from autopar.passes.context import PassContext
 from autopar.passes.defer_gradient_sync import defer_gradient_sync_pass
+from autopar.passes.expert_dispatch import expert_dispatch_pass
 from autopar.passes.insert_collectives import insert_collectives_pass
 from autopar.passes.localize_shapes import localize_shapes_pass
 from autopar.passes.outline_recompute import outline_recompute_pass
@@ -19,6 +20,7 @@ __all__ = ["PASSES", "run_passes", "PassError"]
 PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     localize_shapes_pass,
     sync_batch_norm_pass,
+    expert_dispatch_pass,
     insert_collectives_pass,
     defer_gradient_sync_pass,
     prefetch_param_gathers_pass,

@@ -183,14 +183,41 @@ def _two_rank_suite():
     return parity_suite([("moe", {"ep": 2}), ("moe", {"dp": 2, "ep": 2}, "sgd")])
 
 
+MIXTRAL_CASES = [("real:mixtral", {}), ("real:mixtral", {"dp": 4}, "sgd"), ("real:mixtral", {"dp": 2, "tp": 2}, "sgd"),
+                 ("real:mixtral", {"dp": 4, "ep": 4}), ("real:mixtral", {"dp": 2, "tp": 2, "ep": 2}, "sgd")]
+
+
+def _mixtral_suite():
+    """Parity for MIXTRAL_CASES, then one measured step of dp=4 ep=4: all-to-all calls and bytes."""
+    out = {"parity": parity_suite(MIXTRAL_CASES)}
+    model, batches, loss = build_case("real:mixtral")
+    x, y = batches[0]
+    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=autopar.Constraints(dp=4, ep=4))
+    pm.train_step(x, target=y)
+    m = pm.measure_step(x, target=y)
+    out["calls"] = dict(pm.comm.stats.calls)
+    out["bytes"], out["predicted"] = m.comm_bytes, {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}
+    pm.close()
+    return out
+
+
 @pytest.mark.slow
-def test_mixtral_trains_with_parity():
-    """A tiny Hugging Face Mixtral (dropless top-2 of 4 experts), unmodified, on 4 processes:
-    the free plan, dp=4 and dp=2 x tp=2."""
-    results = autopar.launch(parity_suite, 4, [("real:mixtral", {}), ("real:mixtral", {"dp": 4}, "sgd"),
-                                               ("real:mixtral", {"dp": 2, "tp": 2}, "sgd")])
-    failures = [line for r in results[0] for line in parity_failures(r, TOL)]
+def test_mixtral_trains_with_parity_and_expert_parallelism():
+    """A tiny Hugging Face Mixtral (dropless top-2 of 4 experts), unmodified, on 4 processes: the
+    free plan, dp=4, dp=2 x tp=2, and expert parallel (ep=4; ep=2 beside tp=2), whose grouped
+    matmuls exchange each expert's rows by all-to-alls of variable sizes: per grouped matmul the
+    row counts, the rows and the results forward, the two gradients backward (2 per layer, 2
+    layers: 20 calls); the bytes sent first are exact, those sent back depend on the routing (the
+    plan prices balanced routing)."""
+    results = autopar.launch(_mixtral_suite, 4)
+    failures = [line for r in results[0]["parity"] for line in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)
+    for r in results:
+        assert r["calls"].get("all_to_all") == 20, r["calls"]
+        assert 0.5 < r["bytes"]["all_to_all"] / r["predicted"]["all_to_all"] < 1.5, (r["bytes"], r["predicted"])
+        assert {k: v for k, v in r["bytes"].items() if k != "all_to_all"} == \
+            {k: v for k, v in r["predicted"].items() if k != "all_to_all"}
 
 
 @pytest.mark.slow

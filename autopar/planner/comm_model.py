@@ -23,7 +23,7 @@ import math
 import operator
 from collections import defaultdict
 
-from autopar.ir import batch_norm_sync, boundary_layout, edge_reshard, param_cast_dtype, pure_all_reduce_axes
+from autopar.ir import batch_norm_sync, boundary_layout, region_exchanges, edge_reshard, param_cast_dtype, pure_all_reduce_axes
 from autopar.layouts import Partial, Shard, local_numel, local_shape, state_dim
 from autopar.planner.costing import reshard_step_bytes
 from autopar.planner.op_memory import op_memory
@@ -59,7 +59,9 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             continue
         s = problem.strategy_of(v.name, choice)
         in_region = blocks.instance_of.get(v.name) in recompute
-        for kind, _, nbytes, forward in batch_norm_sync(v, s.ins[0] if s.ins else None, mesh):
+        own = batch_norm_sync(v, s.ins[0] if s.ins else None, mesh)
+        own += region_exchanges(v, list(s.ins), s.outs[0] if s.outs else None, mesh)
+        for kind, _, nbytes, forward in own:
             out[kind] += nbytes * m * (2.0 if in_region and forward else 1.0)
         for i, a in enumerate(tensor_inputs(v)):
             meta = (a.meta.get("autopar.outputs") or (None,))[0]

@@ -42,10 +42,18 @@ def _dim0_is_batch(user: fx.Node, param: fx.Node) -> bool:
 
 
 def expert_params(graph: fx.Graph) -> dict[str, str]:
-    """Parameter node name -> fqn of every expert weight (none when nothing routes tokens)."""
+    """Parameter node name -> fqn of every expert weight (none when nothing routes tokens): the
+    stacked weights of einsum / bmm experts, and those of dropless token regions
+    (``autopar.regions``: weights only its grouped matmuls use)."""
+    from autopar.regions import REGION_EXPERTS_KEY
+
     if not any(n.op == "call_function" and _op_name(n) == "topk" for n in graph.nodes):
         return {}
     out = {}
+    for n in graph.nodes:
+        for a in n.all_input_nodes if n.meta.get(REGION_EXPERTS_KEY) else ():
+            if a.name in n.meta[REGION_EXPERTS_KEY]:
+                out[a.name] = a.meta["autopar.fqn"]
     for n in graph.nodes:
         if n.meta.get("autopar.kind") != "param":
             continue

@@ -19,7 +19,8 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import LOCAL_OUTPUTS_KEY, batch_norm_sync, edge_reshard, local_rows, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
+from autopar.ir import (LOCAL_OUTPUTS_KEY, batch_norm_sync, edge_reshard, local_rows, param_cast_dtype, prefetchable_gather,
+                        pure_all_reduce_axes, region_exchanges)
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
@@ -225,12 +226,15 @@ def build_problem(
 
 def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, recomputed: bool) -> dict[str, float]:
     """Seconds per collective kind of the collectives an op runs inside itself under ``s`` (a
-    batch norm over a split batch: ``ir.batch_norm_sync``), every microbatch; a recomputed
+    batch norm over a split batch: ``ir.batch_norm_sync``; an expert-parallel token region:
+    ``ir.region_exchanges``), every microbatch; a recomputed
     block runs the forward ones twice."""
     from autopar.cost_models.communication import collective_time
 
     out: dict[str, float] = {}
-    for kind, axis, nbytes, forward in batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape):
+    moves = batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape)
+    moves += region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)
+    for kind, axis, nbytes, forward in moves:
         t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
         out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)
     return out

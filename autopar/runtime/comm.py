@@ -134,6 +134,16 @@ class MeshComm:
         """Sum ``inp`` over ``axis``; this rank keeps block ``coord`` of dim 0 in ``out``."""
         return self._run("reduce_scatter", _nbytes(inp), _reduce_scatter_single, out, inp, axis, async_op)
 
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, axis: int, out_splits: list[int],
+                     in_splits: list[int]):
+        """Rows ``in_splits[k]`` of ``inp`` (in order) go to rank k; ``out`` takes ``out_splits[k]``
+        rows from rank k (variable sizes: a dropless expert dispatch)."""
+        if self.sizes[axis] == 1:
+            out.copy_(inp)
+            return None
+        self.stats.record("all_to_all", _nbytes(inp))
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._group(axis))
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
         """Block k of ``inp``'s dim 0 goes to rank k; block k of ``out`` comes from rank k."""
         return self._run("all_to_all", _nbytes(inp), dist.all_to_all_single, out, inp, axis, async_op)

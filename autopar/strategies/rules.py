@@ -521,7 +521,12 @@ def token_region(op: OpView) -> list[AxisOption]:
     """A token-wise region (``autopar.regions``): the tokens (dim 0 of every activation input and of
     the output) split alike, the module's weights whole."""
     ins = tuple(R if n.meta.get("autopar.kind") in ("param", "buffer") else Shard(0) for n in op.inputs)
-    return [AxisOption(ins, (Shard(0),))]
+    options = [AxisOption(ins, (Shard(0),))]
+    experts = set(op.node.meta.get("autopar.region_experts", ()))
+    if experts:  # expert parallel: each rank its share of the experts, rows exchanged with the rest
+        options.append(AxisOption(tuple(Shard(0) if n.name in experts else p for n, p in zip(op.inputs, ins)),
+                                  (Shard(0),)))
+    return options
 
 
 def replicated_only(op: OpView) -> list[AxisOption]:
