@@ -200,6 +200,10 @@ class Cluster:
     # framework's prefetch depth). None: the planner's default (``planner.overlap.EXPOSED_FLOOR``);
     # calibrated from a measured run of a given software stack.
     exposed_comm_share: float | None = None
+    # The routing assumption for dropless expert parallelism: the tokens the busiest rank's experts
+    # receive over the mean (max / mean); 1.0 is balanced routing. Prices the exchanged rows'
+    # time and the experts' compute of the busiest rank (bytes are predicted balanced).
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         _check_name("Cluster", self.name)
@@ -245,6 +249,11 @@ class Cluster:
                 f"Cluster.exposed_comm_share must be in [0, 1] or None, got {share!r}; it is the "
                 "share of overlappable communication that stays exposed"
             )
+        imb = self.expert_imbalance
+        if not (isinstance(imb, numbers.Real) and not isinstance(imb, bool) and math.isfinite(imb) and imb >= 1.0):
+            raise ClusterSpecError(
+                f"Cluster.expert_imbalance must be a number >= 1 (the busiest expert rank's tokens over the mean; "
+                f"1.0 is balanced routing), got {imb!r}")
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "nodes", int(self.nodes))
         object.__setattr__(self, "devices_per_node", int(self.devices_per_node))
@@ -347,7 +356,8 @@ class Cluster:
         except (TypeError, json.JSONDecodeError) as e:
             raise ClusterSpecError(f"cluster JSON cannot be parsed: {e}") from None
         if isinstance(d, dict):
-            d.setdefault("exposed_comm_share", None)  # specs written before it existed
+            d.setdefault("exposed_comm_share", None)  # specs written before they existed
+            d.setdefault("expert_imbalance", 1.0)
         top = _fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
         version = top["schema_version"]
         if type(version) is not int or version != SCHEMA_VERSION:

@@ -77,6 +77,7 @@ class _Redirect(TorchFunctionMode):
     def __init__(self, expert_axis: int | None):
         super().__init__()
         self.expert_axis = expert_axis
+        self.routed: dict = {}  # expert parallel: routing per offsets tensor (one exchange of counts)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,7 +89,7 @@ class _Redirect(TorchFunctionMode):
                 if self.expert_axis is not None and w.shape[0] != offs.shape[0]:
                     from autopar.runtime.expert_dispatch import ep_grouped_mm
 
-                    return ep_grouped_mm(x, w, offs, self.expert_axis)
+                    return ep_grouped_mm(x, w, offs, self.expert_axis, self.routed)
                 return grouped_mm(x, w, offs)
         return func(*args, **kwargs)
 

@@ -156,7 +156,8 @@ def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[st
     """What an expert-parallel token region moves per microbatch (``runtime.expert_dispatch``), as
     ``(kind, mesh axis, bytes, whether forward moves them)``: per grouped matmul, the per-expert
     row counts (int64), each rank's rows to the experts' ranks and the results back, and in
-    backward the results' gradients out and the rows' gradients back. Rows received are as many
+    backward the results' gradients out and the rows' gradients back (the counts once per
+routing: a layer's grouped matmuls share one). Rows received are as many
     as sent under balanced routing (what is priced; the bytes each rank sends first are exact)."""
     import math
 
@@ -171,11 +172,12 @@ def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[st
     experts = next(a for a in node.args if isinstance(a, fx.Node) and a.name in
                    set(node.meta.get("autopar.region_experts", ()))).meta["autopar.outputs"][0].shape[0]
     moves = []
-    for rows, k, n, item in node.meta.get(REGION_GROUPED_KEY, ()):
+    for rows, k, n, item, new_routing in node.meta.get(REGION_GROUPED_KEY, ()):
         local = rows / split
-        moves += [("all_to_all", axis, 8.0 * experts, True), ("all_to_all", axis, local * k * item, True),
-                  ("all_to_all", axis, local * n * item, True), ("all_to_all", axis, local * n * item, False),
-                  ("all_to_all", axis, local * k * item, False)]
+        if new_routing:  # the row counts, once per routing
+            moves.append(("all_to_all", axis, 8.0 * experts, True))
+        moves += [("all_to_all", axis, local * k * item, True), ("all_to_all", axis, local * n * item, True),
+                  ("all_to_all", axis, local * n * item, False), ("all_to_all", axis, local * k * item, False)]
     return moves
 
 

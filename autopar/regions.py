@@ -28,7 +28,8 @@ __all__ = ["TokenRegion", "outline_token_regions", "REGION_FLOPS_KEY", "REGION_E
 
 REGION_FLOPS_KEY = "autopar.region_flops"
 REGION_EXPERTS_KEY = "autopar.region_experts"  # its expert weights (parameter node names): split over experts
-REGION_GROUPED_KEY = "autopar.region_grouped"  # its grouped matmuls: (rows, k, n, bytes per element) each
+# its grouped matmuls: (rows, k, n, bytes per element, whether its row counts are new) each
+REGION_GROUPED_KEY = "autopar.region_grouped"
 
 
 class TokenRegion:
@@ -102,7 +103,12 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
         call.meta = {k: v for k, v in out.meta.items() if k.startswith("autopar.") or k == "val"}
         call.meta[REGION_FLOPS_KEY] = sum(node_flops(n)[0] for n in members)
         call.meta[REGION_EXPERTS_KEY] = experts
-        call.meta[REGION_GROUPED_KEY] = tuple(_grouped_shapes(n) for n in members if _is_grouped_mm(n))
+        grouped, routings = [], set()
+        for n in members:
+            if _is_grouped_mm(n):
+                grouped.append(_grouped_shapes(n) + (n.args[2] not in routings,))
+                routings.add(n.args[2])
+        call.meta[REGION_GROUPED_KEY] = tuple(grouped)
         call.meta["autopar.module"] = path
         out.replace_all_uses_with(call)
         for n in reversed(members):

@@ -10,6 +10,9 @@ processes, trained with AdamW under
   parallelism);
 * the free plan.
 
+``--model mixtral``: the tiny Hugging Face Mixtral of ``examples/real_models.py`` (dropless, 4
+experts, grouped matmuls; expert parallel by all-to-alls of variable sizes), same three plans.
+
 The plans run interleaved in the same processes (round-robin, ``--steps`` timed steps each after
 two warm-up steps); the table gives the median step time, the plan's prediction and the ratios.
 
@@ -22,7 +25,7 @@ replaced by static-capacity MoE layers (full attention, LayerNorm, GELU experts)
 published architectures (SwiGLU experts, GQA or MLA, shared experts): the expert and attention
 shapes, which planning time depends on, are theirs.
 
-    python benchmarks/experts.py [--nproc 4] [--steps 20]
+    python benchmarks/experts.py [--nproc 4] [--steps 20] [--model moe|mixtral]
     python benchmarks/experts.py --plan-speed
 """
 from __future__ import annotations
@@ -50,19 +53,31 @@ def _constraints(spec: dict, world: int):
     return autopar.Constraints(**{k: (world if v == "world" else v) for k, v in spec.items()})
 
 
-def _worker(steps: int) -> dict:
+def _model(which: str):
+    """(fresh model, input, target, loss) of the benchmark's model."""
+    if which == "mixtral":
+        from examples.real_models import build_real
+
+        model, batches, loss = build_real("mixtral")
+        return model, batches[0][0], batches[0][1], loss
+    from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+    cfg = MoEConfig(**BENCH)
+    x, y = example_batch(cfg, 16)
+    return MoEGPT(cfg), x, y, moe_loss
+
+
+def _worker(steps: int, which: str) -> dict:
     import os
 
     import autopar
-    from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = MoEConfig(**BENCH)
-    x, y = example_batch(cfg, 16)
     models = {}
     for name, spec in PLANS.items():
         torch.manual_seed(0)
-        pm = autopar.compile(MoEGPT(cfg), autopar.Cluster.local(), x, example_target=y, loss_fn=moe_loss,
+        model, x, y, loss = _model(which)
+        pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), constraints=_constraints(spec, world))
         for _ in range(2):
             pm.train_step(x, target=y)
@@ -76,20 +91,22 @@ def _worker(steps: int) -> dict:
     out = {}
     for name, pm in models.items():
         plan = pm.plan
+        expert = next(p for p in plan.params.values() if p.fqn.endswith(("moe.w_in", "experts.gate_up_proj")))
         out[name] = {"measured_s": statistics.median(times[name]), "predicted_s": plan.predicted.step_time_s,
-                     "mesh": dict(plan.mesh_axes), "experts": plan.params["blocks.0.moe.w_in"].layout,
+                     "mesh": dict(plan.mesh_axes), "experts": expert.layout,
                      "comm_bytes": dict(plan.predicted.comm_bytes)}
         pm.close()
     return out
 
 
-def run(nproc: int, steps: int) -> None:
+def run(nproc: int, steps: int, which: str) -> None:
     import autopar
 
-    res = autopar.launch(_worker, nproc, steps)[0]
+    res = autopar.launch(_worker, nproc, steps, which)[0]
     base = res["replicated experts"]["measured_s"]
     base_pred = res["replicated experts"]["predicted_s"]
-    print(f"{nproc} gloo processes, MoE GPT {BENCH}, global batch 16, AdamW; median of {steps} steps")
+    what = f"MoE GPT {BENCH}, global batch 16" if which == "moe" else "Hugging Face Mixtral (examples/real_models.py)"
+    print(f"{nproc} gloo processes, {what}, AdamW; median of {steps} steps")
     print(f"{'plan':<20} {'mesh':<14} {'experts':<10} {'measured ms':>12} {'predicted ms':>13} {'meas/pred':>10} "
           f"{'speedup (meas)':>15} {'speedup (pred)':>15}  all-to-all bytes")
     for name, r in res.items():
@@ -145,6 +162,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--model", choices=("moe", "mixtral"), default="moe",
+                    help="moe: examples/moe.py (static capacity); mixtral: Hugging Face's dropless Mixtral, tiny")
     ap.add_argument("--plan-speed", action="store_true")
     ap.add_argument("--plan-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -153,7 +172,7 @@ def main() -> None:
     elif args.plan_speed:
         plan_speed()
     else:
-        run(args.nproc, args.steps)
+        run(args.nproc, args.steps, args.model)
 
 
 if __name__ == "__main__":

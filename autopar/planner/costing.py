@@ -19,7 +19,7 @@ from autopar.cost_models.communication import CommGroup, axis_group, collective_
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
-from autopar.regions import REGION_FLOPS_KEY
+from autopar.regions import REGION_FLOPS_KEY, REGION_GROUPED_KEY
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
@@ -133,6 +133,8 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     flops, kind, nbytes = work if work is not None else node_work(node, ctx)
     if flops == 0.0 and nbytes == 0.0:
         return 0.0, 0.0
+    if REGION_GROUPED_KEY in node.meta and ctx.cluster.expert_imbalance != 1.0:
+        flops = _imbalanced_region_flops(node, strategy, ctx, flops)
     ref = next((o for o in strategy.outs if o is not None), None)
     split = split_factor(ref, ctx.mesh_shape) if ref is not None else 1
     dtype = ctx.policy.compute_dtype
@@ -143,6 +145,17 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     ratio = _BWD_FLOPS_RATIO.get(kind, 2.0)
     bwd = op_time(ratio * flops / split, ratio * nbytes / split, ctx.cluster.device, dtype, kind, efficiency=eff)
     return fwd, bwd
+
+
+def _imbalanced_region_flops(node: fx.Node, strategy: Strategy, ctx: CostContext, flops: float) -> float:
+    """An expert-parallel token region's FLOPs on its busiest rank: its grouped matmuls' share
+    scaled by the cluster's routing assumption (``Cluster.expert_imbalance``)."""
+    from autopar.ir import region_expert_axis
+
+    if region_expert_axis(node, list(strategy.ins), ctx.mesh_shape) is None:
+        return flops
+    grouped = sum(2.0 * rows * k * n for rows, k, n, *_ in node.meta[REGION_GROUPED_KEY])
+    return flops + grouped * (ctx.cluster.expert_imbalance - 1.0)
 
 
 def _efficiency(device, kind: str) -> float | None:

@@ -233,7 +233,10 @@ def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, 
 
     out: dict[str, float] = {}
     moves = batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape)
-    moves += region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)
+    # an expert exchange lasts as long as the busiest rank's rows take (Cluster.expert_imbalance)
+    imbalance = ctx.cluster.expert_imbalance
+    moves += [(k, a, b * imbalance, f) for k, a, b, f in
+              region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)]
     for kind, axis, nbytes, forward in moves:
         t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
         out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)

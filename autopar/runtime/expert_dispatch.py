@@ -36,36 +36,51 @@ class _AllToAllV(torch.autograd.Function):
         return back, None, None, None
 
 
-def ep_grouped_mm(x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor, axis: int) -> torch.Tensor:
-    """``grouped_mm(x, w, offs)`` where this rank holds experts ``[r * n, (r + 1) * n)`` of ``w``
-    (``w_local``, n of them) on mesh ``axis`` of size ``ep`` (``offs``: cumulative rows per expert
-    over all ``ep * n`` experts; rows sorted by expert)."""
+def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor, int]:
+    """(rows to each rank, rows from each rank, received rows regrouped by local expert as an
+    index, the local experts' cumulative row counts, rows routed) for ``offs``: one all-to-all of
+    the per-expert counts."""
     comm = current_mesh()
-    ep, n = comm.sizes[axis], w_local.shape[0]
-    experts = offs.shape[0]
-    if experts != ep * n:
-        raise RuntimeError(f"expert parallelism: {experts} experts over {ep} ranks of {n} each do not add up")
+    ep = comm.sizes[axis]
     ends = offs.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert, this rank's tokens
     recv_counts = torch.empty_like(counts)
     comm.all_to_all_v(recv_counts, counts.contiguous(), axis, [n] * ep, [n] * ep)
     send = counts.view(ep, n).sum(dim=1).tolist()  # rows to each rank (its experts, contiguous)
     got = recv_counts.view(ep, n)  # [source rank, local expert]: rows received
-    recv = got.sum(dim=1).tolist()
-    rows = _AllToAllV.apply(x[: int(ends[-1])], axis, recv, send)  # by source, then expert
-    # regroup by local expert (its rows from every source, in source order), compute, restore
+    # received rows come by source, then expert; the local grouped matmul wants them by expert
+    # (each expert's rows from every source, in source order)
     flat = got.reshape(-1).tolist()
-    starts, pos = [], 0
-    for c in flat:
-        starts.append(pos)
-        pos += c
+    starts = [0]
+    for c in flat[:-1]:
+        starts.append(starts[-1] + c)
     order = [i for e in range(n) for s in range(ep)
              for i in range(starts[s * n + e], starts[s * n + e] + flat[s * n + e])]
-    index = torch.tensor(order, dtype=torch.int64, device=x.device)
-    local_offs = torch.cumsum(got.sum(dim=0), 0)
+    index = torch.tensor(order, dtype=torch.int64, device=offs.device)
+    return send, got.sum(dim=1).tolist(), index, torch.cumsum(got.sum(dim=0), 0), int(ends[-1])
+
+
+def ep_grouped_mm(x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor, axis: int,
+                  routed: dict | None = None) -> torch.Tensor:
+    """``grouped_mm(x, w, offs)`` where this rank holds experts ``[r * n, (r + 1) * n)`` of ``w``
+    (``w_local``, n of them) on mesh ``axis`` of size ``ep`` (``offs``: cumulative rows per expert
+    over all ``ep * n`` experts; rows sorted by expert). ``routed``: a memo of the routing per
+    ``offs`` tensor, so the grouped matmuls of one layer exchange their counts once."""
+    ep, n = current_mesh().sizes[axis], w_local.shape[0]
+    if offs.shape[0] != ep * n:
+        raise RuntimeError(f"expert parallelism: {offs.shape[0]} experts over {ep} ranks of {n} each do not add up")
+    key = (id(offs), axis)
+    if routed is None or key not in routed:
+        found = _routing(offs, axis, n)
+        if routed is None:
+            routed = {}
+        routed[key] = (offs, found)  # keeps offs alive, so its id is not reused
+    send, recv, index, local_offs, total = routed[key][1]
+    rows = _AllToAllV.apply(x[:total], axis, recv, send)
     out_local = grouped_mm(rows.index_select(0, index), w_local, local_offs)
-    restored = torch.empty_like(out_local).index_copy(0, index, out_local) if len(order) else out_local
-    back = _AllToAllV.apply(restored, axis, send, recv)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    back = _AllToAllV.apply(out_local.index_select(0, inverse), axis, send, recv)
     if back.shape[0] < x.shape[0]:  # rows past the last group are zero, as grouped_mm leaves them
         back = torch.cat([back, back.new_zeros((x.shape[0] - back.shape[0], back.shape[1]))])
     return back
