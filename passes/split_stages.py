@@ -56,7 +56,7 @@ def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[
         elif n.op == "call_function" and n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node) \
                 and n.args[0].name in stage:
             stage[n.name] = stage[n.args[0].name]
-        elif n.name in planned and n.op != "placeholder":
+        elif n.name in planned and n.op not in ("placeholder", "get_attr"):  # a constant: with its users
             stage[n.name] = planned[n.name]
         elif n.op == "call_module" and (inside := _planned_inside(program, n, planned)) is not None:
             stage[n.name] = inside

@@ -207,7 +207,8 @@ def _two_rank_suite():
 
 
 MIXTRAL_CASES = [("real:mixtral", {}), ("real:mixtral", {"dp": 4}, "sgd"), ("real:mixtral", {"dp": 2, "tp": 2}, "sgd"),
-                 ("real:mixtral", {"dp": 4, "ep": 4}), ("real:mixtral", {"dp": 2, "tp": 2, "ep": 2}, "sgd")]
+                 ("real:mixtral", {"dp": 4, "ep": 4}), ("real:mixtral", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
+                 ("real:mixtral", {"pp": 2, "dp": 2, "ep": 2}, "sgd")]  # (its constants go with their stage's ops)
 
 
 def _mixtral_suite():
@@ -228,7 +229,8 @@ def _mixtral_suite():
 @pytest.mark.slow
 def test_mixtral_trains_with_parity_and_expert_parallelism():
     """A tiny Hugging Face Mixtral (dropless top-2 of 4 experts), unmodified, on 4 processes: the
-    free plan, dp=4, dp=2 x tp=2, and expert parallel (ep=4; ep=2 beside tp=2), whose grouped
+    free plan, dp=4, dp=2 x tp=2, and expert parallel (ep=4; ep=2 beside tp=2; ep=2 in a pp=2
+    pipeline), whose grouped
     matmuls exchange each expert's rows by all-to-alls of variable sizes: per layer the row counts
     once, per grouped matmul (2 per layer) the rows and the results forward and their gradients
     backward (2 layers: 18 calls); the bytes sent first are exact, those sent back depend on the
