@@ -16,6 +16,10 @@ Its forward FLOPs (the grouped matmuls' and the rest's) are kept in ``REGION_FLO
 A module is outlined only when this reading holds from its shapes: one output whose dim 0 is the
 dim 0 of every activation input (the tokens). Otherwise its ops stay in the graph (and run
 replicated where no rule splits them).
+
+Expert parallelism runs the module with its share of the experts' weights (dim 0 split), so its
+code must take the number of experts from its configuration, not from a weight's shape (as
+Hugging Face's experts modules do: ``self.num_experts``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""A mixture-of-experts GPT in plain PyTorch, static capacity (GShard / Switch Transformer).
+"""A mixture-of-experts GPT in plain PyTorch, in the two forms models use.
 
 Every block's MLP is a layer of ``n_experts`` experts stored as stacked weights
-(``[experts, d, ff]``), routed top-k per token with a fixed capacity per expert:
+(``[experts, d, ff]``), routed top-k per token. ``MoEConfig(dropless=True)``: no capacity, every
+(token, choice) pair reaches its expert, sorted by expert through grouped matmuls
+(``GroupedExperts``, as Mixtral and DeepSeek are written). Otherwise a fixed capacity per expert
+(GShard / Switch Transformer):
 
 * each sequence is a routing *group* (GShard): its tokens compete for ``capacity`` slots per
   expert, ``ceil(top_k * tokens * capacity_factor / experts)``; the first choices of every
@@ -39,6 +42,7 @@ class MoEConfig:
     ff: int = 128  # each expert's hidden size
     capacity_factor: float = 1.0  # < the routing's imbalance: some tokens are dropped
     aux_weight: float = 0.01
+    dropless: bool = False  # True: no capacity, grouped matmuls over sorted tokens (GroupedExperts)
 
     def attention_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -86,13 +90,57 @@ class MoELayer(nn.Module):
         return y, aux
 
 
+class GroupedExperts(nn.Module):
+    """Dropless experts (Mixtral / DeepSeek style): every (token, choice) pair goes to its expert,
+    however many an expert gets. The pairs are sorted by expert and each expert multiplies its
+    rows with one grouped matmul over the per-expert row counts; the results are weighted by the
+    gates and summed back per token."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        e, d, f = cfg.n_experts, cfg.n_embd, cfg.ff
+        self.n_experts = e  # (not w_in.shape[0]: split over experts, a rank holds its share of them)
+        self.w_in = nn.Parameter(torch.randn(e, d, f) * d**-0.5)
+        self.w_out = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
+
+    def forward(self, tokens: torch.Tensor, choice: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        experts, k = self.n_experts, choice.shape[1]
+        flat = choice.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs sorted by expert
+        token_of = order // k
+        counts = F.one_hot(flat, experts).sum(dim=0)  # rows per expert (static shape, unlike bincount)
+        offs = counts.cumsum(dim=0).to(torch.int32)
+        hidden = F.gelu(F.grouped_mm(tokens[token_of], self.w_in, offs=offs))
+        out = F.grouped_mm(hidden, self.w_out, offs=offs) * gate.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, token_of, out)
+
+
+class DroplessMoELayer(nn.Module):
+    """Top-k routing without capacity; returns (output, auxiliary load-balancing loss)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).softmax(dim=-1)
+        gate, choice = probs.topk(self.cfg.top_k, dim=-1)
+        y = self.experts(tokens, choice, gate / gate.sum(dim=-1, keepdim=True))
+        share = F.one_hot(choice[:, 0], self.cfg.n_experts).to(x.dtype).mean(dim=0)
+        aux = self.cfg.n_experts * (share * probs.mean(dim=0)).sum()
+        return y.view(x.shape), aux
+
+
 class MoEBlock(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg.attention_config())
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.moe = MoELayer(cfg)
+        self.moe = DroplessMoELayer(cfg) if cfg.dropless else MoELayer(cfg)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.ln_1(x))

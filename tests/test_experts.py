@@ -128,6 +128,18 @@ def test_grouped_mm_op_gradients():
     assert torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, offs), (x, w))
 
 
+def test_plain_pytorch_dropless_experts_are_recognised():
+    """examples/moe.py's dropless form (argsort, one_hot counts, F.grouped_mm, index_add): each
+    GroupedExperts call is one token-wise node whose stacked weights may split over experts."""
+    traced = _traced("moe_dropless")
+    regions = [n for n in traced.graph.nodes if n.op == "call_function" and "token_region" in str(n.target)]
+    assert [n.target.path for n in regions] == [f"blocks.{i}.moe.experts" for i in range(2)]
+    assert sorted(expert_params(traced.graph).values()) == [
+        f"blocks.{i}.moe.experts.{w}" for i in range(2) for w in ("w_in", "w_out")]
+    plan = _plan("moe_dropless", dp=4, ep=4)
+    assert plan.params["blocks.0.moe.experts.w_in"].layout == "[S(0), R]"
+
+
 def test_dropless_experts_become_one_token_wise_node():
     """Hugging Face's Mixtral (transformers' grouped-matmul experts): each layer's experts module
     is one token-wise node, called with its positional arguments in order, its tokens split by
@@ -168,26 +180,33 @@ def test_routing_imbalance_prices_the_busiest_expert_rank():
 
 CASES_4 = [
     ("moe", {"dp": 4, "ep": 4}),
-    ("moe", {"dp": 2, "tp": 2, "ep": 2}),
-    ("moe", {}),
+    ("moe", {"dp": 2, "tp": 2, "ep": 2}, "adamw"),
+    ("moe", {}, "sgd"),
     ("moe_ce", {"pp": 2, "dp": 2, "ep": 2}, "sgd"),  # composed with a pipeline (a loss microbatches keep)
+    # the dropless form of examples/moe.py (sorted tokens, grouped matmuls, all-to-alls of variable sizes)
+    ("moe_dropless", {"dp": 4, "ep": 4}),
+    ("moe_dropless", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
+    ("moe_dropless", {}, "adamw"),
 ]
+
+
+def _measured_step(case: str, **constraints) -> dict:
+    """One measured training step of ``case``: collective calls per kind, bytes and predicted bytes."""
+    model, batches, loss = build_case(case)
+    x, y = batches[0]
+    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=autopar.Constraints(**constraints))
+    pm.train_step(x, target=y)
+    m = pm.measure_step(x, target=y)
+    out = {"calls": dict(pm.comm.stats.calls), "bytes": m.comm_bytes,
+           "predicted": {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}}
+    pm.close()
+    return out
 
 
 def _expert_parallel_suite():
     """Parity for CASES_4, then one measured step of dp=4 ep=4: collectives by kind, calls and bytes."""
-    out = {"parity": parity_suite(CASES_4)}
-    model, batches, loss = build_case("moe")
-    x, y = batches[0]
-    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
-                         constraints=autopar.Constraints(dp=4, ep=4))
-    pm.train_step(x, target=y)
-    m = pm.measure_step(x, target=y)
-    out["calls"] = dict(pm.comm.stats.calls)
-    out["bytes"], out["predicted"] = m.comm_bytes, {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}
-    pm.close()
-    return out
+    return {"parity": parity_suite(CASES_4), **_measured_step("moe", dp=4, ep=4)}
 
 
 @pytest.mark.slow
@@ -206,35 +225,24 @@ def _two_rank_suite():
     return parity_suite([("moe", {"ep": 2}), ("moe", {"dp": 2, "ep": 2}, "sgd")])
 
 
-MIXTRAL_CASES = [("real:mixtral", {}), ("real:mixtral", {"dp": 4}, "sgd"), ("real:mixtral", {"dp": 2, "tp": 2}, "sgd"),
+MIXTRAL_CASES = [("real:mixtral", {}, "adamw"), ("real:mixtral", {"dp": 4}, "sgd"), ("real:mixtral", {"dp": 2, "tp": 2}, "sgd"),
                  ("real:mixtral", {"dp": 4, "ep": 4}), ("real:mixtral", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
                  ("real:mixtral", {"pp": 2, "dp": 2, "ep": 2}, "sgd")]  # (its constants go with their stage's ops)
 
 
 def _mixtral_suite():
     """Parity for MIXTRAL_CASES, then one measured step of dp=4 ep=4: all-to-all calls and bytes."""
-    out = {"parity": parity_suite(MIXTRAL_CASES)}
-    model, batches, loss = build_case("real:mixtral")
-    x, y = batches[0]
-    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=autopar.Constraints(dp=4, ep=4))
-    pm.train_step(x, target=y)
-    m = pm.measure_step(x, target=y)
-    out["calls"] = dict(pm.comm.stats.calls)
-    out["bytes"], out["predicted"] = m.comm_bytes, {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}
-    pm.close()
-    return out
+    return {"parity": parity_suite(MIXTRAL_CASES), **_measured_step("real:mixtral", dp=4, ep=4)}
 
 
 @pytest.mark.slow
 def test_mixtral_trains_with_parity_and_expert_parallelism():
     """A tiny Hugging Face Mixtral (dropless top-2 of 4 experts), unmodified, on 4 processes: the
     free plan, dp=4, dp=2 x tp=2, and expert parallel (ep=4; ep=2 beside tp=2; ep=2 in a pp=2
-    pipeline), whose grouped
-    matmuls exchange each expert's rows by all-to-alls of variable sizes: per layer the row counts
-    once, per grouped matmul (2 per layer) the rows and the results forward and their gradients
-    backward (2 layers: 18 calls); the bytes sent first are exact, those sent back depend on the
-    routing (the plan prices balanced routing)."""
+    pipeline), whose grouped matmuls exchange each expert's rows by all-to-alls of variable
+    sizes: per layer the row counts once, per grouped matmul (2 per layer) the rows and the
+    results forward and their gradients backward (2 layers: 18 calls); the bytes sent first are
+    exact, those sent back depend on the routing (the plan prices balanced routing)."""
     results = autopar.launch(_mixtral_suite, 4)
     failures = [line for r in results[0]["parity"] for line in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)

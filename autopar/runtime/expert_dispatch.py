@@ -49,14 +49,10 @@ def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple[list[int], list[int
     send = counts.view(ep, n).sum(dim=1).tolist()  # rows to each rank (its experts, contiguous)
     got = recv_counts.view(ep, n)  # [source rank, local expert]: rows received
     # received rows come by source, then expert; the local grouped matmul wants them by expert
-    # (each expert's rows from every source, in source order)
-    flat = got.reshape(-1).tolist()
-    starts = [0]
-    for c in flat[:-1]:
-        starts.append(starts[-1] + c)
-    order = [i for e in range(n) for s in range(ep)
-             for i in range(starts[s * n + e], starts[s * n + e] + flat[s * n + e])]
-    index = torch.tensor(order, dtype=torch.int64, device=offs.device)
+    # (each expert's rows from every source, in source order): a stable sort of each row's
+    # (expert, source) block key
+    block = torch.repeat_interleave(torch.arange(ep * n, device=offs.device), got.reshape(-1))
+    index = torch.argsort((block % n) * ep + block // n, stable=True)
     return send, got.sum(dim=1).tolist(), index, torch.cumsum(got.sum(dim=0), 0), int(ends[-1])
 
 

@@ -56,6 +56,12 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
+    if name == "moe_dropless":  # examples.moe with GroupedExperts: sorted tokens, grouped matmuls
+        from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+        cfg = MoEConfig(dropless=True)
+        model = MoEGPT(cfg)
+        return model, [example_batch(cfg, 8, seed=s) for s in range(8)], moe_loss
     if name in ("moe", "moe_ce"):
         # examples.moe: static-capacity top-2 experts with token dropping and an auxiliary loss over
         # the whole batch; "moe_ce": cross-entropy alone (a mean over samples, which microbatches
