@@ -36,15 +36,22 @@ def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys
         assert s["wall_s"] > 0 and s["predicted_s"] == r["predicted"] and s["loss"] == loss
         assert s["ratio"] == pytest.approx(s["wall_s"] / s["predicted_s"])
         assert s["tokens_per_s"] == pytest.approx(r["tokens"] / s["wall_s"]) and 0 < s["mfu"] < 1
+        # its collectives: bytes as the plan predicts them, time blocked within the step
+        assert s["comm_bytes"] == {k: int(v) for k, v in s["predicted_comm_bytes"].items()} and s["comm_bytes"]
+        assert 0 < s["comm_s"] < s["wall_s"] and s["compute_s"] == pytest.approx(s["wall_s"] - s["comm_s"])
+        assert set(s["comm_s_by_kind"]) <= set(s["comm_bytes"])
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["fingerprint"] == r["fingerprint"] and run["world_size"] == 2 and run["versions"]["torch"]
     assert autopar.Plan.from_json((tmp_path / "plan.json").read_text()).fingerprint == r["fingerprint"]
     # a streak of 2 slow steps warns once, on every rank, naming the steps
     assert all(len(res["slow"]) == 1 and "steps 1..2" in res["slow"][0] for res in results), results
+    assert all("the largest excess: " in res["slow"][0] for res in results), results
     assert cli_main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "measured ms" in out and len([ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]) == 3
-    assert (tmp_path / "step_time.png").read_bytes()[:4] == b"\x89PNG"
+    assert "largest excess over the prediction" in out and "collective" in out
+    for png in ("step_time.png", "comm_breakdown.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_monitoring_refuses_bad_settings(tmp_path):

@@ -21,6 +21,7 @@ core dump).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -40,10 +41,16 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Bytes and calls per collective kind since the last ``reset``."""
+    """Bytes, calls and seconds blocked per collective kind since the last ``reset``.
+
+    Seconds blocked: the host's time inside a synchronous collective and inside ``wait()`` of an
+    asynchronous one, i.e. the communication the step did not overlap. On gloo that is the
+    collective's exposed time; with NCCL the host does not wait for the stream, so it is a lower
+    bound (CUDA events would measure the device side)."""
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
 
     def record(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += int(nbytes)
@@ -52,6 +59,11 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.seconds.clear()
+
+    def totals(self) -> tuple[dict, dict]:
+        """(bytes, seconds blocked) per kind so far: subtract two of these for a step's."""
+        return dict(self.bytes), dict(self.seconds)
 
     def snapshot(self) -> dict[str, int]:
         return {k: int(self.bytes[k]) for k in COLLECTIVE_KINDS if self.calls[k]}
@@ -69,6 +81,25 @@ def _resolve(name: str):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class _TimedWork:
+    """An asynchronous collective's work handle whose ``wait()`` counts the time blocked."""
+
+    __slots__ = ("_work", "_kind", "_stats")
+
+    def __init__(self, work, kind: str, stats: CommStats):
+        self._work, self._kind, self._stats = work, kind, stats
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._stats.seconds[self._kind] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 class MeshComm:
@@ -120,7 +151,10 @@ class MeshComm:
             return None
         self.stats.record(kind, nbytes)
         args = (inp,) if out is None else (out, inp)
-        return call(*args, group=self._group(axis), async_op=async_op)
+        t0 = time.perf_counter()
+        work = call(*args, group=self._group(axis), async_op=async_op)
+        self.stats.seconds[kind] += time.perf_counter() - t0
+        return _TimedWork(work, kind, self.stats) if async_op and work is not None else work
 
     def all_reduce(self, t: torch.Tensor, axis: int, *, async_op: bool = False):
         """Sum ``t`` in place over ``axis``."""
@@ -142,7 +176,9 @@ class MeshComm:
             out.copy_(inp)
             return None
         self.stats.record("all_to_all", _nbytes(inp))
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._group(axis))
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._group(axis))
+        self.stats.seconds["all_to_all"] += time.perf_counter() - t0
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
         """Block k of ``inp``'s dim 0 goes to rank k; block k of ``out`` comes from rank k."""

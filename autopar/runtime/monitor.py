@@ -8,11 +8,18 @@ tokens per second, MFU (the plan's model FLOPs over wall time x devices x peak F
 CUDA, the step's peak memory beside the predicted peak. A step that ran ``slow_factor`` times its
 prediction ``slow_steps`` times in a row raises a ``SlowStepWarning`` (once per streak).
 
-``autopar report RUN_DIR`` (``report_run``) prints the steps as a table and, with matplotlib,
-draws measured vs predicted step time into ``RUN_DIR/step_time.png``.
+Each step also records its collectives: bytes and seconds blocked per kind (``CommStats``: time
+inside a collective or its ``wait()``, the communication not overlapped), the rest of the step as
+compute, beside the plan's predictions; the slow-step warning names the part furthest above its
+prediction (``largest_contributor``).
 
-Not measured here yet: the split of a step into compute and exposed communication, and CPU
-memory per step (``ParallelModel.measure_step`` measures both categories and bytes on demand).
+``autopar report RUN_DIR`` (``report_run``) prints the steps and the collectives as tables and,
+with matplotlib, draws ``step_time.png`` (measured vs predicted, blocked communication),
+``comm_breakdown.png`` (per collective kind: bytes and time, measured vs predicted) and, where
+the steps measured it (CUDA), ``memory.png`` (peak vs predicted).
+
+Not measured per step yet: CPU memory (``ParallelModel.measure_step`` measures memory by category
+on demand).
 """
 from __future__ import annotations
 
@@ -77,7 +84,8 @@ class StepMonitor:
         (self.dir / "run.json").write_text(json.dumps(run, indent=1, sort_keys=True, default=str))
 
     def record(self, plan, world_size: int, step: int, wall_s: float, loss: float, inputs: tuple,
-               peak_bytes: int | None) -> None:
+               peak_bytes: int | None, comm: tuple[dict, dict] | None = None) -> None:
+        """``comm``: this step's (bytes, seconds blocked) per collective kind (``CommStats``)."""
         if self._plan is not plan:
             self._start(plan, world_size)
         predicted = plan.predicted.step_time_s
@@ -93,20 +101,54 @@ class StepMonitor:
             "mfu": plan.predicted.mfu * predicted / wall_s if wall_s > 0 else None,
             "peak_bytes": peak_bytes, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
         }
-        self._check_slow(step, ratio)
+        if comm is not None:
+            nbytes, seconds = comm
+            blocked = sum(seconds.values())
+            line.update({
+                # blocked in collectives (not overlapped) vs the rest of the step, beside the plan's
+                "comm_s": blocked, "compute_s": max(wall_s - blocked, 0.0),
+                "predicted_comm_s": plan.predicted.blocking_comm_s + plan.predicted.exposed_comm_s,
+                "predicted_compute_s": plan.predicted.compute_s,
+                "comm_bytes": nbytes, "predicted_comm_bytes": {k: v for k, v in plan.predicted.comm_bytes if v},
+                "comm_s_by_kind": seconds, "predicted_comm_s_by_kind": {k: v for k, v in plan.predicted.comm_s if v},
+            })
+        self._check_slow(step, ratio, line)
         if self.rank == 0:
             with open(self.dir / STEPS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
-    def _check_slow(self, step: int, ratio: float | None) -> None:
+    def _check_slow(self, step: int, ratio: float | None, line: dict) -> None:
         self._slow = self._slow + 1 if ratio is not None and ratio > self.cfg.slow_factor else 0
         if self._slow == self.cfg.slow_steps:
             warnings.warn(
                 f"autopar: steps {step - self._slow + 1}..{step} each ran more than {self.cfg.slow_factor:g}x the "
-                f"predicted {self._plan.predicted.step_time_s * 1e3:.3f} ms (last {ratio:.1f}x). The cost model is "
-                "uncalibrated for this machine, or something outside the plan (data loading, other processes) takes "
-                "the time; ParallelModel.measure_step splits a step by memory and collective bytes",
+                f"predicted {self._plan.predicted.step_time_s * 1e3:.3f} ms (last {ratio:.1f}x){_contributor(line)}. "
+                "The cost model is uncalibrated for this machine, or something outside the plan (data loading, other "
+                "processes) takes the time; ParallelModel.measure_step splits a step by memory and collective bytes",
                 SlowStepWarning, stacklevel=4)
+
+
+def largest_contributor(line: dict) -> tuple[str, float, float] | None:
+    """(what, measured s, predicted s) of the step part furthest above its prediction: the
+    compute (the step less its blocked communication) or one collective kind; None when the
+    step's communication was not recorded."""
+    if "comm_s" not in line:
+        return None
+    parts = {"compute": (line["compute_s"], line["predicted_compute_s"])}
+    measured, predicted = line["comm_s_by_kind"], line["predicted_comm_s_by_kind"]
+    for kind in set(measured) | set(predicted):
+        parts[kind] = (measured.get(kind, 0.0), predicted.get(kind, 0.0))
+    what = max(parts, key=lambda k: parts[k][0] - parts[k][1])
+    return (what,) + parts[what]
+
+
+def _contributor(line: dict) -> str:
+    found = largest_contributor(line)
+    if found is None:
+        return ""
+    what, got, want = found
+    part = "compute" if what == "compute" else f"blocked in {what}"
+    return f"; the largest excess: {part}, {got * 1e3:.3f} ms measured vs {want * 1e3:.3f} ms predicted"
 
 
 def read_steps(run_dir: str | os.PathLike) -> list[dict]:
@@ -126,15 +168,18 @@ def report_run(run_dir: str | os.PathLike, png: bool = True) -> str:
     """The run's steps as a text table (and ``step_time.png`` beside them when ``png`` and
     matplotlib is installed); returns the text."""
     steps = read_steps(run_dir)
-    rows = [f"{'step':>5} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7} {'loss':>10} {'tokens/s':>10} {'MFU %':>7}"]
+    rows = [f"{'step':>5} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7} {'comm ms':>8} {'pred comm':>9} "
+            f"{'loss':>10} {'tokens/s':>10} {'MFU %':>7}"]
     for s in steps:
         rows.append(f"{s['step']:>5} {_fmt(s['wall_s'], 1e3):>12} {_fmt(s['predicted_s'], 1e3):>13} "
-                    f"{_fmt(s['ratio'], 1, '.2f'):>7} {_fmt(s['loss'], 1, '.4f'):>10} "
+                    f"{_fmt(s['ratio'], 1, '.2f'):>7} {_fmt(s.get('comm_s'), 1e3):>8} "
+                    f"{_fmt(s.get('predicted_comm_s'), 1e3):>9} {_fmt(s['loss'], 1, '.4f'):>10} "
                     f"{_fmt(s.get('tokens_per_s'), 1, ',.0f'):>10} {_fmt(s.get('mfu'), 100, '.2f'):>7}")
     if steps:
         ratios = sorted(s["ratio"] for s in steps if s["ratio"] is not None)
         if ratios:
             rows.append(f"median measured / predicted step time: {ratios[len(ratios) // 2]:.2f} over {len(ratios)} steps")
+        rows += _collective_rows(steps)
     if png:
         try:
             import matplotlib
@@ -144,15 +189,80 @@ def report_run(run_dir: str | os.PathLike, png: bool = True) -> str:
         except ImportError:
             rows.append("(no plot: matplotlib is not installed; pip install matplotlib)")
         else:
-            fig, ax = plt.subplots(figsize=(7, 3.5))
-            ax.plot([s["step"] for s in steps], [s["wall_s"] * 1e3 for s in steps], "o-", label="measured")
-            ax.plot([s["step"] for s in steps], [s["predicted_s"] * 1e3 for s in steps], "--", label="predicted")
-            ax.set_xlabel("step")
-            ax.set_ylabel("step time (ms)")
-            ax.legend()
-            fig.tight_layout()
-            out = Path(run_dir) / "step_time.png"
-            fig.savefig(out, dpi=100)
-            plt.close(fig)
-            rows.append(f"wrote {out}")
+            rows += [f"wrote {out}" for out in _plots(plt, steps, Path(run_dir))]
     return "\n".join(rows)
+
+
+def _kinds(steps: list[dict]) -> list[str]:
+    return sorted({k for s in steps for key in ("comm_bytes", "predicted_comm_bytes") for k in s.get(key, {})})
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _collective_rows(steps: list[dict]) -> list[str]:
+    """Per collective kind, over the recorded steps: bytes and seconds blocked beside the plan's."""
+    steps = [s for s in steps if "comm_bytes" in s]
+    if not steps:
+        return []
+    rows = [f"{'collective':<16} {'bytes/step':>14} {'predicted':>14} {'blocked ms':>11} {'predicted ms':>13}"]
+    for k in _kinds(steps):
+        rows.append(f"{k:<16} {_mean([s['comm_bytes'].get(k, 0) for s in steps]):>14,.0f} "
+                    f"{_mean([s['predicted_comm_bytes'].get(k, 0) for s in steps]):>14,.0f} "
+                    f"{_mean([s['comm_s_by_kind'].get(k, 0.0) for s in steps]) * 1e3:>11.3f} "
+                    f"{_mean([s['predicted_comm_s_by_kind'].get(k, 0.0) for s in steps]) * 1e3:>13.3f}")
+    last = steps[-1]
+    what, got, want = largest_contributor(last)
+    rows.append(f"largest excess over the prediction (last step): {what}, {got * 1e3:.3f} ms vs {want * 1e3:.3f} ms "
+                "(collectives: time blocked, i.e. not overlapped; predicted: their whole time)")
+    return rows
+
+
+def _plots(plt, steps: list[dict], run_dir: Path) -> list[Path]:
+    """step_time.png (measured vs predicted, with the blocked communication), and where the steps
+    recorded them comm_breakdown.png (per collective kind, measured vs predicted) and memory.png
+    (peak per step vs predicted)."""
+    written = []
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(x, [s["wall_s"] * 1e3 for s in steps], "o-", label="measured")
+    ax.plot(x, [s["predicted_s"] * 1e3 for s in steps], "--", label="predicted")
+    if all("comm_s" in s for s in steps):
+        ax.plot(x, [s["comm_s"] * 1e3 for s in steps], "s:", label="measured: blocked in collectives")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.legend()
+    fig.tight_layout()
+    written.append(run_dir / "step_time.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+    comm = [s for s in steps if "comm_bytes" in s]
+    kinds = _kinds(comm)
+    if kinds:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+        pos = range(len(kinds))
+        for ax, key, unit, scale in ((left, "bytes", "MiB / step", 2.0**-20), (right, "s_by_kind", "ms / step", 1e3)):
+            got = [_mean([s["comm_" + key].get(k, 0) for s in comm]) * scale for k in kinds]
+            want = [_mean([s["predicted_comm_" + key].get(k, 0) for s in comm]) * scale for k in kinds]
+            ax.bar([p - 0.2 for p in pos], got, 0.4, label="measured" + (" (blocked)" if key != "bytes" else ""))
+            ax.bar([p + 0.2 for p in pos], want, 0.4, label="predicted")
+            ax.set_xticks(list(pos), kinds, rotation=20)
+            ax.set_ylabel(unit)
+            ax.legend()
+        fig.tight_layout()
+        written.append(run_dir / "comm_breakdown.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    if any(s.get("peak_bytes") for s in steps):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(x, [(s.get("peak_bytes") or 0) / 2**20 for s in steps], "o-", label="measured peak")
+        ax.plot(x, [s["predicted_peak_bytes"] / 2**20 for s in steps], "--", label="predicted peak")
+        ax.set_xlabel("step")
+        ax.set_ylabel("MiB per device")
+        ax.legend()
+        fig.tight_layout()
+        written.append(run_dir / "memory.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    return written
