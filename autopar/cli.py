@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 def _load_factory(spec: str):
     if ":" not in spec:
-        raise SystemExit(f"autopar: expected MODULE:FACTORY (e.g. examples.gpt:plan_demo), got {spec!r}")
+        raise SystemExit(f"autopar: expected MODULE:FACTORY (e.g. examples.gpt:gpt_small), got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
     sys.path.insert(0, ".")
     try:
@@ -44,11 +44,7 @@ def _cmd_plan(args) -> int:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ConstraintError(f"--output {args.output!r}: cannot write there (folder {folder!r} does not exist or is "
                                   "not writable); create it or choose another path")
-    made = _load_factory(args.factory)()
-    if not isinstance(made, tuple) or len(made) not in (2, 4):
-        raise SystemExit("autopar: the factory must return (model, example_inputs) or (model, example_inputs, loss_fn, example_target)")
-    model, inputs = made[0], made[1]
-    loss_fn, target = (made[2], made[3]) if len(made) == 4 else (None, None)
+    model, inputs, loss_fn, target = _made(args.factory)
     if args.cluster == "local":
         cluster = autopar.Cluster.local(4 if args.nproc is None else args.nproc)
     else:
@@ -114,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("run_dir")
     rep.add_argument("--no-plot", action="store_true", help="the table only")
     rep.set_defaults(func=_cmd_report)
+    rp = sub.add_parser("replay", help="plan again from a recorded plan (a plan JSON file or a monitored run's folder) "
+                                       "and say whether the same plan comes out, byte for byte")
+    rp.add_argument("record")
+    rp.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn, example_target])")
+    rp.set_defaults(func=_cmd_replay)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -130,6 +131,24 @@ def main(argv: list[str] | None = None) -> int:
 # ``autopar run`` restarts failed workers (torchrun's --max-restarts): with Checkpointing a run
 # resumes by itself; a script that keeps failing stops after this many tries
 DEFAULT_MAX_RESTARTS = 3
+
+
+def _made(factory: str):
+    """(model, example_inputs, loss_fn, example_target) from a MODULE:FACTORY."""
+    made = _load_factory(factory)()
+    if not isinstance(made, tuple) or len(made) not in (2, 4):
+        raise SystemExit("autopar: the factory must return (model, example_inputs) or (model, example_inputs, loss_fn, example_target)")
+    return (made[0], made[1]) + ((made[2], made[3]) if len(made) == 4 else (None, None))
+
+
+def _cmd_replay(args) -> int:
+    from autopar.replay import read_record, replay
+
+    record = read_record(args.record)
+    model, inputs, loss_fn, target = _made(args.factory)
+    result = replay(record, model, inputs, loss_fn=loss_fn, example_target=target)
+    print(result)
+    return 0 if result.identical else 1
 
 
 def _cmd_report(args) -> int:

@@ -29,6 +29,26 @@ def test_plan_explains_and_writes_json(tmp_path, capsys):
     assert autopar.Plan.from_json(path.read_text()).mesh == {"dp": 1, "tp": 2}
 
 
+def test_replay_reproduces_a_recorded_plan_byte_for_byte(tmp_path, capsys):
+    """autopar replay plans again from the record (cluster, constraints, precision, optimizer) and
+    compares the JSON; a record whose inputs no longer match is reported, with why, exit 1."""
+    import json
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "2", "--tp", "2", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path), "examples.gpt:gpt_small"]) == 0
+    assert "reproduced byte for byte" in capsys.readouterr().out
+    edited = json.loads(path.read_text())
+    edited["precision"] = "fp32"  # planned as bf16-mixed
+    path.write_text(json.dumps(edited))
+    assert main(["replay", str(path), "examples.gpt:gpt_small"]) == 1
+    out = capsys.readouterr().out
+    assert "not reproduced" in out and "other planning inputs" in out, out
+    assert main(["replay", str(tmp_path / "missing"), "examples.gpt:gpt_small"]) == 2
+    assert "no plan record there" in capsys.readouterr().err
+
+
 def test_plan_pipelines_and_draws(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     assert main(["plan", "examples.gpt:gpt_small", "--cluster", "local", "--nproc", "4", "--pp", "2",

@@ -52,6 +52,10 @@ def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys
     assert "largest excess over the prediction" in out and "collective" in out
     for png in ("step_time.png", "comm_breakdown.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    # provenance: the run's record plans again to the same plan, byte for byte
+    assert run["inputs_fingerprint"] and isinstance(run["seed"], int)
+    assert cli_main(["replay", str(tmp_path), "examples.gpt:gpt_small"]) == 0
+    assert "reproduced byte for byte" in capsys.readouterr().out
 
 
 def test_monitoring_refuses_bad_settings(tmp_path):

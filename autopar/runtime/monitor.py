@@ -79,8 +79,11 @@ class StepMonitor:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "plan.json").write_text(plan.to_json())
-        run = {"fingerprint": plan.fingerprint, "mesh": plan.mesh, "world_size": world_size,
-               "cluster": json.loads(plan.cluster_json), "versions": software_versions(), "argv": list(sys.argv)}
+        # provenance: with plan.json (graph and inputs hash, constraints, decisions), what
+        # ``autopar replay RUN_DIR MODULE:FACTORY`` plans again and compares byte for byte
+        run = {"fingerprint": plan.fingerprint, "inputs_fingerprint": plan.inputs_fingerprint, "mesh": plan.mesh,
+               "world_size": world_size, "cluster": json.loads(plan.cluster_json), "versions": software_versions(),
+               "argv": list(sys.argv), "seed": torch.initial_seed()}
         (self.dir / "run.json").write_text(json.dumps(run, indent=1, sort_keys=True, default=str))
 
     def record(self, plan, world_size: int, step: int, wall_s: float, loss: float, inputs: tuple,
