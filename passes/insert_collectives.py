@@ -40,6 +40,8 @@ def _edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: st
         if cast is not None:  # mixed precision: the parameter travels in the compute dtype
             kwargs["dtype"] = cast
             kwargs["reduce_dtype"] = ctx.policy.torch_reduce_dtype
+    module = before.meta.get("autopar.module", "")
+    kwargs["site"] = f"plan node '{before.name}'" + (f" in module '{module}'" if module else "")
     with graph.inserting_before(before):
         node = graph.call_function(reshard, (arg, src, dst, gsrc, gdst), kwargs)
     node.meta["autopar.kind"] = "reshard"

@@ -360,11 +360,11 @@ def test_ranks_compare_batches_and_plans_and_uneven_batches_are_refused():
     assert r0["losses"] == r1["losses"]
 
 
-def lone_step_worker():
+def lone_step_worker(tp: int = 1):
     from examples.mlp import example_batch
 
     x, t = example_batch(64, 16)
-    pm = _mlp(autopar.Cluster.local(), constraints=autopar.Constraints(dp=2, tp=1), collective_timeout_s=5,
+    pm = _mlp(autopar.Cluster.local(), constraints=autopar.Constraints(dp=2 // tp, tp=tp), collective_timeout_s=5,
               check_inputs="never")  # the step's own collectives wait, not the batch check's
     if _rank() == 1:
         return "rank 1 skipped the step"
@@ -386,5 +386,18 @@ def test_a_rank_alone_in_train_step_fails_within_the_collective_timeout():
     assert re.search(r"rank 0 failed:.*CollectiveError: train_step on rank 0 waited more than 5 s for the other ranks "
                      r"in a collective: every rank must call train_step the same number of times with its batch "
                      r"\(did one rank skip a step, or die\?\)", text, re.S), text
+    # it names the collective it was in: kind, bytes, mesh axis, the ranks of its group
+    assert re.search(r"This rank was in: (all_reduce|all_gather|reduce_scatter|all_to_all) of [\d,]+ bytes over "
+                     r"mesh axis \d \(ranks \[0, 1\]\)", text), text
     waited = float(re.search(r"\[after ([\d.]+) s\]", text).group(1))
     assert 4 <= waited < 60, waited
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_names_the_plan_node_it_served():
+    """Under tensor parallelism the first collective a lone rank waits in is a reshard: the error
+    names the plan node it served and that node's module."""
+    with pytest.raises(WorkerFailedError) as info:
+        autopar.launch(lone_step_worker, 2, 2, timeout_s=240)
+    assert re.search(r"This rank was in: \w+ of [\d,]+ bytes over mesh axis 1 \(ranks \[0, 1\]\) for plan node "
+                     r"'\w+' in module '[\w.]+'", str(info.value)), str(info.value)

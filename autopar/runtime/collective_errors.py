@@ -46,7 +46,11 @@ def raise_if_collective_failure(exc: RuntimeError, where: str) -> None:
         waited = f"more than {t:g} s" if t else "longer than the process group's timeout"
         head = f"{where} on rank {rank} waited {waited} for the other ranks in a collective"
     said = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    from autopar.runtime.comm import last_collective
+
+    last = last_collective()
+    was = f" This rank was in: {last}." if last else ""
     raise CollectiveError(
         f"{head}: every rank must call {where} the same number of times with its batch (did one rank skip a step, "
-        f"or die?). The wait is compile's collective_timeout_s (or ${COLLECTIVE_TIMEOUT_ENV}). torch said: {said}"
+        f"or die?).{was} The wait is compile's collective_timeout_s (or ${COLLECTIVE_TIMEOUT_ENV}). torch said: {said}"
     ) from exc

@@ -22,7 +22,7 @@ import torch
 
 from autopar.layouts import Layout, Partial, chunk_range, parse_layout
 from autopar.resharding import ReshardStep, reshard_steps_for
-from autopar.runtime.comm import MeshComm
+from autopar.runtime.comm import MeshComm, set_site
 
 __all__ = ["active_mesh", "current_mesh", "reshard", "apply_steps", "shard_tensor", "slice_dim",
            "gather_dim", "reduce_scatter_dim"]
@@ -152,8 +152,9 @@ def _avg_axes(src: Layout, dst: Layout) -> list[int]:
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fwd_steps, bwd_steps, grad_scale_axes, shape, dtype, reduce_dtype, comm):
+    def forward(ctx, x, fwd_steps, bwd_steps, grad_scale_axes, shape, dtype, reduce_dtype, comm, site=None):
         ctx.bwd_steps = bwd_steps
+        ctx.site = f"{site}, backward" if site else None
         ctx.grad_scale_axes = grad_scale_axes
         ctx.comm = comm
         ctx.shape = shape
@@ -166,14 +167,16 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.bwd_steps is None:
-            return (None,) * 8
+            return (None,) * 9
         g = g.contiguous()
         if ctx.reduce_dtype is not None:
             g = g.to(ctx.reduce_dtype)
+        set_site(ctx.site)
         out = apply_steps(g, ctx.bwd_steps, ctx.comm, ctx.shape)
+        set_site(None)
         for a in ctx.grad_scale_axes:
             out = out / ctx.comm.sizes[a]
-        return (out.to(ctx.in_dtype),) + (None,) * 7
+        return (out.to(ctx.in_dtype),) + (None,) * 8
 
 
 def _steps(comm: MeshComm, src: str, dst: str, shape: tuple | None) -> tuple:
@@ -186,16 +189,18 @@ def _steps(comm: MeshComm, src: str, dst: str, shape: tuple | None) -> tuple:
 
 def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, grad_dst: str | None = None,
             shape: tuple | None = None, param: bool = False, dtype: torch.dtype | None = None,
-            reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+            reduce_dtype: torch.dtype | None = None, site: str | None = None) -> torch.Tensor:
     """Move local tensor ``x`` from layout ``src`` to ``dst`` (strings like "[S(0), R]").
 
     In backward the gradient goes from ``grad_src`` to ``grad_dst`` (None: no gradient flows).
     ``shape``: the global shape, given (by the passes) only where a layout shards a dim unevenly.
     ``param``: ``x`` is a parameter shard; a gathered copy is freed after forward use and
     gathered again for backward. ``dtype``: cast ``x`` to it first (mixed precision);
-    ``reduce_dtype``: the dtype the gradient is reduced in.
+    ``reduce_dtype``: the dtype the gradient is reduced in. ``site``: the plan node it serves (a
+    collective that times out names it).
     """
     comm = current_mesh()
+    set_site(site)
     fwd = _steps(comm, src, dst, shape)
     bwd = _steps(comm, grad_src, grad_dst, shape) if grad_src is not None and grad_dst is not None else None
     scale = _avg_axes(parse_layout(src), parse_layout(dst))
@@ -203,7 +208,7 @@ def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, gr
         y = x.to(dtype) if dtype is not None else x
         out = apply_steps(y, fwd, comm, shape)
     else:
-        out = _Reshard.apply(x, fwd, bwd, scale, shape, dtype, reduce_dtype, comm)
+        out = _Reshard.apply(x, fwd, bwd, scale, shape, dtype, reduce_dtype, comm, site)
     if param and any(s.kind == "all_gather" for s in fwd):
         # a gathered parameter: backward gathers it again instead of keeping it (ZeRO-3)
         from autopar.runtime.param_regather import remember_gathered_param
@@ -212,6 +217,7 @@ def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, gr
             return apply_steps(local.to(dtype) if dtype is not None else local, fwd, comm, shape)  # synchronously
 
         remember_gathered_param(out, x.detach(), replay)
+    set_site(None)
     return out
 
 

@@ -83,6 +83,32 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# The last collective this process issued: what a timeout names (``collective_errors``). ``site``:
+# the plan node a reshard served (``collectives.reshard``), while it runs.
+LAST_COLLECTIVE: dict = {}
+_SITE: list = [None]
+
+
+def set_site(site: str | None) -> None:
+    """Name the plan node the next collectives serve (None: not a reshard's)."""
+    _SITE[0] = site
+
+
+def last_collective() -> str | None:
+    """The last collective this process issued, in words (its kind, bytes, mesh axis, ranks, plan
+    node); None before any."""
+    last = dict(LAST_COLLECTIVE)
+    if not last:
+        return None
+    try:
+        ranks = dist.get_process_group_ranks(last["group"])
+    except Exception:  # noqa: BLE001 - the group is gone: leave the ranks out
+        ranks = None
+    who = f" (ranks {ranks})" if ranks is not None else ""
+    at = f" for {last['site']}" if last.get("site") else ""
+    return f"{last['kind']} of {last['nbytes']:,} bytes over mesh axis {last['axis']}{who}{at}"
+
+
 class _TimedWork:
     """An asynchronous collective's work handle whose ``wait()`` counts the time blocked."""
 
@@ -151,8 +177,10 @@ class MeshComm:
             return None
         self.stats.record(kind, nbytes)
         args = (inp,) if out is None else (out, inp)
+        group = self._group(axis)
+        LAST_COLLECTIVE.update(kind=kind, nbytes=int(nbytes), axis=axis, group=group, site=_SITE[0])
         t0 = time.perf_counter()
-        work = call(*args, group=self._group(axis), async_op=async_op)
+        work = call(*args, group=group, async_op=async_op)
         self.stats.seconds[kind] += time.perf_counter() - t0
         return _TimedWork(work, kind, self.stats) if async_op and work is not None else work
 
@@ -176,8 +204,10 @@ class MeshComm:
             out.copy_(inp)
             return None
         self.stats.record("all_to_all", _nbytes(inp))
+        group = self._group(axis)
+        LAST_COLLECTIVE.update(kind="all_to_all", nbytes=_nbytes(inp), axis=axis, group=group, site=_SITE[0])
         t0 = time.perf_counter()
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._group(axis))
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
         self.stats.seconds["all_to_all"] += time.perf_counter() - t0
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
