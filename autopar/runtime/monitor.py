@@ -227,19 +227,28 @@ def _plots(plt, steps: list[dict], run_dir: Path) -> list[Path]:
     recorded them comm_breakdown.png (per collective kind, measured vs predicted) and memory.png
     (peak per step vs predicted)."""
     written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        written.append(run_dir / name)
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+
+    def per_step(series: list[tuple[list, str, str]], ylabel: str, name: str) -> None:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for ys, style, label in series:
+            ax.plot(x, ys, style, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        save(fig, name)
+
     x = [s["step"] for s in steps]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(x, [s["wall_s"] * 1e3 for s in steps], "o-", label="measured")
-    ax.plot(x, [s["predicted_s"] * 1e3 for s in steps], "--", label="predicted")
+    lines = [([s["wall_s"] * 1e3 for s in steps], "o-", "measured"),
+             ([s["predicted_s"] * 1e3 for s in steps], "--", "predicted")]
     if all("comm_s" in s for s in steps):
-        ax.plot(x, [s["comm_s"] * 1e3 for s in steps], "s:", label="measured: blocked in collectives")
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.legend()
-    fig.tight_layout()
-    written.append(run_dir / "step_time.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+        lines.append(([s["comm_s"] * 1e3 for s in steps], "s:", "measured: blocked in collectives"))
+    per_step(lines, "step time (ms)", "step_time.png")
     comm = [s for s in steps if "comm_bytes" in s]
     kinds = _kinds(comm)
     if kinds:
@@ -253,19 +262,9 @@ def _plots(plt, steps: list[dict], run_dir: Path) -> list[Path]:
             ax.set_xticks(list(pos), kinds, rotation=20)
             ax.set_ylabel(unit)
             ax.legend()
-        fig.tight_layout()
-        written.append(run_dir / "comm_breakdown.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        save(fig, "comm_breakdown.png")
     if any(s.get("peak_bytes") for s in steps):
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot(x, [(s.get("peak_bytes") or 0) / 2**20 for s in steps], "o-", label="measured peak")
-        ax.plot(x, [s["predicted_peak_bytes"] / 2**20 for s in steps], "--", label="predicted peak")
-        ax.set_xlabel("step")
-        ax.set_ylabel("MiB per device")
-        ax.legend()
-        fig.tight_layout()
-        written.append(run_dir / "memory.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        per_step([([(s.get("peak_bytes") or 0) / 2**20 for s in steps], "o-", "measured peak"),
+                  ([s["predicted_peak_bytes"] / 2**20 for s in steps], "--", "predicted peak")],
+                 "MiB per device", "memory.png")
     return written
