@@ -154,14 +154,14 @@ def region_expert_axis(node: fx.Node, ins: list, mesh_shape) -> int | None:
 
 def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[str, int, float, bool]]:
     """What an expert-parallel token region moves per microbatch (``runtime.expert_dispatch``), as
-    ``(kind, mesh axis, bytes, whether forward moves them)``: per grouped matmul, the per-expert
-    row counts (int64), each rank's rows to the experts' ranks and the results back, and in
-    backward the results' gradients out and the rows' gradients back (the counts once per
-routing: a layer's grouped matmuls share one). Rows received are as many
-    as sent under balanced routing (what is priced; the bytes each rank sends first are exact)."""
+    ``(kind, mesh axis, bytes, whether forward moves them)``: per grouped matmul, each rank's rows
+    to the experts' ranks and the results back, and in backward the results' gradients out and the
+    rows' gradients back; the per-expert row counts (int64) once per routing (a layer's grouped
+    matmuls share one). Rows received are as many as sent under balanced routing (what is priced;
+    the bytes each rank sends first are exact)."""
     import math
 
-    from autopar.regions import REGION_GROUPED_KEY
+    from autopar.regions import REGION_EXPERTS_KEY, REGION_GROUPED_KEY
 
     if node.op != "call_function" or out is None:
         return []
@@ -170,7 +170,7 @@ routing: a layer's grouped matmuls share one). Rows received are as many
         return []
     split = math.prod(k for p, k in zip(out, mesh_shape) if isinstance(p, Shard) and p.dim == 0)
     experts = next(a for a in node.args if isinstance(a, fx.Node) and a.name in
-                   set(node.meta.get("autopar.region_experts", ()))).meta["autopar.outputs"][0].shape[0]
+                   set(node.meta[REGION_EXPERTS_KEY])).meta["autopar.outputs"][0].shape[0]
     moves = []
     for rows, k, n, item, new_routing in node.meta.get(REGION_GROUPED_KEY, ()):
         local = rows / split

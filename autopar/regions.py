@@ -37,8 +37,8 @@ REGION_GROUPED_KEY = "autopar.region_grouped"
 
 
 class TokenRegion:
-    """Calls ``module`` (a submodule of the user's model) on local tokens with the given state:
-    ``TokenRegion(module, state_names, n_inputs)(*inputs, *state)``."""
+    """Calls ``module`` (the user's submodule at ``path``) on local tokens with the given state:
+    ``TokenRegion(module, path, state_names, n_inputs)(*inputs, *state)``."""
 
     __module__ = "autopar.regions"
 
@@ -82,22 +82,17 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
         members = [n for n in gm.graph.nodes if n.op == "call_function"
                    and (n.meta.get("autopar.module", "") == path or n.meta.get("autopar.module", "").startswith(path + "."))]
         inside = set(members)
-        inputs, state = [], []
-        for n in members:
-            for a in n.all_input_nodes:
-                if a in inside or a in inputs or a in state:
-                    continue
-                kind = a.meta.get("autopar.kind")
-                fqn = a.meta.get("autopar.fqn", "")
-                if kind in ("param", "buffer") and fqn.startswith(path + "."):
-                    state.append(a)
-                elif kind in ("param", "buffer"):
-                    break  # reads another module's state: not a region of this module
-                else:
-                    inputs.append(a)
+        inputs, state, foreign = [], [], False
+        for a in dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in inside):
+            if a.meta.get("autopar.kind") not in ("param", "buffer"):
+                inputs.append(a)
+            elif a.meta.get("autopar.fqn", "").startswith(path + "."):
+                state.append(a)
+            else:
+                foreign = True  # reads another module's state: its own forward could not be called alone
         outputs = [n for n in members if any(u not in inside for u in n.users)]
         inputs = _in_call_order(inputs, call_args.get(path)) if calls.get(path) == 1 else None
-        if len(outputs) != 1 or not inputs or not _token_wise(inputs, outputs[0]):
+        if foreign or len(outputs) != 1 or not inputs or not _token_wise(inputs, outputs[0]):
             continue
         out = outputs[0]
         region = TokenRegion(modules[path], path, tuple(a.meta["autopar.fqn"][len(path) + 1:] for a in state), len(inputs))

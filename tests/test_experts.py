@@ -140,6 +140,35 @@ def test_plain_pytorch_dropless_experts_are_recognised():
     assert plan.params["blocks.0.moe.experts.w_in"].layout == "[S(0), R]"
 
 
+def test_a_module_reading_another_modules_weight_is_not_outlined():
+    """A region calls its module's own forward with the module's own state: a grouped-matmul
+    module that also reads a weight held elsewhere stays as ops in the graph."""
+    import torch.nn.functional as F
+
+    class Borrowing(torch.nn.Module):
+        def __init__(self, other: torch.nn.Linear):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(2, 8, 8))
+            self._other = [other]  # not a submodule: its weight is another module's state
+
+        def forward(self, x):
+            offs = torch.full((2,), x.shape[0] // 2, dtype=torch.int32, device=x.device).cumsum(0).to(torch.int32)
+            return F.grouped_mm(x, self.w, offs=offs) * self._other[0].weight.sum()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Linear(8, 8)
+            self.experts = Borrowing(self.scale)
+
+        def forward(self, x):
+            return self.experts(self.scale(x)).sum()
+
+    traced = trace_model(Model(), (torch.randn(6, 8),))
+    targets = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    assert not any("token_region" in t for t in targets) and any("grouped_mm" in t for t in targets), targets
+
+
 def test_dropless_experts_become_one_token_wise_node():
     """Hugging Face's Mixtral (transformers' grouped-matmul experts): each layer's experts module
     is one token-wise node, called with its positional arguments in order, its tokens split by

@@ -16,14 +16,11 @@ import torch.fx as fx
 
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
+from autopar.strategies.op_view import _op_name
 
 __all__ = ["expert_params", "expert_axis", "check_experts"]
 
 _CONTRACTIONS = ("einsum", "bmm", "matmul")
-
-
-def _op_name(n: fx.Node) -> str:
-    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
 
 
 def _dim0_is_batch(user: fx.Node, param: fx.Node) -> bool:
@@ -51,9 +48,8 @@ def expert_params(graph: fx.Graph) -> dict[str, str]:
         return {}
     out = {}
     for n in graph.nodes:
-        for a in n.all_input_nodes if n.meta.get(REGION_EXPERTS_KEY) else ():
-            if a.name in n.meta[REGION_EXPERTS_KEY]:
-                out[a.name] = a.meta["autopar.fqn"]
+        region_experts = set(n.meta.get(REGION_EXPERTS_KEY, ()))
+        out.update({a.name: a.meta["autopar.fqn"] for a in n.all_input_nodes if a.name in region_experts})
     for n in graph.nodes:
         if n.meta.get("autopar.kind") != "param":
             continue

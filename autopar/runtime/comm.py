@@ -21,6 +21,7 @@ core dump).
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -62,8 +63,14 @@ class CommStats:
         self.seconds.clear()
 
     def totals(self) -> tuple[dict, dict]:
-        """(bytes, seconds blocked) per kind so far: subtract two of these for a step's."""
+        """(bytes, seconds blocked) per kind so far."""
         return dict(self.bytes), dict(self.seconds)
+
+    def since(self, before: tuple[dict, dict]) -> tuple[dict, dict]:
+        """(bytes, seconds blocked) per kind since ``before`` (a ``totals()``), kinds with none left out."""
+        (b0, s0), (b1, s1) = before, self.totals()
+        return ({k: v - b0.get(k, 0) for k, v in b1.items() if v - b0.get(k, 0)},
+                {k: v - s0.get(k, 0.0) for k, v in s1.items() if v - s0.get(k, 0.0) > 0})
 
     def snapshot(self) -> dict[str, int]:
         return {k: int(self.bytes[k]) for k in COLLECTIVE_KINDS if self.calls[k]}
@@ -200,15 +207,8 @@ class MeshComm:
                      in_splits: list[int]):
         """Rows ``in_splits[k]`` of ``inp`` (in order) go to rank k; ``out`` takes ``out_splits[k]``
         rows from rank k (variable sizes: a dropless expert dispatch)."""
-        if self.sizes[axis] == 1:
-            out.copy_(inp)
-            return None
-        self.stats.record("all_to_all", _nbytes(inp))
-        group = self._group(axis)
-        LAST_COLLECTIVE.update(kind="all_to_all", nbytes=_nbytes(inp), axis=axis, group=group, site=_SITE[0])
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-        self.stats.seconds["all_to_all"] += time.perf_counter() - t0
+        call = functools.partial(dist.all_to_all_single, output_split_sizes=out_splits, input_split_sizes=in_splits)
+        return self._run("all_to_all", _nbytes(inp), call, out, inp, axis, False)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: int, *, async_op: bool = False):
         """Block k of ``inp``'s dim 0 goes to rank k; block k of ``out`` comes from rank k."""

@@ -36,10 +36,10 @@ class _AllToAllV(torch.autograd.Function):
         return back, None, None, None
 
 
-def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor, int]:
+def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple:
     """(rows to each rank, rows from each rank, received rows regrouped by local expert as an
-    index, the local experts' cumulative row counts, rows routed) for ``offs``: one all-to-all of
-    the per-expert counts."""
+    index and its inverse, the local experts' cumulative row counts, rows routed) for ``offs``:
+    one all-to-all of the per-expert counts."""
     comm = current_mesh()
     ep = comm.sizes[axis]
     ends = offs.to(torch.int64)
@@ -53,7 +53,9 @@ def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple[list[int], list[int
     # (expert, source) block key
     block = torch.repeat_interleave(torch.arange(ep * n, device=offs.device), got.reshape(-1))
     index = torch.argsort((block % n) * ep + block // n, stable=True)
-    return send, got.sum(dim=1).tolist(), index, torch.cumsum(got.sum(dim=0), 0), int(ends[-1])
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return send, got.sum(dim=1).tolist(), index, inverse, torch.cumsum(got.sum(dim=0), 0), int(ends[-1])
 
 
 def ep_grouped_mm(x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor, axis: int,
@@ -65,17 +67,13 @@ def ep_grouped_mm(x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor, ax
     ep, n = current_mesh().sizes[axis], w_local.shape[0]
     if offs.shape[0] != ep * n:
         raise RuntimeError(f"expert parallelism: {offs.shape[0]} experts over {ep} ranks of {n} each do not add up")
+    routed = {} if routed is None else routed
     key = (id(offs), axis)
-    if routed is None or key not in routed:
-        found = _routing(offs, axis, n)
-        if routed is None:
-            routed = {}
-        routed[key] = (offs, found)  # keeps offs alive, so its id is not reused
-    send, recv, index, local_offs, total = routed[key][1]
+    if key not in routed:
+        routed[key] = (offs, _routing(offs, axis, n))  # keeps offs alive, so its id is not reused
+    send, recv, index, inverse, local_offs, total = routed[key][1]
     rows = _AllToAllV.apply(x[:total], axis, recv, send)
     out_local = grouped_mm(rows.index_select(0, index), w_local, local_offs)
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.numel(), device=index.device)
     back = _AllToAllV.apply(out_local.index_select(0, inverse), axis, send, recv)
     if back.shape[0] < x.shape[0]:  # rows past the last group are zero, as grouped_mm leaves them
         back = torch.cat([back, back.new_zeros((x.shape[0] - back.shape[0], back.shape[1]))])

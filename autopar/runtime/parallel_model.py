@@ -507,8 +507,7 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         cuda = self._device.type == "cuda" and self._monitor is not None
         if cuda:
             torch.cuda.reset_peak_memory_stats(self._device)
-        comm = getattr(self, "comm", None) if self._monitor is not None else None
-        before = comm.stats.totals() if comm is not None else None
+        before = self.comm.stats.totals() if self._monitor is not None else None
         t0 = time.perf_counter()
         with collective_failures("train_step"):
             total = self._train_step(inputs, target)
@@ -519,14 +518,10 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
             if cuda:
                 torch.cuda.synchronize(self._device)
             wall = time.perf_counter() - t0
-            comm_step = None
-            if before is not None:  # this step's bytes and seconds blocked per collective kind
-                (b0, s0), (b1, s1) = before, comm.stats.totals()
-                comm_step = ({k: v - b0.get(k, 0) for k, v in b1.items() if v - b0.get(k, 0)},
-                             {k: v - s0.get(k, 0.0) for k, v in s1.items() if v - s0.get(k, 0.0) > 0})
             self._monitor.record(self.plan, dist.get_world_size() if dist.is_initialized() else 1, self.step,
                                  wall, total, inputs,
-                                 int(torch.cuda.max_memory_allocated(self._device)) if cuda else None, comm_step)
+                                 int(torch.cuda.max_memory_allocated(self._device)) if cuda else None,
+                                 self.comm.stats.since(before))
         cfg = self._checkpointing
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)

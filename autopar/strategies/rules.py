@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layouts import Partial, R, Shard
+from autopar.regions import REGION_EXPERTS_KEY
 from autopar.strategies.conv_rules import batch_norm, convolution, pooling
 from autopar.strategies.op_view import AxisOption, OpView, _op_name
 from autopar.strategies.reshape import reshape_dim_map
@@ -522,7 +523,7 @@ def token_region(op: OpView) -> list[AxisOption]:
     the output) split alike, the module's weights whole."""
     ins = tuple(R if n.meta.get("autopar.kind") in ("param", "buffer") else Shard(0) for n in op.inputs)
     options = [AxisOption(ins, (Shard(0),))]
-    experts = set(op.node.meta.get("autopar.region_experts", ()))
+    experts = set(op.node.meta.get(REGION_EXPERTS_KEY, ()))
     if experts:  # expert parallel: each rank its share of the experts, rows exchanged with the rest
         options.append(AxisOption(tuple(Shard(0) if n.name in experts else p for n, p in zip(op.inputs, ins)),
                                   (Shard(0),)))
