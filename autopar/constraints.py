@@ -24,12 +24,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpip
 # The mesh axes a placement can name (the planner's ``constraint_filter.AXES``; a test keeps them
 # equal). Checked here, where a pin is written, so a bad axis is refused at ``annotate`` /
 # ``Constraints(...)`` rather than deep inside the solver.
-MESH_AXES = ("dp", "tp")
+MESH_AXES = ("dp", "tp", "ep")  # 'ep': only on a ('dp', 'ep') mesh (planner.meshes; checked when planning)
 _ANNOTATION_ATTR = "_autopar_annotations"
 _PLACEMENT_FORMS = "'R' (replicated), 'S(<dim>)' (sharded on tensor dim <dim>, e.g. 'S(0)'), 'P(sum)' or 'P(avg)' (partial, outputs only)"
 _AXIS_HINTS = {
     "pp": "pipeline stages are not a placement: they are set with Constraints(pp=...)",
-    "ep": "expert parallelism is not a placement axis: it is set with Constraints(ep=...) and borrows the dp x tp devices",
 }
 
 
@@ -41,7 +40,7 @@ def _check_degree(name: str, value) -> None:
 
 
 def _axis_error(where: str, axis) -> ConstraintError:
-    known = " and ".join(repr(a) for a in MESH_AXES)
+    known = ", ".join(repr(a) for a in MESH_AXES[:-1]) + f" and {MESH_AXES[-1]!r}"
     hint = _AXIS_HINTS.get(axis, f"pin on one of {known}")
     return ConstraintError(f"{where} names mesh axis {axis!r}, which does not exist: the mesh axes are {known}; {hint}")
 

@@ -43,11 +43,28 @@ __all__ = [
     "chunk_range",
     "state_dim",
     "state_layout",
+    "DATA_AXIS_NAMES",
+    "nests_only_data_axes",
 ]
 
 Layout = tuple  # tuple[Placement, ...], one entry per mesh axis
 
 R = Replicate()
+
+# Mesh axes that carry data parallelism: a value may be sharded on the same dim over several of
+# them (nested, ``[S(0), S(0)]``: cut on the outer axis, each piece cut again on the inner one, as
+# DTensor cuts it). 'ep' is a data axis that also holds experts (``Constraints(ep=)`` smaller than
+# ``dp``, see ``planner.meshes``); on a ('dp', 'tp') mesh no dim is ever sharded twice.
+DATA_AXIS_NAMES = ("dp", "ep")
+
+
+def nests_only_data_axes(layout: Sequence[Placement], axis_names: Sequence[str]) -> bool:
+    """Whether every dim ``layout`` shards on more than one axis is sharded on data axes only."""
+    axes_of: dict[int, list[int]] = {}
+    for a, p in enumerate(layout):
+        if isinstance(p, Shard):
+            axes_of.setdefault(p.dim, []).append(a)
+    return all(len(axes) == 1 or all(axis_names[a] in DATA_AXIS_NAMES for a in axes) for axes in axes_of.values())
 
 
 def replicated(ndim: int) -> Layout:
@@ -153,7 +170,7 @@ def uneven_dims(shape: Sequence[int], layouts: Iterable[Sequence[Placement] | No
     """``(axis, dim)`` pairs where one of ``layouts`` shards ``dim`` of ``shape`` on ``axis`` unevenly.
 
     Only parameter storage layouts (ZeRO-3 / FSDP-style, always gathered before use) may be uneven;
-    a dim is never sharded on two axes at once, so its global size is what each step sees.
+    they are never nested (one dim sharded on two axes), so a dim's global size is what each step sees.
     """
     out = set()
     for layout in layouts:

@@ -86,7 +86,7 @@ def plan_summary(plan) -> str:
             numel *= s
         rows[key]["params"] += numel
         rows[key]["layouts"].add(pp.layout + ("+zero" if pp.zero_axes else ""))
-    header = f"{'module':<32} {'x':>4} {'params':>12} {'compute':>14}  parameter layouts [dp, tp]"
+    header = f"{'module':<32} {'x':>4} {'params':>12} {'compute':>14}  parameter layouts [{', '.join(a for a, _ in plan.mesh_axes)}]"
     lines.append(header)
     lines.append("-" * len(header))
     for key in sorted(rows, key=lambda k: (-rows[k]["compute"], k)):

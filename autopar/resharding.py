@@ -8,9 +8,13 @@ so what is priced is exactly what runs. Per axis:
 * ``Replicate -> Shard(d)``: local slice; ``Replicate -> Partial``: local (rank 0 keeps, others 0
   for sum; every rank keeps for avg); ``Partial(sum) <-> Partial(avg)``: local scaling.
 
-Order: cheap steps that shrink the tensor first (slices, reductions), gathers last, except that a
-step introducing a shard on dim ``e`` waits until no other axis still shards ``e`` (nested shards
-of one dim are never formed); a swap cycle is broken by gathering first.
+Order: cheap steps that shrink the tensor first (slices, reductions), gathers last, except that
+nested shards of one dim (``[S(0), S(0)]``: cut on axis 0, each piece cut again on axis 1, as
+DTensor cuts them; only on data axes, see ``planner.meshes``) are formed outer axis first and
+undone inner axis first: a step introducing a shard on dim ``e`` waits until every other axis
+sharding ``e`` is an outer one that keeps it, and a step removing axis ``a``'s shard of ``e``
+waits until no inner axis shards ``e``. A swap cycle is broken by gathering first (the innermost
+shard of the dim in the way).
 
 Uneven shards (``uneven``: (axis, dim) pairs, parameter storage only, see
 ``layouts.uneven_dims``) never take part in an all-to-all: ``Shard(i) -> Shard(j)`` on such an
@@ -98,9 +102,20 @@ def _reshard_steps(src: tuple, dst: tuple, uneven: frozenset) -> tuple[ReshardSt
         q = dst[a]
         return q.dim if isinstance(q, Shard) and cur[a] != q else None
 
+    def innermost(e: int) -> int | None:
+        holders = [b for b in range(len(cur)) if cur[b] == Shard(e)]
+        return max(holders) if holders else None
+
     def blocked(a: int) -> bool:
+        p = cur[a]
+        if isinstance(p, Shard) and p != dst[a] and innermost(p.dim) != a:
+            return True  # an inner axis still cuts this axis's pieces
         e = introduces(a)
-        return e is not None and any(b != a and cur[b] == Shard(e) for b in range(len(cur)))
+        if e is None:
+            return False
+        # every other axis cutting e is an outer one that keeps it; an outer axis still to cut e goes first
+        return any((cur[b] == Shard(e) and not (b < a and dst[b] == Shard(e))) or (b < a and introduces(b) == e)
+                   for b in range(len(cur)) if b != a)
 
     while pending:
         ready = [a for a in pending if not blocked(a)]
@@ -110,10 +125,15 @@ def _reshard_steps(src: tuple, dst: tuple, uneven: frozenset) -> tuple[ReshardSt
             steps += new
             cur[a] = dst[a]
             pending.discard(a)
-        else:  # a swap cycle: gather one axis to Replicate first
+        else:  # a swap cycle: gather the innermost shard in the way to Replicate first
             a = min(pending)
-            steps += _one_axis(a, cur[a], Replicate())
-            cur[a] = Replicate()
+            e = cur[a].dim if isinstance(cur[a], Shard) else introduces(a)
+            b = innermost(e) if e is not None else None
+            b = a if b is None else b
+            steps += _one_axis(b, cur[b], Replicate())
+            cur[b] = Replicate()
+            if dst[b] != cur[b]:
+                pending.add(b)
     return tuple(steps)
 
 

@@ -75,11 +75,30 @@ def test_ep_shards_experts_on_their_axis(constraints, axis):
 @pytest.mark.parametrize("case, constraints, match", [
     ("gpt", dict(ep=2), "no expert layers"),
     ("moe", dict(ep=3), "ep=3 does not divide the 4 devices"),
-    ("moe", dict(dp=4, tp=1, ep=2), "no allowed mesh has one"),
+    ("moe", dict(dp=8, tp=2, ep=4), "no allowed mesh has one.*three-axis mesh"),
 ])
 def test_ep_refusals(case, constraints, match):
     with pytest.raises(ConstraintError, match=match):
-        _plan(case, **constraints)
+        _plan(case, 16 if constraints.get("dp") == 8 else 4, **constraints)
+
+
+def test_ep_smaller_than_dp_nests_the_batch_over_a_dp_ep_mesh():
+    """ep=2 with dp=4 devices: a ('dp', 'ep') = (2, 2) mesh; the batch is split over both axes
+    (nested), the experts over 'ep' and whole on 'dp' (their gradients summed there), every other
+    weight whole everywhere (zero=0); tokens meet their experts by all-to-alls over 'ep' only."""
+    plan = _plan(dp=4, ep=2, zero=0)
+    assert plan.mesh_axes == (("dp", 2), ("ep", 2))
+    for p in plan.params.values():
+        assert p.layout == ("[R, S(0)]" if ".moe.w_" in p.fqn else "[R, R]") and not p.zero_axes, (p.fqn, p.layout)
+    inputs = [n for n in plan.nodes.values() if n.op in ("input", "target")]
+    assert inputs and all(n.outs == ("[S(0), S(0)]",) for n in inputs), [(n.name, n.op, n.outs) for n in inputs]
+    assert "parameter layouts [dp, ep]" in plan.summary()
+    assert dict(plan.predicted.comm_bytes).get("all_to_all", 0) > 0
+    # the same degrees without the expert constraint: plain data parallelism, no all-to-all
+    assert "all_to_all" not in dict(_plan(dp=4, zero=0).predicted.comm_bytes)
+    # pins may name 'ep' only where the mesh has it
+    with pytest.raises(ConstraintError, match="names mesh axis 'ep', which this plan's mesh .dp=2 tp=2. does not have"):
+        _plan(dp=2, tp=2, placements={"blocks.*.moe.w_in": {"ep": "S(0)"}})
 
 
 def test_ep_must_divide_the_experts():
@@ -212,10 +231,12 @@ CASES_4 = [
     ("moe", {"dp": 2, "tp": 2, "ep": 2}, "adamw"),
     ("moe", {}, "sgd"),
     ("moe_ce", {"pp": 2, "dp": 2, "ep": 2}, "sgd"),  # composed with a pipeline (a loss microbatches keep)
+    ("moe", {"dp": 4, "ep": 2, "zero": 0}, "sgd"),  # experts over 2 of the 4 data-parallel devices: a (dp, ep) mesh
     # the dropless form of examples/moe.py (sorted tokens, grouped matmuls, all-to-alls of variable sizes)
     ("moe_dropless", {"dp": 4, "ep": 4}),
     ("moe_dropless", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
     ("moe_dropless", {}, "adamw"),
+    ("moe_dropless", {"dp": 4, "ep": 2}, "adamw"),
 ]
 
 
@@ -234,8 +255,10 @@ def _measured_step(case: str, **constraints) -> dict:
 
 
 def _expert_parallel_suite():
-    """Parity for CASES_4, then one measured step of dp=4 ep=4: collectives by kind, calls and bytes."""
-    return {"parity": parity_suite(CASES_4), **_measured_step("moe", dp=4, ep=4)}
+    """Parity for CASES_4, then one measured step of dp=4 with ep=4 and with ep=2: collectives by
+    kind, calls and bytes."""
+    return {"parity": parity_suite(CASES_4), **_measured_step("moe", dp=4, ep=4),
+            "ep2": _measured_step("moe", dp=4, ep=2, zero=0)}
 
 
 @pytest.mark.slow
@@ -245,9 +268,11 @@ def test_expert_parallel_parity_and_all_to_alls():
     assert not failures, "\n".join(failures)
     assert {r["optimizer"] for r in results[0]["parity"]} == {"adamw", "sgd"}
     for r in results:
-        # per MoE layer: dispatch and combine, forward and backward; 2 layers
-        assert r["calls"].get("all_to_all") == 8, r["calls"]
-        assert r["bytes"] == r["predicted"], (r["bytes"], r["predicted"])
+        # per MoE layer: dispatch and combine, forward and backward; 2 layers (with ep=2 inside
+        # dp=4 the same, among the 2 ranks of each expert group)
+        for step in (r, r["ep2"]):
+            assert step["calls"].get("all_to_all") == 8, step["calls"]
+            assert step["bytes"] == step["predicted"], (step["bytes"], step["predicted"])
 
 
 def _two_rank_suite():
@@ -256,6 +281,7 @@ def _two_rank_suite():
 
 MIXTRAL_CASES = [("real:mixtral", {}, "adamw"), ("real:mixtral", {"dp": 4}, "sgd"), ("real:mixtral", {"dp": 2, "tp": 2}, "sgd"),
                  ("real:mixtral", {"dp": 4, "ep": 4}), ("real:mixtral", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
+                 ("real:mixtral", {"dp": 4, "ep": 2}, "adamw"),
                  ("real:mixtral", {"pp": 2, "dp": 2, "ep": 2}, "sgd")]  # (its constants go with their stage's ops)
 
 

@@ -125,6 +125,65 @@ def test_every_pair_reaches_destination_without_nested_shards(ndim):
         assert len(collectives) <= ndim + 1
 
 
+def _pieces(full: torch.Tensor, layout, mesh=(2, 2)) -> dict:
+    """Each rank's local tensor of ``full`` laid out ``layout`` (Partial(sum): rank 0 of the axis
+    holds the value, the others zeros; nested shards cut outer axis first, as DTensor does)."""
+    from autopar.runtime.collectives import slice_dim
+
+    out = {}
+    for coords in itertools.product(*(range(n) for n in mesh)):
+        t = full
+        for a, (p, c) in enumerate(zip(layout, coords)):
+            if isinstance(p, Shard):
+                t = slice_dim(t, p.dim, mesh[a], c)
+            elif isinstance(p, Partial) and c:
+                t = torch.zeros_like(t)
+        out[coords] = t
+    return out
+
+
+def _simulate(steps, pieces: dict, mesh=(2, 2)) -> dict:
+    """Run reshard steps on every rank's piece, each collective over the ranks of its axis group."""
+    from autopar.runtime.collectives import slice_dim
+
+    for st in steps:
+        new = {}
+        for coords, x in pieces.items():
+            peers = [pieces[coords[:st.axis] + (k,) + coords[st.axis + 1:]] for k in range(mesh[st.axis])]
+            c, n = coords[st.axis], mesh[st.axis]
+            new[coords] = {
+                "slice": lambda: slice_dim(x, st.dim, n, c),
+                "all_gather": lambda: torch.cat(peers, st.dim),
+                "all_reduce": lambda: sum(peers),
+                "reduce_scatter": lambda: slice_dim(sum(peers), st.dim, n, c),
+                "all_to_all": lambda: slice_dim(torch.cat(peers, st.src_dim), st.dim, n, c),
+                "to_partial": lambda: x if c == 0 else torch.zeros_like(x),
+            }[st.kind]()
+        pieces = new
+    return pieces
+
+
+def test_nested_shards_of_one_dim_form_outer_axis_first_and_hold_the_right_rows():
+    """On data axes a dim may be sharded twice ([S(0), S(0)]: rank (i, j) holds rows block
+    2i + j of 4). Every move between such layouts and the others ends with each rank holding
+    exactly the piece DTensor's cut gives it (simulated collectives over the axis groups)."""
+    full = torch.arange(64.0).reshape(8, 8)
+    placements = [R, Shard(0), Shard(1), P]
+    layouts = list(itertools.product(placements, repeat=2))
+    nested = [(Shard(0), Shard(0)), (Shard(1), Shard(1))]
+    assert all(lay in layouts for lay in nested)
+    for src, dst in itertools.product(layouts, layouts):
+        if not (src in nested or dst in nested) or isinstance(dst[0], Partial) or isinstance(dst[1], Partial):
+            continue
+        steps = reshard_steps(src, dst)
+        got = _simulate(steps, _pieces(full, src))
+        want = _pieces(full, dst)
+        for coords in want:
+            assert torch.equal(got[coords], want[coords]), (src, dst, steps, coords)
+    assert kinds(reshard_steps((Shard(0), Shard(0)), (Shard(0), Shard(1)))) == [("all_to_all", 1)]  # the inner axis moves alone
+    assert kinds(reshard_steps((Shard(0), Shard(0)), (Shard(0), R))) == [("all_gather", 1)]
+
+
 # --------------------------------------------------------------------------- prices
 def _ctx(mesh, cluster, precision="fp32"):
     names = ("dp", "tp")[-len(mesh):]

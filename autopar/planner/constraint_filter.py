@@ -2,8 +2,8 @@
 checks that constraints name things that exist (pins, attention heads).
 
 ``make_filter`` returns ``allowed(node, strategy) -> None | reason``: None keeps the strategy, a
-reason excludes it (the plan lists it under the node's excluded alternatives). Mesh axes are
-``AXES`` = ("dp", "tp").
+reason excludes it (the plan lists it under the node's excluded alternatives). Pins may name the
+axes of ``AXES`` = ("dp", "tp", "ep"); a mesh has ('dp', 'tp') or ('dp', 'ep') (``planner.meshes``).
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import fnmatch
 
 import torch.fx as fx
 
-from autopar.constraints import Constraints
+from autopar.constraints import MESH_AXES, Constraints
 from autopar.errors import ConstraintError
 from autopar.ir import is_local_batch
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
 from autopar.planner.experts import expert_axis, expert_params
+from autopar.planner.meshes import axis_names, data_axes, describe
 from autopar.regions import REGION_FLOPS_KEY
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
@@ -23,7 +24,7 @@ from autopar.trace import TracedGraph, tensor_inputs
 
 __all__ = ["AXES", "make_filter", "validate_pins", "check_heads", "pin_key"]
 
-AXES = ("dp", "tp")
+AXES = MESH_AXES
 
 
 def _matches(fqn: str, pattern: str) -> bool:
@@ -32,7 +33,7 @@ def _matches(fqn: str, pattern: str) -> bool:
 
 def _pin_layout_ok(layout: Layout, axes: tuple, mesh_shape) -> bool:
     for axis_name, text in axes:
-        a = AXES.index(axis_name)
+        a = axis_names(mesh_shape).index(axis_name)
         want = parse_placement(text)
         if mesh_shape[a] == 1:
             continue
@@ -41,19 +42,25 @@ def _pin_layout_ok(layout: Layout, axes: tuple, mesh_shape) -> bool:
     return True
 
 
-def validate_pins(traced: TracedGraph, c: Constraints, mesh: tuple[int, int]) -> None:
+def validate_pins(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...]) -> None:
     fqns = list(traced.param_fqns.values())
+    names = axis_names(mesh)
+    for pattern, axes in c.placements + c.outputs:
+        for axis_name, _ in axes:
+            if axis_name not in names:
+                hint = (" (an 'ep' axis exists with experts over fewer devices than the data parallelism: "
+                        "Constraints(dp=D, ep=E) with E < D and tp=1)" if axis_name == "ep" else "")
+                raise ConstraintError(f"pin {pattern!r} names mesh axis {axis_name!r}, which this plan's mesh "
+                                      f"({describe(mesh)}) does not have{hint}")
     for pattern, axes in c.placements:
         if not any(_matches(f, pattern) for f in fqns):
             raise ConstraintError(f"placement pin {pattern!r} matches no parameter; parameters look like {fqns[:4]}")
         for axis_name, text in axes:
-            if axis_name not in AXES:
-                raise ConstraintError(f"placement pin {pattern!r} names mesh axis {axis_name!r}; the axes are {list(AXES)}")
             p = parse_placement(text)
-            if mesh[AXES.index(axis_name)] == 1 and not isinstance(p, Replicate):
+            if mesh[names.index(axis_name)] == 1 and not isinstance(p, Replicate):
                 raise ConstraintError(
                     f"placement pin {pattern!r} shards on axis {axis_name!r}, but that axis has size 1 in this "
-                    f"plan ({dict(zip(AXES, mesh))}); set {axis_name}= to more than 1 or drop the pin"
+                    f"plan ({dict(zip(names, mesh))}); set {axis_name}= to more than 1 or drop the pin"
                 )
     modules = {n.meta.get("autopar.module", "") for n in traced.graph.nodes}
     for pattern, axes in c.outputs:
@@ -105,14 +112,23 @@ def pin_key(c: Constraints):
     return key
 
 
+def _named(axes, names) -> str:
+    return ", ".join(f"'{names[a]}'" for a in axes)
+
+
 def _prefixes(module: str) -> list[str]:
     parts = module.split(".") if module else []
     return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
-def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], microbatches: int = 1):
-    """``allowed(node, strategy)``: None, or why ``c`` excludes the strategy on ``mesh``."""
+def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], microbatches: int = 1):
+    """``allowed(node, strategy)``: None, or why ``c`` excludes the strategy on ``mesh``.
+
+    On a ('dp', 'ep') mesh (``planner.meshes``) both axes are data axes: what ``dp=`` asks of axis
+    'dp' it asks of both (the batch split, whole weights), except that experts live split on 'ep'."""
+    names = axis_names(mesh)
     dp_a, tp_a = 0, 1
+    data = [a for a in data_axes(mesh) if mesh[a] > 1]
     out_pins = {}
     for pattern, axes in c.outputs:
         for name in _output_nodes_of(traced, pattern):
@@ -127,7 +143,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
     batch = traced.global_batch
     ep_a = expert_axis(mesh, c.ep)
     experts = expert_params(traced.graph) if ep_a is not None else {}
-    ep_rule = f"ep={c.ep} shards experts (dim 0) on axis '{AXES[ep_a]}'" if ep_a is not None else ""
+    ep_rule = f"ep={c.ep} shards experts (dim 0) on axis '{names[ep_a]}'" if ep_a is not None else ""
 
     def allowed(node: fx.Node, s: Strategy) -> str | None:
         kind = node.meta.get("autopar.kind")
@@ -136,13 +152,12 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
         if kind in ("input", "target"):
             lay = s.outs[0]
             meta = node.meta["autopar.outputs"][0]
-            if local and meta is not None and meta.shape and meta.shape[0] == batch and lay[dp_a] != Shard(0) \
-                    and mesh[dp_a] > 1:
-                return "local batches: each rank passes its rows of the batch, split over axis 'dp'"
-            if local and any(isinstance(p, Shard) and p.dim == 0 for p in lay[1:]):
-                return "local batches: the batch dim is split over axis 'dp' only"
-            if c.dp is not None and mesh[dp_a] > 1 and lay[dp_a] != Shard(0):
-                return f"dp={c.dp} shards the batch (dim 0) of every input on axis 'dp'"
+            if local and meta is not None and meta.shape and meta.shape[0] == batch and any(lay[a] != Shard(0) for a in data):
+                return f"local batches: each rank passes its rows of the batch, split over axes {_named(data, names)}"
+            if local and any(isinstance(p, Shard) and p.dim == 0 for a, p in enumerate(lay) if a not in data_axes(mesh)):
+                return "local batches: the batch dim is split over the data axes only"
+            if c.dp is not None and any(lay[a] != Shard(0) for a in data):
+                return f"dp={c.dp} shards the batch (dim 0) of every input on axes {_named(data, names)}"
             if c.tp is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():
                 return f"tp={c.tp} keeps inputs whole on axis 'tp' (tensor parallel, not data parallel)"
         if kind == "param":
@@ -165,6 +180,10 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
                     return ep_rule
                 if ep_a == dp_a:
                     return None  # the data-parallel axis holds experts, not replicas: no ZeRO there
+            if c.zero in (0, 1, 2) and any(
+                    a != dp_a and (a in s.zero_axes or (isinstance(lay[a], Shard) and not (node.name in experts and a == ep_a)))
+                    for a in data):
+                return f"zero={c.zero} keeps parameters whole on the data axes (ZeRO's shards are on 'dp')"
             z = c.zero
             if z is not None and mesh[dp_a] > 1:
                 sharded_dp = isinstance(lay[dp_a], Shard)
@@ -194,16 +213,17 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, int], micr
             # (an op without a rule runs replicated whatever the plan: it is resliced after)
             out = next((o for o in s.outs if o is not None), None)
             meta = node.meta["autopar.outputs"][0]
-            if out is not None and isinstance(out[dp_a], Replicate) and meta is not None and meta.numel > 1:
-                return f"dp={c.dp} keeps batch-derived values split on axis 'dp'"
-        if kind == "op" and c.dp is not None and mesh[dp_a] > 1:
-            # data parallel: every op uses whole weights on 'dp' (stored sharded there only under ZeRO-3,
-            # and then gathered before use), so activations keep their batch shards
+            if out is not None and meta is not None and meta.numel > 1 and any(isinstance(out[a], Replicate) for a in data):
+                return f"dp={c.dp} keeps batch-derived values split on axes {_named(data, names)}"
+        if kind == "op" and c.dp is not None and data:
+            # data parallel: every op uses whole weights on the data axes (stored sharded there only
+            # under ZeRO-3, and then gathered before use), so activations keep their batch shards
             for arg, lay in zip(tensor_inputs(node), s.ins):
-                if arg.name in experts and ep_a == dp_a:
-                    continue  # an expert is used where it lives (below)
-                if arg.meta.get("autopar.kind") == "param" and lay is not None and not isinstance(lay[dp_a], Replicate):
-                    return f"dp={c.dp} uses whole weights on axis 'dp'"
+                if arg.meta.get("autopar.kind") != "param" or lay is None:
+                    continue
+                for a in data:
+                    if not (arg.name in experts and a == ep_a) and not isinstance(lay[a], Replicate):
+                        return f"dp={c.dp} uses whole weights on axis '{names[a]}'"  # (an expert is used where it lives)
         if kind == "op" and (c.tp or 1) > 1 and REGION_FLOPS_KEY not in node.meta:
             # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
             # FSDP on the tp axis, which zero= expresses); a token-wise region (a dropless MoE layer)

@@ -10,7 +10,8 @@ import math
 
 from autopar.constraints import Constraints
 from autopar.errors import NoFeasiblePlanError
-from autopar.planner.constraint_filter import AXES, make_filter
+from autopar.planner.constraint_filter import make_filter
+from autopar.planner.meshes import axis_names, data_degree
 from autopar.planner.costing import CostContext
 from autopar.planner.evaluate import evaluate
 from autopar.planner.ilp import InfeasibleProblem, solve
@@ -58,7 +59,7 @@ def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -
     """The most microbatches the batch allows on this mesh (the least activation memory)."""
     if c.microbatches is not None:
         return c.microbatches
-    counts = _microbatch_counts(traced.global_batch or 1, mesh[0])
+    counts = _microbatch_counts(traced.global_batch or 1, data_degree(mesh))
     return counts[-1] if counts else 1
 
 
@@ -73,7 +74,7 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
         bigger = cluster.with_nodes(nodes)
         cache: dict = {}
         for mesh in mesh_candidates(bigger, c):
-            ctx = CostContext(mesh, AXES, bigger, policy, optimizer)
+            ctx = CostContext(mesh, axis_names(mesh), bigger, policy, optimizer)
             problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=_leanest_micro(traced, mesh, c),
                                     strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
             try:

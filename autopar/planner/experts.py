@@ -7,8 +7,10 @@ Expert parallelism (``Constraints(ep=k)``) shards those weights' dim 0 over a me
 ``k``; the tokens move to their experts by the all-to-all of the reshard into the expert
 computation (GShard), which the planner prices as any other reshard.
 
-The expert axis is one of the two mesh axes ('dp' or 'tp', 'dp' first: experts borrow the data-
-parallel devices, as GShard and DeepSpeed-MoE place them).
+The expert axis is a mesh axis of size ``k``: 'dp' or 'tp' ('dp' first: experts borrow the
+data-parallel devices, as GShard and DeepSpeed-MoE place them), or, with ``k`` smaller than the
+data parallelism, the 'ep' axis of a ('dp', 'ep') mesh (``planner.meshes``): the batch is split
+over both axes and each expert is held by ``dp`` groups of ``k`` ranks.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.fx as fx
 
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
+from autopar.planner.meshes import axis_names, describe
 from autopar.strategies.op_view import _op_name
 
 __all__ = ["expert_params", "expert_axis", "check_experts"]
@@ -65,13 +68,17 @@ def expert_axis(mesh: tuple[int, ...], ep: int | None) -> int | None:
     """The mesh axis experts are sharded on for ``Constraints(ep=ep)`` (None: no expert axis)."""
     if not ep or ep == 1:
         return None
+    names = axis_names(mesh)
+    if "ep" in names:
+        a = names.index("ep")
+        return a if mesh[a] == ep else None
     for a, size in enumerate(mesh):
         if size == ep:
             return a
     return None
 
 
-def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     """The meshes of ``meshes`` with an axis for ``c.ep`` (all of them without ``ep``); errors
     say what is wrong: no expert layers, a degree no mesh axis has, experts that do not divide."""
     if not c.ep or c.ep == 1:
@@ -92,8 +99,10 @@ def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, int]]
         raise ConstraintError(f"ep={c.ep} does not divide the {e} experts of {f!r}; choose ep dividing {e}")
     fitting = [m for m in meshes if expert_axis(m, c.ep) is not None]
     if not fitting:
-        shapes = ", ".join(f"dp={m[0]} x tp={m[1]}" for m in meshes)
+        shapes = ", ".join(describe(m) for m in meshes)
         raise ConstraintError(
-            f"ep={c.ep}: the expert axis is one mesh axis (dp or tp) of size {c.ep}, and no allowed mesh has one "
-            f"({shapes}); set dp={c.ep} or tp={c.ep} (the other degree takes the rest of the devices)")
+            f"ep={c.ep}: the expert axis is one mesh axis of size {c.ep} (dp or tp; or, without tensor parallelism, "
+            f"an 'ep' axis inside dp), and no allowed mesh has one ({shapes}); set dp={c.ep} or tp={c.ep}, or leave "
+            f"tp=1 (expert parallelism inside data parallelism together with tensor parallelism would need a "
+            f"three-axis mesh, which autopar does not plan yet)")
     return fitting

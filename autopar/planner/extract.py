@@ -13,7 +13,7 @@ from autopar.layouts import format_layout
 from autopar.plan import Alternative, NodePlacement, ParamPlacement, Plan, Predicted, SolverReport, Stage, fingerprint_of
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.comm_model import predict_comm_bytes
-from autopar.planner.constraint_filter import AXES
+from autopar.planner.meshes import axis_names
 from autopar.planner.evaluate import autocast_dtype, incident_edges, model_flops, node_alternatives
 from autopar.planner.problem import producer_of
 from autopar.trace import TracedGraph
@@ -60,6 +60,7 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
     node_records = []
     param_records = []
     ctx = problem.ctx
+    names = axis_names(att.mesh)
     from autopar.planner.costing import param_memory
 
     for n in traced.graph.nodes:
@@ -101,11 +102,11 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
             meta = n.meta["autopar.outputs"][0]
             param_records.append(ParamPlacement(
                 fqn=n.meta["autopar.fqn"], node=n.name, layout=format_layout(s.outs[0]),
-                zero_axes=tuple(AXES[a] for a in s.zero_axes), shape=meta.shape,
+                zero_axes=tuple(names[a] for a in s.zero_axes), shape=meta.shape,
                 bytes_per_device=_r(param_memory(meta, s, ctx)),
                 zero_stage=s.zero_stage if s.zero_axes else 0,
             ))
-    mesh_axes = tuple(zip(AXES, att.mesh))
+    mesh_axes = tuple(zip(names, att.mesh))
     stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records))
     predicted = predicted_of(att)
     sol = att.solution

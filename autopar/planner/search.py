@@ -22,6 +22,7 @@ from autopar.plan import Baseline, Plan, fingerprint_of
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.planner.experts import check_experts
+from autopar.planner.meshes import axis_names, data_degree, describe, expert_data_mesh
 from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
 from autopar.planner.evaluate import Evaluation, evaluate
@@ -74,7 +75,13 @@ def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
     if c.ep is not None and world % c.ep:
         raise ConstraintError(f"ep={c.ep} does not divide the {world} devices of "
                               f"{'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world}")
-    return [(world // t, t) for t in tps]
+    meshes = [(world // t, t) for t in tps]
+    data = c.dp if c.dp is not None else world
+    if c.ep is not None and 1 < c.ep < data and data % c.ep == 0 and 1 in tps:
+        # experts over fewer devices than the data parallelism: a ('dp', 'ep') mesh (meshes.py)
+        ep_mesh = expert_data_mesh(world, c.ep)
+        meshes = [ep_mesh] if c.dp is not None else meshes + [ep_mesh]
+    return meshes
 
 
 @dataclass
@@ -114,7 +121,8 @@ def _memo(table: OrderedDict, key, make):
 
 def cost_context(mesh, cluster, policy, optimizer) -> CostContext:
     """The process's CostContext for these (its reshard prices are shared by every plan)."""
-    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer), lambda: CostContext(mesh, AXES, cluster, policy, optimizer))
+    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer),
+                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer))
 
 
 def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer, solver) -> str:
@@ -204,7 +212,7 @@ def _prove_best(att: _Attempt, c: Constraints, budget: float | None, solver: Sol
             return att  # the linear memory model missed: keep the plan that fits
         if att.recompute and c.recompute is None:
             ev = _fewest_recomputed(att.problem, proven.choice, ev, budget)
-    label = f"dp={att.mesh[0]} tp={att.mesh[1]} recompute={att.recompute} microbatches={att.microbatches}"
+    label = f"{describe(att.mesh)} recompute={att.recompute} microbatches={att.microbatches}"
     for i, (lab, _) in enumerate(outcomes):
         if lab == label:
             outcomes[i] = (lab, f"{ev.step_time_s * 1e3:.3f} ms/step, peak {ev.peak_bytes / 2**30:.2f} GiB"
@@ -267,7 +275,7 @@ def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: di
     Only when nothing in ``c`` refers to an axis (dp=, tp=, zero=, pins): then strategies, filters
     and prices depend on each axis only through its size and its communication group's shape
     (e.g. (8, 1) and (1, 8) on one 8-GPU node). Records ``mesh`` when it is new."""
-    if c.dp is not None or c.tp is not None or c.zero is not None or c.placements or c.outputs:
+    if c.dp is not None or c.tp is not None or c.ep is not None or c.zero is not None or c.placements or c.outputs:
         return None
     groups = tuple(axis_group(mesh, a, cluster.devices_per_node) for a in range(len(mesh)))
     key = tuple(sorted(((g.size, g.ranks_per_node) for g in groups)))
@@ -363,7 +371,7 @@ def _search_single_stage(
         if mirror is None:
             searched.append(mesh)
         else:
-            skipped[mesh] = (f"dp={mesh[0]} tp={mesh[1]}", f"skipped: the same problem as dp={mirror[0]} tp={mirror[1]} "
+            skipped[mesh] = (describe(mesh), f"skipped: the same problem as {describe(mirror)} "
                              "with the axes swapped (no constraint tells the axes apart and their groups have the same shape)")
 
     # The meshes' searches are independent: on worker threads (the solvers release the GIL, so
@@ -393,8 +401,8 @@ def _search_single_stage(
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         recompute = bool(blocks.blocks) if c.recompute is None else c.recompute
         for mesh in meshes:
-            for micro in _microbatch_counts(batch, mesh[0]):
-                label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
+            for micro in _microbatch_counts(batch, data_degree(mesh)):
+                label = f"{describe(mesh)} recompute={recompute} microbatches={micro}"
                 if progress:
                     progress(label)
                 try:
@@ -441,7 +449,7 @@ def _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options
     failures: list[InfeasibleProblem] = []
     fits_without_recompute = False
     for recompute, micro in micro_options:
-        label = f"dp={mesh[0]} tp={mesh[1]} recompute={recompute} microbatches={micro}"
+        label = f"{describe(mesh)} recompute={recompute} microbatches={micro}"
         if recompute and fits_without_recompute and c.recompute is None:
             # recompute only adds compute: it can win only where memory binds, and it did not
             outcomes.append((label, "skipped: the plan without recompute is not memory bound"))

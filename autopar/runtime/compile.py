@@ -267,7 +267,9 @@ class _Builder:
         pins = {fqn: {axis: format_placement(p) for (axis, n), p in zip(plan.mesh_axes, parse_layout(pp.layout)) if n > 1}
                 for fqn, pp in plan.params.items()}
         pins = {k: v for k, v in pins.items() if v}
-        constraints = Constraints(dp=sizes.get("dp"), tp=sizes.get("tp"), microbatches=plan.microbatches if with_loss else 1,
+        ep = sizes.get("ep")  # a ('dp', 'ep') mesh: data parallel over both axes (planner.meshes)
+        constraints = Constraints(dp=sizes.get("dp") * (ep or 1), tp=sizes.get("tp"), ep=ep,
+                                  microbatches=plan.microbatches if with_loss else 1,
                                   recompute=None if train else False, placements=pins)
         other = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec, baseline=False)
         return (other,) + build_program(self.model, inputs, target, self.loss_fn if with_loss else None, traced, other,

@@ -14,6 +14,7 @@ accept uneven inputs, so such a parameter is always gathered (padded) before use
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import warnings
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from autopar.layouts import (
     divides_evenly,
     format_layout,
     local_grad_layout,
+    nests_only_data_axes,
     state_dim,
 )
 from autopar.strategies.rules import AxisOption, OpView, rule_for
@@ -68,11 +70,17 @@ class NodeStrategies:
     fallback: bool = False
 
 
-def _valid_layout(layout: Layout | None) -> bool:
+def _valid_layout(layout: Layout | None, axis_names: Sequence[str] = (), nested: bool = False) -> bool:
+    """A dim is sharded on one axis, or (``nested``) on several data axes (``layouts.DATA_AXIS_NAMES``)."""
     if layout is None:
         return True
     dims = [p.dim for p in layout if isinstance(p, Shard)]
-    return len(dims) == len(set(dims))
+    return len(dims) == len(set(dims)) or (nested and nests_only_data_axes(layout, axis_names))
+
+
+def _nested_dims(layouts) -> bool:
+    return any(x is not None and len([p for p in x if isinstance(p, Shard)]) != len({p.dim for p in x if isinstance(p, Shard)})
+               for x in layouts)
 
 
 def _uneven_reason(meta: TensorMeta, layout: Layout, mesh_shape, axis_names) -> str | None:
@@ -127,7 +135,7 @@ def enumerate_strategies(
         for combo in itertools.product(*per_axis):
             layout = tuple(p for p, _ in combo)
             zero = tuple(a for a, (_, z) in enumerate(combo) if z)
-            if not _valid_layout(layout):
+            if not _valid_layout(layout, axis_names, nested=kind != "param"):  # parameters never nest
                 continue
             reason = _uneven_reason(meta, layout, mesh_shape, axis_names)
             if reason and kind != "param":
@@ -204,11 +212,15 @@ def _op_strategies(node: fx.Node, rule, metas, mesh_shape: tuple, axis_names: tu
         if key in seen:
             continue
         seen.add(key)
-        if not all(_valid_layout(x) for x in ins + outs):
+        if not all(_valid_layout(x, axis_names, nested=True) for x in ins + outs):
             continue
         if any(not _is_all_r(per_axis[a]) for a in trivial_axes):
             continue  # a size-1 axis only carries Replicate
-        bad = next((a for a, o in enumerate(per_axis) if o.divides and o.divides % mesh_shape[a]), None)
+        # nested shards of one dim cut it into the product of their axes (conservatively: of every
+        # axis whose option counts groups)
+        nested = _nested_dims(ins + outs)
+        ways = math.prod(mesh_shape[a] for a, o in enumerate(per_axis) if o.divides) if nested else 0
+        bad = next((a for a, o in enumerate(per_axis) if o.divides and o.divides % (ways or mesh_shape[a])), None)
         if bad is not None:
             excluded.append((f"out {', '.join(format_layout(o) for o in outs if o is not None)}",
                              f"axis '{axis_names[bad]}' of size {mesh_shape[bad]} does not divide {per_axis[bad].divides} groups"))

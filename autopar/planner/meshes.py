@@ -1,0 +1,75 @@
+"""One stage's device mesh: device counts per axis, with the axes' names.
+
+Most meshes are ('dp', 'tp'), and a plain tuple ``(dp, tp)`` stands for one. With expert
+parallelism over fewer devices than the data parallelism (``Constraints(dp=D, ep=E)``, E < D,
+no tensor parallelism) the mesh is ('dp', 'ep') = ``(D // E, E)``: both axes are data axes (the
+batch is sharded on both, nested: ``[S(0), S(0)]``, see ``layouts.DATA_AXIS_NAMES``), and the
+inner one, 'ep', also holds the experts. Tokens then meet their experts by all-to-alls among E
+neighbouring ranks, and each expert's gradient is summed over the D // E groups that hold it.
+
+``MeshShape`` carries the names; it compares and hashes with them, so the planner's memos keyed
+by mesh keep a ('dp', 'ep') mesh apart from the ('dp', 'tp') mesh of the same sizes.
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.layouts import DATA_AXIS_NAMES
+
+__all__ = ["DEFAULT_AXES", "MeshShape", "axis_names", "data_axes", "data_degree", "describe", "expert_data_mesh"]
+
+DEFAULT_AXES = ("dp", "tp")
+
+
+class MeshShape(tuple):
+    """Device counts per mesh axis (a tuple) with the axes' names (``names``)."""
+
+    names: tuple[str, ...]
+
+    def __new__(cls, sizes, names):
+        obj = super().__new__(cls, tuple(sizes))
+        if len(names) != len(obj):
+            raise ValueError(f"mesh {tuple(obj)} needs one name per axis, got {names}")
+        obj.names = tuple(names)
+        return obj
+
+    def __eq__(self, other):
+        return tuple.__eq__(self, other) is True and axis_names(self) == axis_names(other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return tuple.__hash__(self) if self.names == DEFAULT_AXES else hash((tuple(self), self.names))
+
+    def __repr__(self):
+        return f"MeshShape({tuple(self)}, {self.names})"
+
+    def __reduce__(self):
+        return MeshShape, (tuple(self), self.names)
+
+
+def axis_names(mesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s axes (('dp', 'tp') for a plain tuple)."""
+    return getattr(mesh, "names", DEFAULT_AXES[: len(mesh)])
+
+
+def data_axes(mesh) -> tuple[int, ...]:
+    """The axes the batch is split on under data parallelism (outer first)."""
+    return tuple(a for a, name in enumerate(axis_names(mesh)) if name in DATA_AXIS_NAMES)
+
+
+def data_degree(mesh) -> int:
+    """Devices the batch is split over under data parallelism (the product of the data axes)."""
+    return math.prod(mesh[a] for a in data_axes(mesh))
+
+
+def describe(mesh) -> str:
+    """``'dp=2 tp=4'``: each axis's name and size (for labels and messages)."""
+    return " ".join(f"{name}={n}" for name, n in zip(axis_names(mesh), mesh))
+
+
+def expert_data_mesh(world: int, ep: int) -> MeshShape:
+    """The ('dp', 'ep') mesh of ``world`` devices with experts over ``ep`` of them (``ep`` divides
+    ``world`` and is smaller)."""
+    return MeshShape((world // ep, ep), ("dp", "ep"))
