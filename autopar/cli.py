@@ -1,5 +1,5 @@
 """Command line: ``autopar plan MODULE:FACTORY --cluster dgx-h100 --nodes 4``, ``autopar demo``,
-``autopar run script.py --nproc N``.
+``autopar run script.py --nproc N``, ``autopar bench [--model gpt|mlp|MODULE:FACTORY] [--nproc 4]``.
 
 ``FACTORY`` is a callable in ``MODULE`` returning ``(model, example_inputs)`` or
 ``(model, example_inputs, loss_fn, example_target)``; build the model on the meta device to plan
@@ -115,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("record")
     rp.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn, example_target])")
     rp.set_defaults(func=_cmd_replay)
+    b = sub.add_parser("bench", help="time autopar's plan beside naive data parallelism, DDP, FSDP2 and hand tensor "
+                                     "parallelism on N local processes, and print one table")
+    b.add_argument("--model", default=None, help="gpt (the example GPT, default), mlp (parameter-heavy) or "
+                                                 "MODULE:FACTORY returning (model, example_inputs, loss_fn, example_target)")
+    b.add_argument("--nproc", type=int, default=4)
+    b.add_argument("--steps", type=int, default=20, help="timed steps per setup (default %(default)s)")
+    b.add_argument("--memory-limited", action="store_true",
+                   help="give each device too little memory for a whole replica (default model: mlp): naive data "
+                        "parallelism is refused, autopar plans under the limit")
+    b.add_argument("--memory", type=float, metavar="MIB", help="the per-device memory limit in MiB (implies "
+                   "--memory-limited; default: a fraction of what a whole replica's training state needs)")
+    b.add_argument("--also", action="append", default=[], metavar="K=V,...",
+                   help="also time autopar with its plan forced by these constraints (e.g. dp=4,tp=1,zero=0); repeatable")
+    b.set_defaults(func=_cmd_bench)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -172,6 +186,26 @@ def _cmd_demo(args) -> int:
     _check_nproc(args.nproc)
     print(f"autopar demo: torchrun --nproc-per-node {args.nproc} -m examples.demo", flush=True)
     return run_script("examples.demo", args.nproc, [], module=True)
+
+
+def _cmd_bench(args) -> int:
+    """Run ``autopar.bench`` on ``--nproc`` local gloo processes and print its table."""
+    from autopar.bench import BenchSpec, run_bench
+
+    _check_nproc(args.nproc)
+    limited = args.memory_limited or args.memory is not None
+    model = args.model or ("mlp" if limited else "gpt")
+    if ":" in model:
+        _load_factory(model)  # a bad MODULE:FACTORY is said here, not in every worker
+    elif model not in ("gpt", "mlp"):
+        raise SystemExit(f"autopar: --model is gpt, mlp or MODULE:FACTORY, got {model!r}")
+    spec = BenchSpec(model=model, steps=args.steps, memory_limited=limited, also=tuple(args.also),
+                     memory_bytes=int(args.memory * 2**20) if args.memory is not None else None)
+    print(f"autopar bench: {args.nproc} gloo processes, model {model}{', memory-limited' if limited else ''} ...",
+          flush=True)
+    table, _ = run_bench(spec, args.nproc)
+    print(table)
+    return 0
 
 
 def _cmd_run(args) -> int:

@@ -14,12 +14,14 @@ and two for the torch-native loop (``loss_fn(pm(x), y).backward(); opt.step()`` 
 Prints the median step times and the ratio autopar / torch (goal: <= 1.05). Like for like: both
 sides return the global loss as a float on every rank (the torch side all-reduces it
 asynchronously where each rank saw part of the batch; under tensor parallelism it is whole).
+The torch setups, the eager step and the interleaved timing are those of ``autopar bench``
+(``autopar.runtime.baselines``, ``autopar.bench.time_interleaved``); DDP here keeps its default
+separate gradient buckets, as in the recorded results (``autopar bench`` uses bucket views).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -37,24 +39,12 @@ def _batch(dim, batch):
     return torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
 
 
-def _time(step, steps):
-    for _ in range(2):
-        step()
-    out = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def worker(dim, layers, batch, steps):
     import autopar
     from examples.mlp import mlp_loss
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from autopar.bench import time_interleaved
+    from autopar.runtime import baselines as bl
     from autopar.runtime.launch import init_distributed
 
     n = int(__import__("os").environ["WORLD_SIZE"])
@@ -69,66 +59,32 @@ def worker(dim, layers, batch, steps):
                              constraints=autopar.Constraints(**constraints))
         return lambda: pm.train_step(x, target=t)
 
-    def eager_step(model, inputs, target, global_loss: bool):
-        """A torch training step doing what autopar's train_step does: the step, and the global
-        loss value as a float on every rank (averaged over the data-parallel ranks, reduced
-        asynchronously while the step runs, as autopar reduces it)."""
-        o = opt(list(model.parameters()))
+    def native_step(pm, local: bool):
+        """The torch-native loop over autopar's DTensor parameters (``runtime.baselines.eager_step``:
+        the global loss as a float on every rank, as train_step returns it)."""
+        rows = bl.rank_rows((x, t), dist.get_rank(), n) if local else (x, t)
+        return bl.eager_step(pm, opt(list(pm.parameters())), mlp_loss, rows[:1], rows[1], global_loss=local)
 
-        def step():
-            o.zero_grad(set_to_none=True)
-            loss = mlp_loss(model(inputs), target)
-            value = loss.detach().clone()
-            work = dist.all_reduce(value, async_op=True) if global_loss else None
-            loss.backward()
-            o.step()
-            if work is not None:
-                work.wait()
-                value /= dist.get_world_size()
-            return float(value)
-        return step
-
-    rank = dist.get_rank()
-    lo, hi = rank * batch // n, (rank + 1) * batch // n
-    results = {}
-    # 1. data parallel vs DDP
-    ddp = DDP(_model(dim, layers))
-    pairs = {"data parallel vs DDP": (autopar_step({"dp": n, "tp": 1, "zero": 0}), eager_step(ddp, x[lo:hi], t[lo:hi], True))}
-    # 2. ZeRO-3 vs FSDP2
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (n,))
-    fsdp = _model(dim, layers)
-    for layer in fsdp.layers:
-        fully_shard(layer["up"], mesh=mesh)
-        fully_shard(layer["down"], mesh=mesh)
-    fully_shard(fsdp, mesh=mesh)
-    pairs["zero=3 vs FSDP2 fully_shard"] = (autopar_step({"dp": n, "zero": 3}), eager_step(fsdp, x[lo:hi], t[lo:hi], True))
-    # 3. tensor parallel vs parallelize_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    tp = _model(dim, layers)
-    plan = {}
-    for i in range(layers):
-        plan[f"layers.{i}.up"] = ColwiseParallel()
-        plan[f"layers.{i}.down"] = RowwiseParallel()
-    parallelize_module(tp, mesh, plan)
-    pairs["tensor parallel vs parallelize_module"] = (autopar_step({"tp": n, "placements": megatron}), eager_step(tp, x, t, False))
-    # 4-5. the torch-native loop
+    # the torch baselines (runtime.baselines), each on the global batch: a rank trains on its rows
+    ddp = bl.ddp(_model(dim, layers), opt, mlp_loss, (x,), t, bucket_view=False).step
+    pairs = {"data parallel vs DDP": (autopar_step({"dp": n, "tp": 1, "zero": 0}), ddp)}
+    fsdp = bl.fsdp2(_model(dim, layers), opt, mlp_loss, (x,), t).step
+    pairs["zero=3 vs FSDP2 fully_shard"] = (autopar_step({"dp": n, "zero": 3}), fsdp)
+    model = _model(dim, layers)
+    tp = bl.tensor_parallel(model, opt, mlp_loss, (x,), t, bl.hand_tp_plan(model, n)[0]).step
+    pairs["tensor parallel vs parallelize_module"] = (autopar_step({"tp": n, "placements": megatron}), tp)
+    # the torch-native loop
     native_local = autopar.compile(_model(dim, layers), cluster, (x,), constraints=autopar.Constraints(dp=n, tp=1, zero=0),
                                    batch="local")
-    ddp2 = DDP(_model(dim, layers))
-    pairs["native loop, local batches vs DDP"] = (eager_step(native_local, x[lo:hi], t[lo:hi], True),
-                                                  eager_step(ddp2, x[lo:hi], t[lo:hi], True))
+    ddp2 = bl.ddp(_model(dim, layers), opt, mlp_loss, (x,), t, bucket_view=False).step
+    pairs["native loop, local batches vs DDP"] = (native_step(native_local, True), ddp2)
     native_global = autopar.compile(_model(dim, layers), cluster, constraints=autopar.Constraints(dp=n, tp=1, zero=0))
-    pairs["native loop, global batch vs train_step"] = (eager_step(native_global, x, t, False),
+    pairs["native loop, global batch vs train_step"] = (native_step(native_global, False),
                                                         autopar_step({"dp": n, "tp": 1, "zero": 0}))
-    for name, (a, b) in pairs.items():
-        ta, tb = [], []
-        for _ in range(2):  # interleave to share drift
-            ta += _time(a, steps // 2)
-            tb += _time(b, steps // 2)
-        results[name] = (statistics.median(ta), statistics.median(tb))
+    results = {}
+    for name, (a, b) in pairs.items():  # two rounds, interleaved to share drift
+        walls, _ = time_interleaved({"a": (a, None), "b": (b, None)}, steps, rounds=2, warmup=2)
+        results[name] = (statistics.median(walls["a"]), statistics.median(walls["b"]))
     return results
 
 
