@@ -309,3 +309,29 @@ def test_rails_limit_the_inter_node_phase_of_groups_with_several_ranks_per_node(
     assert collective_time("all_gather", GiB, g, many) == collective_time("all_gather", GiB, g, H100x4)
     a2a = collective_time("all_to_all", GiB, g, one_nic)
     assert close(a2a, max(3 / 16 * GiB / 450e9 + 3 * NV4_A, 12 / 16 * GiB * 4 / 50e9 + 12 * IB_A))
+
+
+def test_memory_tracker_counts_a_dtensor_by_its_local_shard():
+    """A sharded DTensor holds its shard on this rank, not the global tensor: registered and
+    computed on (the wrapper DTensor returns has the global size; its local ops are what run),
+    and DTensor's sharding propagation (fake and meta tensors) allocates nothing."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.runtime.memory import MemoryTracker
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        full = torch.randn(1024, 256)
+        d = distribute_tensor(full, DeviceMesh("cpu", list(range(4))), [Shard(0)])
+        shard = full.nbytes // 4
+        with MemoryTracker(count_unallocated=False) as tracker:
+            tracker.register([d], "params")
+            doubled = d * 2
+            assert doubled.to_local().nbytes == shard
+        report = tracker.report()
+        assert report.category_peaks["params"] == shard
+        assert report.category_peaks["activations"] == shard
+    finally:
+        dist.destroy_process_group()

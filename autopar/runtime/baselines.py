@@ -38,7 +38,7 @@ from autopar.errors import AutoparError
 from autopar.runtime.memory import MemoryReport, MemoryTracker
 
 __all__ = ["Setup", "ReplicaFit", "eager_step", "naive_dp", "ddp", "fsdp2", "fsdp2_units", "hand_tp_plan",
-           "tensor_parallel", "replicated_state_fit", "measure_setup_memory", "LocalTracker", "rank_rows",
+           "tensor_parallel", "replicated_state_fit", "measure_setup_memory", "rank_rows",
            "make_replicas_equal"]
 
 MIB = 2.0**20
@@ -297,26 +297,10 @@ def tensor_parallel(model: torch.nn.Module, make_optimizer: Callable, loss_fn: C
                  comm_note="not measured: its collectives run inside DTensor's redistributions in every op")
 
 
-class LocalTracker(MemoryTracker):
-    """``MemoryTracker`` that counts what tensor subclasses (DTensor) hold on this rank.
-
-    Why: a dispatch mode sees an op on DTensors before DTensor does, and its output is a wrapper
-    whose storage has the *global* size (a sharded gradient counted 4x over 4 ranks); the local
-    ops that DTensor runs inside (the shards, the collectives' buffers) were hidden from it.
-    Returning ``NotImplemented`` for such ops defers to DTensor, whose local ops then come back to
-    this mode as plain tensors. On plain tensors (autopar's program, naive DP, DDP) it is exactly
-    ``MemoryTracker``."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
-            return NotImplemented
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def measure_setup_memory(setup: Setup) -> MemoryReport:
-    """One ``setup.step()`` (it trains) under the memory tracker (``LocalTracker``), the tensors kept
+    """One ``setup.step()`` (it trains) under the memory tracker (``MemoryTracker``), the tensors kept
     across steps registered by category first, as ``ParallelModel.measure_step`` measures autopar."""
-    tracker = LocalTracker()
+    tracker = MemoryTracker(count_unallocated=False)
     gc.collect()
     kept = setup.persistent()
     with cyclic_gc_paused():

@@ -27,6 +27,8 @@ from typing import Iterable
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["MemoryTracker", "MemoryReport", "CATEGORIES"]
@@ -80,8 +82,11 @@ class MemoryTracker(TorchDispatchMode):
     category of one created during the step, e.g. lazily made optimizer state).
     """
 
-    def __init__(self):
+    def __init__(self, count_unallocated: bool = True):
+        """``count_unallocated=False`` (measuring a real run): fake and meta tensors are not
+        memory (DTensor's sharding propagation creates them on a cache miss)."""
         super().__init__()
+        self.count_unallocated = count_unallocated
         self._live: dict[int, _Entry] = {}
         self._current = dict.fromkeys(CATEGORIES, 0)
         self._total = 0
@@ -95,6 +100,11 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, t: torch.Tensor, category: str, *, retag: bool = False) -> None:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        local = getattr(t, "_local_tensor", None)  # a DTensor: what this rank holds is its local shard
+        if isinstance(local, torch.Tensor):
+            t = local
+        if not self.count_unallocated and (t.device.type == "meta" or isinstance(t, FakeTensor)):
             return
         try:
             st = t.untyped_storage()
@@ -152,6 +162,11 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # the mode sees a DTensor op before DTensor does, and the wrapper it returns has the
+            # *global* size; deferring lets DTensor run its local ops (the shards, the
+            # collectives' buffers), which come back here as plain tensors
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         category = _PHASE_CATEGORY[self._phase]
         for t in pytree.tree_leaves(out):

@@ -729,7 +729,7 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         self._ensure_planned(inputs, target)
         with collective_failures("train_step"):  # outside the measurement: the check is not the step's
             self._check_batch("train_step", inputs, target, self.step, self._train)
-        tracker = MemoryTracker()
+        tracker = MemoryTracker(count_unallocated=False)
         cuda = self._device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
