@@ -153,6 +153,7 @@ class _ModuleTracker:
     def __init__(self, model: torch.nn.Module):
         self.names = {id(m): name for name, m in model.named_modules()}
         self.classes = {id(m): type(m).__name__ for _, m in model.named_modules()}
+        self.modules = {id(m): m for _, m in model.named_modules()}
         self.stack: list[int] = []
         # module path -> the storage keys (``tensor_key``) of its first call's positional
         # arguments, None where an argument is not a tensor; calls counted in ``calls``
@@ -277,6 +278,12 @@ def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
             "plan must hold for every input. Rewrite the branch with tensor ops (torch.where, "
             "masking, torch.cond) or move the data-dependent part out of the model."
         )
+        if any(_looks_like_experts(tracker.modules[m]) for m in tracker.stack):
+            msg += (" It looks like a mixture-of-experts layer computing each expert on the tokens routed to it "
+                    "(sizes that depend on the routing). autopar plans the two forms that keep sizes known: "
+                    "grouped matmuls over the tokens sorted by expert (torch.nn.functional.grouped_mm; Hugging Face "
+                    "models: config._experts_implementation = 'grouped_mm'), or a fixed capacity per expert "
+                    "(einsums over [experts, capacity, d]); see the README's 'Mixture of experts'.")
     else:
         msg = (
             f"autopar could not trace {module}{where}. The failure was: {text.splitlines()[0][:400]}. "
@@ -284,6 +291,19 @@ def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
             "or data-dependent shapes)."
         )
     raise TraceError(msg) from exc
+
+
+def _looks_like_experts(module: torch.nn.Module) -> bool:
+    """A weight stacked over experts (3 or more dims, its own), or a ModuleList of two or more
+    modules of one class with equally shaped parameters."""
+    if not isinstance(module, torch.nn.modules.conv._ConvNd) and any(p.dim() >= 3 for p in module.parameters(recurse=False)):
+        return True
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) >= 2:
+            shapes = {(type(m), tuple(tuple(p.shape) for p in m.parameters())) for m in child}
+            if len(shapes) == 1 and next(iter(shapes))[1]:
+                return True
+    return False
 
 
 def _as_tuple(example_inputs: Any) -> tuple:

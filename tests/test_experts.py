@@ -3,6 +3,8 @@ clearly, the all-to-alls of the program counted and their bytes against the plan
 one device on real gloo processes (static capacity with token dropping and an auxiliary loss)."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -26,6 +28,32 @@ def _traced(case: str):
     model, batches, loss = build_case(case)
     x, y = batches[0]
     return trace_model(model, (x,), loss_fn=loss, example_target=y)
+
+
+class _LoopMoE(torch.nn.Module):
+    """Experts as an nn.ModuleList, each computing on the tokens routed to it (torch.where)."""
+
+    def __init__(self, d=16, experts=4):
+        super().__init__()
+        self.router = torch.nn.Linear(d, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x):
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = torch.where(choice == i)[0]
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+def test_a_loop_over_experts_is_refused_with_the_forms_that_plan():
+    """Not yet planned: a loop over an nn.ModuleList of experts with routing-dependent sizes. The
+    error names the module and the two forms autopar plans (grouped matmuls, fixed capacity)."""
+    from autopar.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"module 'moe' \(_LoopMoE\).*mixture-of-experts.*grouped_mm.*fixed capacity"):
+        autopar.plan(torch.nn.Sequential(OrderedDict(moe=_LoopMoE())), autopar.Cluster.local(2), torch.randn(8, 16))
 
 
 def test_expert_weights_are_recognised_from_the_graph():
