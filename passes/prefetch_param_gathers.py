@@ -43,7 +43,7 @@ def prefetch_param_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
         size = meta.shape[dim] if meta.shape[dim] % ctx.mesh_shape[axis] else None
         serves = node.meta.get("autopar.serves")
         kwargs = {"dtype": node.kwargs.get("dtype"), "reduce_dtype": node.kwargs.get("reduce_dtype"),
-                  "grad": gsrc is not None}
+                  "grad": gsrc is not None, "site": node.kwargs.get("site")}
         module = node.meta.get("autopar.module", "")
         ahead = prev_finish is not None and (
             _instance(prev_finish.meta.get("autopar.module", ""), instances) == _instance(module, instances))

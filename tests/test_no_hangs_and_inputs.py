@@ -386,9 +386,11 @@ def test_a_rank_alone_in_train_step_fails_within_the_collective_timeout():
     assert re.search(r"rank 0 failed:.*CollectiveError: train_step on rank 0 waited more than 5 s for the other ranks "
                      r"in a collective: every rank must call train_step the same number of times with its batch "
                      r"\(did one rank skip a step, or die\?\)", text, re.S), text
-    # it names the collective it was in: kind, bytes, mesh axis, the ranks of its group
+    # it names the collective it was in: kind, bytes, mesh axis, the ranks of its group, and what
+    # it served (under data parallelism a parameter gather, a gradient sync or the loss's reduction)
     assert re.search(r"This rank was in: (all_reduce|all_gather|reduce_scatter|all_to_all) of [\d,]+ bytes over "
-                     r"mesh axis \d \(ranks \[0, 1\]\)", text), text
+                     r"mesh axis \d \(ranks \[0, 1\]\) for (the parameter gather of plan node '\w+' in module "
+                     r"'[\w.]+'|the gradient sync of \d+ parameter|the ZeRO-2 gradient reduce-scatter|the loss)", text), text
     waited = float(re.search(r"\[after ([\d.]+) s\]", text).group(1))
     assert 4 <= waited < 60, waited
 

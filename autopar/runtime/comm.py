@@ -21,6 +21,7 @@ core dump).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import Counter
@@ -97,8 +98,19 @@ _SITE: list = [None]
 
 
 def set_site(site: str | None) -> None:
-    """Name the plan node the next collectives serve (None: not a reshard's)."""
+    """Name what the next collectives serve (a reshard's plan node; None: unnamed)."""
     _SITE[0] = site
+
+
+@contextlib.contextmanager
+def collective_site(site: str):
+    """Name what the collectives issued inside serve (gradient sync, a ZeRO gather, the loss),
+    then restore the previous name."""
+    old, _SITE[0] = _SITE[0], site
+    try:
+        yield
+    finally:
+        _SITE[0] = old
 
 
 def last_collective() -> str | None:

@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from autopar.runtime.collectives import reduce_scatter_dim, slice_dim
-from autopar.runtime.comm import MeshComm
+from autopar.runtime.comm import MeshComm, collective_site
 from autopar.runtime.param_store import ParamStore
 
 __all__ = ["GradSync", "plan_buckets", "bucket_full", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT", "WIRE_BUCKETS"]
@@ -111,20 +111,31 @@ class GradSync:
                 self._finish_bucket(w)
             b.wire = view.to(self.reduce_dtype)
             view = b.wire
-        b.work = self.comm.all_reduce(view, b.axes[0], async_op=True)
+        with collective_site(self._bucket_site(b)):
+            b.work = self.comm.all_reduce(view, b.axes[0], async_op=True)
 
     def _finish_bucket(self, b: _Bucket) -> None:
         if b.work is not None:
             b.work.wait()
         view = self.store.flat_grad(b.dtype)[b.start: b.start + b.numel]
         for a in b.axes[1:]:  # further axes reduce after the first (rare: 2-D data parallel)
-            self.comm.all_reduce(b.wire if b.wire is not None else view, a)
+            with collective_site(self._bucket_site(b)):
+                self.comm.all_reduce(b.wire if b.wire is not None else view, a)
         if b.wire is not None:
             view.copy_(b.wire)
         b.work, b.wire = None, None
         b.ready = -1  # done for this step
 
+    def _bucket_site(self, b: _Bucket) -> str:
+        names = sorted(self.store.slots[ph].fqn for ph in b.members)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"the gradient sync of {len(names)} parameter(s) ({shown})"
+
     def _reduce_scatter(self, ph: str) -> None:
+        with collective_site(f"the ZeRO-2 gradient reduce-scatter of parameter '{self.store.slots[ph].fqn}'"):
+            self._reduce_scatter_one(ph)
+
+    def _reduce_scatter_one(self, ph: str) -> None:
         s = self.store.slots[ph]
         g = s.local.grad
         s.local.grad = None

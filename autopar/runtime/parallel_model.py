@@ -54,7 +54,7 @@ from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, sh
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.comm import MeshComm
+from autopar.runtime.comm import MeshComm, collective_site
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_tree
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
@@ -324,7 +324,8 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
 
         def mean_over_shards(g):
             g = g.contiguous().clone()
-            comm.all_reduce(g, 0)
+            with collective_site("the mean over shards of an output's gradient"):
+                comm.all_reduce(g, 0)
             return g / n
 
         for t, rows in outputs:
@@ -790,12 +791,14 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
 
     def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
         value = loss.detach().clone().reshape(1).float()
-        works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
+        with collective_site("the loss's all-reduce"):
+            works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
         return value, [w for w in works if w is not None]
 
     def _finish_loss(self, value: torch.Tensor, layout=None) -> float:
         for a, _ in self._partial_axes(layout)[1:]:
-            self.comm.all_reduce(value, a)
+            with collective_site("the loss's all-reduce"):
+                self.comm.all_reduce(value, a)
         for a, op in self._partial_axes(layout):
             if op == "avg":
                 value = value / self.comm.sizes[a]

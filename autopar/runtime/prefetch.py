@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from autopar.runtime.collectives import current_mesh
-from autopar.runtime.comm import MeshComm
+from autopar.runtime.comm import MeshComm, collective_site
 
 __all__ = ["gather_param_start", "gather_param_finish", "start_gather", "drain_gradient_reductions", "MAX_INFLIGHT"]
 
@@ -81,8 +81,8 @@ class _PendingGrad:
 
 class _GatherStart(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, size, dtype, reduce_dtype, comm):
-        ctx.param, ctx.axis, ctx.dim, ctx.reduce_dtype, ctx.comm = x, axis, dim, reduce_dtype, comm
+    def forward(ctx, x, axis, dim, size, dtype, reduce_dtype, comm, site=None):
+        ctx.param, ctx.axis, ctx.dim, ctx.reduce_dtype, ctx.comm, ctx.site = x, axis, dim, reduce_dtype, comm, site
         return _start_registered(x, axis, dim, size, dtype, comm)
 
     @staticmethod
@@ -94,25 +94,27 @@ class _GatherStart(torch.autograd.Function):
             send = send.to(ctx.reduce_dtype)
         n = comm.sizes[ctx.axis]
         out = torch.empty((send.shape[0] // n,) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
-        work = comm.reduce_scatter(out, send, ctx.axis, async_op=True)
+        with collective_site(f"the gradient reduce-scatter of {ctx.site}" if ctx.site else "a gradient reduce-scatter"):
+            work = comm.reduce_scatter(out, send, ctx.axis, async_op=True)
         comm.pending_grads.append(_PendingGrad(work, out, send, param.grad, ctx.dim, param.shape[ctx.dim]))
         while len(comm.pending_grads) > MAX_INFLIGHT:
             comm.pending_grads.pop(0).complete()
-        return (None,) * 7  # added to the parameter's gradient buffer when the reduction completes
+        return (None,) * 8  # added to the parameter's gradient buffer when the reduction completes
 
 
 def gather_param_start(x: torch.Tensor, axis: int, dim: int, size: int | None = None, dtype=None,
-                       reduce_dtype=None, grad: bool = True) -> torch.Tensor:
+                       reduce_dtype=None, grad: bool = True, site: str | None = None) -> torch.Tensor:
     """Start gathering parameter shard ``x`` (cast to ``dtype`` first); returns the receive buffer
     for ``gather_param_finish``. With ``grad`` the gradient is reduce-scattered asynchronously into
     ``x.grad`` (a persistent buffer, see ``ParamStore``) in ``reduce_dtype``."""
     from autopar.runtime.param_regather import remember_gathered_param
 
     comm = current_mesh()
-    if grad and x.requires_grad and torch.is_grad_enabled():
-        buf = _GatherStart.apply(x, axis, dim, size, dtype, reduce_dtype, comm)
-    else:
-        buf = _start_registered(x, axis, dim, size, dtype, comm)
+    with collective_site(f"the parameter gather of {site}" if site else "a parameter gather"):
+        if grad and x.requires_grad and torch.is_grad_enabled():
+            buf = _GatherStart.apply(x, axis, dim, size, dtype, reduce_dtype, comm, site)
+        else:
+            buf = _start_registered(x, axis, dim, size, dtype, comm)
 
     def replay(local, async_op=False, dim=dim, comm=comm, axis=axis, size=size, dtype=dtype):
         pend = start_gather(_cast(local, dtype), dim, comm, axis, size, async_op)
