@@ -16,7 +16,7 @@ def _monitored_run(run_dir, steps):
     x, y = batches[0]
     pm = autopar.compile(model, autopar.Cluster.local(), x, loss_fn=loss, example_target=y,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                         monitor=autopar.Monitoring(run_dir, slow_factor=1e-9, slow_steps=2))
+                         monitor=autopar.Monitoring(run_dir, slow_factor=1e-9, slow_steps=2, memory_every=3))
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -40,6 +40,12 @@ def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys
         assert s["comm_bytes"] == {k: int(v) for k, v in s["predicted_comm_bytes"].items()} and s["comm_bytes"]
         assert 0 < s["comm_s"] < s["wall_s"] and s["compute_s"] == pytest.approx(s["wall_s"] - s["comm_s"])
         assert set(s["comm_s_by_kind"]) <= set(s["comm_bytes"])
+    # off CUDA every memory_every-th step (here the 3rd) measures its peak under the storage tracker,
+    # beside the plan's figure and by category (the other steps measure none)
+    assert [s.get("memory_tracked", False) for s in lines] == [False, False, True]
+    assert lines[0]["peak_bytes"] is None and lines[2]["peak_bytes"] > 0
+    assert 0.5 < lines[2]["peak_bytes"] / lines[2]["predicted_peak_bytes"] < 2.0, lines[2]
+    assert lines[2]["memory_bytes"]["params"] == pytest.approx(lines[2]["predicted_memory_bytes"]["params"], rel=0.05)
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["fingerprint"] == r["fingerprint"] and run["world_size"] == 2 and run["versions"]["torch"]
     assert autopar.Plan.from_json((tmp_path / "plan.json").read_text()).fingerprint == r["fingerprint"]
@@ -50,7 +56,8 @@ def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys
     out = capsys.readouterr().out
     assert "measured ms" in out and len([ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]) == 3
     assert "largest excess over the prediction" in out and "collective" in out
-    for png in ("step_time.png", "comm_breakdown.png"):
+    assert "peak memory per device" in out and "optimizer_state" in out
+    for png in ("step_time.png", "comm_breakdown.png", "memory.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     # provenance: the run's record plans again to the same plan, byte for byte
     assert run["inputs_fingerprint"] and isinstance(run["seed"], int)
@@ -63,6 +70,8 @@ def test_monitoring_refuses_bad_settings(tmp_path):
         autopar.Monitoring(tmp_path, slow_factor=0)
     with pytest.raises(AutoparError, match="slow_steps"):
         autopar.Monitoring(tmp_path, slow_steps=0)
+    with pytest.raises(AutoparError, match="memory_every"):
+        autopar.Monitoring(tmp_path, memory_every=-1)
     with pytest.raises(AutoparError, match="needs a folder"):
         autopar.Monitoring("")
     from autopar.runtime.monitor import read_steps

@@ -4,9 +4,13 @@
 ran: plan fingerprint, mesh, cluster spec, world size, package versions, command line) and
 ``run_dir/plan.json`` once, then appends one JSON line per step to ``run_dir/steps.jsonl``:
 the step, measured wall time and the predicted step time, their ratio, the loss, samples and
-tokens per second, MFU (the plan's model FLOPs over wall time x devices x peak FLOP/s) and, on
-CUDA, the step's peak memory beside the predicted peak. A step that ran ``slow_factor`` times its
-prediction ``slow_steps`` times in a row raises a ``SlowStepWarning`` (once per streak).
+tokens per second, MFU (the plan's model FLOPs over wall time x devices x peak FLOP/s) and the
+step's peak memory beside the predicted peak: on CUDA every step (the allocator's peak); elsewhere
+every ``memory_every``-th step, run under the storage tracker (``runtime.memory``: live tensor
+storages by category, as ``ParallelModel.measure_step``), which slows that step (its line says
+``memory_tracked``; it does not count towards the slow-step warning). A step that ran
+``slow_factor`` times its prediction ``slow_steps`` times in a row raises a ``SlowStepWarning``
+(once per streak).
 
 Each step also records its collectives: bytes and seconds blocked per kind (``CommStats``: time
 inside a collective or its ``wait()``, the communication not overlapped), the rest of the step as
@@ -16,10 +20,7 @@ prediction (``largest_contributor``).
 ``autopar report RUN_DIR`` (``report_run``) prints the steps and the collectives as tables and,
 with matplotlib, draws ``step_time.png`` (measured vs predicted, blocked communication),
 ``comm_breakdown.png`` (per collective kind: bytes and time, measured vs predicted) and, where
-the steps measured it (CUDA), ``memory.png`` (peak vs predicted).
-
-Not measured per step yet: CPU memory (``ParallelModel.measure_step`` measures memory by category
-on demand).
+the steps measured it, ``memory.png`` (peak vs predicted).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Monitoring:
     run_dir: str | os.PathLike
     slow_factor: float = 3.0
     slow_steps: int = 5
+    memory_every: int = 10  # off CUDA: measure the peak memory of every n-th step (0: never)
 
     def __post_init__(self):
         if not str(self.run_dir):
@@ -59,6 +61,9 @@ class Monitoring:
                                f"got {self.slow_factor!r}")
         if not (isinstance(self.slow_steps, int) and self.slow_steps >= 1):
             raise AutoparError(f"Monitoring.slow_steps must be a positive integer, got {self.slow_steps!r}")
+        if not (isinstance(self.memory_every, int) and self.memory_every >= 0):
+            raise AutoparError(f"Monitoring.memory_every must be an integer >= 0 (measure every n-th step's memory; "
+                               f"0: never), got {self.memory_every!r}")
 
 
 class StepMonitor:
@@ -86,9 +91,16 @@ class StepMonitor:
                "argv": list(sys.argv), "seed": torch.initial_seed()}
         (self.dir / "run.json").write_text(json.dumps(run, indent=1, sort_keys=True, default=str))
 
+    def tracks_memory(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) runs under the storage tracker (off CUDA). Not the first:
+        optimizers create their state in it."""
+        every = self.cfg.memory_every
+        return bool(every) and step > 1 and step % every == 0
+
     def record(self, plan, world_size: int, step: int, wall_s: float, loss: float, inputs: tuple,
-               peak_bytes: int | None, comm: tuple[dict, dict] | None = None) -> None:
-        """``comm``: this step's (bytes, seconds blocked) per collective kind (``CommStats``)."""
+               peak_bytes: int | None, comm: tuple[dict, dict] | None = None, memory: dict | None = None) -> None:
+        """``comm``: this step's (bytes, seconds blocked) per collective kind (``CommStats``);
+        ``memory``: its peak bytes by category where the storage tracker measured it."""
         if self._plan is not plan:
             self._start(plan, world_size)
         predicted = plan.predicted.step_time_s
@@ -104,6 +116,9 @@ class StepMonitor:
             "mfu": plan.predicted.mfu * predicted / wall_s if wall_s > 0 else None,
             "peak_bytes": peak_bytes, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
         }
+        if memory is not None:
+            line.update({"memory_tracked": True, "memory_bytes": memory,
+                         "predicted_memory_bytes": dict(plan.predicted.memory_bytes)})
         if comm is not None:
             nbytes, seconds = comm
             blocked = sum(seconds.values())
@@ -121,6 +136,8 @@ class StepMonitor:
                 f.write(json.dumps(line) + "\n")
 
     def _check_slow(self, step: int, ratio: float | None, line: dict) -> None:
+        if line.get("memory_tracked"):
+            return  # the tracker's own time: neither slow nor a break in a streak
         self._slow = self._slow + 1 if ratio is not None and ratio > self.cfg.slow_factor else 0
         if self._slow == self.cfg.slow_steps:
             warnings.warn(
@@ -183,6 +200,7 @@ def report_run(run_dir: str | os.PathLike, png: bool = True) -> str:
         if ratios:
             rows.append(f"median measured / predicted step time: {ratios[len(ratios) // 2]:.2f} over {len(ratios)} steps")
         rows += _collective_rows(steps)
+        rows += _memory_rows(steps)
     if png:
         try:
             import matplotlib
@@ -219,6 +237,22 @@ def _collective_rows(steps: list[dict]) -> list[str]:
     what, got, want = largest_contributor(last)
     rows.append(f"largest excess over the prediction (last step): {what}, {got * 1e3:.3f} ms vs {want * 1e3:.3f} ms "
                 "(collectives: time blocked, i.e. not overlapped; predicted: their whole time)")
+    return rows
+
+
+def _memory_rows(steps: list[dict]) -> list[str]:
+    """The measured peaks (and categories, where the storage tracker measured them) beside the plan's."""
+    measured = [s for s in steps if s.get("peak_bytes")]
+    if not measured:
+        return []
+    last = measured[-1]
+    rows = [f"peak memory per device: {last['peak_bytes'] / 2**20:.2f} MiB measured (step {last['step']}) vs "
+            f"{last['predicted_peak_bytes'] / 2**20:.2f} MiB predicted ({last['peak_bytes'] / last['predicted_peak_bytes']:.2f}x)"]
+    if "memory_bytes" in last:
+        want = last.get("predicted_memory_bytes", {})
+        rows.append(f"{'category':<16} {'measured MiB':>13} {'predicted MiB':>14}")
+        for k, v in last["memory_bytes"].items():
+            rows.append(f"{k:<16} {v / 2**20:>13.2f} {want.get(k, 0.0) / 2**20:>14.2f}")
     return rows
 
 
@@ -263,8 +297,13 @@ def _plots(plt, steps: list[dict], run_dir: Path) -> list[Path]:
             ax.set_ylabel(unit)
             ax.legend()
         save(fig, "comm_breakdown.png")
-    if any(s.get("peak_bytes") for s in steps):
-        per_step([([(s.get("peak_bytes") or 0) / 2**20 for s in steps], "o-", "measured peak"),
-                  ([s["predicted_peak_bytes"] / 2**20 for s in steps], "--", "predicted peak")],
-                 "MiB per device", "memory.png")
+    measured = [s for s in steps if s.get("peak_bytes")]
+    if measured:  # every step on CUDA; every memory_every-th elsewhere
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([s["step"] for s in measured], [s["peak_bytes"] / 2**20 for s in measured], "o-", label="measured peak")
+        ax.plot(x, [s["predicted_peak_bytes"] / 2**20 for s in steps], "--", label="predicted peak")
+        ax.set_xlabel("step")
+        ax.set_ylabel("MiB per device")
+        ax.legend()
+        save(fig, "memory.png")
     return written

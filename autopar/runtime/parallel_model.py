@@ -509,8 +509,11 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         if cuda:
             torch.cuda.reset_peak_memory_stats(self._device)
         before = self.comm.stats.totals() if self._monitor is not None else None
+        # off CUDA the monitor measures every n-th step's memory under the storage tracker
+        tracked = (not cuda and self._monitor is not None and self._tracker is None
+                   and self._monitor.tracks_memory(self.step + 1))
         t0 = time.perf_counter()
-        with collective_failures("train_step"):
+        with collective_failures("train_step"), self._memory_tracked() if tracked else contextlib.nullcontext() as tracker:
             total = self._train_step(inputs, target)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -519,10 +522,11 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
             if cuda:
                 torch.cuda.synchronize(self._device)
             wall = time.perf_counter() - t0
+            memory = tracker.report() if tracked else None
+            peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else memory.peak_bytes if tracked else None
             self._monitor.record(self.plan, dist.get_world_size() if dist.is_initialized() else 1, self.step,
-                                 wall, total, inputs,
-                                 int(torch.cuda.max_memory_allocated(self._device)) if cuda else None,
-                                 self.comm.stats.since(before))
+                                 wall, total, inputs, peak, self.comm.stats.since(before),
+                                 dict(memory.category_peaks) if tracked else None)
         cfg = self._checkpointing
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)
@@ -730,29 +734,18 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         self._ensure_planned(inputs, target)
         with collective_failures("train_step"):  # outside the measurement: the check is not the step's
             self._check_batch("train_step", inputs, target, self.step, self._train)
-        tracker = MemoryTracker(count_unallocated=False)
         cuda = self._device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self._device)
             base = torch.cuda.memory_allocated(self._device)
-        gc.collect()  # what earlier steps left to the cyclic collector is gone before we measure,
-        with cyclic_gc_paused():  # and it cannot run mid-step: frees happen when references drop, every run alike
-            with tracker:
-                for category, tensors in self.store.persistent_tensors().items():
-                    tracker.register(tensors, category)
-                tracker.register(self._optimizer_state(), "optimizer_state")
-                self.comm.stats.reset()
-                self._tracker = tracker
-                t0 = time.perf_counter()
-                try:
-                    loss = self._checked_train_step(inputs, target)
-                finally:
-                    self._tracker = None
-                if cuda:
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - t0
-                tracker.register(self._optimizer_state(), "optimizer_state")
+        with self._memory_tracked() as tracker:
+            self.comm.stats.reset()
+            t0 = time.perf_counter()
+            loss = self._checked_train_step(inputs, target)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
         device_peak = None
         if cuda:
             device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
@@ -770,6 +763,24 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
     def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
         """``measure_step(...).memory``: this rank's memory during one training step, by category."""
         return self.measure_step(*inputs, target=target).memory
+
+    @contextlib.contextmanager
+    def _memory_tracked(self):
+        """Run a step under the storage tracker (``runtime.memory``), the state it keeps across
+        steps registered by category first; yields the tracker."""
+        tracker = MemoryTracker(count_unallocated=False)
+        gc.collect()  # what earlier steps left to the cyclic collector is gone before we measure,
+        with cyclic_gc_paused():  # and it cannot run mid-step: frees happen when references drop, every run alike
+            with tracker:
+                for category, tensors in self.store.persistent_tensors().items():
+                    tracker.register(tensors, category)
+                tracker.register(self._optimizer_state(), "optimizer_state")
+                self._tracker = tracker
+                try:
+                    yield tracker
+                finally:
+                    self._tracker = None
+                tracker.register(self._optimizer_state(), "optimizer_state")
 
     def _optimizer_state(self) -> list[torch.Tensor]:
         return [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
