@@ -403,3 +403,21 @@ def test_a_collective_timeout_names_the_plan_node_it_served():
         autopar.launch(lone_step_worker, 2, 2, timeout_s=240)
     assert re.search(r"This rank was in: \w+ of [\d,]+ bytes over mesh axis 1 \(ranks \[0, 1\]\) for plan node "
                      r"'\w+' in module '[\w.]+'", str(info.value)), str(info.value)
+
+
+def test_nccl_runs_turn_the_flight_recorder_on_without_overriding_the_user(monkeypatch, tmp_path):
+    """Before an NCCL group is created, autopar asks torch's flight recorder for every rank's last
+    collectives and a dump when one times out (the collective error then says where and how to
+    read it); a variable the user set stays as it is."""
+    from autopar.runtime.launch import FLIGHT_RECORDER_PREFIX, enable_flight_recorder
+
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AUTOPAR_FLIGHT_RECORDER_DIR", str(tmp_path / "fr"))
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    set_now = enable_flight_recorder()
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in set_now and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "fr" / FLIGHT_RECORDER_PREFIX)
+    assert (tmp_path / "fr").is_dir()

@@ -4,6 +4,7 @@ rank waited, for how long, and the likely cause (a rank skipped a step or died).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch.distributed as dist
@@ -50,6 +51,12 @@ def raise_if_collective_failure(exc: RuntimeError, where: str) -> None:
 
     last = last_collective()
     was = f" This rank was in: {last}." if last else ""
+    if dist.is_initialized() and dist.get_backend() == "nccl" and os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+        from autopar.runtime.launch import FLIGHT_RECORDER_PREFIX, flight_recorder_dir
+
+        was += (f" NCCL's flight recorder dumped every rank's last collectives to {flight_recorder_dir()}: "
+                f"python -m torch.distributed.flight_recorder.fr_trace {flight_recorder_dir()} -p {FLIGHT_RECORDER_PREFIX} "
+                "names the rank and collective that diverged.")
     raise CollectiveError(
         f"{head}: every rank must call {where} the same number of times with its batch (did one rank skip a step, "
         f"or die?).{was} The wait is compile's collective_timeout_s (or ${COLLECTIVE_TIMEOUT_ENV}). torch said: {said}"

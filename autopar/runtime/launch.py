@@ -80,6 +80,8 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
         return
     seconds = collective_timeout_s(timeout_s)
     kwargs = {"timeout": datetime.timedelta(seconds=seconds)}
+    if backend == "nccl":
+        enable_flight_recorder()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if world_size != 1:
             raise AutoparError(
@@ -95,6 +97,36 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
             )
         dist.init_process_group(backend, **_restart_safe_store(world_size, seconds), **kwargs)
     _GROUP_TIMEOUT.update(group=id(dist.group.WORLD), timeout_s=seconds)
+
+
+# torch's NCCL flight recorder: the last collectives of every rank, dumped when one times out
+# (read with ``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX``). torch 2.11
+# reads the TORCH_NCCL_* names, later releases also the TORCH_FR_* ones; a user's settings win.
+FLIGHT_RECORDER_ENTRIES = 2000
+FLIGHT_RECORDER_PREFIX = "autopar_fr_rank_"
+
+
+def flight_recorder_dir() -> str:
+    """Where the flight recorder dumps (one file per rank): ``$AUTOPAR_FLIGHT_RECORDER_DIR`` or
+    the temporary folder's ``autopar_flight_recorder``."""
+    import tempfile
+
+    return os.environ.get("AUTOPAR_FLIGHT_RECORDER_DIR", os.path.join(tempfile.gettempdir(), "autopar_flight_recorder"))
+
+
+def enable_flight_recorder() -> dict[str, str]:
+    """Turn NCCL's flight recorder and its dump on timeout on, unless the user set them; returns
+    the variables set. Call before the NCCL process group is created."""
+    folder = flight_recorder_dir()
+    os.makedirs(folder, exist_ok=True)
+    prefix = os.path.join(folder, FLIGHT_RECORDER_PREFIX)
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+              "TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    set_now = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
 
 
 def software_versions() -> dict[str, str]:
