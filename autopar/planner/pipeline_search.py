@@ -79,15 +79,16 @@ def virtual_stages(schedule: str, asked: int | None) -> int:
     return asked or 2
 
 
-def default_microbatches(batch: int | None, pp: int) -> int:
-    """``2 * pp`` microbatches (bubble at most 1/3 for balanced stages) where the batch divides,
-    else ``pp``, else the largest divisor of the batch up to ``2 * pp``."""
+def default_microbatches(batch: int | None, pp: int, data: int = 1) -> int:
+    """``2 * pp`` microbatches (bubble at most 1/3 for balanced stages) where the batch divides
+    into them and each microbatch over the ``data`` data-parallel shards, else ``pp``, else the
+    largest such count up to ``2 * pp``."""
     if not batch:
         return 2 * pp
     for m in (2 * pp, pp):
-        if batch % m == 0:
+        if batch % (m * data) == 0:
             return m
-    return max(d for d in range(1, 2 * pp + 1) if batch % d == 0)
+    return max((d for d in range(1, 2 * pp + 1) if batch % (d * data) == 0), default=1)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         raise ConstraintError(f"schedule={schedule!r} does not run yet; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
     v = virtual_stages(schedule, c.virtual_stages)
     sub, link_bw, link_latency = stage_cluster(cluster, pp)
-    m = c.microbatches or default_microbatches(traced.global_batch, pp)
+    m = c.microbatches or default_microbatches(traced.global_batch, pp, c.dp or 1)
     if traced.global_batch and traced.global_batch % m:
         raise ConstraintError(f"microbatches={m} does not divide the batch of {traced.global_batch}")
     if schedule in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // pp):
