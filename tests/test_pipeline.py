@@ -416,3 +416,19 @@ def test_plan_draw_writes_a_png(tmp_path):
     single, *_ = _plan("gpt", 4, dp=4)
     with pytest.raises(autopar.AutoparError, match="has one stage"):
         single.draw(str(tmp_path / "none.png"))
+
+
+def test_a_pipeline_plan_lists_each_graph_constant_with_its_first_user():
+    """Graph constants (tensors a model creates from Python values) run in every stage that uses
+    them; the plan lists each under the first stage using it, not all under the last."""
+    model, batches, loss = build_case("real:mixtral")
+    x, y = batches[0]
+    plan = autopar.plan(model, autopar.Cluster.local(4), x, loss_fn=loss, example_target=y,
+                        constraints=autopar.Constraints(pp=2, dp=2), precision="fp32")
+    listed = {n.name: s.index for s in plan.stages for n in s.nodes}
+    graph = trace_model(model, (x,), loss_fn=loss, example_target=y).graph
+    constants = [n for n in graph.nodes if n.op == "get_attr" and n.name in listed]
+    assert constants
+    for n in constants:
+        assert listed[n.name] == min(listed[u.name] for u in n.users if u.name in listed), n.name
+    assert {listed[n.name] for n in constants} == {0, 1}  # the layers of both stages use constants

@@ -315,8 +315,9 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
     n_stages = pp * v
     mesh_sizes = tuple(s for _, s in inner.mesh_axes)
     stages = []
+    listed = _listed_stage(traced.graph, priced.stage_of, n_stages)
     for s in range(n_stages):
-        nodes = tuple(n for n in inner.stages[0].nodes if priced.stage_of.get(n.name, n_stages - 1) == s)
+        nodes = tuple(n for n in inner.stages[0].nodes if listed(n.name) == s)
         stages.append(Stage(s, inner.stages[0].mesh, priced.rank_of[s] * math.prod(mesh_sizes), nodes,
                             tuple(priced.owned[s]), predicted_time_s=_r(priced.stage_time_s[s] / m),
                             peak_memory_bytes=_r(priced.peaks[priced.rank_of[s]])))
@@ -344,6 +345,19 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
         bubble_fraction=_r(priced.bubble), virtual_stages=v, cluster_json=cluster.to_json(), constraints=cjson,
         notes=notes, free_step_time_s=None, baseline=baseline,
         inputs_fingerprint=fingerprint_of(inner.inputs_fingerprint, cluster.to_json(), cjson, "pipeline"))
+
+
+def _listed_stage(graph, stage_of: dict, n_stages: int):
+    """The stage a plan lists a node under: the cut's; a graph constant (the cut leaves it out: it
+    runs in every stage that uses it, ``passes.split_stages``) under its first user's stage."""
+    users = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name not in stage_of}
+
+    def listed(name: str) -> int:
+        if name in stage_of:
+            return stage_of[name]
+        return min((stage_of[u] for u in users.get(name, ()) if u in stage_of), default=n_stages - 1)
+
+    return listed
 
 
 def _compute_dtype(precision) -> str:
