@@ -16,6 +16,11 @@ Every block's MLP is a layer of ``n_experts`` experts stored as stacked weights
   choices routed to expert ``e`` times its mean router probability) is returned beside the
   logits, summed over layers; ``moe_loss`` adds it to the cross-entropy.
 
+``MoEConfig(expert_modules=True)``: the static form with its experts written as an
+``nn.ModuleList`` of MLPs called in a loop over the expert dimension (as many models are written);
+autopar runs it data and tensor parallel (each expert a pair of linear layers), not yet expert
+parallel (that needs the experts' weights stacked, as above).
+
 Nothing here names a parallel strategy: the planner sees einsums over a stacked expert dimension.
 """
 from __future__ import annotations
@@ -43,6 +48,7 @@ class MoEConfig:
     capacity_factor: float = 1.0  # < the routing's imbalance: some tokens are dropped
     aux_weight: float = 0.01
     dropless: bool = False  # True: no capacity, grouped matmuls over sorted tokens (GroupedExperts)
+    expert_modules: bool = False  # True (static form): experts as an nn.ModuleList of MLPs, called in a loop
 
     def attention_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -61,8 +67,12 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         e, d, f = cfg.n_experts, cfg.n_embd, cfg.ff
         self.router = nn.Linear(d, e, bias=False)
-        self.w_in = nn.Parameter(torch.randn(e, d, f) * d**-0.5)
-        self.w_out = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
+        if cfg.expert_modules:
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, f, bias=False), nn.GELU(), nn.Linear(f, d, bias=False))
+                                         for _ in range(e))
+        else:
+            self.w_in = nn.Parameter(torch.randn(e, d, f) * d**-0.5)
+            self.w_out = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -81,8 +91,11 @@ class MoELayer(nn.Module):
         gates = gate.transpose(1, 2).reshape(groups, k * tokens, 1)
         combine = ((kept * gates).unsqueeze(-1) * slot_hot).reshape(groups, k, tokens, e, cap).sum(dim=1)
         expert_in = torch.einsum("gsec,gsd->egcd", dispatch, x)
-        hidden = F.gelu(torch.einsum("egcd,edf->egcf", expert_in, self.w_in))
-        expert_out = torch.einsum("egcf,efd->egcd", hidden, self.w_out)
+        if cfg.expert_modules:
+            expert_out = torch.stack([expert(expert_in[i]) for i, expert in enumerate(self.experts)])
+        else:
+            hidden = F.gelu(torch.einsum("egcd,edf->egcf", expert_in, self.w_in))
+            expert_out = torch.einsum("egcf,efd->egcd", hidden, self.w_out)
         y = torch.einsum("gsec,egcd->gsd", combine, expert_out)
         # Switch Transformer's auxiliary loss over the whole batch: first choices' share per expert
         share = chosen[:, :, 0, :].mean(dim=(0, 1))

@@ -129,6 +129,16 @@ def test_ep_smaller_than_dp_nests_the_batch_over_a_dp_ep_mesh():
         _plan(dp=2, tp=2, placements={"blocks.*.moe.w_in": {"ep": "S(0)"}})
 
 
+def test_ep_on_experts_written_as_modules_is_refused_saying_what_would_split_them():
+    """Experts as an nn.ModuleList of MLPs called in a loop: trained data and tensor parallel
+    (CASES_4), and ep= says they run so and that stacked expert weights are what it splits."""
+    with pytest.raises(ConstraintError, match=r"ep=2: the experts of this model are separate modules "
+                                              r"\(blocks.0.moe.experts.0 .. .*Stack the experts' weights"):
+        _plan("moe_modules", ep=2)
+    plan = _plan("moe_modules", dp=2, tp=2)
+    assert "all_to_all" not in dict(plan.predicted.comm_bytes)
+
+
 def test_ep_must_divide_the_experts():
     with pytest.raises(ConstraintError, match="ep=8 does not divide the 4 experts"):
         _plan("moe", 8, ep=8)
@@ -265,6 +275,8 @@ CASES_4 = [
     ("moe_dropless", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
     ("moe_dropless", {}, "adamw"),
     ("moe_dropless", {"dp": 4, "ep": 2}, "adamw"),
+    # experts as an nn.ModuleList called in a loop: data and tensor parallel (not expert parallel yet)
+    ("moe_modules", {"dp": 2, "tp": 2}, "sgd"),
 ]
 
 

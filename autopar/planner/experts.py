@@ -21,7 +21,7 @@ from autopar.errors import ConstraintError
 from autopar.planner.meshes import axis_names, describe
 from autopar.strategies.op_view import _op_name
 
-__all__ = ["expert_params", "expert_axis", "check_experts"]
+__all__ = ["expert_params", "expert_axis", "check_experts", "expert_module_lists"]
 
 _CONTRACTIONS = ("einsum", "bmm", "matmul")
 
@@ -64,6 +64,23 @@ def expert_params(graph: fx.Graph) -> dict[str, str]:
     return out
 
 
+def expert_module_lists(graph: fx.Graph) -> list[str]:
+    """Module paths of lists of experts written as modules (``experts.0``, ``experts.1``, ... with
+    equally shaped weights) inside a module that routes tokens (a ``topk`` there)."""
+    routers = {n.meta.get("autopar.module", "") for n in graph.nodes if n.op == "call_function" and _op_name(n) == "topk"}
+    members: dict[tuple[str, str], dict[int, tuple]] = {}
+    for n in graph.nodes:
+        if n.meta.get("autopar.kind") != "param":
+            continue
+        parts = n.meta.get("autopar.fqn", "").split(".")
+        for i, part in enumerate(parts):
+            prefix = ".".join(parts[:i])
+            if part.isdigit() and any(prefix.startswith(r + ".") for r in routers if r):
+                key = (prefix, ".".join(parts[i + 1:]))
+                members.setdefault(key, {})[int(part)] = tuple(n.meta["autopar.outputs"][0].shape)
+    return sorted({prefix for (prefix, _), shapes in members.items() if len(shapes) >= 2 and len(set(shapes.values())) == 1})
+
+
 def expert_axis(mesh: tuple[int, ...], ep: int | None) -> int | None:
     """The mesh axis experts are sharded on for ``Constraints(ep=ep)`` (None: no expert axis)."""
     if not ep or ep == 1:
@@ -84,6 +101,13 @@ def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]
     if not c.ep or c.ep == 1:
         return meshes
     experts = expert_params(graph)
+    listed = expert_module_lists(graph) if not experts else []
+    if listed:
+        raise ConstraintError(
+            f"ep={c.ep}: the experts of this model are separate modules ({listed[0]}.0 .. {listed[0]}.N, an nn.ModuleList "
+            "called in a loop); autopar runs them data and tensor parallel but splits only experts whose weights are "
+            "stacked over an expert dim ([experts, ...], contracted by an einsum/bmm or grouped matmuls; see "
+            "examples/moe.py). Stack the experts' weights, or leave ep unset.")
     if not experts:
         raise ConstraintError(
             f"ep={c.ep}: the model has no expert layers (weights stacked over experts, [experts, ...], used as the "

@@ -56,6 +56,11 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
+    if name == "moe_modules":  # examples.moe, static form, experts as an nn.ModuleList called in a loop
+        from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+        cfg = MoEConfig(expert_modules=True)
+        return MoEGPT(cfg), [example_batch(cfg, 8, seed=s) for s in range(8)], moe_loss
     if name == "moe_dropless":  # examples.moe with GroupedExperts: sorted tokens, grouped matmuls
         from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
