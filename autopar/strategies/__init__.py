@@ -78,11 +78,6 @@ def _valid_layout(layout: Layout | None, axis_names: Sequence[str] = (), nested:
     return len(dims) == len(set(dims)) or (nested and nests_only_data_axes(layout, axis_names))
 
 
-def _nested_dims(layouts) -> bool:
-    return any(x is not None and len([p for p in x if isinstance(p, Shard)]) != len({p.dim for p in x if isinstance(p, Shard)})
-               for x in layouts)
-
-
 def _uneven_reason(meta: TensorMeta, layout: Layout, mesh_shape, axis_names) -> str | None:
     if divides_evenly(meta.shape, layout, mesh_shape):
         return None
@@ -218,7 +213,7 @@ def _op_strategies(node: fx.Node, rule, metas, mesh_shape: tuple, axis_names: tu
             continue  # a size-1 axis only carries Replicate
         # nested shards of one dim cut it into the product of their axes (conservatively: of every
         # axis whose option counts groups)
-        nested = _nested_dims(ins + outs)
+        nested = not all(_valid_layout(x) for x in ins + outs)  # a dim sharded on several axes
         ways = math.prod(mesh_shape[a] for a, o in enumerate(per_axis) if o.divides) if nested else 0
         bad = next((a for a, o in enumerate(per_axis) if o.divides and o.divides % (ways or mesh_shape[a])), None)
         if bad is not None:
