@@ -25,13 +25,14 @@ import json
 import math
 import numbers
 import os
+import pathlib
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost_models.hardware import PRESETS as _PRESETS
 from autopar.errors import ClusterSpecError
 
-__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "PeakFlops"]
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "calibration_path"]
 
 SCHEMA_VERSION = 1
 
@@ -113,9 +114,26 @@ class DeviceSpec:
     # achieved fraction of peak in large matmuls for this device and software stack (calibrated);
     # None: the cost model's default (cost_models.compute.MATMUL_EFFICIENCY)
     matmul_efficiency: float | None = None
+    # the same for attention kernels; None: matmul_efficiency scaled as cost_models.compute does
+    attention_efficiency: float | None = None
+    # seconds every executed op costs whatever its size (host dispatch, kernel launch; the
+    # intercept of ``autopar calibrate``'s compute fit); None: 0, the presets' large-op model
+    op_overhead: float | None = None
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec", self.name)
+        if self.attention_efficiency is not None and not _is_fraction(self.attention_efficiency):
+            raise ClusterSpecError(
+                f"DeviceSpec.attention_efficiency must be in (0, 1] or None, got {self.attention_efficiency!r}; "
+                "it is the achieved fraction of peak FLOP/s in attention"
+            )
+        ovh = self.op_overhead
+        if ovh is not None and not (isinstance(ovh, numbers.Real) and not isinstance(ovh, bool)
+                                    and math.isfinite(ovh) and 0.0 <= ovh < 1.0):
+            raise ClusterSpecError(
+                f"DeviceSpec.op_overhead must be a number of seconds in [0, 1) or None, got {ovh!r}; it is the "
+                "fixed cost of one executed op (e.g. 5e-6)"
+            )
         if self.matmul_efficiency is not None and not _is_fraction(self.matmul_efficiency):
             raise ClusterSpecError(
                 f"DeviceSpec.matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}; "
@@ -151,8 +169,13 @@ class LinkSpec:
     latency: float
     efficiency: float | None = None
     rails: float | None = None
+    # measured per collective kind on this fabric (``autopar calibrate``): (kind, latency per hop
+    # in s, bus bandwidth in bytes/s), sorted by kind; a kind listed here is priced with its own
+    # pair instead of (latency, effective_bandwidth)
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_collectives()
         bw = _check_float("LinkSpec", "bandwidth", self.bandwidth,
                           "pass bytes/s per device per direction, e.g. 300e9 for NVLink 3")
         lat = _check_float("LinkSpec", "latency", self.latency,
@@ -171,6 +194,35 @@ class LinkSpec:
                 )
         object.__setattr__(self, "bandwidth", bw)
         object.__setattr__(self, "latency", lat)
+
+    def _check_collectives(self) -> None:
+        from autopar.cost_models.communication import COLLECTIVE_KINDS
+
+        rows = []
+        for row in self.collectives if isinstance(self.collectives, (list, tuple)) else [self.collectives]:
+            ok = isinstance(row, (list, tuple)) and len(row) == 3 and row[0] in COLLECTIVE_KINDS
+            if ok:
+                lat, bw = row[1], row[2]
+                ok = all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                         for v in (lat, bw)) and lat >= 0 and bw > 0
+            if not ok:
+                raise ClusterSpecError(
+                    f"LinkSpec.collectives entries must be (kind, latency s >= 0, bandwidth bytes/s > 0) with kind "
+                    f"one of {list(COLLECTIVE_KINDS)}, got {row!r}"
+                )
+            rows.append((str(row[0]), float(row[1]), float(row[2])))
+        kinds = [r[0] for r in rows]
+        if len(set(kinds)) != len(kinds):
+            raise ClusterSpecError(f"LinkSpec.collectives lists a kind twice: {kinds}")
+        object.__setattr__(self, "collectives", tuple(sorted(rows)))
+
+    def collective(self, kind: str) -> tuple[float, float]:
+        """(latency per hop, bandwidth) that ``kind`` achieves on this fabric: its measured pair
+        where calibrated, else (latency, effective_bandwidth)."""
+        for k, lat, bw in self.collectives:
+            if k == kind:
+                return lat, bw
+        return self.latency, self.effective_bandwidth
 
     @property
     def effective_bandwidth(self) -> float:
@@ -293,13 +345,15 @@ class Cluster:
         )
 
     @classmethod
-    def local(cls, n: int | None = None) -> Cluster:
+    def local(cls, n: int | None = None, calibrated: bool = True) -> Cluster:
         """``n`` CPU processes on this machine over gloo (``n`` defaults to ``$WORLD_SIZE``).
 
         The device numbers are a rough engineering model of one CPU process -- 50 GFLOP/s for
         every float dtype (no tensor cores; bf16/fp16 are not faster than fp32 on most CPUs),
         10 GB/s memory bandwidth, this machine's RAM / n of memory (read once, here), and a
-        loopback link of 2 GB/s with 50 us latency -- to be replaced by calibration.
+        loopback link of 2 GB/s with 50 us latency -- unless ``autopar calibrate --nproc n`` has
+        measured this machine: then its spec (``calibration_path(n)``), with RAM / n of memory
+        (``calibrated=False``: the uncalibrated model even so).
         """
         if n is None:
             env = os.environ.get("WORLD_SIZE")
@@ -319,6 +373,9 @@ class Cluster:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (AttributeError, OSError, ValueError):  # non-POSIX: assume 8 GiB
             ram = 8 * 2**30
+        spec = _calibrated_local(n, max(1, ram // n)) if calibrated else None
+        if spec is not None:
+            return spec
         loopback = LinkSpec(bandwidth=2e9, latency=50e-6)
         return cls(
             name="local",
@@ -366,9 +423,10 @@ class Cluster:
                 f"autopar reads version {SCHEMA_VERSION}; re-export the spec with this version"
             )
         if isinstance(top["device"], dict):
-            top["device"].setdefault("matmul_efficiency", None)
-        dev = _fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes",
-                                                 "memory_bandwidth", "matmul_efficiency"])
+            for key in ("matmul_efficiency", "attention_efficiency", "op_overhead"):
+                top["device"].setdefault(key, None)  # specs written before they existed
+        dev = _fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
+                                                 "matmul_efficiency", "attention_efficiency", "op_overhead"])
         flops = _fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
         top["device"] = _build(DeviceSpec, dev, "device")
@@ -376,9 +434,11 @@ class Cluster:
             if isinstance(top[link], dict):
                 top[link].setdefault("efficiency", None)  # specs written before they existed
                 top[link].setdefault("rails", None)
-            top[link] = _build(LinkSpec, _fields(top[link], link + ".",
-                                                 ["bandwidth", "latency", "efficiency", "rails"]),
-                               link)
+                top[link].setdefault("collectives", [])
+            fields = _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives"])
+            if isinstance(fields["collectives"], list):
+                fields["collectives"] = tuple(tuple(r) if isinstance(r, list) else r for r in fields["collectives"])
+            top[link] = _build(LinkSpec, fields, link)
         if not isinstance(top["sources"], list):
             raise ClusterSpecError(
                 f"cluster JSON field 'sources' must be a list of strings, got {top['sources']!r}"
@@ -386,6 +446,35 @@ class Cluster:
         top["sources"] = tuple(top["sources"])
         del top["schema_version"]
         return _build(cls, top, "<top level>")
+
+
+def calibration_path(n: int) -> pathlib.Path:
+    """Where ``autopar calibrate --nproc n`` writes this machine's spec and ``Cluster.local(n)``
+    reads it: ``$AUTOPAR_CALIBRATION_DIR/local-{n}.json``, by default under ``~/.cache/autopar/calibration``
+    (the measurements depend on n: n processes share the machine's cores and memory)."""
+    root = os.environ.get("AUTOPAR_CALIBRATION_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "autopar", "calibration")
+    return pathlib.Path(root) / f"local-{int(n)}.json"
+
+
+def _calibrated_local(n: int, ram_share: int) -> Cluster | None:
+    """The spec ``autopar calibrate`` wrote for ``n`` processes, with this machine's RAM / n
+    (None: not calibrated). A file that cannot be read is an error naming it, not ignored."""
+    path = calibration_path(n)
+    if not path.is_file():
+        return None
+    try:
+        spec = Cluster.from_json(path.read_text())
+    except (OSError, ClusterSpecError) as e:
+        raise ClusterSpecError(
+            f"the calibrated spec {path} cannot be used: {e}; re-run `autopar calibrate --nproc {n}` or delete the "
+            "file to use the uncalibrated local model") from None
+    if spec.world_size != n or spec.device_type != "cpu":
+        raise ClusterSpecError(
+            f"the calibrated spec {path} describes {spec.world_size} {spec.device_type} device(s), not {n} local "
+            f"CPU processes; re-run `autopar calibrate --nproc {n}` or delete the file")
+    device = dataclasses.replace(spec.device, memory_bytes=ram_share)
+    return dataclasses.replace(spec, device=device)
 
 
 def _fields(d: Any, prefix: str, names: list[str]) -> dict[str, Any]:

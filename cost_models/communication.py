@@ -38,7 +38,8 @@ nothing is shared between them and other groups' ranks use their own NICs. Hence
 A group whose ranks are unevenly spread is modelled as if every node held ``r`` of them
 (``r`` = the largest count on a node: conservative). ``B`` is a link's effective bandwidth:
 the datasheet value times ``LinkSpec.efficiency`` (None in the presets: NCCL-ideal rings; set by
-calibration from a measured run of a given software stack). A zero-byte collective and a group
+calibration from a measured run of a given software stack); a kind that ``autopar calibrate``
+measured on a link (``LinkSpec.collectives``) uses its own latency and bus bandwidth instead. A zero-byte collective and a group
 of one rank cost 0.
 
 Example:
@@ -137,7 +138,7 @@ def _ring(kind: str, n: float, p: int, link: LinkSpec) -> float:
     """One-level alpha-beta time of ``kind`` over ``p`` ranks on one link type."""
     if p == 1:
         return 0.0
-    bw, a = link.effective_bandwidth, link.latency
+    a, bw = link.collective(kind)
     if kind == "all_reduce":
         return 2 * (p - 1) / p * n / bw + 2 * (p - 1) * a
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -177,8 +178,9 @@ def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
     if kind in ("all_gather", "reduce_scatter"):
         return _ring(kind, n / rails, m, inter) + _ring(kind, n, r, intra)
     if kind == "all_to_all":
-        t_intra = (r - 1) / p * n / intra.effective_bandwidth + (r - 1) * intra.latency
-        t_inter = (p - r) / p * n * (r / rails) / inter.effective_bandwidth + (p - r) * inter.latency
+        (a_intra, bw_intra), (a_inter, bw_inter) = intra.collective(kind), inter.collective(kind)
+        t_intra = (r - 1) / p * n / bw_intra + (r - 1) * a_intra
+        t_inter = (p - r) / p * n * (r / rails) / bw_inter + (p - r) * a_inter
         return max(t_intra, t_inter)
     # broadcast: pipelined chain, bottleneck inter-node bandwidth
     return n / inter.effective_bandwidth + (m - 1) * inter.latency + (p - m) * intra.latency

@@ -1,10 +1,17 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch.distributed as dist
 
 import autopar
+
+# Tests plan for the uncalibrated local model whatever `autopar calibrate` wrote on this machine
+# (spawned ranks inherit the variable); tests of calibration set their own folder.
+os.environ["AUTOPAR_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="autopar-no-calibration-")
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ from autopar.strategies import Strategy
 from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
-__all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "reshard_time", "reshard_step_bytes", "bucketed_time",
+__all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "reshard_time",
+           "reshard_step_bytes", "bucketed_time",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
 
@@ -39,6 +40,9 @@ VIEW_OPS = {
 
 # backward / forward cost ratios by op kind
 _BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
+# ops a backward runs per forward op, each paying DeviceSpec.op_overhead: a matmul's two GEMMs
+# (input and weight gradient), one fused attention backward, one op for the rest
+_BWD_OPS = {"matmul": 2, "attention": 1, "pointwise": 1, "other": 1}
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,31 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     ref = next((o for o in strategy.outs if o is not None), None)
     split = split_factor(ref, ctx.mesh_shape) if ref is not None else 1
     dtype = ctx.policy.compute_dtype
-    eff = _efficiency(ctx.cluster.device, kind)
-    fwd = op_time(flops / split, nbytes / split, ctx.cluster.device, dtype, kind, efficiency=eff)
+    device = ctx.cluster.device
+    eff = _efficiency(device, kind)
+    overhead = device.op_overhead or 0.0
+    fwd = overhead + op_time(flops / split, nbytes / split, device, dtype, kind, efficiency=eff)
     if not node.meta.get("autopar.needs_grad", False):
         return fwd, 0.0
     ratio = _BWD_FLOPS_RATIO.get(kind, 2.0)
-    bwd = op_time(ratio * flops / split, ratio * nbytes / split, ctx.cluster.device, dtype, kind, efficiency=eff)
+    bwd = overhead * _BWD_OPS.get(kind, 1) + op_time(ratio * flops / split, ratio * nbytes / split, device, dtype,
+                                                      kind, efficiency=eff)
     return fwd, bwd
+
+
+def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
+    """Seconds of the optimizer's update of one parameter on one device: it streams the parameter
+    (read and written), its gradient and its states (each read and written) over the shard it
+    updates (ZeRO's shard where the state is sharded), and runs ``2 + 3 * states`` ops of
+    ``DeviceSpec.op_overhead`` each (torch's per-parameter loop: SGD's update, Adam's moments,
+    denominator and update)."""
+    state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
+    numel = local_numel(meta.shape, state if state is not None else strategy.outs[0], ctx.mesh_shape)
+    states = ctx.optimizer.states
+    nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
+    device = ctx.cluster.device
+    return (device.op_overhead or 0.0) * (2 + 3 * states) + op_time(numel * (1 + 3 * states), nbytes, device,
+                                                                     "fp32", "pointwise")
 
 
 def _imbalanced_region_flops(node: fx.Node, strategy: Strategy, ctx: CostContext, flops: float) -> float:
@@ -159,9 +181,12 @@ def _imbalanced_region_flops(node: fx.Node, strategy: Strategy, ctx: CostContext
 
 
 def _efficiency(device, kind: str) -> float | None:
-    """The device's calibrated matmul efficiency (attention scaled as in cost_models.compute)."""
+    """The device's calibrated matmul efficiency (attention: its own where calibrated, else
+    scaled as in cost_models.compute)."""
     from autopar.cost_models import compute
 
+    if kind == "attention" and device.attention_efficiency is not None:
+        return device.attention_efficiency
     if device.matmul_efficiency is None or kind not in ("matmul", "attention"):
         return None
     if kind == "matmul":

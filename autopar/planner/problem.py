@@ -24,7 +24,8 @@ from autopar.ir import (LOCAL_OUTPUTS_KEY, batch_norm_sync, edge_reshard, local_
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
-from autopar.planner.costing import CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work, param_memory, reshard_time
+from autopar.planner.costing import (CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work,
+                                     optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.op_memory import op_memory, warnings_silenced
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
@@ -196,6 +197,8 @@ def build_problem(
             if kind == "param":
                 trainable = n.meta.get("autopar.requires_grad", True)
                 static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
+                if trainable:  # the optimizer's update, after backward (priced as backward compute)
+                    bwd[i] = optimizer_update_time(n.meta["autopar.outputs"][0], s, ctx) * c
                 if trainable and s.zero_axes:
                     seconds = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx)
                     kinds.setdefault("all_gather", np.zeros(k))[i] = seconds * c

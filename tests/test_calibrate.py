@@ -1,0 +1,215 @@
+"""`autopar calibrate`: the fits recover known parameters, the fitted spec prices what was
+measured, `Cluster.local` reads the spec, bad specs are refused, and the command runs end to end."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import autopar
+from autopar.calibration import combine_ranks, fit_cluster
+from autopar.calibration.fit import exposed_share, fit_collective, fit_compute, ring_terms
+from autopar.cluster import Cluster, LinkSpec, calibration_path
+from autopar.cost_models.communication import CommGroup, collective_time
+from autopar.cost_models.compute import MEMORY_EFFICIENCY
+from autopar.errors import AutoparError, ClusterSpecError
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _noisy(t: float, rng, spread: float = 0.02) -> float:
+    return t * (1.0 + rng.uniform(-spread, spread))
+
+
+def test_fit_compute_recovers_overhead_rate_and_bandwidth_from_noisy_timings():
+    rng = np.random.default_rng(0)
+    overhead, rate, bw = 4e-6, 3e10, 8e9
+    mm = [(f, _noisy(overhead + f / rate, rng)) for f in np.geomspace(1e4, 1e9, 8)]
+    st = [(b, _noisy(overhead + b / bw, rng)) for b in np.geomspace(1e3, 1e8, 6)]
+    att = [(f, overhead + f / 1e10) for f in (1e6, 1e8)]
+    fit = fit_compute(mm, st, att)
+    assert fit.overhead == pytest.approx(overhead, rel=0.1)
+    assert fit.matmul_rate == pytest.approx(rate, rel=0.05)
+    assert fit.memory_bandwidth == pytest.approx(bw, rel=0.05)
+    assert fit.attention_rate == pytest.approx(1e10, rel=0.01)  # with the fitted (noisy) overhead held
+
+
+def test_fit_compute_drops_an_intercept_the_data_puts_below_zero():
+    # pure throughput with a slight negative bias at small sizes: the overhead is 0, not negative
+    mm = [(f, f / 1e10 * (0.9 if f < 1e6 else 1.0)) for f in (1e5, 1e6, 1e7, 1e8)]
+    st = [(b, b / 1e9) for b in (1e5, 1e7)]
+    fit = fit_compute(mm, st)
+    assert fit.overhead == 0.0
+    assert fit.matmul_rate == pytest.approx(1e10, rel=0.1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fitted_collective_prices_exactly_what_was_measured(kind):
+    """Timings made by the ring model with a known (latency, bandwidth): the fit recovers them,
+    and a cluster carrying the fit prices every measured point as measured."""
+    lat, bw = 80e-6, 1.5e9
+    points = []
+    for p in (2, 4):
+        hops, factor = ring_terms(kind, p)
+        for n in (4096.0, 65536.0, 1 << 20, 1 << 23):
+            points.append((p, n, hops * lat + factor * n / bw))
+    fit = fit_collective(kind, points)
+    assert fit.latency == pytest.approx(lat, rel=1e-6) and fit.bandwidth == pytest.approx(bw, rel=1e-6)
+    link = LinkSpec(bandwidth=9e9, latency=1e-6, collectives=((kind, fit.latency, fit.bandwidth),))
+    cluster = dataclasses.replace(Cluster.local(4), intra_node=link, inter_node=link)
+    for p, n, t in points:
+        assert collective_time(kind, n, CommGroup(p, p), cluster) == pytest.approx(t, rel=1e-6)
+    other = next(k for k in KINDS if k != kind)  # an unmeasured kind keeps the link's own figures
+    hops, factor = ring_terms(other, 2)
+    assert collective_time(other, 1e6, CommGroup(2, 2), cluster) == pytest.approx(hops * 1e-6 + factor * 1e6 / 9e9, rel=1e-6)
+
+
+def test_exposed_share_is_clipped_to_a_fraction():
+    assert exposed_share(1.0, 0.5, 1.25) == 0.5
+    assert exposed_share(1.0, 0.5, 0.9) == 0.0  # faster together than compute alone: noise, fully hidden
+    assert exposed_share(1.0, 0.5, 2.0) == 1.0
+    with pytest.raises(AutoparError, match="positive"):
+        exposed_share(1.0, 0.0, 1.0)
+
+
+def _synthetic_measurements(world: int = 4) -> dict:
+    """Two ranks' measurements made by known parameters (rank 1 slower by 10% on compute)."""
+    overhead, rate, bf16, bw, att = 3e-6, 4e10, 1e10, 6e9, 8e9
+    ranks = []
+    for slow in (1.0, 1.1):
+        comp = {"matmul": {"float32": [(f, slow * (overhead + f / rate)) for f in (1e5, 1e6, 1e7, 1e8)],
+                           "bfloat16": [(f, slow * (overhead + f / bf16)) for f in (1e5, 1e6, 1e7, 1e8)]},
+                "attention": [(f, slow * (overhead + f / att)) for f in (1e6, 1e7)],
+                "stream": [(b, slow * (overhead + b / bw)) for b in (1e4, 1e6, 1e8)]}
+        coll = {k: [(p, n, ring_terms(k, p)[0] * 50e-6 + ring_terms(k, p)[1] * n / 2e9)
+                    for p in (2, world) for n in (1e4, 1e6, 1e7)] for k in KINDS}
+        ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll,
+                      "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029}})
+    return combine_ranks(ranks)
+
+
+def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
+    base = Cluster.local(4, calibrated=False)
+    c = fit_cluster(_synthetic_measurements(), base, "test")
+    d = c.device
+    # the median of two ranks (1.0x and 1.1x) is their mean: 1.05x the times
+    assert d.op_overhead == pytest.approx(3e-6 * 1.05, rel=1e-3)
+    assert d.peak_flops.fp32 == pytest.approx(4e10 / 1.05, rel=1e-3) and d.matmul_efficiency == 1.0
+    assert d.peak_flops.bf16 == pytest.approx(1e10 / 1.05, rel=1e-3)
+    assert d.memory_bandwidth * MEMORY_EFFICIENCY == pytest.approx(6e9 / 1.05, rel=1e-3)
+    assert d.attention_efficiency == pytest.approx(8e9 / 4e10, rel=1e-3)
+    assert c.intra_node.collective("all_to_all") == pytest.approx((50e-6, 2e9), rel=1e-6)
+    assert c.exposed_comm_share == pytest.approx(0.9)
+    assert any("all_reduce" in s for s in c.sources) and c.device.memory_bytes == base.device.memory_bytes
+    assert Cluster.from_json(c.to_json()) == c
+
+
+def test_calibrated_spec_prices_a_measured_matmul_as_measured():
+    """The cost model over the fitted spec gives back the fitted compute model's times: overhead
+    plus flops at the measured rate, for a small and a large matmul."""
+    from autopar.cost_models.compute import op_time
+
+    c = fit_cluster(_synthetic_measurements(), Cluster.local(4, calibrated=False))
+    d = c.device
+    for flops in (1e5, 1e8):
+        t = d.op_overhead + op_time(flops, 0.0, d, "fp32", "matmul", efficiency=d.matmul_efficiency)
+        assert t == pytest.approx(1.05 * (3e-6 + flops / 4e10), rel=1e-3)
+
+
+def test_local_reads_the_calibrated_spec_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CALIBRATION_DIR", str(tmp_path))
+    plain = Cluster.local(4)
+    assert plain.device.op_overhead is None
+    fitted = fit_cluster(_synthetic_measurements(), plain, "test")
+    calibration_path(4).write_text(fitted.to_json())
+    got = Cluster.local(4)
+    assert got.device.op_overhead == fitted.device.op_overhead and got.intra_node == fitted.intra_node
+    assert got.device.memory_bytes == plain.device.memory_bytes  # this machine's RAM / n, read now
+    assert Cluster.local(4, calibrated=False) == plain
+    assert Cluster.local(2).device.op_overhead is None  # calibrated for 4 processes only
+    calibration_path(2).write_text(fitted.to_json())
+    with pytest.raises(ClusterSpecError, match="4 cpu device.*not 2 local"):
+        Cluster.local(2)
+    calibration_path(2).write_text("{not json")
+    with pytest.raises(ClusterSpecError, match=r"local-2\.json cannot be used.*autopar calibrate --nproc 2"):
+        Cluster.local(2)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ((("all_reduce", 1e-5),), "kind, latency"),
+    ((("broadcastish", 1e-5, 1e9),), "kind, latency"),
+    ((("all_reduce", -1.0, 1e9),), "latency s >= 0"),
+    ((("all_reduce", 1e-5, 0.0),), "bandwidth"),
+    ((("all_reduce", 1e-5, 1e9), ("all_reduce", 2e-5, 1e9)), "twice"),
+])
+def test_link_collectives_are_validated(rows, match):
+    with pytest.raises(ClusterSpecError, match=match):
+        LinkSpec(bandwidth=1e9, latency=1e-5, collectives=rows)
+
+
+def test_device_overhead_and_attention_efficiency_are_validated():
+    d = Cluster.local(1, calibrated=False).device
+    with pytest.raises(ClusterSpecError, match="op_overhead"):
+        dataclasses.replace(d, op_overhead=-1e-6)
+    with pytest.raises(ClusterSpecError, match="attention_efficiency"):
+        dataclasses.replace(d, attention_efficiency=1.5)
+
+
+def test_specs_written_before_the_calibrated_fields_still_load():
+    d = json.loads(Cluster.preset("dgx-h100").to_json())
+    for key in ("attention_efficiency", "op_overhead"):
+        del d["device"][key]
+    for link in ("intra_node", "inter_node"):
+        del d[link]["collectives"]
+    assert Cluster.from_json(json.dumps(d)) == Cluster.preset("dgx-h100")
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+
+
+def test_the_optimizer_update_is_priced_and_sharded_with_its_state():
+    """The plan's step time includes the optimizer's update: Adam's costs more than SGD's, and
+    sharding the optimizer state over 4 ranks (ZeRO-1) divides it."""
+    x = torch.randn(64, 256)
+    cluster = Cluster.local(4)
+
+    def compute_s(optimizer, zero):
+        c = autopar.Constraints(dp=4, tp=1, zero=zero)
+        return autopar.plan(_mlp(), cluster, x, optimizer=optimizer, constraints=c).predicted.compute_s
+
+    from autopar.planner.costing import CostContext, optimizer_update_time
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.strategies import Strategy
+    from autopar.trace import TensorMeta
+
+    meta = TensorMeta((1024, 256), torch.float32)
+    ctx = {o: CostContext((4,), ("dp",), cluster, precision_policy("fp32"), optimizer_spec(o)) for o in ("sgd", "adam")}
+    from torch.distributed.tensor.placement_types import Replicate
+
+    replicated = Strategy(ins=(), outs=((Replicate(),),), grad_ins=())
+    sharded = dataclasses.replace(replicated, zero_axes=(0,), zero_stage=1)
+    sgd, adam = (optimizer_update_time(meta, replicated, ctx[o]) for o in ("sgd", "adam"))
+    assert adam > 2 * sgd > 0
+    assert optimizer_update_time(meta, sharded, ctx["adam"]) == pytest.approx(adam / 4, rel=1e-6)
+    assert compute_s("adam", 0) > compute_s("sgd", 0)
+    assert compute_s("adam", 1) < compute_s("adam", 0)
+
+
+@pytest.mark.slow
+def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
+    from autopar.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["calibrate", "--nproc", "2", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    spec = Cluster.from_json(out.read_text())
+    assert spec.world_size == 2 and spec.device_type == "cpu"
+    d = spec.device
+    assert d.op_overhead is not None and d.matmul_efficiency == 1.0 and d.peak_flops.fp32 > 1e8
+    assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS)
+    assert 0.0 <= spec.exposed_comm_share <= 1.0
+    assert "all_to_all" in printed and str(out) in printed
