@@ -119,6 +119,25 @@ class DeviceSpec:
     # seconds every executed op costs whatever its size (host dispatch, kernel launch; the
     # intercept of ``autopar calibrate``'s compute fit); None: 0, the presets' large-op model
     op_overhead: float | None = None
+    # the same for each op of the optimizer's per-parameter update (no autograd: cheaper)
+    update_op_overhead: float | None = None
+    # the optimizer's update per parameter element: (seconds, more seconds per state tensor), e.g.
+    # SGD's time per element and Adam's = first + 2 * second; None: streamed at memory bandwidth
+    update_element_s: tuple[float, float] | None = None
+    # measured per op name (the traced graph's, e.g. "gelu", "layer_norm"): (name, forward seconds
+    # per element, backward seconds per element), sorted by name; such an op is priced by its
+    # elements (the largest of its inputs and outputs) instead of the roofline
+    op_costs: tuple[tuple[str, float, float], ...] = ()
+    # measured fp32 matmuls: (m, k, n, seconds) over a grid of shapes (``autopar calibrate``); a
+    # matmul is then priced at the efficiency interpolated from its shape (cost_models.compute)
+    matmul_table: tuple[tuple[int, int, int, float], ...] = ()
+
+    def op_cost(self, name: str) -> tuple[float, float] | None:
+        """(forward, backward) seconds per element measured for op ``name``; None: not measured."""
+        for op, fwd, bwd in self.op_costs:
+            if op == name:
+                return fwd, bwd
+        return None
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec", self.name)
@@ -127,13 +146,43 @@ class DeviceSpec:
                 f"DeviceSpec.attention_efficiency must be in (0, 1] or None, got {self.attention_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in attention"
             )
-        ovh = self.op_overhead
-        if ovh is not None and not (isinstance(ovh, numbers.Real) and not isinstance(ovh, bool)
-                                    and math.isfinite(ovh) and 0.0 <= ovh < 1.0):
-            raise ClusterSpecError(
-                f"DeviceSpec.op_overhead must be a number of seconds in [0, 1) or None, got {ovh!r}; it is the "
-                "fixed cost of one executed op (e.g. 5e-6)"
-            )
+        upd = self.update_element_s
+        if upd is not None:
+            ok = isinstance(upd, (tuple, list)) and len(upd) == 2 and all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in upd)
+            if not ok:
+                raise ClusterSpecError(
+                    f"DeviceSpec.update_element_s must be (seconds per element, seconds per element per optimizer "
+                    f"state), both >= 0, or None; got {upd!r}")
+            object.__setattr__(self, "update_element_s", (float(upd[0]), float(upd[1])))
+        rows = []
+        for row in self.op_costs if isinstance(self.op_costs, (list, tuple)) else [self.op_costs]:
+            ok = isinstance(row, (list, tuple)) and len(row) == 3 and isinstance(row[0], str) and row[0] and all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row[1:])
+            if not ok:
+                raise ClusterSpecError(f"DeviceSpec.op_costs entries must be (op name, forward s per element >= 0, "
+                                       f"backward s per element >= 0), got {row!r}")
+            rows.append((row[0], float(row[1]), float(row[2])))
+        if len({r[0] for r in rows}) != len(rows):
+            raise ClusterSpecError(f"DeviceSpec.op_costs lists an op twice: {[r[0] for r in rows]}")
+        object.__setattr__(self, "op_costs", tuple(sorted(rows)))
+        table = []
+        for row in self.matmul_table if isinstance(self.matmul_table, (list, tuple)) else [self.matmul_table]:
+            ok = isinstance(row, (list, tuple)) and len(row) == 4 and all(
+                isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in row[:3]) and \
+                isinstance(row[3], numbers.Real) and not isinstance(row[3], bool) and math.isfinite(row[3]) and row[3] > 0
+            if not ok:
+                raise ClusterSpecError(f"DeviceSpec.matmul_table entries must be (m, k, n, seconds > 0), got {row!r}")
+            table.append((int(row[0]), int(row[1]), int(row[2]), float(row[3])))
+        object.__setattr__(self, "matmul_table", tuple(sorted(table)))
+        for attr in ("op_overhead", "update_op_overhead"):
+            ovh = getattr(self, attr)
+            if ovh is not None and not (isinstance(ovh, numbers.Real) and not isinstance(ovh, bool)
+                                        and math.isfinite(ovh) and 0.0 <= ovh < 1.0):
+                raise ClusterSpecError(
+                    f"DeviceSpec.{attr} must be a number of seconds in [0, 1) or None, got {ovh!r}; it is the "
+                    "fixed cost of one executed op (e.g. 5e-6)"
+                )
         if self.matmul_efficiency is not None and not _is_fraction(self.matmul_efficiency):
             raise ClusterSpecError(
                 f"DeviceSpec.matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}; "
@@ -423,10 +472,20 @@ class Cluster:
                 f"autopar reads version {SCHEMA_VERSION}; re-export the spec with this version"
             )
         if isinstance(top["device"], dict):
-            for key in ("matmul_efficiency", "attention_efficiency", "op_overhead"):
+            for key in ("matmul_efficiency", "attention_efficiency", "op_overhead", "update_op_overhead",
+                        "update_element_s"):
                 top["device"].setdefault(key, None)  # specs written before they existed
+            top["device"].setdefault("op_costs", [])
+            top["device"].setdefault("matmul_table", [])
         dev = _fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
-                                                 "matmul_efficiency", "attention_efficiency", "op_overhead"])
+                                                 "matmul_efficiency", "attention_efficiency", "op_overhead",
+                                                 "update_op_overhead", "update_element_s", "op_costs",
+                                                 "matmul_table"])
+        for key in ("op_costs", "matmul_table"):
+            if isinstance(dev[key], list):
+                dev[key] = tuple(tuple(r) if isinstance(r, list) else r for r in dev[key])
+        if isinstance(dev["update_element_s"], list):
+            dev["update_element_s"] = tuple(dev["update_element_s"])
         flops = _fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
         top["device"] = _build(DeviceSpec, dev, "device")

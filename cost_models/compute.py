@@ -30,8 +30,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from autopar.errors import AutoparError
 
@@ -46,6 +49,7 @@ __all__ = [
     "MEMORY_EFFICIENCY",
     "OP_KINDS",
     "op_time",
+    "matmul_time",
     "dtype_bytes",
 ]
 
@@ -137,3 +141,51 @@ def op_time(
     compute = flops / (peak * eff)
     memory = bytes_moved / (device.memory_bandwidth * mem_eff)
     return max(compute, memory)
+
+
+def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: int = 1) -> float:
+    """Seconds of ``batch`` matmuls of [m, k] x [k, n] on a device with a measured shape table
+    (``DeviceSpec.matmul_table``, fp32, from ``autopar calibrate``): at the efficiency
+    interpolated from the table (linearly in log efficiency over log m, log k, log n; a shape
+    beyond the grid takes its edge's), at ``dtype``'s peak. A matmul's efficiency depends on its
+    shape, not only its FLOPs: on a CPU a weight gradient whose inner dimension is a microbatch of
+    8 rows runs at a fifth of a square matmul's rate.
+    """
+    if not device.matmul_table:
+        raise AutoparError(f"matmul_time: device {device.name!r} has no measured matmul table; "
+                           "run `autopar calibrate` or price with op_time")
+    dims, log_eff = _efficiency_grid(device.matmul_table, device.peak_flops.fp32)
+    point = [np.log(max(v, 1)) for v in (m, k, n)]
+    eff = float(np.exp(_interpolate(dims, log_eff, point)))
+    return 2.0 * batch * m * k * n / (device.peak_flops.for_dtype(dtype) * eff)
+
+
+@functools.lru_cache(maxsize=16)
+def _efficiency_grid(table: tuple, peak: float) -> tuple[list[np.ndarray], np.ndarray]:
+    """(log dims per axis, log efficiency on their grid) from (m, k, n, seconds) rows; a grid
+    point that was not measured (a corner too large to time) takes the best measured efficiency."""
+    axes = [sorted({row[i] for row in table}) for i in range(3)]
+    eff = np.full([len(a) for a in axes], np.nan)
+    for m, k, n, t in table:
+        eff[axes[0].index(m), axes[1].index(k), axes[2].index(n)] = min(1.0, 2.0 * m * k * n / (t * peak))
+    eff[np.isnan(eff)] = np.nanmax(eff)
+    return [np.log(np.asarray(a, dtype=float)) for a in axes], np.log(eff)
+
+
+def _interpolate(axes: list[np.ndarray], values: np.ndarray, point: list[float]) -> float:
+    """Multilinear interpolation of ``values`` (on the grid ``axes``) at ``point``, clamped to the grid."""
+    corners = []
+    for ax, x in zip(axes, point):
+        if len(ax) == 1:
+            corners.append(((0, 1.0),))
+            continue
+        x = min(max(x, ax[0]), ax[-1])
+        i = min(int(np.searchsorted(ax, x, side="right")) - 1, len(ax) - 2)
+        w = (x - ax[i]) / (ax[i + 1] - ax[i])
+        corners.append(((i, 1.0 - w), (i + 1, w)))
+    total = 0.0
+    for a in corners[0]:
+        for b in corners[1]:
+            for c in corners[2]:
+                total += a[1] * b[1] * c[1] * values[a[0], b[0], c[0]]
+    return total

@@ -11,6 +11,7 @@ import torch
 
 import autopar
 from autopar.calibration import combine_ranks, fit_cluster
+from autopar.calibration.microbench import probe_units
 from autopar.calibration.fit import exposed_share, fit_collective, fit_compute, ring_terms
 from autopar.cluster import Cluster, LinkSpec, calibration_path
 from autopar.cost_models.communication import CommGroup, collective_time
@@ -86,7 +87,14 @@ def _synthetic_measurements(world: int = 4) -> dict:
                 "stream": [(b, slow * (overhead + b / bw)) for b in (1e4, 1e6, 1e8)]}
         coll = {k: [(p, n, ring_terms(k, p)[0] * 50e-6 + ring_terms(k, p)[1] * n / 2e9)
                     for p in (2, world) for n in (1e4, 1e6, 1e7)] for k in KINDS}
-        ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll,
+        fb_units, up_units = probe_units()
+        flops = 1e6
+        numel = 1 << 20  # SGD: 0.2 ns per element; AdamW: 0.2 + 2 x 1.5 ns
+        training = {"fwd_bwd_s": slow * (fb_units * 30e-6 + flops / rate), "step_s": slow * up_units * 5e-6,
+                    "matmul_flops": flops, "params": 100, "update_numel": numel,
+                    "sgd_update_s": slow * (2 * 5e-6 + numel * 0.2e-9),
+                    "adamw_update_s": slow * (8 * 5e-6 + numel * 3.2e-9)}
+        ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
                       "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029}})
     return combine_ranks(ranks)
 
@@ -96,7 +104,9 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     c = fit_cluster(_synthetic_measurements(), base, "test")
     d = c.device
     # the median of two ranks (1.0x and 1.1x) is their mean: 1.05x the times
-    assert d.op_overhead == pytest.approx(3e-6 * 1.05, rel=1e-3)
+    assert d.op_overhead == pytest.approx(30e-6 * 1.05, rel=1e-3)
+    assert d.update_op_overhead == pytest.approx(5e-6 * 1.05, rel=1e-3)
+    assert d.update_element_s == pytest.approx((0.2e-9 * 1.05, 1.5e-9 * 1.05), rel=1e-3)
     assert d.peak_flops.fp32 == pytest.approx(4e10 / 1.05, rel=1e-3) and d.matmul_efficiency == 1.0
     assert d.peak_flops.bf16 == pytest.approx(1e10 / 1.05, rel=1e-3)
     assert d.memory_bandwidth * MEMORY_EFFICIENCY == pytest.approx(6e9 / 1.05, rel=1e-3)
@@ -107,16 +117,22 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert Cluster.from_json(c.to_json()) == c
 
 
-def test_calibrated_spec_prices_a_measured_matmul_as_measured():
-    """The cost model over the fitted spec gives back the fitted compute model's times: overhead
-    plus flops at the measured rate, for a small and a large matmul."""
-    from autopar.cost_models.compute import op_time
+def test_the_planner_prices_the_training_probe_as_measured():
+    """The probe's ops, counted as the calibration counts them (``probe_units``), are the ops the
+    planner charges: planning the probe itself on the fitted spec predicts its measured forward,
+    backward and AdamW update (arithmetic and the streaming of its tiny tensors aside)."""
+    from autopar.calibration.microbench import PROBE_ROWS, PROBE_WIDTH, _probe_model
 
-    c = fit_cluster(_synthetic_measurements(), Cluster.local(4, calibrated=False))
-    d = c.device
-    for flops in (1e5, 1e8):
-        t = d.op_overhead + op_time(flops, 0.0, d, "fp32", "matmul", efficiency=d.matmul_efficiency)
-        assert t == pytest.approx(1.05 * (3e-6 + flops / 4e10), rel=1e-3)
+    measured = _synthetic_measurements()
+    measured.pop("collectives"), measured.pop("overlap")
+    one = fit_cluster(dict(measured, world=1), Cluster.local(1, calibrated=False))
+    x = torch.randn(PROBE_ROWS, PROBE_WIDTH)
+    plan = autopar.plan(_probe_model(torch.device("cpu")), one, x, loss_fn=lambda out, _: out.sum(),
+                        example_target=torch.zeros(()), optimizer="adamw")
+    t = measured["training"]
+    per_element = one.device.update_element_s[0] + 2 * one.device.update_element_s[1]
+    update = t["step_s"] + per_element * sum(p.numel() for p in _probe_model(torch.device("cpu")).parameters())
+    assert plan.predicted.compute_s == pytest.approx(t["fwd_bwd_s"] + update, rel=0.05)
 
 
 def test_local_reads_the_calibrated_spec_and_refuses_a_bad_one(tmp_path, monkeypatch):
@@ -210,6 +226,49 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     assert spec.world_size == 2 and spec.device_type == "cpu"
     d = spec.device
     assert d.op_overhead is not None and d.matmul_efficiency == 1.0 and d.peak_flops.fp32 > 1e8
+    assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS)
     assert 0.0 <= spec.exposed_comm_share <= 1.0
     assert "all_to_all" in printed and str(out) in printed
+
+
+def test_matmul_time_gives_back_the_measured_shapes_and_interpolates_between_them():
+    """A table whose efficiency grows with the inner dimension k: each measured shape is priced as
+    measured, a shape between two is priced between them, one beyond the grid at its edge's
+    efficiency, and bf16 at its own peak."""
+    from autopar.cost_models.compute import matmul_time
+
+    dims = (8, 64, 512)
+    peak = 1e11
+    eff = {8: 0.05, 64: 0.4, 512: 0.8}
+    table = tuple((m, k, n, 2.0 * m * k * n / (peak * eff[k])) for m in dims for k in dims for n in dims)
+    d = dataclasses.replace(Cluster.local(1, calibrated=False).device, matmul_table=table,
+                            peak_flops=autopar.cluster.PeakFlops(fp32=peak, tf32=peak, bf16=2 * peak, fp16=2 * peak))
+    for m, k, n, t in table:
+        assert matmul_time(m, k, n, d, "fp32") == pytest.approx(t, rel=1e-9)
+    between = matmul_time(64, 128, 64, d, "fp32")
+    assert matmul_time(64, 512, 64, d, "fp32") > between / 2 and between > matmul_time(64, 64, 64, d, "fp32")
+    assert 2.0 * 64 * 4096 * 64 / matmul_time(64, 4096, 64, d, "fp32") == pytest.approx(peak * 0.8, rel=1e-9)
+    assert matmul_time(64, 64, 64, d, "bf16") == pytest.approx(matmul_time(64, 64, 64, d, "fp32") / 2, rel=1e-9)
+    assert matmul_time(64, 64, 64, d, "fp32", batch=3) == pytest.approx(3 * matmul_time(64, 64, 64, d, "fp32"))
+
+
+def test_a_calibrated_shape_table_prices_a_linear_by_its_local_shapes():
+    """With a shape table, a linear's forward is priced by its local (rows, in, out) and its
+    backward by the input gradient's and the weight gradient's shapes (the latter's inner dim is
+    the rows): a small batch's weight gradient costs what the table says such a shape costs."""
+    from autopar.cost_models.compute import matmul_time
+
+    dims = (8, 64, 512)
+    table = tuple((m, k, n, 2.0 * m * k * n / (1e11 * (0.05 if 8 in (m, k) else 0.8))) for m in dims for k in dims
+                  for n in dims)
+    base = Cluster.local(1, calibrated=False)
+    one = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, matmul_table=table, op_overhead=0.0,
+        peak_flops=autopar.cluster.PeakFlops(fp32=1e11, tf32=1e11, bf16=1e11, fp16=1e11)))
+    model = torch.nn.Linear(512, 512, bias=False)
+    plan = autopar.plan(model, one, torch.randn(8, 512), optimizer="sgd")
+    node = next(n for n in plan.nodes.values() if "linear" in n.op)
+    d = one.device
+    expected = matmul_time(8, 512, 512, d, "fp32") + matmul_time(8, 512, 512, d, "fp32") + matmul_time(512, 8, 512, d, "fp32")
+    assert node.compute_s == pytest.approx(expected, rel=1e-6)

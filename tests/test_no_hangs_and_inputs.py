@@ -122,10 +122,12 @@ def test_the_plan_fingerprint_covers_its_decisions(mlp_plan):
     assert p.inputs_fingerprint and p.fingerprint != p.inputs_fingerprint
     assert dataclasses.replace(p).fingerprint == p.fingerprint  # rebuilt unchanged: the same plan
     sharded = next(n for n in p.stages[0].nodes if any(i not in ("[R, R]", "any") for i in n.ins))
+    weight, bias = p.params["layers.0.up.weight"], p.params["layers.0.up.bias"]
     changed = {
-        "a parameter's layout": _replace_param(p, "layers.0.up.weight", layout="[R, R]"),
-        "a parameter's ZeRO stage": _replace_param(p, "layers.0.up.bias", zero_stage=1),
-        "a parameter's ZeRO axes": _replace_param(p, "layers.0.up.bias", zero_axes=()),
+        "a parameter's layout": _replace_param(p, "layers.0.up.weight", layout=next(
+            lay for lay in ("[R, R]", "[S(0), R]") if lay != weight.layout)),
+        "a parameter's ZeRO stage": _replace_param(p, "layers.0.up.bias", zero_stage=1 if bias.zero_stage != 1 else 2),
+        "a parameter's ZeRO axes": _replace_param(p, "layers.0.up.bias", zero_axes=() if bias.zero_axes else ("dp",)),
         "a node's strategy": _replace_node(p, sharded.name, ins=tuple("[R, R]" for _ in sharded.ins)),
         "the mesh": dataclasses.replace(p, mesh_axes=(("dp", 1), ("tp", 2))),
         "microbatches": dataclasses.replace(p, microbatches=2),
@@ -152,10 +154,11 @@ def test_the_plan_fingerprint_survives_json_and_an_edited_file_gets_a_new_one(ml
     assert q == p and q.fingerprint == p.fingerprint and q.to_json() == text
     d = json.loads(text)
     weight = next(x for x in d["stages"][0]["params"] if x["fqn"] == "layers.0.up.weight")
-    weight["layout"] = "[R, R]"  # edited by hand on one rank; the stored fingerprint is stale
+    other = next(lay for lay in ("[R, R]", "[S(0), R]", "[R, S(0)]") if lay != weight["layout"])
+    weight["layout"] = other  # edited by hand on one rank; the stored fingerprint is stale
     edited = autopar.Plan.from_json(json.dumps(d))
     assert edited.fingerprint != p.fingerprint
-    assert edited.fingerprint == _replace_param(p, "layers.0.up.weight", layout="[R, R]").fingerprint
+    assert edited.fingerprint == _replace_param(p, "layers.0.up.weight", layout=other).fingerprint
     # a plan written before the fingerprint covered decisions (it held the inputs' hash only)
     d = json.loads(text)
     d["fingerprint"] = d.pop("inputs_fingerprint")

@@ -359,8 +359,12 @@ def test_solver_report_says_why_the_solver_stopped():
 
     proven = plan_gpt(cluster=Cluster.local(4))
     assert proven.solver.status == "OPTIMAL" and proven.solver.stopped == "optimal" and proven.solver.gap == 0.0
-    skipped = plan_gpt(cluster=Cluster.local(4), solver=SolverConfig(prove_limit=1e-12, prove_best_limit=1e-12))
-    assert skipped.solver.status == "FEASIBLE"  # this GPT's LP is loose (its overlap terms)
+    from examples.moe import MoEConfig, MoEGPT, example_batch as moe_batch, moe_loss
+
+    x, y = moe_batch(MoEConfig(), 8)
+    skipped = autopar.plan(MoEGPT(MoEConfig()), Cluster.local(4), x, loss_fn=moe_loss, example_target=y,
+                           solver=SolverConfig(prove_limit=1e-12, prove_best_limit=1e-12))
+    assert skipped.solver.status == "FEASIBLE"  # this MoE's LP is loose (its overlap terms)
     assert skipped.solver.stopped == "proof skipped"
     assert skipped.solver.bound_s < skipped.solver.objective_s
     assert skipped.solver.gap == pytest.approx(1 - skipped.solver.bound_s / skipped.solver.objective_s, rel=1e-3)
@@ -499,7 +503,8 @@ def test_a_tensor_written_in_place_is_never_resharded_before_the_write():
 def test_materialised_attention_is_sharded_by_heads_and_costs_its_memory_traffic():
     """The example GPT's "math" attention (scores through device memory, as stacks without flash
     attention ran it) computes what SDPA computes; under tp=2 its (heads x seq x seq) scores stay
-    on their rank (the same collectives as SDPA, within 1%), and the plan prices their traffic."""
+    on their rank (split over tp, consumed where they are made; the plan's collectives within 10%
+    of SDPA's), and the plan prices their traffic."""
     import torch
 
     from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
@@ -514,7 +519,14 @@ def test_materialised_attention_is_sharded_by_heads_and_costs_its_memory_traffic
                                 constraints=autopar.Constraints(tp=2, dp=2))
              for name, m in (("math", math_gpt), ("sdpa", sdpa_gpt))}
     moved = {k: sum(v for _, v in p.predicted.comm_bytes) for k, p in plans.items()}
-    assert abs(moved["math"] - moved["sdpa"]) <= 0.01 * moved["sdpa"]
+    assert abs(moved["math"] - moved["sdpa"]) <= 0.1 * moved["sdpa"]
+    nodes = plans["math"].nodes
+    for layer in (0, 1):  # the scores: split over tp (heads or query rows), consumed where made
+        mine = [n for n in nodes.values() if n.module == f"blocks.{layer}.attn"]
+        softmax = next(n for n in mine if "softmax" in n.op)
+        made = next(n for n in mine if n.outs[0] == softmax.ins[0] and "masked_fill" in n.op)
+        assert softmax.outs[0].strip("[]").split(", ")[1] in ("S(1)", "S(2)"), softmax
+        assert next(n for n in mine if n.op == "aten.matmul.default" and n is not made and n.ins[0] == softmax.outs[0])
     assert plans["math"].predicted.step_time_s > plans["sdpa"].predicted.step_time_s
     with pytest.raises(ValueError, match="attention must be 'sdpa' or 'math'"):
         GPT(GPTConfig(attention="flash"))

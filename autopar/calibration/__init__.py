@@ -11,8 +11,11 @@ local model:
 * ``device.peak_flops``: the measured large-matmul rate per dtype (a CPU has no datasheet peak:
   ``matmul_efficiency`` is 1 and a small matmul's lower efficiency comes from ``op_overhead``);
   on a GPU the preset's datasheet peaks stay and ``matmul_efficiency`` is the measured share;
-* ``device.attention_efficiency``, ``device.memory_bandwidth`` (stated so that the cost model's
-  ``MEMORY_EFFICIENCY`` gives back the measured rate) and ``device.op_overhead``;
+* ``device.attention_efficiency`` and ``device.memory_bandwidth`` (stated so that the cost
+  model's ``MEMORY_EFFICIENCY`` gives back the measured rate);
+* ``device.op_overhead`` and ``update_op_overhead``: what one op of a training step costs beyond
+  its arithmetic (dispatch, autograd's recording and backward nodes; the optimizer's loop),
+  from a probe of many small ops trained with AdamW, over the ops the cost model counts in it;
 * per collective kind, its latency per hop and bus bandwidth (``LinkSpec.collectives``); the
   link's own (latency, bandwidth) are the all-reduce's;
 * ``exposed_comm_share``: the share of a collective left on the critical path with compute
@@ -28,12 +31,12 @@ import pathlib
 import platform
 import statistics
 
-from autopar.calibration.fit import exposed_share, fit_collective, fit_compute
-from autopar.calibration.microbench import MicrobenchSpec, measure_rank
+from autopar.calibration.fit import exposed_share, fit_collective, fit_compute, fit_op_cost
+from autopar.calibration.microbench import PROBE_LAYERS, MicrobenchSpec, measure_rank, probe_units
 from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import AutoparError
 
-__all__ = ["calibrate", "fit_cluster", "combine_ranks"]
+__all__ = ["calibrate", "fit_cluster", "combine_ranks", "training_overheads"]
 
 
 def combine_ranks(per_rank: list[dict]) -> dict:
@@ -46,14 +49,37 @@ def combine_ranks(per_rank: list[dict]) -> dict:
         "matmul": {d: [(rows[i][0], statistics.median(r["compute"]["matmul"][d][i][1] for r in per_rank))
                        for i in range(len(rows))] for d, rows in comp["matmul"].items()},
         **{key: [(rows[i][0], statistics.median(r["compute"][key][i][1] for r in per_rank))
-                 for i in range(len(rows))] for key, rows in comp.items() if key != "matmul"},
+                 for i in range(len(rows))] for key, rows in comp.items() if key not in ("matmul", "gemm")},
+        "gemm": [(*rows[:3], statistics.median(r["compute"]["gemm"][i][3] for r in per_rank))
+                 for i, rows in enumerate(comp.get("gemm", []))],
     }}
+    out["training"] = {k: statistics.median(r["training"][k] for r in per_rank) for k in first["training"]}
+    out["ops"] = {name: [(rows[i][0], *(statistics.median(r["ops"][name][i][j] for r in per_rank) for j in (1, 2)))
+                         for i in range(len(rows))] for name, rows in first.get("ops", {}).items()}
     if "collectives" in first:
         out["collectives"] = {k: [(p, n, statistics.fmean(r["collectives"][k][i][2] for r in per_rank))
                                   for i, (p, n, _) in enumerate(rows)]
                               for k, rows in first["collectives"].items()}
         out["overlap"] = {k: statistics.fmean(r["overlap"][k] for r in per_rank) for k in first["overlap"]}
     return out
+
+
+def training_overheads(training: dict, matmul_rate: float) -> tuple[float, float, tuple[float, float]]:
+    """(seconds per forward/backward op, seconds per optimizer-update op, the update's (seconds
+    per element, more per state)) from the probe's measured times (``microbench._training_ops``):
+    its matmuls' arithmetic taken out, over the ops the cost model counts in it
+    (``microbench.probe_units``); SGD's (no state) and AdamW's (two) update of a large parameter,
+    their ops' fixed cost taken out, per element."""
+    from autopar.planner.costing import update_ops
+
+    fwd_bwd_units, update_units = probe_units()
+    arithmetic = training["matmul_flops"] / matmul_rate
+    per_op = max(training["fwd_bwd_s"] - arithmetic, 0.0) / fwd_bwd_units
+    per_update_op = training["step_s"] / update_units
+    numel = training["update_numel"]
+    sgd = max(training["sgd_update_s"] - update_ops(0) * per_update_op, 0.0) / numel
+    adam = max(training["adamw_update_s"] - update_ops(2) * per_update_op, 0.0) / numel
+    return per_op, per_update_op, (sgd, max(adam - sgd, 0.0) / 2)
 
 
 def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
@@ -69,10 +95,11 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                f"process(es) measured together",
                f"per-op overhead {f32.overhead * 1e6:.1f} us, fp32 matmul {f32.matmul_rate / 1e9:.2f} GFLOP/s, "
                f"streaming {f32.memory_bandwidth / 1e9:.2f} GB/s"]
-    if base.device_type == "cpu":  # no datasheet: the measured rates are the peaks
-        rate = {d: fits[d].matmul_rate for d in fits}
-        bf16 = rate.get("bfloat16", f32.matmul_rate)
-        peaks = PeakFlops(fp32=f32.matmul_rate, tf32=f32.matmul_rate, bf16=bf16, fp16=rate.get("float16", bf16))
+    if base.device_type == "cpu":  # no datasheet: the best measured rates are the peaks
+        best = max([f32.matmul_rate] + [2.0 * m * k * n / t for m, k, n, t in comp.get("gemm", [])])
+        rate = {d: fits[d].matmul_rate * best / f32.matmul_rate for d in fits}
+        bf16 = rate.get("bfloat16", best)
+        peaks = PeakFlops(fp32=best, tf32=best, bf16=bf16, fp16=rate.get("float16", bf16))
         matmul_eff = 1.0
     else:
         peaks = dev.peak_flops
@@ -81,8 +108,23 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
     if f32.attention_rate is not None:
         att_eff = min(1.0, f32.attention_rate / (peaks.fp32 if base.device_type == "cpu" else peaks.for_dtype("fp32")))
         sources.append(f"attention {f32.attention_rate / 1e9:.2f} GFLOP/s (efficiency {att_eff:.2f})")
+    op_overhead, update_overhead, per_element = training_overheads(measured["training"], f32.matmul_rate)
+    sources.append(f"a training step's op: {op_overhead * 1e6:.1f} us (forward and backward, autograd), "
+                   f"{update_overhead * 1e6:.1f} us (optimizer update); from a {PROBE_LAYERS}-layer probe")
+    sources.append(f"optimizer update per element: {per_element[0] * 1e9:.2f} ns + {per_element[1] * 1e9:.2f} ns per "
+                   "state (SGD and AdamW measured)")
+    op_costs = tuple((name, *fit_op_cost(rows)) for name, rows in sorted(measured.get("ops", {}).items()))
+    if comp.get("gemm"):
+        effs = [2.0 * m * k * n / t / peaks.fp32 for m, k, n, t in comp["gemm"]]
+        sources.append(f"{len(effs)} fp32 matmul shapes (m, k, n in {sorted({r[0] for r in comp['gemm']})}): "
+                       f"efficiency {min(effs):.2f} to {max(effs):.2f} of {peaks.fp32 / 1e9:.1f} GFLOP/s")
+    if op_costs:
+        sources.append("per element, forward / backward: " + ", ".join(
+            f"{name} {f * 1e9:.2f} / {b * 1e9:.2f} ns" for name, f, b in op_costs))
     device = dataclasses.replace(dev, peak_flops=peaks, matmul_efficiency=matmul_eff, attention_efficiency=att_eff,
-                                 op_overhead=f32.overhead,
+                                 op_costs=op_costs, matmul_table=tuple(tuple(r) for r in comp.get("gemm", [])),
+                                 op_overhead=op_overhead, update_op_overhead=update_overhead,
+                                 update_element_s=per_element,
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)
     cluster = dataclasses.replace(base, device=device)
     if "collectives" in measured:

@@ -25,8 +25,8 @@ import numpy as np
 
 from autopar.errors import AutoparError
 
-__all__ = ["ComputeFit", "CollectiveFitResult", "fit_compute", "fit_collective", "ring_terms", "exposed_share",
-           "relative_errors"]
+__all__ = ["ComputeFit", "CollectiveFitResult", "fit_compute", "fit_collective", "fit_op_cost", "ring_terms",
+           "exposed_share", "relative_errors"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,22 @@ def fit_collective(kind: str, points: Sequence[tuple[int, float, float]]) -> Col
     if inv_bw <= 0:
         raise AutoparError(f"fitting {kind}: its time does not grow with its size; measure larger messages")
     return CollectiveFitResult(kind, float(latency), float(1.0 / inv_bw))
+
+
+def fit_op_cost(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(forward, backward) seconds per element of an op from (elements, forward seconds, forward +
+    backward seconds) at two or more sizes: the slopes (what does not grow with the size is the
+    per-op overhead, priced apart), never below 0.
+
+    >>> fit_op_cost([(1e3, 1e-5 + 1e-6, 3e-5 + 3e-6), (1e5, 1e-5 + 1e-4, 3e-5 + 3e-4)])
+    (1e-09, 2e-09)
+    """
+    r = np.asarray(rows, dtype=float).reshape(-1, 3)
+    if len(r) < 2 or np.ptp(r[:, 0]) <= 0:
+        raise AutoparError("fit_op_cost needs measurements at two or more sizes")
+    fwd = max(float(np.polyfit(r[:, 0], r[:, 1], 1)[0]), 0.0)
+    both = max(float(np.polyfit(r[:, 0], r[:, 2], 1)[0]), fwd)
+    return float(np.round(fwd, 18)), float(np.round(both - fwd, 18))
 
 
 def exposed_share(compute_s: float, comm_s: float, together_s: float) -> float:

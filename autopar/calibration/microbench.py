@@ -52,37 +52,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, min_s: float = 2e-3,
-            barrier: Callable[[], None] | None = None) -> float:
-    """Median over ``repeats`` of the seconds per call of ``fn``, each run calling it back to back
-    enough times to last about ``min_s`` (the count chosen once, from a first call)."""
+def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, barrier, min_s: float = 0.02) -> float:
+    """Median over ``repeats`` of the seconds per call of ``fn`` on the slowest rank: each run
+    calls it back to back for about ``min_s`` (every rank the same count) between two barriers,
+    less what the barriers alone take. The window is long enough for the processes that share
+    a core to take turns inside it, so what they share is in the figure."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
     one = max(time.perf_counter() - t0, 1e-7)
-    calls = max(1, min(200, int(min_s / one)))
-    if barrier is not None:  # every rank runs the same count: take the largest
-        calls = barrier(calls)
-    runs = []
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier(None)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        runs.append((time.perf_counter() - t0) / calls)
-    return statistics.median(runs)
+    calls = barrier(max(1, min(100_000, int(min_s / one))))  # every rank runs the largest count
+    idle = statistics.median(_window(lambda: None, 0, device, barrier) for _ in range(3))
+    runs = [_window(fn, calls, device, barrier) - idle for _ in range(repeats)]
+    return max(statistics.median(runs), 1e-9) / calls
 
 
-def _agreed_barrier():
-    """A barrier that, given a count, returns the largest count of every rank."""
+def _window(fn: Callable[[], object], calls: int, device: torch.device, barrier) -> float:
+    """Seconds from one barrier to the next with ``calls`` calls of ``fn`` between them."""
+    barrier(None)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    barrier(None)
+    return time.perf_counter() - t0
+
+
+def _agreed_barrier(world: int):
+    """A barrier that, given a count, returns the largest count of every rank (one rank: no-op)."""
     import torch.distributed as dist
 
     def barrier(count):
+        if world == 1:
+            return count
         if count is None:
             dist.barrier()
             return None
@@ -102,10 +107,33 @@ def _progress(text: str) -> None:
         print(f"  calibrate: {text}", file=sys.stderr, flush=True)
 
 
+GEMM_DIMS = (8, 64, 512, 2048)  # m, k and n of the shape grid (fp32); larger corners are not timed
+_GEMM_MAX_MKN = 1 << 30
+
+
+def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
+    """The (m, k, n) shapes timed for ``DeviceSpec.matmul_table``: every combination of
+    ``GEMM_DIMS`` up to ``_GEMM_MAX_MKN`` multiply-adds (a matmul's cost depends on its shape, not
+    only its FLOPs: a weight gradient with a small inner dimension runs far below peak)."""
+    dims = GEMM_DIMS[1:3] if quick else GEMM_DIMS
+    return [(m, k, n) for m in dims for k in dims for n in dims if m * k * n <= _GEMM_MAX_MKN]
+
+
+def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> list:
+    """[(m, k, n, seconds)] of fp32 ``torch.mm`` over ``gemm_grid``."""
+    _progress(f"{len(gemm_grid(spec.quick))} matmul shapes")
+    rows = []
+    for m, k, n in gemm_grid(spec.quick):
+        a = torch.randn(m, k, device=device)
+        b = torch.randn(k, n, device=device)
+        rows.append((m, k, n, _per_op(lambda: torch.mm(a, b), device, spec.repeats, barrier)))
+    return rows
+
+
 def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     _progress("matmuls, attention and streaming ops")
     shapes = MATMUL_SHAPES[:4] if spec.quick else MATMUL_SHAPES
-    out: dict = {"matmul": {}, "attention": [], "stream": []}
+    out: dict = {"matmul": {}, "attention": [], "stream": [], "gemm": _gemm_table(spec, device, barrier)}
     for dtype_name in ("float32",) + tuple(spec.dtypes):
         dtype = getattr(torch, dtype_name)
         rows = []
@@ -124,6 +152,113 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
         x, y, z = (torch.randn(numel, device=device) for _ in range(3))
         out["stream"].append((3.0 * numel * 4, _per_op(lambda: torch.add(x, y, out=z), device, spec.repeats,
                                                        barrier=barrier)))
+    return out
+
+
+# The probe of what one op costs in a training step beyond its arithmetic: a chain of small
+# linear + GELU + reshape layers, forward and backward with autograd, then AdamW's update.
+PROBE_LAYERS, PROBE_WIDTH, PROBE_ROWS = 24, 16, 8
+UPDATE_NUMEL = 1 << 20  # the large parameter whose update is timed per element (4 MiB)
+
+
+def probe_units() -> tuple[int, int]:
+    """(ops the cost model charges ``op_overhead`` for in the probe's forward and backward, ops
+    it charges ``update_op_overhead`` for in its AdamW update), counted by ``planner.costing``'s
+    rules: a linear is one op forward and ``BWD_OPS["matmul"]`` backward, a GELU one and one, a
+    reshape none (a view); the loss's sum one and one; ``update_ops(2)`` per parameter."""
+    from autopar.planner.costing import BWD_OPS, update_ops
+
+    per_layer = (1 + BWD_OPS["matmul"]) + (1 + BWD_OPS["pointwise"])
+    return PROBE_LAYERS * per_layer + 2, update_ops(2) * 2 * PROBE_LAYERS
+
+
+def _probe_model(device: torch.device) -> torch.nn.Module:
+    class Reshaped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(PROBE_WIDTH, PROBE_WIDTH)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.linear(x)).reshape(PROBE_ROWS, PROBE_WIDTH)
+
+    return torch.nn.Sequential(*[Reshaped() for _ in range(PROBE_LAYERS)]).to(device)
+
+
+def _training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
+    """Seconds of the probe's forward + backward, and of its optimizer step, on the slowest rank."""
+    _progress("a training step's per-op costs (autograd, optimizer)")
+    model = _probe_model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
+
+    def fwd_bwd():
+        model(x).sum().backward()
+
+    fwd_bwd()
+    opt.step()  # the state exists from here on
+    flops = 2.0 * PROBE_ROWS * PROBE_WIDTH * PROBE_WIDTH * PROBE_LAYERS * 3  # forward and both backward GEMMs
+    out = {"fwd_bwd_s": _per_op(fwd_bwd, device, spec.repeats, barrier), "step_s": _per_op(opt.step, device, spec.repeats, barrier),
+           "matmul_flops": flops, "params": sum(p.numel() for p in model.parameters()), "update_numel": UPDATE_NUMEL}
+    # per element: SGD (no state) and AdamW (two) updating one large parameter
+    big = torch.nn.Parameter(torch.zeros(UPDATE_NUMEL, device=device))
+    big.grad = torch.randn_like(big)
+    for name, make in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)):
+        o = make([big], lr=1e-6)
+        o.step()
+        out[f"{name}_update_s"] = _per_op(o.step, device, spec.repeats, barrier)
+    return out
+
+
+# Ops whose cost per element is measured (forward, and forward + backward, at two sizes: the
+# slope is the per-element cost, the fixed cost is op_overhead's): the traced graph's op names
+# (``strategies.op_view._op_name``) of the common non-matmul ops of training graphs.
+OP_SIZES = ((16, 1024), (256, 1024))  # (rows, width): 16 Ki and 256 Ki elements
+
+
+def _op_probe(name: str, rows: int, width: int, device: torch.device):
+    """(forward callable returning the output, elements) of op ``name`` on a [rows, width] input;
+    elements: the largest of its input and output numels (as ``planner.costing`` counts them)."""
+    F = torch.nn.functional
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    y = torch.randn(rows, width, device=device, requires_grad=True)
+    w = torch.ones(width, device=device, requires_grad=True)
+    b = torch.zeros(width, device=device, requires_grad=True)
+    table = torch.randn(512, width, device=device, requires_grad=True)
+    idx = torch.randint(0, 512, (rows,), device=device)
+    target = torch.randint(0, width, (rows,), device=device)
+    ops = {
+        "gelu": lambda: F.gelu(x), "relu": lambda: F.relu(x), "silu": lambda: F.silu(x),
+        "tanh": lambda: torch.tanh(x), "sigmoid": lambda: torch.sigmoid(x),
+        "add": lambda: x + y, "mul": lambda: x * y,
+        "layer_norm": lambda: F.layer_norm(x, (width,), w, b), "rms_norm": lambda: F.rms_norm(x, (width,), w),
+        "softmax": lambda: F.softmax(x, -1), "log_softmax": lambda: F.log_softmax(x, -1),
+        "cross_entropy_loss": lambda: F.cross_entropy(x, target),
+        "embedding": lambda: F.embedding(idx, table),
+        "dropout": lambda: F.dropout(x, 0.1, training=True),
+    }
+    return ops[name], rows * width
+
+
+MEASURED_OPS = ("gelu", "relu", "silu", "tanh", "sigmoid", "add", "mul", "layer_norm", "rms_norm", "softmax",
+                "log_softmax", "cross_entropy_loss", "embedding", "dropout")
+
+
+def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
+    """Per op of ``MEASURED_OPS``: [(elements, forward seconds, forward + backward seconds)] at
+    each of ``OP_SIZES``."""
+    _progress(f"{len(MEASURED_OPS)} common ops, forward and backward")
+    out = {}
+    for name in MEASURED_OPS[:3] if spec.quick else MEASURED_OPS:
+        rows = []
+        for r, w in OP_SIZES:
+            fwd, elements = _op_probe(name, r, w, device)
+            grad = torch.ones_like(fwd())
+
+            def both(fwd=fwd, grad=grad):
+                fwd().backward(grad)
+
+            rows.append((elements, _per_op(fwd, device, spec.repeats, barrier), _per_op(both, device, spec.repeats, barrier)))
+        out[name] = rows
     return out
 
 
@@ -182,7 +317,7 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
         dist.all_reduce(buf)
 
     t_comm = _per_op(comm, device, spec.repeats, barrier=barrier)
-    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier)
+    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
     n_mm = max(1, int(t_comm / t_mm))
 
     def compute():
@@ -212,8 +347,9 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     init_distributed(spec.backend, int(os.environ.get("WORLD_SIZE", "1")))
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    barrier = _agreed_barrier() if world > 1 else None
-    out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier)}
+    barrier = _agreed_barrier(world)
+    out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
+           "training": _training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
     if world > 1:
         out["collectives"] = _collectives(spec, device, barrier, world)
         out["overlap"] = _overlap(spec, device, barrier, world)

@@ -15,8 +15,8 @@ from functools import lru_cache
 import torch.fx as fx
 
 from autopar.cluster import Cluster
-from autopar.cost_models.communication import CommGroup, axis_group, collective_time
-from autopar.cost_models.compute import op_time
+from autopar.cost_models.communication import CommGroup, axis_group, collective_latency, collective_time
+from autopar.cost_models.compute import matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
 from autopar.regions import REGION_FLOPS_KEY, REGION_GROUPED_KEY
@@ -26,7 +26,8 @@ from autopar.strategies import Strategy
 from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
-__all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "reshard_time",
+__all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "update_ops", "BWD_OPS",
+           "reshard_time",
            "reshard_step_bytes", "bucketed_time",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
@@ -42,7 +43,7 @@ VIEW_OPS = {
 _BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
 # ops a backward runs per forward op, each paying DeviceSpec.op_overhead: a matmul's two GEMMs
 # (input and weight gradient), one fused attention backward, one op for the rest
-_BWD_OPS = {"matmul": 2, "attention": 1, "pointwise": 1, "other": 1}
+BWD_OPS = {"matmul": 2, "attention": 1, "pointwise": 1, "other": 1}
 
 
 @dataclass(frozen=True)
@@ -124,17 +125,28 @@ def node_bytes(node: fx.Node, ctx: CostContext) -> float:
     return total
 
 
-def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float]:
-    """(global forward flops, kind, global bytes): what ``node_compute_time`` divides by a split."""
+def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple | None]:
+    """(global forward flops, kind, global bytes, measured): what ``node_compute_time`` divides by
+    a split. ``measured``: (forward s per element, backward s per element, global elements) where
+    the device has the op's cost measured (``DeviceSpec.op_costs``; not for matmuls and
+    attention, whose cost follows their FLOPs), else None."""
     flops, kind = node_flops(node)
-    return flops, kind, node_bytes(node, ctx)
+    measured = None
+    if kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
+        per = ctx.cluster.device.op_cost(_op_name(node))
+        if per is not None:
+            metas = [m for m in OpView(node).in_metas if m is not None] + [m for m in node.meta["autopar.outputs"]
+                                                                              if m is not None]
+            measured = per + (float(max((m.numel for m in metas), default=0)),)
+    return flops, kind, node_bytes(node, ctx), measured
 
 
 def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
-                      work: tuple[float, str, float] | None = None) -> tuple[float, float]:
+                      work: tuple[float, str, float] | None = None, runs: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of the node's local work under ``strategy`` (``work``: the
-    node's ``node_work``, when the caller prices many strategies of one node)."""
-    flops, kind, nbytes = work if work is not None else node_work(node, ctx)
+    node's ``node_work``, when the caller prices many strategies of one node), run ``runs``
+    times on ``1 / runs`` of the work each (microbatches): each run pays ``DeviceSpec.op_overhead``."""
+    flops, kind, nbytes, measured = work if work is not None else node_work(node, ctx)
     if flops == 0.0 and nbytes == 0.0:
         return 0.0, 0.0
     if REGION_GROUPED_KEY in node.meta and ctx.cluster.expert_imbalance != 1.0:
@@ -144,28 +156,78 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     dtype = ctx.policy.compute_dtype
     device = ctx.cluster.device
     eff = _efficiency(device, kind)
-    overhead = device.op_overhead or 0.0
+    overhead = (device.op_overhead or 0.0) * runs
+    if measured is not None:  # the op's measured cost per element, on this device's share
+        per_fwd, per_bwd, elements = measured
+        fwd = overhead + per_fwd * elements / split
+        if not node.meta.get("autopar.needs_grad", False):
+            return fwd, 0.0
+        return fwd, overhead * BWD_OPS.get(kind, 1) + per_bwd * elements / split
+    gemm = _gemm_dims(node, strategy, ctx) if kind == "matmul" and device.matmul_table else None
+    if gemm is not None:  # the measured efficiency of this shape, for each microbatch's matmul
+        batch, m, k, n = gemm
+        if runs > 1:
+            batch, m = (-(-batch // runs), m) if batch > 1 else (batch, -(-m // runs))
+        fwd = overhead + runs * matmul_time(m, k, n, device, dtype, batch)
+        if not node.meta.get("autopar.needs_grad", False):
+            return fwd, 0.0
+        # the input's gradient [m, n] x [n, k]; the weight's [k, m] x [m, n] (inner dim: the rows)
+        grads = matmul_time(m, n, k, device, dtype, batch) + matmul_time(k, m, n, device, dtype, batch)
+        return fwd, overhead * BWD_OPS["matmul"] + runs * grads
     fwd = overhead + op_time(flops / split, nbytes / split, device, dtype, kind, efficiency=eff)
     if not node.meta.get("autopar.needs_grad", False):
         return fwd, 0.0
     ratio = _BWD_FLOPS_RATIO.get(kind, 2.0)
-    bwd = overhead * _BWD_OPS.get(kind, 1) + op_time(ratio * flops / split, ratio * nbytes / split, device, dtype,
+    bwd = overhead * BWD_OPS.get(kind, 1) + op_time(ratio * flops / split, ratio * nbytes / split, device, dtype,
                                                       kind, efficiency=eff)
     return fwd, bwd
 
 
+def update_ops(states: int) -> int:
+    """Ops the optimizer's per-parameter loop runs for one parameter with ``states`` state tensors
+    (SGD: the update and its scaling; each state: its update, and Adam's denominator terms)."""
+    return 2 + 3 * states
+
+
+_GEMM_OPS = {"linear": 0, "mm": 0, "addmm": 1, "bmm": 0, "matmul": 0, "baddbmm": 1}  # op -> index of its left operand
+
+
+def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int, int, int, int] | None:
+    """(batch, m, k, n) of the local matmul(s) a linear / mm / bmm / matmul node runs under
+    ``strategy`` (its left operand's and its output's local shapes); None for other matmul-like
+    ops (einsum, convolutions, grouped matmuls: priced by their FLOPs) or unknown layouts."""
+    name = _op_name(node)
+    left = _GEMM_OPS.get(name)
+    if left is None or left >= len(strategy.ins) or strategy.ins[left] is None or not strategy.outs \
+            or strategy.outs[0] is None:
+        return None
+    a = OpView(node).in_metas[left]
+    out = node.meta["autopar.outputs"][0]
+    if a is None or out is None or len(a.shape) < 2 or len(out.shape) < 2:
+        return None
+    la = local_shape(a.shape, strategy.ins[left], ctx.mesh_shape)
+    lo = local_shape(out.shape, strategy.outs[0], ctx.mesh_shape)
+    if name == "linear":
+        return 1, math.prod(lo[:-1]), la[-1], lo[-1]
+    return math.prod(lo[:-2]), lo[-2], la[-1], lo[-1]
+
+
 def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
-    """Seconds of the optimizer's update of one parameter on one device: it streams the parameter
-    (read and written), its gradient and its states (each read and written) over the shard it
-    updates (ZeRO's shard where the state is sharded), and runs ``2 + 3 * states`` ops of
-    ``DeviceSpec.op_overhead`` each (torch's per-parameter loop: SGD's update, Adam's moments,
-    denominator and update)."""
+    """Seconds of the optimizer's update of one parameter on one device, over the shard it
+    updates (ZeRO's shard where the state is sharded): ``update_ops(states)`` ops of
+    ``DeviceSpec.update_op_overhead`` each (torch's per-parameter loop), and per element the
+    calibrated ``DeviceSpec.update_element_s``, else one fused pass streaming the parameter (read
+    and written), its gradient and its states (each read and written) at memory bandwidth."""
     state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
     numel = local_numel(meta.shape, state if state is not None else strategy.outs[0], ctx.mesh_shape)
     states = ctx.optimizer.states
-    nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
     device = ctx.cluster.device
-    return (device.op_overhead or 0.0) * (2 + 3 * states) + op_time(numel * (1 + 3 * states), nbytes, device,
+    fixed = update_ops(states) * (device.update_op_overhead or 0.0)
+    if device.update_element_s is not None:
+        per, per_state = device.update_element_s
+        return fixed + numel * (per + per_state * states)
+    nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
+    return fixed + op_time(numel * (1 + 3 * states), nbytes, device,
                                                                      "fp32", "pointwise")
 
 
@@ -226,7 +288,7 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
     per = per_elem if per_elem is not None else meta.itemsize
     out: dict[str, float] = {}
     for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape):
-        latency = collective_time(kind, 0.0, ctx.groups[axis], ctx.cluster)
+        latency = collective_latency(kind, ctx.groups[axis], ctx.cluster)
         t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) - latency
         out[kind] = out.get(kind, 0.0) + t + latency * min(1.0, nbytes / BUCKET_BYTES)
     return out

@@ -205,7 +205,7 @@ def build_problem(
             elif kind == "op":
                 for ck, seconds in own_sync_time(n, s, ctx, microbatches, recompute and in_block).items():
                     kinds.setdefault(ck, np.zeros(k))[i] += seconds * c
-                f, b = node_compute_time(n, s, ctx, work)
+                f, b = node_compute_time(n, s, ctx, work, runs=microbatches)
                 fwd[i], bwd[i] = f * c, b * c
                 own = saved_bytes(n, s, ctx, prof, batch, microbatches)
                 transient[i] = working_set_bytes(n, s, ctx, prof, batch, microbatches)
