@@ -4,16 +4,23 @@ Every rank measures at the same time, so the figures include what the ranks of a
 share (on a CPU machine: its cores and memory bandwidth; on a node: its PCIe and NICs). What is
 measured, per rank (``measure_rank``):
 
-* matmuls (``torch.mm``) over a grid of shapes, per dtype: (flops, seconds);
+* fp32 matmuls (``torch.mm``) over a grid of (m, k, n) shapes (``gemm_grid``), and a few square
+  ones per dtype for each dtype's rate: (flops, seconds);
 * attention (``scaled_dot_product_attention``, causal) over a few shapes: (flops, seconds);
 * a streaming op (``torch.add(a, b, out=c)``) over sizes: (bytes read + written, seconds);
+* the common non-matmul ops of training graphs (``MEASURED_OPS``), forward and forward +
+  backward, at two sizes: their cost per element;
+* a training probe (small linears, GELUs and views, forward + backward with autograd, then
+  AdamW's update), and SGD's and AdamW's update of one large parameter: what a training step's
+  op costs beyond its arithmetic, and the update per element;
 * each collective the runtime issues (through ``runtime.comm.MeshComm``, as the program does) over
   message sizes, on the whole world and, with 4 or more ranks, on pairs: (group size, bytes in
   nccl-tests' convention, seconds);
 * overlap: a collective alone, a block of matmuls alone, then both with the collective in flight.
 
-Times are per op, averaged over back-to-back repetitions after a barrier (the barrier's skew is
-spread over the repetitions); each measurement is the median of ``repeats`` such runs.
+Times are per call on the slowest rank: back-to-back calls between two barriers for at least
+20 ms, less what the barriers alone take (``_per_op``); each measurement is the median of
+``repeats`` such windows.
 """
 from __future__ import annotations
 

@@ -54,6 +54,19 @@ def stage_state_names(plan, traced, pp_rank: int) -> set[str]:
     return {n.name for s in plan.stages if s.index in mine for n in s.nodes if n.name in state}
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose gradient is laid out densely: a stage sends its inputs' gradients back, and
+    torch's send needs a contiguous tensor (the first op a received value meets may be a view)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class _StageModule(torch.nn.Module):
     """What ``PipelineStage`` runs: the stage program fed this rank's state and what it receives.
     Stage 0 receives the batch's tensors; its constant (non-tensor) inputs are bound here."""
@@ -73,7 +86,7 @@ class _StageModule(torch.nn.Module):
             self.register_parameter(f"param{i}", p)
 
     def forward(self, *received):
-        args = list(received)
+        args = [_DenseGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in received]
         for i in sorted(self._constants):
             args.insert(i, self._constants[i])
         out = self._run()(self._state() + args, self.prog)
