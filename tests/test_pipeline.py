@@ -432,3 +432,18 @@ def test_a_pipeline_plan_lists_each_graph_constant_with_its_first_user():
     for n in constants:
         assert listed[n.name] == min(listed[u.name] for u in n.users if u.name in listed), n.name
     assert {listed[n.name] for n in constants} == {0, 1}  # the layers of both stages use constants
+
+
+def test_a_stage_sends_its_inputs_gradients_densely():
+    """torch's send refuses a strided tensor: a stage whose first op is a view (a transpose here)
+    would hand the schedule a non-contiguous input gradient; the stage lays it out densely."""
+    from autopar.runtime.pipeline import _DenseGrad
+
+    received = torch.randn(4, 6, requires_grad=True)
+    out = (_DenseGrad.apply(received).t() * torch.arange(24.0).reshape(6, 4)).sum()
+    (grad,) = torch.autograd.grad(out, received)
+    assert grad.is_contiguous()
+    torch.testing.assert_close(grad, torch.arange(24.0).reshape(6, 4).t())
+    raw = torch.randn(4, 6, requires_grad=True)  # without the wrapper, autograd hands back a transposed view
+    (plain,) = torch.autograd.grad((raw.t() * torch.arange(24.0).reshape(6, 4)).sum(), raw)
+    assert not plain.is_contiguous()
