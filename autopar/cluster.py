@@ -70,6 +70,29 @@ def _is_fraction(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 < float(value) <= 1.0
 
 
+def _is_real(value: Any, low: float = 0.0, high: float = math.inf, strict: bool = False) -> bool:
+    """A finite real number (not a bool) in [low, high) -- in (low, high) where ``strict``."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return (value > low if strict else value >= low) and value < high
+
+
+def _check_rows(owner: str, field: str, value: Any, row_ok, convert, expected: str, unique: bool = True) -> tuple:
+    """``value`` (a sequence of rows) as a sorted tuple of ``convert(row)``: every row a list or
+    tuple passing ``row_ok``, else an error saying ``expected``; with ``unique``, a first item
+    (a name, a kind) listed twice is an error too."""
+    rows = []
+    for row in value if isinstance(value, (list, tuple)) else [value]:
+        if not (isinstance(row, (list, tuple)) and row_ok(row)):
+            raise ClusterSpecError(f"{owner}.{field} entries must be {expected}, got {row!r}")
+        rows.append(convert(row))
+    names = [r[0] for r in rows]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None) if unique else None
+    if twice is not None:
+        raise ClusterSpecError(f"{owner}.{field} lists {twice!r} twice: {names}")
+    return tuple(sorted(rows))
+
+
 def _check_name(owner: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ClusterSpecError(f"{owner}.name must be a non-empty string, got {value!r}")
@@ -148,37 +171,24 @@ class DeviceSpec:
             )
         upd = self.update_element_s
         if upd is not None:
-            ok = isinstance(upd, (tuple, list)) and len(upd) == 2 and all(
-                isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in upd)
-            if not ok:
+            if not (isinstance(upd, (tuple, list)) and len(upd) == 2 and all(_is_real(v) for v in upd)):
                 raise ClusterSpecError(
                     f"DeviceSpec.update_element_s must be (seconds per element, seconds per element per optimizer "
                     f"state), both >= 0, or None; got {upd!r}")
             object.__setattr__(self, "update_element_s", (float(upd[0]), float(upd[1])))
-        rows = []
-        for row in self.op_costs if isinstance(self.op_costs, (list, tuple)) else [self.op_costs]:
-            ok = isinstance(row, (list, tuple)) and len(row) == 3 and isinstance(row[0], str) and row[0] and all(
-                isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row[1:])
-            if not ok:
-                raise ClusterSpecError(f"DeviceSpec.op_costs entries must be (op name, forward s per element >= 0, "
-                                       f"backward s per element >= 0), got {row!r}")
-            rows.append((row[0], float(row[1]), float(row[2])))
-        if len({r[0] for r in rows}) != len(rows):
-            raise ClusterSpecError(f"DeviceSpec.op_costs lists an op twice: {[r[0] for r in rows]}")
-        object.__setattr__(self, "op_costs", tuple(sorted(rows)))
-        table = []
-        for row in self.matmul_table if isinstance(self.matmul_table, (list, tuple)) else [self.matmul_table]:
-            ok = isinstance(row, (list, tuple)) and len(row) == 4 and all(
-                isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in row[:3]) and \
-                isinstance(row[3], numbers.Real) and not isinstance(row[3], bool) and math.isfinite(row[3]) and row[3] > 0
-            if not ok:
-                raise ClusterSpecError(f"DeviceSpec.matmul_table entries must be (m, k, n, seconds > 0), got {row!r}")
-            table.append((int(row[0]), int(row[1]), int(row[2]), float(row[3])))
-        object.__setattr__(self, "matmul_table", tuple(sorted(table)))
+        object.__setattr__(self, "op_costs", _check_rows(
+            "DeviceSpec", "op_costs", self.op_costs,
+            lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(_is_real(v) for v in r[1:]),
+            lambda r: (r[0], float(r[1]), float(r[2])),
+            "(op name, forward s per element >= 0, backward s per element >= 0)"))
+        object.__setattr__(self, "matmul_table", _check_rows(
+            "DeviceSpec", "matmul_table", self.matmul_table,
+            lambda r: len(r) == 4 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                                          for v in r[:3]) and _is_real(r[3], strict=True),
+            lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3])), "(m, k, n, seconds > 0)", unique=False))
         for attr in ("op_overhead", "update_op_overhead"):
             ovh = getattr(self, attr)
-            if ovh is not None and not (isinstance(ovh, numbers.Real) and not isinstance(ovh, bool)
-                                        and math.isfinite(ovh) and 0.0 <= ovh < 1.0):
+            if ovh is not None and not _is_real(ovh, high=1.0):
                 raise ClusterSpecError(
                     f"DeviceSpec.{attr} must be a number of seconds in [0, 1) or None, got {ovh!r}; it is the "
                     "fixed cost of one executed op (e.g. 5e-6)"
@@ -247,23 +257,11 @@ class LinkSpec:
     def _check_collectives(self) -> None:
         from autopar.cost_models.communication import COLLECTIVE_KINDS
 
-        rows = []
-        for row in self.collectives if isinstance(self.collectives, (list, tuple)) else [self.collectives]:
-            ok = isinstance(row, (list, tuple)) and len(row) == 3 and row[0] in COLLECTIVE_KINDS
-            if ok:
-                lat, bw = row[1], row[2]
-                ok = all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-                         for v in (lat, bw)) and lat >= 0 and bw > 0
-            if not ok:
-                raise ClusterSpecError(
-                    f"LinkSpec.collectives entries must be (kind, latency s >= 0, bandwidth bytes/s > 0) with kind "
-                    f"one of {list(COLLECTIVE_KINDS)}, got {row!r}"
-                )
-            rows.append((str(row[0]), float(row[1]), float(row[2])))
-        kinds = [r[0] for r in rows]
-        if len(set(kinds)) != len(kinds):
-            raise ClusterSpecError(f"LinkSpec.collectives lists a kind twice: {kinds}")
-        object.__setattr__(self, "collectives", tuple(sorted(rows)))
+        object.__setattr__(self, "collectives", _check_rows(
+            "LinkSpec", "collectives", self.collectives,
+            lambda r: len(r) == 3 and r[0] in COLLECTIVE_KINDS and _is_real(r[1]) and _is_real(r[2], strict=True),
+            lambda r: (str(r[0]), float(r[1]), float(r[2])),
+            f"(kind, latency s >= 0, bandwidth bytes/s > 0) with kind one of {list(COLLECTIVE_KINDS)}"))
 
     def collective(self, kind: str) -> tuple[float, float]:
         """(latency per hop, bandwidth) that ``kind`` achieves on this fabric: its measured pair
@@ -481,11 +479,8 @@ class Cluster:
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
                                                  "update_op_overhead", "update_element_s", "op_costs",
                                                  "matmul_table"])
-        for key in ("op_costs", "matmul_table"):
-            if isinstance(dev[key], list):
-                dev[key] = tuple(tuple(r) if isinstance(r, list) else r for r in dev[key])
-        if isinstance(dev["update_element_s"], list):
-            dev["update_element_s"] = tuple(dev["update_element_s"])
+        for key in ("op_costs", "matmul_table", "update_element_s"):
+            dev[key] = _tuples(dev[key])
         flops = _fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
         top["device"] = _build(DeviceSpec, dev, "device")
@@ -495,8 +490,7 @@ class Cluster:
                 top[link].setdefault("rails", None)
                 top[link].setdefault("collectives", [])
             fields = _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives"])
-            if isinstance(fields["collectives"], list):
-                fields["collectives"] = tuple(tuple(r) if isinstance(r, list) else r for r in fields["collectives"])
+            fields["collectives"] = _tuples(fields["collectives"])
             top[link] = _build(LinkSpec, fields, link)
         if not isinstance(top["sources"], list):
             raise ClusterSpecError(
@@ -534,6 +528,14 @@ def _calibrated_local(n: int, ram_share: int) -> Cluster | None:
             f"CPU processes; re-run `autopar calibrate --nproc {n}` or delete the file")
     device = dataclasses.replace(spec.device, memory_bytes=ram_share)
     return dataclasses.replace(spec, device=device)
+
+
+def _tuples(value: Any) -> Any:
+    """JSON's lists as the spec's tuples, one level of rows deep (anything else unchanged: the
+    field's own check says what is wrong with it)."""
+    if not isinstance(value, list):
+        return value
+    return tuple(tuple(r) if isinstance(r, list) else r for r in value)
 
 
 def _fields(d: Any, prefix: str, names: list[str]) -> dict[str, Any]:

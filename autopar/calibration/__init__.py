@@ -39,28 +39,29 @@ from autopar.errors import AutoparError
 __all__ = ["calibrate", "fit_cluster", "combine_ranks", "training_overheads"]
 
 
+def _over_ranks(rows_per_rank: list[list], keep: int, reduce) -> list[tuple]:
+    """The first rank's rows, each with its first ``keep`` items (what was measured: a size, a
+    shape) and every later item (a time) reduced over the ranks' same rows by ``reduce``."""
+    return [tuple(row[:keep]) + tuple(reduce(rows[i][j] for rows in rows_per_rank) for j in range(keep, len(row)))
+            for i, row in enumerate(rows_per_rank[0])]
+
+
 def combine_ranks(per_rank: list[dict]) -> dict:
     """One set of measurements from every rank's: compute times by their median over ranks (each
     rank ran the same op), collective and overlap times by their mean (a collective ends on
     every rank at about the same time; the mean spreads the barrier's skew)."""
+    median, mean = statistics.median, statistics.fmean
     first = per_rank[0]
     comp = first["compute"]
-    out: dict = {"world": first["world"], "device_type": first["device_type"], "compute": {
-        "matmul": {d: [(rows[i][0], statistics.median(r["compute"]["matmul"][d][i][1] for r in per_rank))
-                       for i in range(len(rows))] for d, rows in comp["matmul"].items()},
-        **{key: [(rows[i][0], statistics.median(r["compute"][key][i][1] for r in per_rank))
-                 for i in range(len(rows))] for key, rows in comp.items() if key not in ("matmul", "gemm")},
-        "gemm": [(*rows[:3], statistics.median(r["compute"]["gemm"][i][3] for r in per_rank))
-                 for i, rows in enumerate(comp.get("gemm", []))],
-    }}
-    out["training"] = {k: statistics.median(r["training"][k] for r in per_rank) for k in first["training"]}
-    out["ops"] = {name: [(rows[i][0], *(statistics.median(r["ops"][name][i][j] for r in per_rank) for j in (1, 2)))
-                         for i in range(len(rows))] for name, rows in first.get("ops", {}).items()}
+    compute = {key: _over_ranks([r["compute"][key] for r in per_rank], 3 if key == "gemm" else 1, median)
+               for key in comp if key != "matmul"}
+    compute["matmul"] = {d: _over_ranks([r["compute"]["matmul"][d] for r in per_rank], 1, median) for d in comp["matmul"]}
+    out: dict = {"world": first["world"], "device_type": first["device_type"], "compute": compute,
+                 "training": {k: median(r["training"][k] for r in per_rank) for k in first["training"]},
+                 "ops": {name: _over_ranks([r["ops"][name] for r in per_rank], 1, median) for name in first.get("ops", {})}}
     if "collectives" in first:
-        out["collectives"] = {k: [(p, n, statistics.fmean(r["collectives"][k][i][2] for r in per_rank))
-                                  for i, (p, n, _) in enumerate(rows)]
-                              for k, rows in first["collectives"].items()}
-        out["overlap"] = {k: statistics.fmean(r["overlap"][k] for r in per_rank) for k in first["overlap"]}
+        out["collectives"] = {k: _over_ranks([r["collectives"][k] for r in per_rank], 2, mean) for k in first["collectives"]}
+        out["overlap"] = {k: mean(r["overlap"][k] for r in per_rank) for k in first["overlap"]}
     return out
 
 
@@ -93,7 +94,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
     dev = base.device
     sources = [f"autopar calibrate{' on ' + when if when else ''}: {measured['world']} {measured['device_type']} "
                f"process(es) measured together",
-               f"per-op overhead {f32.overhead * 1e6:.1f} us, fp32 matmul {f32.matmul_rate / 1e9:.2f} GFLOP/s, "
+               f"torch.mm dispatch {f32.overhead * 1e6:.1f} us, fp32 matmul {f32.matmul_rate / 1e9:.2f} GFLOP/s, "
                f"streaming {f32.memory_bandwidth / 1e9:.2f} GB/s"]
     if base.device_type == "cpu":  # no datasheet: the best measured rates are the peaks
         best = max([f32.matmul_rate] + [2.0 * m * k * n / t for m, k, n, t in comp.get("gemm", [])])
@@ -106,7 +107,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         matmul_eff = min(1.0, f32.matmul_rate / peaks.for_dtype("fp32"))
     att_eff = None
     if f32.attention_rate is not None:
-        att_eff = min(1.0, f32.attention_rate / (peaks.fp32 if base.device_type == "cpu" else peaks.for_dtype("fp32")))
+        att_eff = min(1.0, f32.attention_rate / peaks.fp32)
         sources.append(f"attention {f32.attention_rate / 1e9:.2f} GFLOP/s (efficiency {att_eff:.2f})")
     op_overhead, update_overhead, per_element = training_overheads(measured["training"], f32.matmul_rate)
     sources.append(f"a training step's op: {op_overhead * 1e6:.1f} us (forward and backward, autograd), "

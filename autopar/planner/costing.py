@@ -27,8 +27,7 @@ from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "update_ops", "BWD_OPS",
-           "reshard_time",
-           "reshard_step_bytes", "bucketed_time",
+           "reshard_time", "reshard_step_bytes", "bucketed_time",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
 
@@ -142,7 +141,8 @@ def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple
 
 
 def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
-                      work: tuple[float, str, float] | None = None, runs: int = 1) -> tuple[float, float]:
+                      work: tuple[float, str, float, tuple | None] | None = None,
+                      runs: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of the node's local work under ``strategy`` (``work``: the
     node's ``node_work``, when the caller prices many strategies of one node), run ``runs``
     times on ``1 / runs`` of the work each (microbatches): each run pays ``DeviceSpec.op_overhead``."""
@@ -227,8 +227,7 @@ def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext
         per, per_state = device.update_element_s
         return fixed + numel * (per + per_state * states)
     nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
-    return fixed + op_time(numel * (1 + 3 * states), nbytes, device,
-                                                                     "fp32", "pointwise")
+    return fixed + op_time(numel * (1 + 3 * states), nbytes, device, "fp32", "pointwise")
 
 
 def _imbalanced_region_flops(node: fx.Node, strategy: Strategy, ctx: CostContext, flops: float) -> float:
