@@ -253,9 +253,10 @@ MEASURED_OPS = ("gelu", "relu", "silu", "tanh", "sigmoid", "add", "mul", "layer_
 def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     """Per op of ``MEASURED_OPS``: [(elements, forward seconds, forward + backward seconds)] at
     each of ``OP_SIZES``."""
-    _progress(f"{len(MEASURED_OPS)} common ops, forward and backward")
+    names = MEASURED_OPS[:3] if spec.quick else MEASURED_OPS
+    _progress(f"{len(names)} common ops, forward and backward")
     out = {}
-    for name in MEASURED_OPS[:3] if spec.quick else MEASURED_OPS:
+    for name in names:
         rows = []
         for r, w in OP_SIZES:
             fwd, elements = _op_probe(name, r, w, device)
@@ -299,7 +300,9 @@ def _meshes(world: int, device: torch.device):
 
 
 def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
-    sizes = _COMM_BYTES[:4] if spec.quick else _COMM_BYTES
+    # quick: the smallest, a middle and the largest size: the largest is what resolves bandwidth
+    # from latency (with small sizes only, the noise can outweigh the bandwidth term)
+    sizes = _COMM_BYTES[::2] if spec.quick else _COMM_BYTES
     _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {world} ranks" + (" and pairs" if world >= 4 else ""))
     out: dict = {k: [] for k in _COMM_KINDS}
     for p, comm, axis in _meshes(world, device):
