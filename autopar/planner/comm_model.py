@@ -36,9 +36,11 @@ _LOSS_VALUE_BYTES = 4  # the runtime reduces the loss value as one fp32 element
 
 
 def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None,
-                       autocast_dtype=None) -> dict[str, float]:
+                       autocast_dtype=None, zero2_reductions: int | None = None) -> dict[str, float]:
     """Bytes per collective kind ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-    this rank moves in one training step under ``choice``."""
+    this rank moves in one training step under ``choice``. ``zero2_reductions``: how often a
+    ZeRO-2 gradient is reduce-scattered per step (default: every microbatch; once under the
+    split-backward pipeline schedules)."""
     traced, blocks, mesh, m = problem.traced, problem.blocks, problem.ctx.mesh_shape, problem.microbatches
     if recompute is None:
         recompute = frozenset(p for ps in blocks.blocks.values() for p in ps) if problem.recompute else frozenset()
@@ -101,7 +103,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             local = local_numel(meta.shape, s.outs[0], mesh) * _reduce_itemsize(meta, problem)
             if s.zero_stage == 2:
                 out["all_reduce"] += sum(local for a in axes if a not in s.zero_axes)
-                out["reduce_scatter"] += _reduce_scatter_bytes(meta, s, mesh, axes) * m
+                out["reduce_scatter"] += _reduce_scatter_bytes(meta, s, mesh, axes) * (zero2_reductions or m)
             else:
                 out["all_reduce"] += local * len(axes)
         elif any(e is not None and pure_all_reduce_axes(*e) is not None for _, e in uses):

@@ -169,7 +169,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     owned = [[p for p in inner.params.values() if stage_of(p.node) == s] for s in range(n_stages)]
     loss_rank = rank_of[n_stages - 1]
 
-    def peak(r: int, recomputes: bool) -> float:
+    def peak_of(r: int, recomputes: bool) -> float:
         """Rank ``r``'s stages' state, the activations of its microbatches in flight, p2p buffers."""
         state, kept, transient = with_rc if recomputes else without_rc
         mine = [s for s in range(n_stages) if rank_of[s] == r]
@@ -186,6 +186,13 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         return (state * pshare + kept * ashare * in_flight(schedule, r, pp, m, v)
                 + (transient if whole else transient * ashare) + buffers)
 
+    # split-backward schedules hold ZeRO-2 gradients whole until one reduce-scatter after the
+    # schedule (runtime.pipeline): their whole bytes per stage, and that reduction's time
+    whole_grads, zero2_after = _zero2_held_whole(inner, att.problem.ctx, owned, schedule)
+
+    def peak(r: int, recomputes: bool) -> float:
+        return peak_of(r, recomputes) + sum(whole_grads[s] for s in range(n_stages) if rank_of[s] == r)
+
     recomputes = [bool(chosen) and not (per_rank_recompute and peak(r, False) <= budget) for r in range(pp)]
     peaks = [peak(r, recomputes[r]) for r in range(pp)]
     compute = [plain[s] + (again[s] if recomputes[rank_of[s]] else 0.0) for s in range(n_stages)]
@@ -201,16 +208,42 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     sends = [2.0 * (link_latency + b / m / link_bw) for b in cut.boundary_bytes]
     p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
     step = inner_step * pipe_compute / (sum(compute) or 1.0) + p2p
+    step += max(sum(zero2_after[s] for s in range(n_stages) if rank_of[s] == r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
     stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
     comm_bytes = inner.predicted.comm_bytes
-    if kept_blocks != inner.recompute_blocks:  # a recomputed block's ZeRO-3 gathers run again in backward
+    # a recomputed block's ZeRO-3 gathers run again in backward; ZeRO-2 held whole reduces once
+    if kept_blocks != inner.recompute_blocks or any(whole_grads):
         from autopar.planner.comm_model import predict_comm_bytes
         from autopar.planner.evaluate import autocast_dtype
 
         comm_bytes = tuple((k, float(b)) for k, b in sorted(predict_comm_bytes(
-            problem, choice, frozenset(kept_blocks), autocast_dtype=autocast_dtype(problem)).items()))
+            problem, choice, frozenset(kept_blocks), autocast_dtype=autocast_dtype(problem),
+            zero2_reductions=1 if any(whole_grads) else None).items()))
     return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks, comm_bytes)
+
+
+def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float]]:
+    """Per stage, under a split-backward schedule: (the bytes its ZeRO-2 gradients hold beyond
+    their shards while they accumulate whole, the time of their one reduce-scatter after the
+    schedule, exposed); zeros under any other schedule (those reduce-scatter per microbatch,
+    overlapped, as the submesh plan priced)."""
+    from autopar.cost_models.communication import collective_time
+
+    whole = [0.0] * len(owned)
+    after = [0.0] * len(owned)
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return whole, after
+    axis = {name: i for i, (name, _) in enumerate(inner.mesh_axes)}
+    sizes = dict(inner.mesh_axes)
+    for s, params in enumerate(owned):
+        for p in params:
+            if p.zero_stage != 2 or not p.zero_axes:
+                continue
+            whole[s] += p.bytes_per_device * (1.0 - 1.0 / math.prod(sizes[a] for a in p.zero_axes))
+            after[s] += sum(collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
+                            for a in p.zero_axes)
+    return whole, after
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
@@ -246,15 +279,6 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     if schedule == "dualpipev" and m < 2 * pp:
         raise ConstraintError(f"dualpipev needs at least as many microbatches as stages: microbatches={m} < "
                               f"{2 * pp} stages (2 per rank); use microbatches={2 * pp} or more")
-    if schedule in SPLIT_BACKWARD_SCHEDULES:
-        # their weight pass takes gradients through the parameters' graph apart from the input pass;
-        # a parameter gathered over the data axis (ZeRO-3) or reduce-scattered per microbatch
-        # (ZeRO-2) does not take part in it yet. ZeRO-1 (optimizer state sharded, parameters and
-        # gradients whole) does: its gradients are reduced after the schedule, as without ZeRO
-        if zero not in (None, 0, 1):
-            raise ConstraintError(f"schedule={schedule} with zero={zero}: zero-bubble schedules run with zero=0 or 1 for "
-                                  "now; use 1f1b or interleaved-1f1b for sharded gradients and parameters (zero=2, 3)")
-        zero = zero or 0
     inner_c = dataclasses.replace(c, pp=None, schedule=None, microbatches=m, virtual_stages=None, zero=zero)
     if recompute_first and c.recompute is None:
         inner_c = dataclasses.replace(inner_c, recompute=True)

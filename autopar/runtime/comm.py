@@ -159,6 +159,9 @@ class MeshComm:
         self.step_cache: dict = {}  # (src, dst, shape) -> reshard steps on this mesh
         self.pending_gathers: dict = {}  # storage of a receive buffer -> gather under way (runtime.prefetch)
         self.pending_grads: list = []  # gradient reduce-scatters under way (runtime.prefetch)
+        # split-backward pipeline schedules: a gathered parameter's shard gets a (zero) gradient
+        # edge from its gather, so torch's weight pass reaches the gather (runtime.prefetch)
+        self.shard_grad_edges = False
 
     @classmethod
     def from_device_mesh(cls, mesh) -> "MeshComm":

@@ -52,6 +52,10 @@ def FAMILIES(model: str, world: int = 4) -> dict[str, tuple[dict, str]]:
         "pp_gpipe": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "schedule": "gpipe"}, "fp32"),
         "pp_interleaved": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "schedule": "interleaved-1f1b"}, "fp32"),
         "pp_recompute": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "recompute": True}, "fp32"),
+        # split-backward schedules: ZeRO-2 gradients held whole until after the schedule
+        "pp_zbv": ({"pp": 2, "dp": half, "tp": 1, "zero": 0, "schedule": "zbv"}, "fp32"),
+        "pp_zbv_zero2": ({"pp": 2, "dp": half, "tp": 1, "zero": 2, "schedule": "zbv"}, "fp32"),
+        "pp_zbv_zero3": ({"pp": 2, "dp": half, "tp": 1, "zero": 3, "schedule": "zbv"}, "fp32"),
     }
 
 

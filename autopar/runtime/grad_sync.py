@@ -82,6 +82,7 @@ class GradSync:
         self._bucket_of = {ph: b for b in self.buckets for ph in b.members}
         self._zero2 = {ph: deferred.get(ph, ()) for ph in store.grad_order if store.slots[ph].zero_stage == 2}
         self._last = True  # whether the running backward is the last microbatch's
+        self._defer_zero2 = False  # ZeRO-2 gradients accumulate whole until finish() (see hold)
         self._pending: list[tuple] = []  # ZeRO-2: (work, out, staging, slot, length)
         me = weakref.ref(self)
         self._handles = []
@@ -92,7 +93,8 @@ class GradSync:
     # ------------------------------------------------------------------ called by the hooks
     def _ready(self, ph: str) -> None:
         if ph in self._zero2:
-            self._reduce_scatter(ph)
+            if not self._defer_zero2:
+                self._reduce_scatter(ph)
             return
         if not self._last:
             return
@@ -174,15 +176,20 @@ class GradSync:
     def arm(self, last_microbatch: bool) -> None:
         """Before each backward: all-reduce buckets only on the last microbatch."""
         self._last = last_microbatch
+        self._defer_zero2 = False
         if last_microbatch:
             for b in self.buckets:
                 b.ready, b.work = 0, None
 
-    def hold(self) -> None:
+    def hold(self, whole_zero2: bool = False) -> None:
         """Before a step whose backward passes interleave (a pipeline schedule: none is known to
-        be the last): reduce nothing while they run; ``finish()`` then reduces every bucket."""
+        be the last): reduce nothing while they run; ``finish()`` then reduces every bucket.
+        ``whole_zero2``: ZeRO-2 gradients too accumulate whole and are reduce-scattered once, in
+        ``finish()`` (split-backward schedules: torch's weight pass adds to ``.grad`` itself,
+        past the hooks, so per-microbatch reduce-scatters could serve only some stages)."""
         self.arm(last_microbatch=True)  # every bucket starts the step unreduced
         self._last = False
+        self._defer_zero2 = whole_zero2
 
     def prepare_accumulation(self) -> None:
         """Before a backward that adds to gradients already reduced (the native loop without
@@ -196,7 +203,11 @@ class GradSync:
                 self.store.flat_grad(b.dtype)[b.start: b.start + b.numel].div_(n)
 
     def finish(self) -> None:
-        """After the last backward: launch what never filled, then wait for every reduction."""
+        """After the last backward: launch what never filled, reduce-scatter the ZeRO-2 gradients
+        no hook saw, then wait for every reduction."""
+        for ph in self._zero2:  # held whole (``hold(whole_zero2=True)``): reduce-scattered now
+            if self.store.slots[ph].local.grad is not None:
+                self._reduce_scatter(ph)
         for b in self.buckets:
             if b.work is None and b.ready != -1:
                 self._launch(b)

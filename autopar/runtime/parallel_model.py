@@ -576,7 +576,8 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
         if self._train.traced.target_name is not None:
             feed[self._train.traced.target_name] = target
         with active_mesh(self.comm):
-            self._grad_sync.hold()  # every bucket is reduced after the schedule's last backward
+            # every bucket is reduced after the schedule's last backward
+            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward)
             with self._phase("forward"):
                 losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
             self._sync_and_step()

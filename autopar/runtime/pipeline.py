@@ -15,7 +15,10 @@ Invariants:
   without pipelining); the schedule backpropagates it scaled by ``d(global loss)/d(its loss)``,
   so the gradients equal one device's; gradient sync over the submesh runs once, after the
   schedule (every bucket is reduced when the last microbatch's backward is done);
-* every rank returns the same global loss (broadcast from the last stage).
+* every rank returns the same global loss (broadcast from the last stage);
+* under the split-backward schedules (zero-bubble, zbv, dualpipev) ZeRO-2 gradients accumulate
+  whole over the step and are reduce-scattered once after it, and a ZeRO-3 parameter's shard
+  takes a zero gradient from its gather (its real one arrives by the gather's reduce-scatter).
 """
 from __future__ import annotations
 
@@ -114,6 +117,11 @@ class PipelineRunner:
         self.mine = local_stages(plan, pp_rank)
         self.microbatches = plan.microbatches
         self.comm = comm
+        # torch's weight pass (split-backward schedules) asks autograd for each parameter's own
+        # gradient: ZeRO-3 gathers then hand their shard one (runtime.prefetch), and ZeRO-2
+        # gradients are reduce-scattered once, after the schedule (GradSync.hold)
+        self.split_backward = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+        comm.shard_grad_edges = self.split_backward
         self.device = device
         self.pp_group = pp_group
         self.store = store

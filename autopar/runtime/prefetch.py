@@ -99,7 +99,11 @@ class _GatherStart(torch.autograd.Function):
         comm.pending_grads.append(_PendingGrad(work, out, send, param.grad, ctx.dim, param.shape[ctx.dim]))
         while len(comm.pending_grads) > MAX_INFLIGHT:
             comm.pending_grads.pop(0).complete()
-        return (None,) * 8  # added to the parameter's gradient buffer when the reduction completes
+        # the reduced gradient is added to the parameter's gradient buffer when the reduction
+        # completes; a split-backward schedule's weight pass asks autograd for the shard's own
+        # gradient (and refuses a None): it gets zeros, which it adds to that buffer
+        shard_grad = param.new_zeros(()).expand_as(param) if comm.shard_grad_edges else None
+        return (shard_grad,) + (None,) * 7
 
 
 def gather_param_start(x: torch.Tensor, axis: int, dim: int, size: int | None = None, dtype=None,
