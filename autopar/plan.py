@@ -80,6 +80,9 @@ class Stage:
     # stage's peak memory per device with the schedule's microbatches in flight
     predicted_time_s: float = 0.0
     peak_memory_bytes: float = 0.0
+    # values this stage sends on in pieces of a layout other than their planned one, regathered
+    # where they are received: ((node name, layout sent), ...)
+    send_layouts: tuple[tuple[str, str], ...] = ()
 
     @property
     def span(self) -> str:
@@ -363,7 +366,8 @@ def _decode_plan(d: dict) -> Plan:
 
     stages = tuple(
         Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]),
-              tuple(param(p) for p in s["params"]), s.get("predicted_time_s", 0.0), s.get("peak_memory_bytes", 0.0))
+              tuple(param(p) for p in s["params"]), s.get("predicted_time_s", 0.0), s.get("peak_memory_bytes", 0.0),
+              _tuplify(s.get("send_layouts", ())))
         for s in d["stages"]
     )
     k = build(Plan, d)

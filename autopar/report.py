@@ -46,6 +46,10 @@ def _pipeline_lines(plan) -> list[str]:
         rc = f" (recomputes {len(mine)} block(s))" if mine else ""
         lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {_gib(st.peak_memory_bytes):>12}  "
                      f"{st.span}{rc}")
+        for name, layout in st.send_layouts:
+            placed = plan.nodes.get(name)
+            whole = placed.outs[0] if placed is not None and placed.outs else "?"
+            lines.append(f"  {'':>5} {'':>9}  sends '{name}' ({whole}) in pieces {layout}, regathered where received")
     return lines
 
 

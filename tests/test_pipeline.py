@@ -178,6 +178,80 @@ def test_recomputed_blocks_run_checkpointed_in_their_own_stage():
         blocks = {b for b in plan.recompute_blocks if any(n.module.startswith(b + ".") for n in plan.stages[st.index].nodes)}
         assert blocks and len(checkpointed) >= len(blocks), (st.index, blocks)
 
+def test_values_cross_a_slow_link_in_pieces():
+    """Across a slow inter-node link, a value partially summed (or replicated) over the tensor axis
+    crosses the stage boundary as that axis's pieces (each rank sends half) and is regathered
+    where it is received: the plan says so, prices half the bytes, and the stage programs send
+    exactly the pieces. On a fast link the plan sends it as planned."""
+    from autopar.layouts import Shard, parse_layout
+    from autopar.passes.boundary_sends import insert_boundary_sends
+    from autopar.runtime.comm import MeshComm
+    from autopar.runtime.pipeline import _boundary_metas
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    plans = {bw: autopar.plan(model, _two_nodes(bw), x, loss_fn=loss, example_target=y,
+                              constraints=autopar.Constraints(pp=2, tp=2)) for bw in (1e8, 1e11)}
+    assert all(not s.send_layouts for s in plans[1e11].stages)
+    plan = plans[1e8]
+    (sends,) = [s.send_layouts for s in plan.stages if s.send_layouts]
+    for name, pieces in sends:
+        whole = parse_layout(plan.nodes[name].outs[0])
+        changed = [(p, q) for p, q in zip(whole, parse_layout(pieces)) if p != q]
+        assert len(changed) == 1 and isinstance(changed[0][1], Shard), (name, pieces)
+    assert "in pieces" in plan.summary()
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+
+    m = plan.microbatches
+    traced = trace_model(model, (x[: x.shape[0] // m],), loss_fn=loss, example_target=y[: y.shape[0] // m])
+    program = run_passes(copy.deepcopy(traced.gm), PassContext.for_plan(plan))
+    state = set(traced.param_fqns) | set(traced.buffer_fqns)
+    planned = {n.name: s.index for s in plan.stages for n in s.nodes}
+    before = split_stages(copy.deepcopy(program), planned, state, 2)
+    planned = insert_boundary_sends(program, plan, planned, state)
+    after = split_stages(program, planned, state, 2)
+    comm = MeshComm(groups=(None, None), sizes=(1, 2), coords=(0, 1))
+    sent = {n for n, _ in sends}
+    whole_metas = dict(zip(before[0].output_names, _boundary_metas(before, program, plan, comm, {})[1][0]))
+    piece_metas = dict(zip(after[0].output_names, _boundary_metas(after, program, plan, comm, {})[1][0]))
+    assert not sent & set(after[0].output_names)  # the whole values no longer cross
+    pieces = [v for k, v in piece_metas.items() if k not in whole_metas]
+    assert len(pieces) == len(sent)
+    assert 2 * sum(v.numel() for v in pieces) == sum(whole_metas[k].numel() for k in sent)
+    for prev, cur in zip(after, after[1:]):
+        assert cur.input_names == prev.output_names
+
+
+def _pieces_parity() -> list[dict]:
+    from autopar.runtime.parity import parity_worker
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    plan = autopar.plan(model, _two_nodes(1e8), x, loss_fn=loss, example_target=y,
+                        constraints=autopar.Constraints(pp=2, tp=2))
+    out = []
+    for opt in ("sgd", "adamw"):
+        r = parity_worker("gpt", None, 5, opt=opt, lr=0.05 if opt == "sgd" else 1e-3, plan=plan)
+        r.pop("plan")
+        r["case"], r["constraints"], r["optimizer"] = "gpt", {"pp": 2, "tp": 2, "link": "1e8 B/s"}, opt
+        r["sends"] = [s.send_layouts for s in plan.stages]
+        out.append(r)
+    return out
+
+
+@pytest.mark.slow
+def test_pieces_across_a_slow_link_parity():
+    """The plan above, run on 4 processes: single-device parity with SGD and AdamW, and the program
+    holds the sending and the regathering reshard of each value sent in pieces."""
+    results = autopar.launch(_pieces_parity, 4)
+    _check(results[0])
+    for r in results[0]:
+        sends = [v for st in r["sends"] for v in st]
+        assert sends
+        for name, pieces in sends:
+            assert f"reshard({name}, " in r["program"] and f"'{pieces}'" in r["program"], name
+
+
 def _tight_cluster(world: int = 2) -> autopar.Cluster:
     """A local cluster whose devices hold the GPT's first pipeline rank (1F1B, pp=2) only when it
     recomputes, and the last rank (one microbatch in flight) without: halfway between the two

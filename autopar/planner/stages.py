@@ -28,7 +28,7 @@ import torch.fx as fx
 from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
-__all__ = ["StageCut", "CutModel", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
+__all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
            "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES",
            "ZERO_BUBBLE_W_SHARE", "local_bytes"]
 
@@ -45,6 +45,15 @@ class StageCut:
     stage_of: dict  # traced node name -> stage index
     stage_time_s: tuple[float, ...]  # per stage, per step: compute + boundary sends
     boundary_bytes: tuple[float, ...]  # per boundary, per step, one direction, per device
+    # per boundary, per step: the collectives regathering what crosses it sent in pieces
+    # (forward on the receiving side, its gradient's backward on the sending side)
+    boundary_gather_s: tuple[float, ...] = ()
+    send_layouts: dict = None  # traced node name -> the layout it crosses boundaries in, where not its own
+
+
+# How a value may cross a stage boundary: ``(layout sent, bytes per device per step, seconds per
+# step of the collectives that put it back in its planned layout)``, or None to send it as planned.
+BoundaryChoice = tuple[str, float, float]
 
 
 def _op_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -72,6 +81,8 @@ class CutModel:
     send: np.ndarray  # send[c]: seconds to send what crosses cut c (forward and back), per step
     crossing: np.ndarray  # crossing[c]: bytes per device crossing cut c, one direction, per step
     allowed: list[int]  # the cuts allowed, ascending
+    gather: np.ndarray = None  # gather[c]: seconds per step regathering what crosses cut c in pieces
+    sent: dict = None  # traced node name -> the layout it crosses a cut in, where not its own
 
     def stage_times(self, bounds: list[int]) -> list[float]:
         """Per stage, for stages ``ops[bounds[s]:bounds[s + 1]]`` (bounds from 0 to len(ops)):
@@ -82,11 +93,14 @@ class CutModel:
 
 
 def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], link_bandwidth: float,
-              recompute_instances: dict[str, str] | None = None, block_instances: dict[str, str] | None = None) -> CutModel:
+              recompute_instances: dict[str, str] | None = None, block_instances: dict[str, str] | None = None,
+              boundary=None) -> CutModel:
     """Price every cut point of ``graph`` and say which are allowed (the module docstring's rules).
     ``placements``: node name -> ``NodePlacement`` of the per-operator plan; ``recompute_instances``:
     node name -> checkpointed block instance (cuts stay outside); ``block_instances``: node name ->
-    repeated block instance, to keep the search to block boundaries beyond ``MAX_CUTS`` cuts."""
+    repeated block instance, to keep the search to block boundaries beyond ``MAX_CUTS`` cuts.
+    ``boundary(node, layout, nbytes)``: how a value crossing a cut is best sent (a
+    ``BoundaryChoice``, or None: as planned); a value is sent the same way across every cut."""
     ops = _op_nodes(graph)
     n = len(ops)
     pos = {o.name: i for i, o in enumerate(ops)}
@@ -94,6 +108,8 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
     prefix = np.concatenate([[0.0], np.cumsum(compute)])
     blocked = np.zeros(n + 1, dtype=np.int64)
     crossing = np.zeros(n + 1)
+    gather = np.zeros(n + 1)
+    sent: dict[str, str] = {}
     for node in graph.nodes:
         users = [pos[u.name] for u in node.users if u.name in pos]
         if not users:
@@ -114,7 +130,12 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             continue  # otherwise its getitems carry the bytes (each runs with it, in its stage)
         placed = placements.get(node.name)
         layout = placed.outs[0] if placed is not None and placed.outs else None
-        crossing[first + 1: last + 1] += local_bytes(node, layout, mesh_sizes)
+        nbytes = local_bytes(node, layout, mesh_sizes)
+        choice = boundary(node, layout, nbytes) if boundary is not None and node.op != "placeholder" else None
+        if choice is not None:
+            sent[node.name], nbytes, regather = choice
+            gather[first + 1: last + 1] += regather
+        crossing[first + 1: last + 1] += nbytes
     for inst in set((recompute_instances or {}).values()):
         members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
         if members:
@@ -128,7 +149,7 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             starts.add(members[0])
             inside[members[0] + 1: members[1] + 1] = True
         allowed = [c for c in allowed if c in starts or not inside[c]]
-    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth, crossing, allowed)
+    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth + gather, crossing, allowed, gather, sent)
 
 
 def _instance_spans(instances: dict[str, str], pos: dict[str, int]) -> list[tuple[int, int]]:
@@ -187,7 +208,9 @@ def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
             stage_of[node.name] = min(users) if node.meta.get("autopar.kind") in ("param", "buffer") and users else 0
         elif node.op == "output":
             stage_of[node.name] = stages - 1
-    return StageCut(stage_of, tuple(cm.stage_times(bounds)), tuple(float(cm.crossing[b]) for b in bounds[1:-1]))
+    gather = cm.gather if cm.gather is not None else np.zeros(n + 1)
+    return StageCut(stage_of, tuple(cm.stage_times(bounds)), tuple(float(cm.crossing[b]) for b in bounds[1:-1]),
+                    tuple(float(gather[b]) for b in bounds[1:-1]), dict(cm.sent or {}))
 
 
 def stage_rank(stage: int, ranks: int, schedule: str) -> int:

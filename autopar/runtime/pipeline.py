@@ -35,6 +35,7 @@ from autopar.errors import AutoparError
 from autopar.layouts import Layout
 from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES
 from autopar.passes.outline_recompute import outlined_graph
+from autopar.passes.boundary_sends import insert_boundary_sends
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.runtime.collectives import shard_tensor
 
@@ -129,6 +130,7 @@ class PipelineRunner:
         self.loss_scale = loss_scale
         state_names = set(traced.param_fqns) | set(traced.buffer_fqns)
         planned = {n.name: s.index for s in plan.stages for n in s.nodes}
+        planned = insert_boundary_sends(program, plan, planned, state_names)  # values sent in pieces
         self.programs = split_stages(program, planned, state_names, self.n_stages)
         self.batch_names = list(self.programs[0].input_names)
         self._values: list[torch.Tensor] = []
@@ -219,6 +221,8 @@ def _meta_of(node, plan, comm, input_layouts: dict) -> torch.Tensor | None:
         return None  # not a tensor (an optional input left None)
     if node.op == "placeholder":
         layout = input_layouts.get(node.name)
+    elif "autopar.boundary_layout" in node.meta:  # sent in pieces (passes.boundary_sends)
+        layout = parse_layout(node.meta["autopar.boundary_layout"])
     else:
         placed = plan.nodes.get(node.name)
         if placed is None or not placed.outs or placed.outs[0] == "-":
