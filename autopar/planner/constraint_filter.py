@@ -124,10 +124,13 @@ def _prefixes(module: str) -> list[str]:
 def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], microbatches: int = 1):
     """``allowed(node, strategy)``: None, or why ``c`` excludes the strategy on ``mesh``.
 
-    On a ('dp', 'ep') mesh (``planner.meshes``) both axes are data axes: what ``dp=`` asks of axis
-    'dp' it asks of both (the batch split, whole weights), except that experts live split on 'ep'."""
+    On a ('dp', 'ep') or ('dp', 'ep', 'tp') mesh (``planner.meshes``) 'dp' and 'ep' are data
+    axes: what ``dp=`` asks of axis 'dp' it asks of both (the batch split, whole weights), except
+    that experts live split on 'ep'; ``tp=`` rules apply to the 'tp' axis, wherever it is."""
     names = axis_names(mesh)
-    dp_a, tp_a = 0, 1
+    dp_a = 0
+    tp_a = names.index("tp") if "tp" in names else None  # ('dp', 'ep') meshes have none
+    tensor_parallel = tp_a is not None and mesh[tp_a] > 1 and (c.tp or 1) > 1
     data = [a for a in data_axes(mesh) if mesh[a] > 1]
     out_pins = {}
     for pattern, axes in c.outputs:
@@ -158,7 +161,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 return "local batches: the batch dim is split over the data axes only"
             if c.dp is not None and any(lay[a] != Shard(0) for a in data):
                 return f"dp={c.dp} shards the batch (dim 0) of every input on axes {_named(data, names)}"
-            if c.tp is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():
+            if c.tp is not None and tp_a is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():
                 return f"tp={c.tp} keeps inputs whole on axis 'tp' (tensor parallel, not data parallel)"
         if kind == "param":
             lay = s.outs[0]
@@ -169,7 +172,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
             meta = node.meta["autopar.outputs"][0]
             pinned = any(_matches(fqn, pattern) for pattern, _ in c.placements)  # a pin beats the blanket rule
-            if (c.tp or 1) > 1 and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard) and not pinned:
+            if tensor_parallel and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard) and not pinned:
                 if any(d % mesh[tp_a] == 0 for d in meta.shape):
                     return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"
             for pattern, axes in c.placements:
@@ -224,7 +227,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 for a in data:
                     if not (arg.name in experts and a == ep_a) and not isinstance(lay[a], Replicate):
                         return f"dp={c.dp} uses whole weights on axis '{names[a]}'"  # (an expert is used where it lives)
-        if kind == "op" and (c.tp or 1) > 1 and REGION_FLOPS_KEY not in node.meta:
+        if kind == "op" and tensor_parallel and REGION_FLOPS_KEY not in node.meta:
             # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
             # FSDP on the tp axis, which zero= expresses); a token-wise region (a dropless MoE layer)
             # splits its tokens on 'tp' instead, its weights whole

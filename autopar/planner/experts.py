@@ -125,8 +125,6 @@ def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]
     if not fitting:
         shapes = ", ".join(describe(m) for m in meshes)
         raise ConstraintError(
-            f"ep={c.ep}: the expert axis is one mesh axis of size {c.ep} (dp or tp; or, without tensor parallelism, "
-            f"an 'ep' axis inside dp), and no allowed mesh has one ({shapes}); set dp={c.ep} or tp={c.ep}, or leave "
-            f"tp=1 (expert parallelism inside data parallelism together with tensor parallelism would need a "
-            f"three-axis mesh, which autopar does not plan yet)")
+            f"ep={c.ep}: the expert axis is one mesh axis of size {c.ep} (dp or tp, or an 'ep' axis inside dp), and no "
+            f"allowed mesh has one ({shapes}); choose ep dividing the data-parallel degree, or set dp={c.ep} or tp={c.ep}")
     return fitting

@@ -1,10 +1,11 @@
 """One stage's device mesh: device counts per axis, with the axes' names.
 
 Most meshes are ('dp', 'tp'), and a plain tuple ``(dp, tp)`` stands for one. With expert
-parallelism over fewer devices than the data parallelism (``Constraints(dp=D, ep=E)``, E < D,
-no tensor parallelism) the mesh is ('dp', 'ep') = ``(D // E, E)``: both axes are data axes (the
-batch is sharded on both, nested: ``[S(0), S(0)]``, see ``layouts.DATA_AXIS_NAMES``), and the
-inner one, 'ep', also holds the experts. Tokens then meet their experts by all-to-alls among E
+parallelism over fewer devices than the data parallelism (``Constraints(dp=D, ep=E)``, E < D)
+the mesh is ('dp', 'ep') = ``(D // E, E)``, or with tensor parallelism ('dp', 'ep', 'tp') =
+``(D // E, E, T)``: 'dp' and 'ep' are data axes (the batch is sharded on both, nested:
+``[S(0), S(0)]``, see ``layouts.DATA_AXIS_NAMES``), and the inner one, 'ep', also holds the
+experts. Tokens then meet their experts by all-to-alls among E
 neighbouring ranks, and each expert's gradient is summed over the D // E groups that hold it.
 
 ``MeshShape`` carries the names; it compares and hashes with them, so the planner's memos keyed
@@ -69,7 +70,10 @@ def describe(mesh) -> str:
     return " ".join(f"{name}={n}" for name, n in zip(axis_names(mesh), mesh))
 
 
-def expert_data_mesh(world: int, ep: int) -> MeshShape:
-    """The ('dp', 'ep') mesh of ``world`` devices with experts over ``ep`` of them (``ep`` divides
-    ``world`` and is smaller)."""
-    return MeshShape((world // ep, ep), ("dp", "ep"))
+def expert_data_mesh(data: int, ep: int, tp: int = 1) -> MeshShape:
+    """The ('dp', 'ep') mesh of ``data`` data-parallel devices with experts over ``ep`` of them
+    (``ep`` divides ``data`` and is smaller); with ``tp > 1``, the ('dp', 'ep', 'tp') mesh of
+    ``data * tp`` devices, tensor parallelism innermost."""
+    if tp > 1:
+        return MeshShape((data // ep, ep, tp), ("dp", "ep", "tp"))
+    return MeshShape((data // ep, ep), ("dp", "ep"))

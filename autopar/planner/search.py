@@ -76,11 +76,14 @@ def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
         raise ConstraintError(f"ep={c.ep} does not divide the {world} devices of "
                               f"{'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world}")
     meshes = [(world // t, t) for t in tps]
-    data = c.dp if c.dp is not None else world
-    if c.ep is not None and 1 < c.ep < data and data % c.ep == 0 and 1 in tps:
-        # experts over fewer devices than the data parallelism: a ('dp', 'ep') mesh (meshes.py)
-        ep_mesh = expert_data_mesh(world, c.ep)
-        meshes = [ep_mesh] if c.dp is not None else meshes + [ep_mesh]
+    if c.ep is not None and c.ep > 1:
+        # experts over fewer devices than the data parallelism: the data axis split in two, the
+        # inner one 'ep' ('dp', 'ep'), beside a 'tp' axis where tensor parallelism has devices
+        # (meshes.py); with dp given, those are the only meshes that honour it
+        inner = [expert_data_mesh(world // t, c.ep, tp=t) for t in tps
+                 if 1 < c.ep < world // t and (world // t) % c.ep == 0]
+        if inner:
+            meshes = inner if c.dp is not None else meshes + inner
     return meshes
 
 
