@@ -192,7 +192,7 @@ def trace_checked(model, example_inputs, *, loss_fn=None, example_target=None, d
                   autocast_dtype=None, own_loss: bool = False, to_user: bool = False) -> TracedGraph:
     """``trace_model``, with a loss function that fails named as the culprit, and a loss that is not
     one scalar refused (training needs one number to differentiate)."""
-    from autopar.trace import _is_data_dependent
+    from autopar.trace_errors import _is_data_dependent
 
     probe = _LossProbe(loss_fn) if loss_fn is not None else None
     try:

@@ -17,8 +17,6 @@ Node metadata written here (the ``autopar.*`` keys, read by strategies, planner 
 from __future__ import annotations
 
 import contextlib
-import linecache
-import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,6 +31,7 @@ from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
 from autopar.regions import outline_token_regions
 from autopar.loss_rewrite import exact_token_mean
+from autopar.trace_errors import _describe_output, _is_data_dependent, _raise_trace_error
 
 # ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
 # here); importing it with autopar keeps that one-time import out of the first plan's time, where
@@ -189,35 +188,8 @@ class _ModuleTracker:
         return self.names[mid], self.classes[mid]
 
 
-def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
-    """Innermost traceback frame outside torch and autopar: (file, line, source)."""
-    best = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        f = frame.filename.replace("\\", "/")
-        if "/torch/" in f or "/autopar/" in f or "/site-packages/" in f or f.startswith("<"):
-            continue
-        best = (frame.filename, frame.lineno or 0, (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip())
-    return best
-
-
-_DATA_DEPENDENT_HINTS = (
-    "data-dependent",
-    "DataDependent",
-    "Could not guard on data-dependent",
-    "aten._local_scalar_dense",
-    "item()",
-    "Cannot call numpy",
-    "nonzero",
-)
-
-
 class _UseExport(Exception):
     """Internal: capture="export" was asked for."""
-
-
-def _is_data_dependent(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}"
-    return any(h in text for h in _DATA_DEPENDENT_HINTS)
 
 
 class _TrainStep(torch.nn.Module):
@@ -264,46 +236,6 @@ def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, t
         out.args = (out.args[0][0],)
     gm.recompile()
     return gm
-
-
-def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
-    path, cls = tracker.current()
-    frame = _user_frame(exc)
-    where = f" at {frame[0]}:{frame[1]}: `{frame[2]}`" if frame else ""
-    text = f"{type(exc).__name__}: {exc}"
-    module = f"module '{path}' ({cls})" if path else f"the model's top-level forward ({cls})"
-    if any(h in text for h in _DATA_DEPENDENT_HINTS):
-        msg = (
-            f"autopar cannot trace {module}{where}: it branches on (or reads) tensor values, and a "
-            "plan must hold for every input. Rewrite the branch with tensor ops (torch.where, "
-            "masking, torch.cond) or move the data-dependent part out of the model."
-        )
-        if any(_looks_like_experts(tracker.modules[m]) for m in tracker.stack):
-            msg += (" It looks like a mixture-of-experts layer computing each expert on the tokens routed to it "
-                    "(sizes that depend on the routing). autopar plans the two forms that keep sizes known: "
-                    "grouped matmuls over the tokens sorted by expert (torch.nn.functional.grouped_mm; Hugging Face "
-                    "models: config._experts_implementation = 'grouped_mm'), or a fixed capacity per expert "
-                    "(einsums over [experts, capacity, d]); see the README's 'Mixture of experts'.")
-    else:
-        msg = (
-            f"autopar could not trace {module}{where}. The failure was: {text.splitlines()[0][:400]}. "
-            "autopar needs a forward pass torch.fx can capture with fake tensors (no .item(), numpy "
-            "or data-dependent shapes)."
-        )
-    raise TraceError(msg) from exc
-
-
-def _looks_like_experts(module: torch.nn.Module) -> bool:
-    """A weight stacked over experts (3 or more dims, its own), or a ModuleList of two or more
-    modules of one class with equally shaped parameters."""
-    if not isinstance(module, torch.nn.modules.conv._ConvNd) and any(p.dim() >= 3 for p in module.parameters(recurse=False)):
-        return True
-    for child in module.children():
-        if isinstance(child, torch.nn.ModuleList) and len(child) >= 2:
-            shapes = {(type(m), tuple(tuple(p.shape) for p in m.parameters())) for m in child}
-            if len(shapes) == 1 and next(iter(shapes))[1]:
-                return True
-    return False
 
 
 def _as_tuple(example_inputs: Any) -> tuple:
@@ -556,14 +488,6 @@ def model_loss(out):
     if isinstance(out, (tuple, list)) and out and scalar(out[0]):
         return out[0]
     return None
-
-
-def _describe_output(out) -> str:
-    if isinstance(out, torch.Tensor):
-        return f"a tensor of shape {tuple(out.shape)}"
-    if isinstance(out, dict):
-        return f"{type(out).__name__} with {sorted(k for k, v in out.items() if v is not None)}"
-    return type(out).__name__
 
 
 def _module_path(node: fx.Node, prefix: str = "") -> str:

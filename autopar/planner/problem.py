@@ -19,14 +19,15 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import (LOCAL_OUTPUTS_KEY, batch_norm_sync, edge_reshard, local_rows, param_cast_dtype, prefetchable_gather,
-                        pure_all_reduce_axes, region_exchanges)
+from autopar.ir import (LOCAL_OUTPUTS_KEY, edge_reshard, local_rows, param_cast_dtype, prefetchable_gather,
+                        pure_all_reduce_axes)
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work,
                                      optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.op_memory import op_memory, warnings_silenced
+from autopar.planner.sync_pricing import _zero2_reduce_time, own_sync_time, post_step_gather_time
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.strategies.rules import _op_name
 from autopar.trace import TracedGraph, tensor_inputs
@@ -225,25 +226,6 @@ def build_problem(
     _merge_followers(traced, blocks, nodes, ctx)
     edges = _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
-
-
-def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, recomputed: bool) -> dict[str, float]:
-    """Seconds per collective kind of the collectives an op runs inside itself under ``s`` (a
-    batch norm over a split batch: ``ir.batch_norm_sync``; an expert-parallel token region:
-    ``ir.region_exchanges``), every microbatch; a recomputed
-    block runs the forward ones twice."""
-    from autopar.cost_models.communication import collective_time
-
-    out: dict[str, float] = {}
-    moves = batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape)
-    # an expert exchange lasts as long as the busiest rank's rows take (Cluster.expert_imbalance)
-    imbalance = ctx.cluster.expert_imbalance
-    moves += [(k, a, b * imbalance, f) for k, a, b, f in
-              region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)]
-    for kind, axis, nbytes, forward in moves:
-        t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
-        out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)
-    return out
 
 
 def _input_bytes(n: fx.Node, i: int, s: Strategy, ctx: CostContext, batch: set[str], microbatches: int,
@@ -512,29 +494,6 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
 # What a reshard of a tensor an op writes in place costs the ILP: no plan that needs one can win
 # while another exists (``insert_collectives_pass`` refuses a plan that has one).
 REFUSED_RESHARD_S = 1e6
-
-
-def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[str, float]:
-    """ZeRO-2's gradient sync of a whole local gradient: reduce-scatter over its zero axes,
-    all-reduce over the others it is summed over (``runtime.grad_sync``)."""
-    from autopar.cost_models.communication import collective_time
-
-    nbytes = float(local_numel(meta.shape, layout, ctx.mesh_shape) * meta.itemsize)
-    out: dict[str, float] = {}
-    for a in axes:
-        kind = "reduce_scatter" if a in zero_axes else "all_reduce"
-        out[kind] = out.get(kind, 0.0) + collective_time(kind, nbytes, ctx.groups[a], ctx.cluster)
-    return out
-
-
-def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
-    """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking)."""
-    from autopar.cost_models.communication import collective_time
-
-    if not s.zero_axes:
-        return 0.0
-    nbytes = float(local_numel(meta.shape, s.outs[0], ctx.mesh_shape) * meta.itemsize)
-    return sum(collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
 
 
 def _is_follower_op(n: fx.Node) -> bool:

@@ -1,24 +1,30 @@
-"""``ParallelModel``'s checkpoint methods (``save``, ``load``, ``load_latest``, ``track``, ...),
-apart from the step machinery; the work is ``runtime.checkpoint``'s ``Checkpointer``."""
+"""``ParallelModel``'s checkpoint methods (``save``, ``load``, ``load_latest``, ``track``, ...) and
+its full (gathered) state dicts, apart from the step machinery; the work is
+``runtime.checkpoint``'s ``Checkpointer``."""
 from __future__ import annotations
 
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import AutoparError
+from autopar.layouts import replicated
+from autopar.resharding import reshard_steps_for
 from autopar.runtime.checkpoint import Resumed
 from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.collectives import active_mesh
+from autopar.runtime.collectives import active_mesh, apply_steps
 
 __all__ = ["CheckpointMethods"]
 
 
 class CheckpointMethods:
     """Mixed into ``ParallelModel`` (which holds ``_checkpointer``, ``_checkpointing``, ``_tracked``,
-    ``_pending_tracked``, ``_native_optimizer``, ``_pending_optimizer``, ``resumed``, ``step``)."""
+    ``_pending_tracked``, ``_native_optimizer``, ``_pending_optimizer``, ``resumed``, ``step``; and, for
+    ``full_state_dict``, ``store``, ``comm``, ``_traced``, ``_layouts``, ``_shapes``, ``_param_of_key``,
+    ``_model_keys`` and ``_pp_group``)."""
 
     def save(self, root: str | None = None, *, step: int | None = None, asynchronous: bool = False) -> str:
         """Save the training state (parameters, optimizer, step, RNG, tracked objects) into
@@ -108,3 +114,33 @@ class CheckpointMethods:
         full = {k[len("optim/"):]: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True)
                 for k, t in sorted(tensors.items())}
         return self._merged_over_stages(full)
+
+    def _local_state(self, ph: str) -> torch.Tensor:
+        return self.store.slots[ph].local.detach() if ph in self.store.slots else self.store.buffers[ph]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) copies under the user's ``model.state_dict()`` keys, on every rank.
+        (``state_dict()``: the sharded DTensors, for torch.distributed.checkpoint.)"""
+        self._require_plan("full_state_dict")
+        self._sync_zero_params()
+        full: dict[str, torch.Tensor] = {}
+        ndim = len(self.comm.sizes)
+        for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
+            if ph not in self._layouts:
+                continue  # another pipeline stage's (gathered below)
+            shape = self._shapes[ph]
+            steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
+            # a copy: for a replicated tensor no step runs, and the live parameter would be returned
+            full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).to("cpu", copy=True)
+        full = self._merged_over_stages(full)
+        return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
+
+    def _merged_over_stages(self, mine: dict) -> dict:
+        """``mine`` (this rank's stage's entries) merged with every other pipeline stage's, on every
+        rank; as is without pipelining."""
+        if self._pp_group is None:
+            return mine
+        parts: list = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(parts, mine, group=self._pp_group)
+        return {k: v for part in parts for k, v in part.items()}

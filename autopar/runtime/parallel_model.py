@@ -29,28 +29,27 @@ The torch-native loop (``pm(x)``, ``loss.backward()``, the user's optimizer):
   finishes every planned reduction and sets each parameter's ``.grad`` DTensor;
 * ZeRO-1/2 parameters the user's optimizer updated (their DTensor's version counter moved) are
   gathered back into whole parameters before the next forward (and before ``full_state_dict``).
+
+Planning, the programs and the steps are here; the other methods are mixins, one module per job:
+``checkpoint_methods``, ``input_check_methods``, ``measure_methods``, ``native_loop_methods``.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
-from autopar.api import cyclic_gc_paused
-from autopar.errors import AutoparError, InputMismatchError
+from autopar.errors import AutoparError
 from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Partial, Replicate, Shard, chunk_range, parse_layout, replicated
-from autopar.resharding import reshard_steps_for
-from autopar.runtime.collectives import active_mesh, apply_steps, gather_dim, shard_tensor
+from autopar.layouts import Partial, Replicate, Shard, chunk_range, parse_layout
+from autopar.runtime.collectives import active_mesh, gather_dim, shard_tensor
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
@@ -58,11 +57,13 @@ from autopar.runtime.comm import MeshComm, collective_site
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_tree
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
+from autopar.runtime.input_check_methods import InputCheckMethods
 from autopar.runtime.input_checks import (
-    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, checksum, example_spec, mismatch,
-    refuse_uneven_inputs,
+    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, example_spec, refuse_uneven_inputs,
 )
-from autopar.runtime.memory import MemoryReport, MemoryTracker
+from autopar.runtime.measure_methods import MeasureMethods, StepMeasurement
+from autopar.runtime.memory import MemoryTracker
+from autopar.runtime.native_loop_methods import NativeLoopMethods
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.prefetch import drain_gradient_reductions
 from autopar.trace import TensorMeta
@@ -106,33 +107,7 @@ class _Program:
         return cls(plan, traced, program, loss_reduction, inputs, loss, example_spec(traced, plan.microbatches, example))
 
 
-@dataclass(frozen=True)
-class StepMeasurement:
-    """One measured training step on this rank, beside the plan's prediction.
-
-    ``comm_bytes`` / ``predicted_comm_bytes``: bytes per collective kind in the step (nccl-tests
-    size convention, see ``runtime.comm``). ``memory``: measured bytes by category;
-    ``predicted_memory``: the plan's figures for the same categories."""
-
-    loss: float
-    step_time_s: float
-    predicted_step_time_s: float
-    memory: MemoryReport
-    predicted_peak_bytes: float
-    predicted_memory: dict = field(default_factory=dict)
-    comm_bytes: dict = field(default_factory=dict)
-    predicted_comm_bytes: dict = field(default_factory=dict)
-
-    def table(self) -> str:
-        lines = [self.memory.table(self.predicted_memory, self.predicted_peak_bytes), ""]
-        lines.append(f"{'collective':<16} {'measured B':>14} {'predicted B':>14}")
-        for k in sorted(set(self.comm_bytes) | set(self.predicted_comm_bytes)):
-            lines.append(f"{k:<16} {self.comm_bytes.get(k, 0):>14,} {int(self.predicted_comm_bytes.get(k, 0)):>14,}")
-        lines.append(f"step time {self.step_time_s * 1e3:.2f} ms (predicted {self.predicted_step_time_s * 1e3:.2f} ms)")
-        return "\n".join(lines)
-
-
-class ParallelModel(CheckpointMethods, torch.nn.Module):
+class ParallelModel(CheckpointMethods, InputCheckMethods, MeasureMethods, NativeLoopMethods, torch.nn.Module):
     """A model compiled for this rank. Build it with ``autopar.compile``.
 
     Two ways to train it: ``train_step`` (compiled with ``optimizer=``: the loss inside the plan,
@@ -281,110 +256,7 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
             self._programs[kind] = prog
         return prog
 
-    # ------------------------------------------------------------------ the torch-native loop
-    def forward(self, *args, **kwargs):
-        """The sharded forward: returns what the model returns, each tensor whole on every rank (as
-        one device would hold it), ready for the user's loss; ``loss.backward()`` then runs the
-        plan's backward and gradient sync and sets every parameter's ``.grad`` (a DTensor).
-
-        Every rank calls it with the same global batch; in ``eval()`` mode it runs the model's
-        evaluation graph (planned at its first use), under ``torch.no_grad()`` without autograd."""
-        inputs = self._builder.bind(args, kwargs)
-        if self._fused and self.training and torch.is_grad_enabled():
-            raise AutoparError(
-                "this model was compiled with optimizer= for train_step (the loss inside the plan): train it with "
-                "pm.train_step(...); pm(x) serves evaluation here (pm.eval() or torch.no_grad()). For your own training "
-                "loop, compile without optimizer= and build the optimizer over pm.parameters()")
-        self._ensure_planned(inputs, None)
-        kind = "forward" if self.training else "forward-eval"
-        prog = self._program_for(kind, inputs, None)
-        with collective_failures("forward"):
-            self._check_batch("forward", inputs, None, self._calls["forward"], prog)
-            self._sync_zero_params()
-            with active_mesh(self.comm):
-                out = self._run(self._args(inputs, None, prog, where="forward"), prog.program)
-        self._calls["forward"] += 1
-        leaves = list(out) if isinstance(out, (list, tuple)) else [out]
-        if torch.is_grad_enabled():
-            needs = [(t, rows) for t, rows in zip(leaves, prog.rows_mask) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if self._local:
-                self._average_local_losses(needs)
-            self._arm_backward([t for t, _ in needs])
-        return pytree.tree_unflatten(leaves, prog.traced.out_spec) if prog.traced.out_spec is not None else out
-
-    def _average_local_losses(self, outputs: list) -> None:
-        """Local batches: each rank's loss is over its own rows, and training minimises their mean
-        over the data shards (DDP's convention). So the gradient of this rank's rows is divided by
-        the number of shards, and that of an output every rank holds whole (no batch dim) is
-        averaged over the shards (it must be the same on every rank, as a replicated value's is)."""
-        n = self.comm.sizes[0]
-        if n == 1:
-            return
-        comm = self.comm
-
-        def mean_over_shards(g):
-            g = g.contiguous().clone()
-            with collective_site("the mean over shards of an output's gradient"):
-                comm.all_reduce(g, 0)
-            return g / n
-
-        for t, rows in outputs:
-            t.register_hook((lambda g: g / n) if rows else mean_over_shards)
-
-    def _arm_backward(self, outputs: list) -> None:
-        """Hook the first gradient that reaches an output: it starts this rank's backward through
-        the program. Then: gradients the user cleared start from zero, gradients kept accumulate
-        (``prepare_accumulation``), and at the end of the backward pass the plan's gradient
-        reductions are finished and every parameter's ``.grad`` DTensor set."""
-        from torch.autograd import Variable
-
-        me = weakref.ref(self)
-        fired = [False]
-
-        def start(grad):
-            pm = me()
-            if pm is not None and not fired[0]:
-                fired[0] = True
-                pm._begin_backward()
-                Variable._execution_engine.queue_callback(pm._end_backward)
-            return grad
-
-        for t in outputs:
-            t.register_hook(start)
-
-    def _begin_backward(self) -> None:
-        cleared = set(self._state.user_grads_cleared())
-        trainable = [ph for ph, s in self.store.slots.items() if s.trainable]
-        if len(cleared) == len(trainable):
-            self.store.zero_grads()
-        else:
-            for ph in cleared:
-                self.store.zero_grad_of(ph)
-            self._grad_sync.prepare_accumulation()
-        self._grad_sync.arm(last_microbatch=True)
-
-    def _end_backward(self) -> None:
-        with collective_failures("backward"), active_mesh(self.comm):
-            self._grad_sync.finish()
-            drain_gradient_reductions(self.comm)
-        self._state.publish_grads()
-
-    def _zero_param_versions(self) -> dict[str, int]:
-        # the DTensor's own counter: in-place ops reach its local tensor below autograd's
-        # ADInplaceOrView key (inside DTensor's dispatch), which leaves the local counter unmoved
-        return {s.ph: self._state.params[s.fqn]._version for s in self.store.zero_slots()}
-
-    def _note_zero_versions(self) -> None:
-        self._zero_versions = self._zero_param_versions()
-
-    def _sync_zero_params(self) -> None:
-        """ZeRO-1/2 in the native loop: the user's optimizer updated the ``Shard(state_dim)`` pieces
-        (the DTensor parameters' version counters moved); gather them back into the whole parameters."""
-        if self._zero_param_versions() != self._zero_versions:
-            with active_mesh(self.comm):
-                self._gather_zero_params()
-            self._note_zero_versions()
-
+    # ------------------------------------------------------------------ the batch split
     @property
     def data_parallel_size(self) -> int:
         """How many different batch shards the plan reads (ranks holding the same shard share it)."""
@@ -634,158 +506,6 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
                 total += float(self._finish_loss(value, prog.loss_layout))
         return total * weight
 
-    # ------------------------------------------------------------------ batch checks
-    def _batch_problem(self, where: str, inputs: tuple, target: Any, ex: Example) -> InputMismatchError | None:
-        """What is wrong with this batch against the compiled example, or None."""
-        if len(inputs) != len(ex.inputs):
-            return InputMismatchError(
-                f"{where} got {len(inputs)} inputs; the model was compiled with {len(ex.inputs)}: pass the inputs "
-                "of the compiled example, in the same order")
-        if ex.has_target and target is None:
-            return InputMismatchError(f"{where} needs target= (the loss_fn's second argument)")
-        pairs = [(f"input {i}", x, want) for i, (x, want) in enumerate(zip(inputs, ex.inputs))]
-        if ex.has_target:
-            pairs.append(("target", target, ex.target))
-        for label, x, want in pairs:
-            problem = mismatch(x, want)
-            if problem is None:
-                continue
-            if isinstance(want, TensorMeta):
-                fix = ("compile again with an example of this shape, or pad/drop the last batch (e.g. "
-                       "DataLoader(drop_last=True)) so that every batch has the compiled shape")
-            else:
-                fix = "compile again with this value (a non-tensor input is a constant of the compiled program)"
-            return InputMismatchError(
-                f"{where}: {label} {problem}. The program was traced and planned for exactly the compiled example "
-                f"(a model that branches on the batch size would silently keep the compiled branch): {fix}")
-        return None
-
-    def _check_batch(self, where: str, inputs: tuple, target: Any, step: int, prog: "_Program") -> None:
-        """Raise if the batch does not match the compiled example; on the steps ``check_inputs``
-        names, compare every input's checksum across the ranks (one small all-gather), so that a
-        rank holding a different or mis-shaped batch is reported on every rank."""
-        problem = self._batch_problem(where, inputs, target, self._local_example(prog) if self._local else prog.example)
-        if problem is not None and self._local:
-            problem = InputMismatchError(
-                f"{problem} (batch='local': each rank passes its own shard, {self.data_parallel_size} shards of the "
-                "global batch planned; size the DataLoader's batch to match)")
-        due = self._check_mode == "always" or (self._check_mode == "first" and step < FIRST_CHECKED_STEPS)
-        # global batches: the ranks compare theirs (they must be the same); local ones differ by design
-        if due and not self._local and dist.is_initialized() and dist.get_world_size() > 1:
-            self._compare_across_ranks(where, inputs, target, problem, step, prog.example)
-        if problem is not None:
-            raise problem
-
-    def _local_example(self, prog: "_Program") -> Example:
-        """The example as this rank passes it with local batches: rows of the batch inputs on "dp"."""
-        ex = prog.example
-        names = prog.traced.input_names + ([prog.traced.target_name] if ex.has_target else [])
-        specs = list(ex.inputs) + ([ex.target] if ex.has_target else [])
-        out = []
-        for name, spec in zip(names, specs):
-            lay = prog.input_layouts.get(name)
-            if isinstance(spec, TensorMeta) and lay is not None and lay[0] == Shard(0) and spec.shape:
-                rows = chunk_range(spec.shape[0], self.comm.sizes[0], self.comm.coords[0])[1]
-                spec = TensorMeta((rows,) + tuple(spec.shape[1:]), spec.dtype)
-            out.append(spec)
-        n = len(ex.inputs)
-        return Example(tuple(out[:n]), out[n] if ex.has_target else None, ex.has_target)
-
-    def _compare_across_ranks(self, where: str, inputs: tuple, target: Any, problem, step: int, ex: Example) -> None:
-        labels = [f"input {i}" for i in range(len(ex.inputs))] + (["target"] if ex.has_target else [])
-        vec = [0] * (1 + 3 * len(labels))  # [local problem?, then per input: kind/shape/dtype, sum, weighted sum]
-        if problem is not None:
-            vec[0] = 1
-        else:
-            values = list(inputs) + ([target] if ex.has_target else [])
-            for j, x in enumerate(values):
-                vec[1 + 3 * j: 4 + 3 * j] = checksum(x)
-        mine = torch.tensor(vec, dtype=torch.int64, device=self._device)  # NCCL gathers device tensors
-        world = dist.get_world_size()
-        rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine)  # the default group: every rank of the plan holds the same batch
-        table = torch.stack(rows).cpu()
-        if problem is not None:
-            raise problem
-        bad = [r for r in range(world) if int(table[r, 0]) != 0]
-        if bad:
-            raise InputMismatchError(
-                f"{where} at step {step}: rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} got a batch that "
-                "does not match the compiled example (its error names the input); every rank passes the same global "
-                "batch, of the compiled shapes")
-        for j, label in enumerate(labels):
-            col = table[:, 1 + 3 * j: 4 + 3 * j]
-            differ = [r for r in range(world) if not torch.equal(col[r], col[0])]
-            if differ:
-                raise InputMismatchError(
-                    f"ranks hold different batches at step {step} (rank 0 vs rank {differ[0]} differ on {label}): in "
-                    f"autopar every rank passes the same global batch to {where}, and the plan splits it over the "
-                    "ranks; give every rank the same batches (the same data order and seed; no DistributedSampler "
-                    "or per-rank sharding of the data)")
-
-    # ------------------------------------------------------------------ measurement
-    def measure_step(self, *inputs: torch.Tensor, target: Any = None) -> StepMeasurement:
-        """Run one ``train_step`` (it trains) while measuring this rank's memory by category and
-        the bytes of every collective, and return them beside the plan's prediction.
-
-        Measure after at least one step: optimizers such as Adam create their state lazily in
-        the first step, which would show up as step temporaries then."""
-        if not self._fused:
-            raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
-        self._ensure_planned(inputs, target)
-        with collective_failures("train_step"):  # outside the measurement: the check is not the step's
-            self._check_batch("train_step", inputs, target, self.step, self._train)
-        cuda = self._device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(self._device)
-            base = torch.cuda.memory_allocated(self._device)
-        with self._memory_tracked() as tracker:
-            self.comm.stats.reset()
-            t0 = time.perf_counter()
-            loss = self._checked_train_step(inputs, target)
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-        device_peak = None
-        if cuda:
-            device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
-        pred = self.plan.predicted
-        peak = pred.peak_memory_bytes
-        if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
-            peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
-        return StepMeasurement(
-            loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
-            memory=tracker.report(device_peak), predicted_peak_bytes=peak,
-            predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
-            predicted_comm_bytes=dict(pred.comm_bytes),
-        )
-
-    def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
-        """``measure_step(...).memory``: this rank's memory during one training step, by category."""
-        return self.measure_step(*inputs, target=target).memory
-
-    @contextlib.contextmanager
-    def _memory_tracked(self):
-        """Run a step under the storage tracker (``runtime.memory``), the state it keeps across
-        steps registered by category first; yields the tracker."""
-        tracker = MemoryTracker(count_unallocated=False)
-        gc.collect()  # what earlier steps left to the cyclic collector is gone before we measure,
-        with cyclic_gc_paused():  # and it cannot run mid-step: frees happen when references drop, every run alike
-            with tracker:
-                for category, tensors in self.store.persistent_tensors().items():
-                    tracker.register(tensors, category)
-                tracker.register(self._optimizer_state(), "optimizer_state")
-                self._tracker = tracker
-                try:
-                    yield tracker
-                finally:
-                    self._tracker = None
-                tracker.register(self._optimizer_state(), "optimizer_state")
-
-    def _optimizer_state(self) -> list[torch.Tensor]:
-        return [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-
     # ------------------------------------------------------------------ the loss value
     def _partial_axes(self, layout=None) -> list[tuple[int, str]]:
         layout = layout if layout is not None else self._train.loss_layout
@@ -815,37 +535,6 @@ class ParallelModel(CheckpointMethods, torch.nn.Module):
             if op == "avg":
                 value = value / self.comm.sizes[a]
         return float(value)
-
-    # ------------------------------------------------------------------ state
-    def _local_state(self, ph: str) -> torch.Tensor:
-        return self.store.slots[ph].local.detach() if ph in self.store.slots else self.store.buffers[ph]
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) copies under the user's ``model.state_dict()`` keys, on every rank.
-        (``state_dict()``: the sharded DTensors, for torch.distributed.checkpoint.)"""
-        self._require_plan("full_state_dict")
-        self._sync_zero_params()
-        full: dict[str, torch.Tensor] = {}
-        ndim = len(self.comm.sizes)
-        for ph, fqn in list(self._traced.param_fqns.items()) + list(self._traced.buffer_fqns.items()):
-            if ph not in self._layouts:
-                continue  # another pipeline stage's (gathered below)
-            shape = self._shapes[ph]
-            steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
-            # a copy: for a replicated tensor no step runs, and the live parameter would be returned
-            full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).to("cpu", copy=True)
-        full = self._merged_over_stages(full)
-        return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
-
-    def _merged_over_stages(self, mine: dict) -> dict:
-        """``mine`` (this rank's stage's entries) merged with every other pipeline stage's, on every
-        rank; as is without pipelining."""
-        if self._pp_group is None:
-            return mine
-        parts: list = [None] * dist.get_world_size(self._pp_group)
-        dist.all_gather_object(parts, mine, group=self._pp_group)
-        return {k: v for part in parts for k, v in part.items()}
 
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()

@@ -1,0 +1,61 @@
+"""Seconds of the collectives a strategy implies beside the activation reshards on its edges
+(``planner.problem`` puts them into the ILP's numbers): the exchanges an op runs inside itself (a
+batch norm's statistics over a split batch, an expert-parallel region's all-to-alls), ZeRO-2's sync
+of a whole local gradient, and ZeRO-1/2's all-gather of an updated parameter after the step.
+
+Every figure is ``cost_models.communication.collective_time`` over the group of the mesh axis it
+runs on (``CostContext.groups``), in seconds: per step or per call, as each function says, and for
+one instance (the caller multiplies by the number of block instances sharing the node).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.ir import batch_norm_sync, region_exchanges
+from autopar.layouts import local_numel
+from autopar.planner.costing import CostContext
+from autopar.strategies import Strategy
+
+__all__ = ["own_sync_time", "post_step_gather_time"]
+
+
+def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, recomputed: bool) -> dict[str, float]:
+    """Seconds per collective kind of the collectives an op runs inside itself under ``s`` (a
+    batch norm over a split batch: ``ir.batch_norm_sync``; an expert-parallel token region:
+    ``ir.region_exchanges``), every microbatch; a recomputed
+    block runs the forward ones twice."""
+    from autopar.cost_models.communication import collective_time
+
+    out: dict[str, float] = {}
+    moves = batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape)
+    # an expert exchange lasts as long as the busiest rank's rows take (Cluster.expert_imbalance)
+    imbalance = ctx.cluster.expert_imbalance
+    moves += [(k, a, b * imbalance, f) for k, a, b, f in
+              region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)]
+    for kind, axis, nbytes, forward in moves:
+        t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
+        out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)
+    return out
+
+
+def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[str, float]:
+    """ZeRO-2's gradient sync of a whole local gradient: reduce-scatter over its zero axes,
+    all-reduce over the others it is summed over (``runtime.grad_sync``)."""
+    from autopar.cost_models.communication import collective_time
+
+    nbytes = float(local_numel(meta.shape, layout, ctx.mesh_shape) * meta.itemsize)
+    out: dict[str, float] = {}
+    for a in axes:
+        kind = "reduce_scatter" if a in zero_axes else "all_reduce"
+        out[kind] = out.get(kind, 0.0) + collective_time(kind, nbytes, ctx.groups[a], ctx.cluster)
+    return out
+
+
+def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
+    """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking)."""
+    from autopar.cost_models.communication import collective_time
+
+    if not s.zero_axes:
+        return 0.0
+    nbytes = float(local_numel(meta.shape, s.outs[0], ctx.mesh_shape) * meta.itemsize)
+    return sum(collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)

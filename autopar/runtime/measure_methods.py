@@ -1,0 +1,118 @@
+"""``ParallelModel``'s measurement: ``measure_step`` runs one ``train_step`` while the storage
+tracker (``runtime.memory``) counts this rank's memory by category and ``runtime.comm`` counts the
+bytes of every collective, and returns them in a ``StepMeasurement`` beside the plan's prediction.
+
+Invariants: the state kept across steps (parameters, gradients, optimizer state) is registered by
+category before the step runs; the cyclic garbage collector is collected before and paused during
+the measured step, so memory is freed when references drop, every run alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autopar.api import cyclic_gc_paused
+from autopar.errors import AutoparError
+from autopar.runtime.collective_errors import collective_failures
+from autopar.runtime.memory import MemoryReport, MemoryTracker
+
+__all__ = ["StepMeasurement", "MeasureMethods"]
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured training step on this rank, beside the plan's prediction.
+
+    ``comm_bytes`` / ``predicted_comm_bytes``: bytes per collective kind in the step (nccl-tests
+    size convention, see ``runtime.comm``). ``memory``: measured bytes by category;
+    ``predicted_memory``: the plan's figures for the same categories."""
+
+    loss: float
+    step_time_s: float
+    predicted_step_time_s: float
+    memory: MemoryReport
+    predicted_peak_bytes: float
+    predicted_memory: dict = field(default_factory=dict)
+    comm_bytes: dict = field(default_factory=dict)
+    predicted_comm_bytes: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        lines = [self.memory.table(self.predicted_memory, self.predicted_peak_bytes), ""]
+        lines.append(f"{'collective':<16} {'measured B':>14} {'predicted B':>14}")
+        for k in sorted(set(self.comm_bytes) | set(self.predicted_comm_bytes)):
+            lines.append(f"{k:<16} {self.comm_bytes.get(k, 0):>14,} {int(self.predicted_comm_bytes.get(k, 0)):>14,}")
+        lines.append(f"step time {self.step_time_s * 1e3:.2f} ms (predicted {self.predicted_step_time_s * 1e3:.2f} ms)")
+        return "\n".join(lines)
+
+
+class MeasureMethods:
+    """Mixed into ``ParallelModel`` (which holds ``plan``, ``store``, ``optimizer``, ``comm``, ``step``,
+    ``_fused``, ``_device``, ``_pipeline``, ``_train`` and ``_tracker``, and runs ``_ensure_planned``, ``_check_batch``
+    and ``_checked_train_step``)."""
+
+    def measure_step(self, *inputs: torch.Tensor, target: Any = None) -> StepMeasurement:
+        """Run one ``train_step`` (it trains) while measuring this rank's memory by category and
+        the bytes of every collective, and return them beside the plan's prediction.
+
+        Measure after at least one step: optimizers such as Adam create their state lazily in
+        the first step, which would show up as step temporaries then."""
+        if not self._fused:
+            raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
+        self._ensure_planned(inputs, target)
+        with collective_failures("train_step"):  # outside the measurement: the check is not the step's
+            self._check_batch("train_step", inputs, target, self.step, self._train)
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self._device)
+            base = torch.cuda.memory_allocated(self._device)
+        with self._memory_tracked() as tracker:
+            self.comm.stats.reset()
+            t0 = time.perf_counter()
+            loss = self._checked_train_step(inputs, target)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+        device_peak = None
+        if cuda:
+            device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
+        pred = self.plan.predicted
+        peak = pred.peak_memory_bytes
+        if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
+            peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
+        return StepMeasurement(
+            loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
+            memory=tracker.report(device_peak), predicted_peak_bytes=peak,
+            predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
+            predicted_comm_bytes=dict(pred.comm_bytes),
+        )
+
+    def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
+        """``measure_step(...).memory``: this rank's memory during one training step, by category."""
+        return self.measure_step(*inputs, target=target).memory
+
+    @contextlib.contextmanager
+    def _memory_tracked(self):
+        """Run a step under the storage tracker (``runtime.memory``), the state it keeps across
+        steps registered by category first; yields the tracker."""
+        tracker = MemoryTracker(count_unallocated=False)
+        gc.collect()  # what earlier steps left to the cyclic collector is gone before we measure,
+        with cyclic_gc_paused():  # and it cannot run mid-step: frees happen when references drop, every run alike
+            with tracker:
+                for category, tensors in self.store.persistent_tensors().items():
+                    tracker.register(tensors, category)
+                tracker.register(self._optimizer_state(), "optimizer_state")
+                self._tracker = tracker
+                try:
+                    yield tracker
+                finally:
+                    self._tracker = None
+                tracker.register(self._optimizer_state(), "optimizer_state")
+
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        return [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

@@ -1,0 +1,135 @@
+"""``ParallelModel``'s torch-native loop (``pm(x)``, ``loss.backward()``, the user's optimizer),
+apart from the fused ``train_step``: the sharded forward, the hooks that start this rank's backward
+at the first gradient reaching an output and finish the plan's gradient reductions at its end, and
+ZeRO-1/2's gathering back of parameters the user's optimizer updated.
+
+Invariants (the whole contract is in ``runtime.parallel_model``'s docstring): outputs are handed
+over whole (global batches) or as this rank's rows (local batches), as the plan priced; cleared
+gradients start from zero and kept ones accumulate; every parameter's ``.grad`` DTensor is set
+once the backward pass ends; a ZeRO-1/2 parameter whose DTensor's version counter moved is
+gathered whole before the next forward.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+
+from autopar.errors import AutoparError
+from autopar.runtime.collective_errors import collective_failures
+from autopar.runtime.collectives import active_mesh
+from autopar.runtime.comm import collective_site
+from autopar.runtime.prefetch import drain_gradient_reductions
+
+__all__ = ["NativeLoopMethods"]
+
+
+class NativeLoopMethods:
+    """Mixed into ``ParallelModel`` (which holds ``comm``, ``store``, ``training``, ``_builder``,
+    ``_fused``, ``_local``, ``_calls``, ``_state``, ``_grad_sync`` and ``_zero_versions``, and runs
+    ``_ensure_planned``, ``_program_for``, ``_check_batch``, ``_args``, ``_run`` and
+    ``_gather_zero_params``)."""
+
+    def forward(self, *args, **kwargs):
+        """The sharded forward: returns what the model returns, each tensor whole on every rank (as
+        one device would hold it), ready for the user's loss; ``loss.backward()`` then runs the
+        plan's backward and gradient sync and sets every parameter's ``.grad`` (a DTensor).
+
+        Every rank calls it with the same global batch; in ``eval()`` mode it runs the model's
+        evaluation graph (planned at its first use), under ``torch.no_grad()`` without autograd."""
+        inputs = self._builder.bind(args, kwargs)
+        if self._fused and self.training and torch.is_grad_enabled():
+            raise AutoparError(
+                "this model was compiled with optimizer= for train_step (the loss inside the plan): train it with "
+                "pm.train_step(...); pm(x) serves evaluation here (pm.eval() or torch.no_grad()). For your own training "
+                "loop, compile without optimizer= and build the optimizer over pm.parameters()")
+        self._ensure_planned(inputs, None)
+        kind = "forward" if self.training else "forward-eval"
+        prog = self._program_for(kind, inputs, None)
+        with collective_failures("forward"):
+            self._check_batch("forward", inputs, None, self._calls["forward"], prog)
+            self._sync_zero_params()
+            with active_mesh(self.comm):
+                out = self._run(self._args(inputs, None, prog, where="forward"), prog.program)
+        self._calls["forward"] += 1
+        leaves = list(out) if isinstance(out, (list, tuple)) else [out]
+        if torch.is_grad_enabled():
+            needs = [(t, rows) for t, rows in zip(leaves, prog.rows_mask) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self._local:
+                self._average_local_losses(needs)
+            self._arm_backward([t for t, _ in needs])
+        return pytree.tree_unflatten(leaves, prog.traced.out_spec) if prog.traced.out_spec is not None else out
+
+    def _average_local_losses(self, outputs: list) -> None:
+        """Local batches: each rank's loss is over its own rows, and training minimises their mean
+        over the data shards (DDP's convention). So the gradient of this rank's rows is divided by
+        the number of shards, and that of an output every rank holds whole (no batch dim) is
+        averaged over the shards (it must be the same on every rank, as a replicated value's is)."""
+        n = self.comm.sizes[0]
+        if n == 1:
+            return
+        comm = self.comm
+
+        def mean_over_shards(g):
+            g = g.contiguous().clone()
+            with collective_site("the mean over shards of an output's gradient"):
+                comm.all_reduce(g, 0)
+            return g / n
+
+        for t, rows in outputs:
+            t.register_hook((lambda g: g / n) if rows else mean_over_shards)
+
+    def _arm_backward(self, outputs: list) -> None:
+        """Hook the first gradient that reaches an output: it starts this rank's backward through
+        the program. Then: gradients the user cleared start from zero, gradients kept accumulate
+        (``prepare_accumulation``), and at the end of the backward pass the plan's gradient
+        reductions are finished and every parameter's ``.grad`` DTensor set."""
+        from torch.autograd import Variable
+
+        me = weakref.ref(self)
+        fired = [False]
+
+        def start(grad):
+            pm = me()
+            if pm is not None and not fired[0]:
+                fired[0] = True
+                pm._begin_backward()
+                Variable._execution_engine.queue_callback(pm._end_backward)
+            return grad
+
+        for t in outputs:
+            t.register_hook(start)
+
+    def _begin_backward(self) -> None:
+        cleared = set(self._state.user_grads_cleared())
+        trainable = [ph for ph, s in self.store.slots.items() if s.trainable]
+        if len(cleared) == len(trainable):
+            self.store.zero_grads()
+        else:
+            for ph in cleared:
+                self.store.zero_grad_of(ph)
+            self._grad_sync.prepare_accumulation()
+        self._grad_sync.arm(last_microbatch=True)
+
+    def _end_backward(self) -> None:
+        with collective_failures("backward"), active_mesh(self.comm):
+            self._grad_sync.finish()
+            drain_gradient_reductions(self.comm)
+        self._state.publish_grads()
+
+    def _zero_param_versions(self) -> dict[str, int]:
+        # the DTensor's own counter: in-place ops reach its local tensor below autograd's
+        # ADInplaceOrView key (inside DTensor's dispatch), which leaves the local counter unmoved
+        return {s.ph: self._state.params[s.fqn]._version for s in self.store.zero_slots()}
+
+    def _note_zero_versions(self) -> None:
+        self._zero_versions = self._zero_param_versions()
+
+    def _sync_zero_params(self) -> None:
+        """ZeRO-1/2 in the native loop: the user's optimizer updated the ``Shard(state_dim)`` pieces
+        (the DTensor parameters' version counters moved); gather them back into the whole parameters."""
+        if self._zero_param_versions() != self._zero_versions:
+            with active_mesh(self.comm):
+                self._gather_zero_params()
+            self._note_zero_versions()
