@@ -83,6 +83,7 @@ class GradSync:
         self._zero2 = {ph: deferred.get(ph, ()) for ph in store.grad_order if store.slots[ph].zero_stage == 2}
         self._last = True  # whether the running backward is the last microbatch's
         self._defer_zero2 = False  # ZeRO-2 gradients accumulate whole until finish() (see hold)
+        self._rounds = 0  # hold(rounds=k): a bucket is reduced once each member accumulated k times
         self._pending: list[tuple] = []  # ZeRO-2: (work, out, staging, slot, length)
         me = weakref.ref(self)
         self._handles = []
@@ -96,9 +97,14 @@ class GradSync:
             if not self._defer_zero2:
                 self._reduce_scatter(ph)
             return
+        b = self._bucket_of[ph]
+        if self._rounds:  # a pipeline schedule: every microbatch's backward passes through here
+            b.ready += 1
+            if b.ready == len(b.members) * self._rounds:
+                self._launch(b)
+            return
         if not self._last:
             return
-        b = self._bucket_of[ph]
         b.ready += 1
         if b.ready == len(b.members):
             self._launch(b)
@@ -177,19 +183,24 @@ class GradSync:
         """Before each backward: all-reduce buckets only on the last microbatch."""
         self._last = last_microbatch
         self._defer_zero2 = False
+        self._rounds = 0
         if last_microbatch:
             for b in self.buckets:
                 b.ready, b.work = 0, None
 
-    def hold(self, whole_zero2: bool = False) -> None:
+    def hold(self, whole_zero2: bool = False, rounds: int = 0) -> None:
         """Before a step whose backward passes interleave (a pipeline schedule: none is known to
-        be the last): reduce nothing while they run; ``finish()`` then reduces every bucket.
+        be the last). With ``rounds`` (the microbatches) a bucket is all-reduced, overlapping the
+        rest of the schedule, once each of its gradients has been accumulated that many times;
+        ``finish()`` reduces every bucket not reduced by then (all of them without ``rounds``; a
+        split-backward schedule's weight pass adds to ``.grad`` past the hooks).
         ``whole_zero2``: ZeRO-2 gradients too accumulate whole and are reduce-scattered once, in
-        ``finish()`` (split-backward schedules: torch's weight pass adds to ``.grad`` itself,
-        past the hooks, so per-microbatch reduce-scatters could serve only some stages)."""
+        ``finish()`` (split-backward schedules: per-microbatch reduce-scatters could serve only
+        some stages)."""
         self.arm(last_microbatch=True)  # every bucket starts the step unreduced
         self._last = False
         self._defer_zero2 = whole_zero2
+        self._rounds = rounds
 
     def prepare_accumulation(self) -> None:
         """Before a backward that adds to gradients already reduced (the native loop without

@@ -448,8 +448,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, MeasureMethods, Native
         if self._train.traced.target_name is not None:
             feed[self._train.traced.target_name] = target
         with active_mesh(self.comm):
-            # every bucket is reduced after the schedule's last backward
-            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward)
+            # a bucket is reduced once its gradients hold every microbatch (the rest after the schedule)
+            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches)
             with self._phase("forward"):
                 losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
             self._sync_and_step()

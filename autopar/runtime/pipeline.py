@@ -13,8 +13,9 @@ Invariants:
   activations to the last stage, where the program computes the loss;
 * the last stage's loss for microbatch ``i`` is the program's (partial over the submesh, as
   without pipelining); the schedule backpropagates it scaled by ``d(global loss)/d(its loss)``,
-  so the gradients equal one device's; gradient sync over the submesh runs once, after the
-  schedule (every bucket is reduced when the last microbatch's backward is done);
+  so the gradients equal one device's; gradient sync over the submesh runs once per step: a
+  bucket is all-reduced as soon as its gradients hold every microbatch, overlapping the rest of
+  the schedule, and whatever is left after it (``GradSync.hold(rounds=)``);
 * every rank returns the same global loss (broadcast from the last stage);
 * under the split-backward schedules (zero-bubble, zbv, dualpipev) ZeRO-2 gradients accumulate
   whole over the step and are reduce-scattered once after it, and a ZeRO-3 parameter's shard
