@@ -303,6 +303,10 @@ class Cluster:
     # receive over the mean (max / mean); 1.0 is balanced routing. Prices the exchanged rows'
     # time and the experts' compute of the busiest rank (bytes are predicted balanced).
     expert_imbalance: float = 1.0
+    # Seconds a collective waits, beyond its own time, for ranks that reach it at different times
+    # after compute (host scheduling, launch jitter; processes sharing cores time-slice): paid
+    # once per collective call. 0 for the presets; measured by ``autopar calibrate``.
+    collective_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("Cluster", self.name)
@@ -348,6 +352,12 @@ class Cluster:
                 f"Cluster.exposed_comm_share must be in [0, 1] or None, got {share!r}; it is the "
                 "share of overlappable communication that stays exposed"
             )
+        skew = self.collective_skew_s
+        if not _is_real(skew, high=1.0):
+            raise ClusterSpecError(
+                f"Cluster.collective_skew_s must be a number of seconds in [0, 1), got {skew!r}; it is what a "
+                "collective waits for ranks that arrive at different times (e.g. 1e-4)")
+        object.__setattr__(self, "collective_skew_s", float(skew))
         imb = self.expert_imbalance
         if not (isinstance(imb, numbers.Real) and not isinstance(imb, bool) and math.isfinite(imb) and imb >= 1.0):
             raise ClusterSpecError(
@@ -462,6 +472,7 @@ class Cluster:
         if isinstance(d, dict):
             d.setdefault("exposed_comm_share", None)  # specs written before they existed
             d.setdefault("expert_imbalance", 1.0)
+            d.setdefault("collective_skew_s", 0.0)
         top = _fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
         version = top["schema_version"]
         if type(version) is not int or version != SCHEMA_VERSION:

@@ -39,8 +39,10 @@ A group whose ranks are unevenly spread is modelled as if every node held ``r`` 
 (``r`` = the largest count on a node: conservative). ``B`` is a link's effective bandwidth:
 the datasheet value times ``LinkSpec.efficiency`` (None in the presets: NCCL-ideal rings; set by
 calibration from a measured run of a given software stack); a kind that ``autopar calibrate``
-measured on a link (``LinkSpec.collectives``) uses its own latency and bus bandwidth instead. A zero-byte collective and a group
-of one rank cost 0.
+measured on a link (``LinkSpec.collectives``) uses its own latency and bus bandwidth instead.
+Every call also pays ``Cluster.collective_skew_s`` once: the wait for ranks that reach it at
+different times after compute (0 in the presets; measured by ``autopar calibrate``). A zero-byte
+collective and a group of one rank cost 0.
 
 Example:
     >>> from autopar.cluster import Cluster
@@ -166,7 +168,12 @@ def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
         )
     if p == 1 or nbytes == 0:
         return 0.0
-    n, intra, inter = float(nbytes), cluster.intra_node, cluster.inter_node
+    return _time(kind, float(nbytes), p, r, m, cluster) + cluster.collective_skew_s
+
+
+def _time(kind: str, n: float, p: int, r: int, m: int, cluster: Cluster) -> float:
+    """``collective_time`` on the fabric, before the ranks' skew."""
+    intra, inter = cluster.intra_node, cluster.inter_node
     if m == 1:
         return _ring(kind, n, p, intra)
     if r == 1 or kind == "send_recv":

@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar.calibration import combine_ranks, fit_cluster
 from autopar.calibration.microbench import probe_units
-from autopar.calibration.fit import exposed_share, fit_collective, fit_compute, ring_terms
+from autopar.calibration.fit import collective_skew, exposed_share, fit_collective, fit_compute, ring_terms
 from autopar.cluster import Cluster, LinkSpec, calibration_path
 from autopar.cost_models.communication import CommGroup, collective_time
 from autopar.cost_models.compute import MEMORY_EFFICIENCY
@@ -76,6 +76,24 @@ def test_exposed_share_is_clipped_to_a_fraction():
         exposed_share(1.0, 0.0, 1.0)
 
 
+def test_collective_skew_is_what_a_collective_waits_beyond_its_own_time():
+    """The fit: the tiny collective after compute less the compute and the collective alone (at
+    least 0); the price: every collective call pays it once, a group of one or zero bytes not."""
+    assert collective_skew(1e-3, 2e-4, 1.5e-3) == pytest.approx(3e-4)
+    assert collective_skew(1e-3, 2e-4, 1.1e-3) == 0.0  # faster than apart: noise, no skew
+    base = Cluster.local(4, calibrated=False)
+    skewed = dataclasses.replace(base, collective_skew_s=3e-4)
+    for kind in KINDS:
+        for nbytes in (4.0, 1e6):
+            assert collective_time(kind, nbytes, CommGroup(4, 4), skewed) == \
+                pytest.approx(collective_time(kind, nbytes, CommGroup(4, 4), base) + 3e-4)
+        assert collective_time(kind, 0, CommGroup(4, 4), skewed) == 0.0
+        assert collective_time(kind, 1e6, CommGroup(1, 1), skewed) == 0.0
+    with pytest.raises(ClusterSpecError, match="collective_skew_s"):
+        dataclasses.replace(base, collective_skew_s=-1e-3)
+    assert Cluster.from_json(skewed.to_json()) == skewed
+
+
 def _synthetic_measurements(world: int = 4) -> dict:
     """Two ranks' measurements made by known parameters (rank 1 slower by 10% on compute)."""
     overhead, rate, bf16, bw, att = 3e-6, 4e10, 1e10, 6e9, 8e9
@@ -95,7 +113,8 @@ def _synthetic_measurements(world: int = 4) -> dict:
                     "sgd_update_s": slow * (2 * 5e-6 + numel * 0.2e-9),
                     "adamw_update_s": slow * (8 * 5e-6 + numel * 3.2e-9)}
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
-                      "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029}})
+                      "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029},
+                      "skew": {"compute_s": 1e-3, "alone_s": 2e-4, "together_s": 1.5e-3}})
     return combine_ranks(ranks)
 
 
@@ -113,6 +132,7 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert d.attention_efficiency == pytest.approx(8e9 / 4e10, rel=1e-3)
     assert c.intra_node.collective("all_to_all") == pytest.approx((50e-6, 2e9), rel=1e-6)
     assert c.exposed_comm_share == pytest.approx(0.9)
+    assert c.collective_skew_s == pytest.approx(3e-4)
     assert any("all_reduce" in s for s in c.sources) and c.device.memory_bytes == base.device.memory_bytes
     assert Cluster.from_json(c.to_json()) == c
 
@@ -228,7 +248,7 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     assert d.op_overhead is not None and d.matmul_efficiency == 1.0 and d.peak_flops.fp32 > 1e8
     assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS)
-    assert 0.0 <= spec.exposed_comm_share <= 1.0
+    assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
     assert "all_to_all" in printed and str(out) in printed
 
 

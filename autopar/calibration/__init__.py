@@ -19,7 +19,9 @@ local model:
 * per collective kind, its latency per hop and bus bandwidth (``LinkSpec.collectives``); the
   link's own (latency, bandwidth) are the all-reduce's;
 * ``exposed_comm_share``: the share of a collective left on the critical path with compute
-  beside it (1.0 where processes share cores: the collective's threads take compute's time).
+  beside it (1.0 where processes share cores: the collective's threads take compute's time);
+* ``collective_skew_s``: what a collective waits, beyond its own time, for ranks that arrive
+  from compute at different times (each collective call pays it).
 
 Every figure and where it came from is listed in the spec's ``sources``.
 """
@@ -31,7 +33,7 @@ import pathlib
 import platform
 import statistics
 
-from autopar.calibration.fit import exposed_share, fit_collective, fit_compute, fit_op_cost
+from autopar.calibration.fit import collective_skew, exposed_share, fit_collective, fit_compute, fit_op_cost
 from autopar.calibration.microbench import PROBE_LAYERS, MicrobenchSpec, measure_rank, probe_units
 from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import AutoparError
@@ -62,6 +64,8 @@ def combine_ranks(per_rank: list[dict]) -> dict:
     if "collectives" in first:
         out["collectives"] = {k: _over_ranks([r["collectives"][k] for r in per_rank], 2, mean) for k in first["collectives"]}
         out["overlap"] = {k: mean(r["overlap"][k] for r in per_rank) for k in first["overlap"]}
+        if "skew" in first:
+            out["skew"] = {k: mean(r["skew"][k] for r in per_rank) for k in first["skew"]}
     return out
 
 
@@ -140,9 +144,16 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         share = exposed_share(ov["compute_s"], ov["comm_s"], ov["together_s"])
         sources.append(f"exposed share of overlapped communication {share:.2f} (compute {ov['compute_s'] * 1e3:.2f} ms, "
                        f"all-reduce {ov['comm_s'] * 1e3:.2f} ms, together {ov['together_s'] * 1e3:.2f} ms)")
+        skew = 0.0
+        if "skew" in measured:
+            sk = measured["skew"]
+            skew = collective_skew(sk["compute_s"], sk["alone_s"], sk["together_s"])
+            sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us (after "
+                           f"{sk['compute_s'] * 1e3:.2f} ms of compute, a tiny all-reduce takes "
+                           f"{(sk['together_s'] - sk['compute_s']) * 1e6:.1f} us against {sk['alone_s'] * 1e6:.1f} alone)")
         cluster = dataclasses.replace(cluster, intra_node=link,
                                       inter_node=link if base.nodes == 1 else base.inter_node,
-                                      exposed_comm_share=share)
+                                      exposed_comm_share=share, collective_skew_s=skew)
     return dataclasses.replace(cluster, sources=tuple(sources))
 
 

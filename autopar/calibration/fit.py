@@ -26,7 +26,7 @@ import numpy as np
 from autopar.errors import AutoparError
 
 __all__ = ["ComputeFit", "CollectiveFitResult", "fit_compute", "fit_collective", "fit_op_cost", "ring_terms",
-           "exposed_share", "relative_errors"]
+           "exposed_share", "collective_skew", "relative_errors"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,16 @@ def exposed_share(compute_s: float, comm_s: float, together_s: float) -> float:
     if comm_s <= 0:
         raise AutoparError(f"exposed_share: the collective alone must take a positive time, got {comm_s!r}")
     return float(min(1.0, max(0.0, (together_s - compute_s) / comm_s)))
+
+
+def collective_skew(compute_s: float, alone_s: float, together_s: float) -> float:
+    """What a collective waits beyond its own time when the ranks arrive from ``compute_s`` of
+    compute: ``together - compute - alone``, at least 0.
+
+    >>> round(collective_skew(1.0e-3, 0.2e-3, 1.5e-3), 6)
+    0.0003
+    """
+    return float(max(0.0, together_s - compute_s - alone_s))
 
 
 def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> np.ndarray:

@@ -17,6 +17,7 @@ measured, per rank (``measure_rank``):
   message sizes, on the whole world and, with 4 or more ranks, on pairs: (group size, bytes in
   nccl-tests' convention, seconds);
 * overlap: a collective alone, a block of matmuls alone, then both with the collective in flight.
+* skew: a block of matmuls, then a tiny blocking all-reduce: what it waits beyond its own time.
 
 Times are per call on the slowest rank: back-to-back calls between two barriers for at least
 20 ms, less what the barriers alone take (``_per_op``); each measurement is the median of
@@ -126,14 +127,31 @@ def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
     return [(m, k, n) for m in dims for k in dims for n in dims if m * k * n <= _GEMM_MAX_MKN]
 
 
+COLD_BYTES = 64 * 2**20  # operands cycled through per shape: more than a CPU's last-level cache
+
+
 def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> list:
-    """[(m, k, n, seconds)] of fp32 ``torch.mm`` over ``gemm_grid``."""
+    """[(m, k, n, seconds)] of fp32 ``torch.mm`` over ``gemm_grid``, with cold operands: each call
+    takes the next of as many (a, b) pairs as fill ``COLD_BYTES`` (views into one random pool), as
+    a training step meets each weight once per pass, long evicted from cache. With the same
+    operands every call, a skinny matmul (a microbatch's few rows against a 4 MiB weight) reads
+    its weight from cache and runs at twice the speed it has in training."""
     _progress(f"{len(gemm_grid(spec.quick))} matmul shapes")
+    pool = torch.randn(COLD_BYTES // 4 + (2048 * 2048 * 2), device=device)
     rows = []
     for m, k, n in gemm_grid(spec.quick):
-        a = torch.randn(m, k, device=device)
-        b = torch.randn(k, n, device=device)
-        rows.append((m, k, n, _per_op(lambda: torch.mm(a, b), device, spec.repeats, barrier)))
+        pair = m * k + k * n
+        copies = max(1, min(64, COLD_BYTES // 4 // pair))
+        operands = [(pool[i * pair: i * pair + m * k].view(m, k), pool[i * pair + m * k: (i + 1) * pair].view(k, n))
+                    for i in range(copies)]
+        turn = [0]
+
+        def call(operands=operands, turn=turn):
+            a, b = operands[turn[0] % len(operands)]
+            turn[0] += 1
+            return torch.mm(a, b)
+
+        rows.append((m, k, n, _per_op(call, device, spec.repeats, barrier)))
     return rows
 
 
@@ -343,6 +361,34 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
             "together_s": _per_op(both, device, spec.repeats, barrier=barrier)}
 
 
+SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
+
+
+def _skew(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
+    """Seconds of a block of matmuls (about ``SKEW_WORK_S``), of a one-element all-reduce, and of
+    the block followed by the all-reduce: ranks that arrive from compute arrive apart (processes
+    sharing cores time-slice), and the collective waits for the last one."""
+    import torch.distributed as dist
+
+    _progress("what a collective waits for ranks arriving from compute")
+    one = torch.zeros(1, device=device)
+    a = torch.randn(128, 128, device=device)
+    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
+    n_mm = barrier(max(1, int(SKEW_WORK_S / t_mm)))  # every rank the same count
+
+    def compute():
+        for _ in range(n_mm):
+            torch.mm(a, a)
+
+    def both():
+        compute()
+        dist.all_reduce(one)
+
+    return {"compute_s": _per_op(compute, device, spec.repeats, barrier=barrier),
+            "alone_s": _per_op(lambda: dist.all_reduce(one), device, spec.repeats, barrier=barrier),
+            "together_s": _per_op(both, device, spec.repeats, barrier=barrier)}
+
+
 def measure_rank(spec: MicrobenchSpec) -> dict:
     """This rank's measurements (run under ``autopar.launch`` or torchrun on every rank at once;
     initialises the process group on ``spec.backend`` unless one exists)."""
@@ -363,4 +409,5 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     if world > 1:
         out["collectives"] = _collectives(spec, device, barrier, world)
         out["overlap"] = _overlap(spec, device, barrier, world)
+        out["skew"] = _skew(spec, device, barrier)
     return out
