@@ -141,8 +141,11 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # instances (the problem priced every block's backward with its forward again when it was
     # built with recompute; evaluation takes that back per instance, as here)
     problem, choice = att.problem, att.solution.choice
-    plain, again, as_cut = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
+    plain, again, as_cut, update = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
     for n in placements.values():
+        if n.op == "param":  # its optimizer update: once per step, after the schedule
+            update[stage_of(n.name)] += n.compute_s
+            continue
         as_cut[stage_of(n.name)] += n.compute_s
         extra = 0.0
         var = problem.nodes.get(n.rep or n.name)  # None: a getitem (its producer's compute)
@@ -201,8 +204,9 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     kept_blocks = tuple(b for b in inner.recompute_blocks
                         if any(recomputes[rank_of[stage_of(k)]] for k, i in recomputed.items() if i == b))
     # the submesh's step (compute and its collectives) less the recomputed forward the ranks that
-    # fit do not run, stretched as the schedule stretches compute
-    inner_step = inner.predicted.step_time_s - (sum(plain) + sum(again) - sum(compute))
+    # fit do not run and less the optimizer's updates, stretched as the schedule stretches
+    # compute; then each rank's own updates, after the schedule
+    inner_step = inner.predicted.step_time_s - (sum(plain) + sum(again) - sum(compute)) - sum(update)
     pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
     # per microbatch and boundary: its activations forward and their gradient backward, each one
     # message (latency + bytes / bandwidth); on the critical path, one microbatch crosses every
@@ -210,6 +214,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     sends = [2.0 * (link_latency + b / m / link_bw) + g / m for b, g in zip(cut.boundary_bytes, cut.boundary_gather_s)]
     p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
     step = inner_step * pipe_compute / (sum(compute) or 1.0) + p2p
+    step += max(sum(update[s] for s in range(n_stages) if rank_of[s] == r) for r in range(pp))
     step += max(sum(zero2_after[s] for s in range(n_stages) if rank_of[s] == r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
     stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
