@@ -232,6 +232,11 @@ class LinkSpec:
     # in s, bus bandwidth in bytes/s), sorted by kind; a kind listed here is priced with its own
     # pair instead of (latency, effective_bandwidth)
     collectives: tuple[tuple[str, float, float], ...] = ()
+    # measured times (``autopar calibrate``): (kind, ranks, bytes as nccl-tests count them,
+    # seconds), sorted; a collective of a kind and group size measured at two sizes or more is
+    # priced by interpolating them (``measured_time``), which follows a library's protocol
+    # switches that one latency and bandwidth cannot
+    collective_table: tuple[tuple[str, int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_collectives()
@@ -262,6 +267,34 @@ class LinkSpec:
             lambda r: len(r) == 3 and r[0] in COLLECTIVE_KINDS and _is_real(r[1]) and _is_real(r[2], strict=True),
             lambda r: (str(r[0]), float(r[1]), float(r[2])),
             f"(kind, latency s >= 0, bandwidth bytes/s > 0) with kind one of {list(COLLECTIVE_KINDS)}"))
+        object.__setattr__(self, "collective_table", _check_rows(
+            "LinkSpec", "collective_table", self.collective_table,
+            lambda r: len(r) == 4 and r[0] in COLLECTIVE_KINDS and isinstance(r[1], numbers.Integral)
+            and not isinstance(r[1], bool) and r[1] >= 2 and _is_real(r[2], strict=True) and _is_real(r[3], strict=True),
+            lambda r: (str(r[0]), int(r[1]), float(r[2]), float(r[3])),
+            f"(kind, ranks >= 2, bytes > 0, seconds > 0) with kind one of {list(COLLECTIVE_KINDS)}", unique=False))
+
+    def measured_time(self, kind: str, ranks: int, nbytes: float) -> float | None:
+        """Seconds of ``kind`` over ``ranks`` ranks at ``nbytes`` from ``collective_table`` (each
+        size's time capped by every larger size's): log-log interpolation between the measured sizes, the smallest size's time below them,
+        and above them the last two sizes' marginal cost per byte; None where fewer than two
+        sizes of this kind and group size were measured."""
+        rows = [(b, t) for k, p, b, t in self.collective_table if k == kind and p == ranks]
+        if len(rows) < 2:
+            return None
+        # a message takes no longer than any larger one: a noisy small size is capped by the
+        # sizes above it (rows are sorted by bytes)
+        for i in range(len(rows) - 2, -1, -1):
+            rows[i] = (rows[i][0], min(rows[i][1], rows[i + 1][1]))
+        if nbytes <= rows[0][0]:
+            return rows[0][1]
+        for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
+            if nbytes <= b1:
+                w = math.log(nbytes / b0) / math.log(b1 / b0)
+                return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+        (b0, t0), (b1, t1) = rows[-2], rows[-1]
+        per_byte = max(t1 - t0, 0.0) / (b1 - b0)
+        return t1 + (nbytes - b1) * per_byte
 
     def collective(self, kind: str) -> tuple[float, float]:
         """(latency per hop, bandwidth) that ``kind`` achieves on this fabric: its measured pair
@@ -500,8 +533,11 @@ class Cluster:
                 top[link].setdefault("efficiency", None)  # specs written before they existed
                 top[link].setdefault("rails", None)
                 top[link].setdefault("collectives", [])
-            fields = _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives"])
+                top[link].setdefault("collective_table", [])
+            fields = _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives",
+                                                     "collective_table"])
             fields["collectives"] = _tuples(fields["collectives"])
+            fields["collective_table"] = _tuples(fields["collective_table"])
             top[link] = _build(LinkSpec, fields, link)
         if not isinstance(top["sources"], list):
             raise ClusterSpecError(

@@ -39,10 +39,12 @@ A group whose ranks are unevenly spread is modelled as if every node held ``r`` 
 (``r`` = the largest count on a node: conservative). ``B`` is a link's effective bandwidth:
 the datasheet value times ``LinkSpec.efficiency`` (None in the presets: NCCL-ideal rings; set by
 calibration from a measured run of a given software stack); a kind that ``autopar calibrate``
-measured on a link (``LinkSpec.collectives``) uses its own latency and bus bandwidth instead.
-Every call also pays ``Cluster.collective_skew_s`` once: the wait for ranks that reach it at
-different times after compute (0 in the presets; measured by ``autopar calibrate``). A zero-byte
-collective and a group of one rank cost 0.
+measured on a link (``LinkSpec.collectives``) uses its own latency and bus bandwidth instead,
+and at a group size measured at several sizes (``LinkSpec.collective_table``) the measured times
+themselves, interpolated.
+A blocking call (``blocking_collective_time``) also pays ``Cluster.collective_skew_s`` once: the
+wait for ranks that reach it at different times after compute (0 in the presets; measured by
+``autopar calibrate``). A zero-byte collective and a group of one rank cost 0.
 
 Example:
     >>> from autopar.cluster import Cluster
@@ -64,7 +66,8 @@ from autopar.errors import AutoparError
 if TYPE_CHECKING:  # only for annotations: keeps autopar.cluster -> cost_models acyclic
     from autopar.cluster import Cluster, LinkSpec
 
-__all__ = ["COLLECTIVE_KINDS", "CommGroup", "axis_group", "collective_latency", "collective_time"]
+__all__ = ["COLLECTIVE_KINDS", "CommGroup", "axis_group", "blocking_collective_time", "collective_latency",
+           "collective_time"]
 
 COLLECTIVE_KINDS = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv",
@@ -137,9 +140,13 @@ def _axis_group(shape: tuple[int, ...], axis: int, dpn: int) -> CommGroup:
 
 
 def _ring(kind: str, n: float, p: int, link: LinkSpec) -> float:
-    """One-level alpha-beta time of ``kind`` over ``p`` ranks on one link type."""
+    """One-level time of ``kind`` over ``p`` ranks on one link type: measured at this group size
+    (``LinkSpec.measured_time``), else alpha-beta."""
     if p == 1:
         return 0.0
+    measured = link.measured_time(kind, p, n) if link.collective_table else None
+    if measured is not None:
+        return measured
     a, bw = link.collective(kind)
     if kind == "all_reduce":
         return 2 * (p - 1) / p * n / bw + 2 * (p - 1) * a
@@ -168,7 +175,15 @@ def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
         )
     if p == 1 or nbytes == 0:
         return 0.0
-    return _time(kind, float(nbytes), p, r, m, cluster) + cluster.collective_skew_s
+    return _time(kind, float(nbytes), p, r, m, cluster)
+
+
+def blocking_collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster) -> float:
+    """``collective_time`` of a collective the program waits for where it issues it: it also
+    waits for the ranks that reach it last (``Cluster.collective_skew_s``, once per call). An
+    asynchronous one, issued ahead and waited later, hides that wait behind compute."""
+    t = collective_time(kind, nbytes, group, cluster)
+    return t + cluster.collective_skew_s if t > 0 else 0.0
 
 
 def _time(kind: str, n: float, p: int, r: int, m: int, cluster: Cluster) -> float:

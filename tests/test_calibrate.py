@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from autopar.calibration import combine_ranks, fit_cluster
 from autopar.calibration.microbench import probe_units
 from autopar.calibration.fit import collective_skew, exposed_share, fit_collective, fit_compute, ring_terms
 from autopar.cluster import Cluster, LinkSpec, calibration_path
-from autopar.cost_models.communication import CommGroup, collective_time
+from autopar.cost_models.communication import CommGroup, blocking_collective_time, collective_time
 from autopar.cost_models.compute import MEMORY_EFFICIENCY
 from autopar.errors import AutoparError, ClusterSpecError
 
@@ -78,20 +79,44 @@ def test_exposed_share_is_clipped_to_a_fraction():
 
 def test_collective_skew_is_what_a_collective_waits_beyond_its_own_time():
     """The fit: the tiny collective after compute less the compute and the collective alone (at
-    least 0); the price: every collective call pays it once, a group of one or zero bytes not."""
+    least 0); the price: every blocking collective call pays it once (an asynchronous one hides
+    it), a group of one or zero bytes not."""
     assert collective_skew(1e-3, 2e-4, 1.5e-3) == pytest.approx(3e-4)
     assert collective_skew(1e-3, 2e-4, 1.1e-3) == 0.0  # faster than apart: noise, no skew
     base = Cluster.local(4, calibrated=False)
     skewed = dataclasses.replace(base, collective_skew_s=3e-4)
     for kind in KINDS:
         for nbytes in (4.0, 1e6):
-            assert collective_time(kind, nbytes, CommGroup(4, 4), skewed) == \
-                pytest.approx(collective_time(kind, nbytes, CommGroup(4, 4), base) + 3e-4)
-        assert collective_time(kind, 0, CommGroup(4, 4), skewed) == 0.0
-        assert collective_time(kind, 1e6, CommGroup(1, 1), skewed) == 0.0
+            plain = collective_time(kind, nbytes, CommGroup(4, 4), base)
+            assert blocking_collective_time(kind, nbytes, CommGroup(4, 4), skewed) == pytest.approx(plain + 3e-4)
+            assert collective_time(kind, nbytes, CommGroup(4, 4), skewed) == pytest.approx(plain)
+        assert blocking_collective_time(kind, 0, CommGroup(4, 4), skewed) == 0.0
+        assert blocking_collective_time(kind, 1e6, CommGroup(1, 1), skewed) == 0.0
     with pytest.raises(ClusterSpecError, match="collective_skew_s"):
         dataclasses.replace(base, collective_skew_s=-1e-3)
     assert Cluster.from_json(skewed.to_json()) == skewed
+
+
+def test_measured_collective_times_are_interpolated_where_the_group_size_was_measured():
+    """A kind measured at a group size is priced by its measured times: exactly at the measured
+    sizes, log-log between them, the smallest size's time below, the last segment's cost per byte
+    above; another group size falls back to the fitted latency and bandwidth. Bad rows are refused."""
+    table = (("all_reduce", 2, 64.0, 5e-4), ("all_reduce", 2, 4096.0, 1.6e-3), ("all_reduce", 2, 4e6, 5e-3),
+             ("all_reduce", 2, 16e6, 11e-3))
+    link = LinkSpec(bandwidth=1e9, latency=1e-4, collectives=(("all_reduce", 1e-4, 1e9),), collective_table=table)
+    base = Cluster.local(4, calibrated=False)
+    c = dataclasses.replace(base, intra_node=link)
+    for _, p, b, t in table:
+        assert collective_time("all_reduce", b, CommGroup(2, 2), c) == pytest.approx(t)
+    mid = collective_time("all_reduce", 64.0 * 8, CommGroup(2, 2), c)
+    assert 5e-4 < mid < 1.6e-3 and mid == pytest.approx(math.exp((math.log(5e-4) + math.log(1.6e-3)) / 2))
+    assert collective_time("all_reduce", 4.0, CommGroup(2, 2), c) == pytest.approx(5e-4)
+    assert collective_time("all_reduce", 28e6, CommGroup(2, 2), c) == pytest.approx(11e-3 + 12e6 * 6e-3 / 12e6)
+    fitted = 2 * 3 / 4 * 1e6 / 1e9 + 2 * 3 * 1e-4  # 4 ranks: not measured, alpha-beta
+    assert collective_time("all_reduce", 1e6, CommGroup(4, 4), c) == pytest.approx(fitted)
+    assert Cluster.from_json(c.to_json()) == c
+    with pytest.raises(ClusterSpecError, match="collective_table"):
+        LinkSpec(bandwidth=1e9, latency=1e-4, collective_table=(("all_reduce", 1, 64.0, 1e-3),))
 
 
 def _synthetic_measurements(world: int = 4) -> dict:

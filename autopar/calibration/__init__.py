@@ -17,7 +17,9 @@ local model:
   its arithmetic (dispatch, autograd's recording and backward nodes; the optimizer's loop),
   from a probe of many small ops trained with AdamW, over the ops the cost model counts in it;
 * per collective kind, its latency per hop and bus bandwidth (``LinkSpec.collectives``); the
-  link's own (latency, bandwidth) are the all-reduce's;
+  link's own (latency, bandwidth) are the all-reduce's; and the measured times themselves per
+  kind, group size and message size (``LinkSpec.collective_table``), which the cost model
+  interpolates at the group sizes measured;
 * ``exposed_comm_share``: the share of a collective left on the critical path with compute
   beside it (1.0 where processes share cores: the collective's threads take compute's time);
 * ``collective_skew_s``: what a collective waits, beyond its own time, for ranks that arrive
@@ -139,7 +141,9 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             rows.append((kind, r.latency, r.bandwidth))
             sources.append(f"{kind}: {r.latency * 1e6:.1f} us per hop, bus bandwidth {r.bandwidth / 1e9:.2f} GB/s")
         ar = next(r for r in rows if r[0] == "all_reduce")
-        link = LinkSpec(bandwidth=ar[2], latency=ar[1], collectives=tuple(rows))
+        table = tuple((kind, int(p), float(b), float(t)) for kind, points in measured["collectives"].items()
+                      for p, b, t in points)
+        link = LinkSpec(bandwidth=ar[2], latency=ar[1], collectives=tuple(rows), collective_table=table)
         ov = measured["overlap"]
         share = exposed_share(ov["compute_s"], ov["comm_s"], ov["together_s"])
         sources.append(f"exposed share of overlapped communication {share:.2f} (compute {ov['compute_s'] * 1e3:.2f} ms, "

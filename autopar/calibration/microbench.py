@@ -39,7 +39,10 @@ MATMUL_SHAPES = ((16, 64, 64), (64, 64, 256), (128, 256, 256), (256, 256, 1024),
                  (512, 1024, 2048))
 _ATTENTION_SHAPES = ((2, 4, 32, 16), (4, 4, 128, 32), (4, 8, 256, 64))  # (batch, heads, seq, head dim)
 _STREAM_NUMELS = (256, 4096, 65536, 1 << 20, 1 << 22)
-_COMM_BYTES = (4 << 10, 32 << 10, 256 << 10, 1 << 21, 1 << 23)
+# the sizes each collective is timed at (nccl-tests bytes): a scalar-sized message (gloo and NCCL
+# switch protocols for small ones) up to a large gradient bucket; quick mode times _QUICK_BYTES
+_COMM_BYTES = (64, 4 << 10, 32 << 10, 256 << 10, 1 << 21, 1 << 23)
+_QUICK_BYTES = (64, 256 << 10, 1 << 23)
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -320,7 +323,7 @@ def _meshes(world: int, device: torch.device):
 def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
     # quick: the smallest, a middle and the largest size: the largest is what resolves bandwidth
     # from latency (with small sizes only, the noise can outweigh the bandwidth term)
-    sizes = _COMM_BYTES[::2] if spec.quick else _COMM_BYTES
+    sizes = _QUICK_BYTES if spec.quick else _COMM_BYTES
     _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {world} ranks" + (" and pairs" if world >= 4 else ""))
     out: dict = {k: [] for k in _COMM_KINDS}
     for p, comm, axis in _meshes(world, device):

@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch.fx as fx
 
 from autopar.cluster import Cluster
-from autopar.cost_models.communication import CommGroup, axis_group, collective_latency, collective_time
+from autopar.cost_models.communication import CommGroup, axis_group, blocking_collective_time, collective_time
 from autopar.cost_models.compute import matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
@@ -256,30 +256,35 @@ def _efficiency(device, kind: str) -> float | None:
 
 
 def reshard_time(
-    meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, nbytes_per_elem: float | None = None
+    meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, nbytes_per_elem: float | None = None,
+    blocking: bool = True,
 ) -> dict[str, float]:
-    """Seconds per collective kind to move ``meta`` from ``src`` to ``dst`` (empty: free)."""
+    """Seconds per collective kind to move ``meta`` from ``src`` to ``dst`` (empty: free);
+    ``blocking``: waited where issued (each collective also waits for the ranks' skew)."""
     if src == dst or meta is None:
         return {}
     per_elem = nbytes_per_elem if nbytes_per_elem is not None else ctx.act_bytes(meta) / max(meta.numel, 1)
-    key = (meta.shape, per_elem, tuple(src), tuple(dst))
+    key = (meta.shape, per_elem, tuple(src), tuple(dst), blocking)
     hit = ctx.reshard_memo.get(key)
     if hit is None:
-        hit = ctx.reshard_memo[key] = _reshard_time(meta.shape, per_elem, key[2], key[3], ctx)
+        hit = ctx.reshard_memo[key] = _reshard_time(meta.shape, per_elem, key[2], key[3], ctx, blocking)
     return hit
 
 
-def _reshard_time(shape, per_elem, src, dst, ctx) -> dict[str, float]:
+def _reshard_time(shape, per_elem, src, dst, ctx, blocking: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     groups = ctx.groups
+    price = blocking_collective_time if blocking else collective_time
     for kind, axis, nbytes in reshard_step_bytes(shape, per_elem, src, dst, ctx.mesh_shape):
-        out[kind] = out.get(kind, 0.0) + collective_time(kind, nbytes, groups[axis], ctx.cluster)
+        out[kind] = out.get(kind, 0.0) + price(kind, nbytes, groups[axis], ctx.cluster)
     return out
 
 
 def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> dict[str, float]:
     """``reshard_time`` of a gradient reduced in the runtime's buckets (``runtime.grad_sync``):
-    bandwidth in full, latency as this tensor's share of a ``BUCKET_BYTES`` bucket's."""
+    a tensor smaller than a ``BUCKET_BYTES`` bucket costs its share of a full bucket's collective,
+    a larger one its own (with an alpha-beta model: its bandwidth in full and its share of one
+    latency)."""
     from autopar.runtime.grad_sync import BUCKET_BYTES
 
     if src == dst:
@@ -287,9 +292,11 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
     per = per_elem if per_elem is not None else meta.itemsize
     out: dict[str, float] = {}
     for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape):
-        latency = collective_latency(kind, ctx.groups[axis], ctx.cluster)
-        t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) - latency
-        out[kind] = out.get(kind, 0.0) + t + latency * min(1.0, nbytes / BUCKET_BYTES)
+        if nbytes >= BUCKET_BYTES:
+            t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster)
+        else:
+            t = collective_time(kind, BUCKET_BYTES, ctx.groups[axis], ctx.cluster) * nbytes / BUCKET_BYTES
+        out[kind] = out.get(kind, 0.0) + t
     return out
 
 

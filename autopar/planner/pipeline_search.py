@@ -291,7 +291,7 @@ def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[lis
     their shards while they accumulate whole, the time of their one reduce-scatter after the
     schedule, exposed); zeros under any other schedule (those reduce-scatter per microbatch,
     overlapped, as the submesh plan priced)."""
-    from autopar.cost_models.communication import collective_time
+    from autopar.cost_models.communication import blocking_collective_time
 
     whole = [0.0] * len(owned)
     after = [0.0] * len(owned)
@@ -304,7 +304,7 @@ def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[lis
             if p.zero_stage != 2 or not p.zero_axes:
                 continue
             whole[s] += p.bytes_per_device * (1.0 - 1.0 / math.prod(sizes[a] for a in p.zero_axes))
-            after[s] += sum(collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
+            after[s] += sum(blocking_collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
                             for a in p.zero_axes)
     return whole, after
 

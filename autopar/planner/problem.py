@@ -474,8 +474,8 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
     edge = edge_reshard(lu, lin, lgrad, needs_grad) if lu is not None else None
     if edge is not None:
         src, dst, gsrc, gdst = edge
-        fwd = reshard_time(meta, src, dst, ctx, fwd_per_elem) if src != dst else {}
         ahead = prefetchable_gather(meta.shape, src, dst, gsrc, gdst, ctx.mesh_shape) is not None
+        fwd = reshard_time(meta, src, dst, ctx, fwd_per_elem, blocking=not ahead) if src != dst else {}
         add(fwd, "overlap" if ahead else "blocking", m)
         if fwd and again:  # gathered again in backward
             add(fwd, "overlap_bwd" if ahead else "blocking", m)
@@ -487,7 +487,8 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
                 wire = float(ctx.policy.torch_reduce_dtype.itemsize if ctx.policy.mixed else meta.itemsize)
                 add(bucketed_time(meta, gsrc, gdst, ctx, wire), "overlap_last", 1.0)
             else:
-                add(reshard_time(meta, gsrc, gdst, ctx, bwd_per_elem), "overlap_bwd" if ahead else "blocking", m)
+                add(reshard_time(meta, gsrc, gdst, ctx, bwd_per_elem, blocking=not ahead),
+                    "overlap_bwd" if ahead else "blocking", m)
     return tuple(out)
 
 

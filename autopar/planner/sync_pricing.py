@@ -24,7 +24,7 @@ def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, 
     batch norm over a split batch: ``ir.batch_norm_sync``; an expert-parallel token region:
     ``ir.region_exchanges``), every microbatch; a recomputed
     block runs the forward ones twice."""
-    from autopar.cost_models.communication import collective_time
+    from autopar.cost_models.communication import blocking_collective_time
 
     out: dict[str, float] = {}
     moves = batch_norm_sync(n, s.ins[0] if s.ins else None, ctx.mesh_shape)
@@ -33,7 +33,7 @@ def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, 
     moves += [(k, a, b * imbalance, f) for k, a, b, f in
               region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)]
     for kind, axis, nbytes, forward in moves:
-        t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
+        t = blocking_collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
         out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)
     return out
 
@@ -53,9 +53,9 @@ def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[
 
 def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
     """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking)."""
-    from autopar.cost_models.communication import collective_time
+    from autopar.cost_models.communication import blocking_collective_time
 
     if not s.zero_axes:
         return 0.0
     nbytes = float(local_numel(meta.shape, s.outs[0], ctx.mesh_shape) * meta.itemsize)
-    return sum(collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
+    return sum(blocking_collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
