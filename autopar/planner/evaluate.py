@@ -16,7 +16,7 @@ from autopar.planner.overlap import exposed_floor, exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
-__all__ = ["Evaluation", "evaluate", "node_alternatives", "model_flops", "autocast_dtype"]
+__all__ = ["Evaluation", "evaluate", "step_parts", "node_alternatives", "model_flops", "autocast_dtype"]
 
 
 @dataclass
@@ -42,18 +42,16 @@ def _edge_keys(e, choice):
     return ku, kv
 
 
-def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> Evaluation:
-    """``recompute``: the block instances checkpointed (default: all of them when the problem was
-    priced with recompute; fewer take back their share of the recomputed forward)."""
+def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> tuple:
+    """(forward compute, backward compute (the optimizer's updates included), blocking
+    communication, seconds per collective kind, overlappable seconds per window: "overlap",
+    "overlap_bwd", "overlap_last") of one step under ``choice`` (``evaluate``'s parts)."""
     fwd = sum(v.fwd_s[choice[n]] for n, v in problem.nodes.items())
     bwd = sum(v.bwd_s[choice[n]] for n, v in problem.nodes.items())
     if problem.recompute and recompute is not None:
         for n, v in problem.nodes.items():
             if v.in_block:  # bwd_s includes one forward more for every instance
                 bwd -= v.fwd_s[choice[n]] * (1.0 - problem.recomputed_share(n, recompute))
-    ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
-    ilp_memory += max((v.transient_bytes[choice[n]] for n, v in problem.nodes.items() if v.transient_bytes is not None),
-                      default=0.0)
     # node-level communication: ZeRO-1/2's parameter all-gathers after the optimizer step, batch
     # norm statistics over a split batch
     blocking = 0.0
@@ -73,6 +71,16 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
                 ovl[name] += arr[ku, kv]
         for k, t in e.kinds[ku][kv].items():
             kinds[k] += t
+    return fwd, bwd, blocking, kinds, ovl
+
+
+def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> Evaluation:
+    """``recompute``: the block instances checkpointed (default: all of them when the problem was
+    priced with recompute; fewer take back their share of the recomputed forward)."""
+    fwd, bwd, blocking, kinds, ovl = step_parts(problem, choice, recompute)
+    ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
+    ilp_memory += max((v.transient_bytes[choice[n]] for n, v in problem.nodes.items() if v.transient_bytes is not None),
+                      default=0.0)
     exposed_f, exposed_b = exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], ovl["overlap_last"],
                                            problem.microbatches, exposed_floor(problem.ctx.cluster))
     compute = fwd + bwd

@@ -203,19 +203,35 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     compute = [plain[s] + (again[s] if recomputes[rank_of[s]] else 0.0) for s in range(n_stages)]
     kept_blocks = tuple(b for b in inner.recompute_blocks
                         if any(recomputes[rank_of[stage_of(k)]] for k, i in recomputed.items() if i == b))
-    # the submesh's step (compute and its collectives) less the recomputed forward the ranks that
-    # fit do not run and less the optimizer's updates, stretched as the schedule stretches
-    # compute; then each rank's own updates, after the schedule
-    inner_step = inner.predicted.step_time_s - (sum(plain) + sum(again) - sum(compute)) - sum(update)
     pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
     # per microbatch and boundary: its activations forward and their gradient backward, each one
     # message (latency + bytes / bandwidth); on the critical path, one microbatch crosses every
     # boundary and the other m - 1 queue on the slowest one
     sends = [2.0 * (link_latency + b / m / link_bw) + g / m for b, g in zip(cut.boundary_bytes, cut.boundary_gather_s)]
     p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
-    step = inner_step * pipe_compute / (sum(compute) or 1.0) + p2p
-    step += max(sum(update[s] for s in range(n_stages) if rank_of[s] == r) for r in range(pp))
-    step += max(sum(zero2_after[s] for s in range(n_stages) if rank_of[s] == r) for r in range(pp))
+    # inside the schedule: the submesh plan's compute (without the updates and the recomputed
+    # forward of the ranks that fit), its blocking collectives and the exposed part of those it
+    # overlaps with forward and backward (ZeRO's gathers and reduce-scatters), stretched as the
+    # schedule stretches compute. After each rank's last backward: its share (by parameter
+    # bytes) of the gradient buckets, hidden by at most that last microbatch's backward, its
+    # optimizer updates and ZeRO-2's deferred reduce-scatters; the step ends with the last rank.
+    from autopar.planner.evaluate import step_parts
+    from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_seconds
+
+    fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks))
+    floor = exposed_floor(problem.ctx.cluster)
+    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], 0.0, m, floor))
+    in_schedule = fwd + bwd - sum(update) + blocking + exposed
+    bwd_share = max(bwd - sum(update), 0.0) / max(fwd + bwd - sum(update), 1e-30)
+
+    def after_schedule(r: int) -> float:
+        mine = [s for s in range(n_stages) if rank_of[s] == r]
+        sync = ovl["overlap_last"] * sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
+        last_bwd = bwd_share * sum(compute[s] for s in mine) / m
+        return (max(sync - OVERLAP_EFFICIENCY * last_bwd, floor * sync, 0.0)
+                + sum(update[s] + zero2_after[s] for s in mine))
+
+    step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
     stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
     comm_bytes = inner.predicted.comm_bytes
