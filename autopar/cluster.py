@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import numbers
 import os
 import pathlib
@@ -279,7 +280,11 @@ class LinkSpec:
         size's time capped by every larger size's): log-log interpolation between the measured sizes, the smallest size's time below them,
         and above them the last two sizes' marginal cost per byte; None where fewer than two
         sizes of this kind and group size were measured."""
-        rows = [(b, t) for k, p, b, t in self.collective_table if k == kind and p == ranks]
+        times: dict[float, list[float]] = {}
+        for k, p, b, t in self.collective_table:
+            if k == kind and p == ranks:
+                times.setdefault(b, []).append(t)
+        rows = [(b, statistics.median(ts)) for b, ts in sorted(times.items())]  # one time per size
         if len(rows) < 2:
             return None
         # a message takes no longer than any larger one: a noisy small size is capped by the
@@ -293,8 +298,9 @@ class LinkSpec:
                 w = math.log(nbytes / b0) / math.log(b1 / b0)
                 return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
         (b0, t0), (b1, t1) = rows[-2], rows[-1]
-        per_byte = max(t1 - t0, 0.0) / (b1 - b0)
-        return t1 + (nbytes - b1) * per_byte
+        if t1 <= t0:
+            return None  # no cost per byte left to extrapolate by: the fitted latency and bandwidth
+        return t1 + (nbytes - b1) * (t1 - t0) / (b1 - b0)
 
     def collective(self, kind: str) -> tuple[float, float]:
         """(latency per hop, bandwidth) that ``kind`` achieves on this fabric: its measured pair

@@ -115,6 +115,15 @@ def test_measured_collective_times_are_interpolated_where_the_group_size_was_mea
     fitted = 2 * 3 / 4 * 1e6 / 1e9 + 2 * 3 * 1e-4  # 4 ranks: not measured, alpha-beta
     assert collective_time("all_reduce", 1e6, CommGroup(4, 4), c) == pytest.approx(fitted)
     assert Cluster.from_json(c.to_json()) == c
+    # a size measured twice counts once (its median); a last size faster than the one before gives
+    # no cost per byte to extrapolate with: beyond it, the fitted latency and bandwidth
+    noisy = dataclasses.replace(link, collective_table=table[:2] + (("all_reduce", 2, 4e6, 5e-3),
+                                                                    ("all_reduce", 2, 4e6, 7e-3),
+                                                                    ("all_reduce", 2, 16e6, 4e-3)))
+    assert noisy.measured_time("all_reduce", 2, 4e6) == pytest.approx(4e-3)  # capped by the larger size
+    assert noisy.measured_time("all_reduce", 2, 1e9) is None
+    c2 = dataclasses.replace(base, intra_node=noisy)
+    assert collective_time("all_reduce", 1e9, CommGroup(2, 2), c2) == pytest.approx(2 * 1 / 2 * 1e9 / 1e9 + 2 * 1e-4)
     with pytest.raises(ClusterSpecError, match="collective_table"):
         LinkSpec(bandwidth=1e9, latency=1e-4, collective_table=(("all_reduce", 1, 64.0, 1e-3),))
 

@@ -222,6 +222,44 @@ def test_values_cross_a_slow_link_in_pieces():
         assert cur.input_names == prev.output_names
 
 
+def test_a_value_an_outlined_block_returns_is_sent_in_pieces():
+    """With recompute the blocks are outlined: a value a block returns is reached through the
+    top-level node that returns it, sent in pieces from its stage and gathered back by each later
+    stage that uses it (here the send layout is forced: the pass does what the plan says)."""
+    from autopar.layouts import Shard, format_layout, parse_layout
+    from autopar.passes.boundary_sends import insert_boundary_sends
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    plan = autopar.plan(model, _two_nodes(1e8), x, loss_fn=loss, example_target=y,
+                        constraints=autopar.Constraints(pp=2, tp=2, recompute=True))
+    assert plan.recompute_blocks
+    m = plan.microbatches
+    traced = trace_model(model, (x[: x.shape[0] // m],), loss_fn=loss, example_target=y[: y.shape[0] // m])
+    stage_of = {n.name: s.index for s in plan.stages for n in s.nodes}
+    crossing = [n for n in traced.graph.nodes if stage_of.get(n.name) == 0 and n.op == "call_function"
+                and any(stage_of.get(u.name, 1) == 1 for u in n.users) and plan.nodes[n.name].outs]
+    inside = [n for n in crossing if any(n.meta.get("autopar.module", "") == b or n.meta.get("autopar.module", "")
+                                         .startswith(b + ".") for b in plan.recompute_blocks)]
+    assert inside, [n.name for n in crossing]
+    value = inside[0]
+    whole = parse_layout(plan.nodes[value.name].outs[0])
+    dim = next(d for d in range(1, len(value.meta["autopar.outputs"][0].shape)) if whole[1] != Shard(d))
+    pieces = format_layout((whole[0], Shard(dim)))
+    forced = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], send_layouts=((value.name, pieces),)),
+                                               *plan.stages[1:]))
+    program = run_passes(copy.deepcopy(traced.gm), PassContext.for_plan(forced))
+    assert value.name not in {n.name for n in program.graph.nodes}  # outlined
+    state = set(traced.param_fqns) | set(traced.buffer_fqns)
+    planned = insert_boundary_sends(program, forced, dict(stage_of), state)
+    stages = split_stages(program, planned, state, 2)
+    sent = [n for n in program.graph.nodes if n.meta.get("autopar.boundary_layout") == pieces]
+    assert len(sent) == 1 and sent[0].name in stages[0].output_names
+    received = [n for n in stages[1].gm.graph.nodes if n.op == "call_function"
+                and n.meta.get("autopar.serves") == value.name and n.meta.get("autopar.kind") == "reshard"]
+    assert len(received) == 1 and received[0].args[0].name == sent[0].name, [(n.name, n.args[:3]) for n in received]
+
+
 def _pieces_parity() -> list[dict]:
     from autopar.runtime.parity import parity_worker
 
@@ -391,9 +429,9 @@ def test_split_backward_schedules_reduce_zero2_gradients_once():
               ParamPlacement("b", "p_b", "[R]", (), (10,), 40.0, 0)]
     from autopar.planner.costing import CostContext
     ctx = CostContext((2,), ("dp",), autopar.Cluster.local(2), None, None)
-    whole, after = _zero2_held_whole(inner, ctx, [params, []], "zbv")
-    assert whole == [2000.0, 0.0] and after[0] > 0 == after[1]
-    assert _zero2_held_whole(inner, ctx, [params, []], "1f1b") == ([0.0, 0.0], [0.0, 0.0])
+    whole, after, per_micro = _zero2_held_whole(inner, ctx, [params, []], "zbv")
+    assert whole == [2000.0, 0.0] and after[0] > 0 == after[1] and 0 < per_micro[0] <= after[0]
+    assert _zero2_held_whole(inner, ctx, [params, []], "1f1b") == ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
 
 
 def _check(results):

@@ -193,7 +193,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
 
     # split-backward schedules hold ZeRO-2 gradients whole until one reduce-scatter after the
     # schedule (runtime.pipeline): their whole bytes per stage, and that reduction's time
-    whole_grads, zero2_after = _zero2_held_whole(inner, att.problem.ctx, owned, schedule)
+    whole_grads, zero2_after, zero2_per_micro = _zero2_held_whole(inner, att.problem.ctx, owned, schedule)
 
     def peak(r: int, recomputes: bool) -> float:
         return peak_of(r, recomputes) + sum(whole_grads[s] for s in range(n_stages) if rank_of[s] == r)
@@ -219,17 +219,23 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_seconds
 
     fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks))
+    bwd -= sum(update)
     floor = exposed_floor(problem.ctx.cluster)
-    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], 0.0, m, floor))
-    in_schedule = fwd + bwd - sum(update) + blocking + exposed
-    bwd_share = max(bwd - sum(update), 0.0) / max(fwd + bwd - sum(update), 1e-30)
+    # held whole under the split-backward schedules, ZeRO-2 gradients are reduced after the
+    # schedule (zero2_after), not every microbatch as the submesh plan priced them
+    in_backward = max(ovl["overlap_bwd"] - sum(zero2_per_micro) * m, 0.0)
+    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], in_backward, 0.0, m, floor))
+    in_schedule = fwd + bwd + blocking + exposed
+    bwd_share = max(bwd, 0.0) / max(fwd + bwd, 1e-30)
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
 
     def after_schedule(r: int) -> float:
         mine = [s for s in range(n_stages) if rank_of[s] == r]
         sync = ovl["overlap_last"] * sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
-        last_bwd = bwd_share * sum(compute[s] for s in mine) / m
-        return (max(sync - OVERLAP_EFFICIENCY * last_bwd, floor * sync, 0.0)
-                + sum(update[s] + zero2_after[s] for s in mine))
+        # torch's weight pass adds to the gradients past the hooks that start a bucket's
+        # reduction: under a split-backward schedule only stage 0's buckets start early
+        hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
+        return max(sync - hiding, floor * sync, 0.0) + sum(update[s] + zero2_after[s] for s in mine)
 
     step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
@@ -265,7 +271,7 @@ def boundary_sender(ctx, m: int, link_bw: float):
     gathers it back into its planned layout; in backward the reverse. Megatron-LM's scatter/gather
     of pipeline sends. Pays where stages meet over a slower link than the axis's own (stages on
     different nodes, tensor parallel inside one). The piece is cut along the value's largest
-    unsplit dim that divides a microbatch evenly; one axis at most."""
+    unsplit dim after the first that divides evenly; one axis at most."""
     from autopar.layouts import Partial, Replicate, Shard, divides_evenly, format_layout, grad_layout, parse_layout
     from autopar.planner.costing import reshard_time
     from autopar.trace import TensorMeta
@@ -286,7 +292,8 @@ def boundary_sender(ctx, m: int, link_bw: float):
         for a, (p, n) in enumerate(zip(planned, ctx.mesh_shape)):
             if n == 1 or not (isinstance(p, Replicate) or p == Partial("sum")):
                 continue
-            for d in sorted(set(range(len(meta.shape))) - split, key=lambda d: -micro.shape[d]):
+            # dim 0 is left whole: it is what microbatches cut (the batch), or a length of their own
+            for d in sorted(set(range(1, len(meta.shape))) - split, key=lambda d: -micro.shape[d]):
                 pieces = tuple(Shard(d) if i == a else q for i, q in enumerate(planned))
                 if not divides_evenly(micro.shape, pieces, ctx.mesh_shape):
                     continue
@@ -302,17 +309,19 @@ def boundary_sender(ctx, m: int, link_bw: float):
     return choose
 
 
-def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float]]:
+def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float], list[float]]:
     """Per stage, under a split-backward schedule: (the bytes its ZeRO-2 gradients hold beyond
     their shards while they accumulate whole, the time of their one reduce-scatter after the
-    schedule, exposed); zeros under any other schedule (those reduce-scatter per microbatch,
-    overlapped, as the submesh plan priced)."""
-    from autopar.cost_models.communication import blocking_collective_time
+    schedule, exposed, and the time of one microbatch's overlapped reduce-scatters that the
+    submesh plan priced instead); zeros under any other schedule (those reduce-scatter per
+    microbatch, overlapped, as the submesh plan priced)."""
+    from autopar.cost_models.communication import blocking_collective_time, collective_time
 
     whole = [0.0] * len(owned)
     after = [0.0] * len(owned)
+    per_micro = [0.0] * len(owned)
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
-        return whole, after
+        return whole, after, per_micro
     axis = {name: i for i, (name, _) in enumerate(inner.mesh_axes)}
     sizes = dict(inner.mesh_axes)
     for s, params in enumerate(owned):
@@ -322,7 +331,9 @@ def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[lis
             whole[s] += p.bytes_per_device * (1.0 - 1.0 / math.prod(sizes[a] for a in p.zero_axes))
             after[s] += sum(blocking_collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
                             for a in p.zero_axes)
-    return whole, after
+            per_micro[s] += sum(collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
+                                for a in p.zero_axes)
+    return whole, after, per_micro
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
