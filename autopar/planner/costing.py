@@ -282,7 +282,8 @@ def _reshard_time(shape, per_elem, src, dst, ctx, blocking: bool) -> dict[str, f
 
 def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> dict[str, float]:
     """``reshard_time`` of a gradient reduced in the runtime's buckets (``runtime.grad_sync``):
-    a tensor smaller than a ``BUCKET_BYTES`` bucket costs its share of a full bucket's collective,
+    a tensor smaller than a bucket (``BUCKET_BYTES`` of gradients, sent at ``per_elem`` bytes
+    per element) costs its share of a full bucket's collective,
     a larger one its own (with an alpha-beta model: its bandwidth in full and its share of one
     latency)."""
     from autopar.runtime.grad_sync import BUCKET_BYTES
@@ -290,12 +291,13 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
     if src == dst:
         return {}
     per = per_elem if per_elem is not None else meta.itemsize
+    bucket = BUCKET_BYTES * per / meta.itemsize  # buckets are cut in the gradient's bytes, sent in ``per``
     out: dict[str, float] = {}
     for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape):
-        if nbytes >= BUCKET_BYTES:
+        if nbytes >= bucket:
             t = collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster)
         else:
-            t = collective_time(kind, BUCKET_BYTES, ctx.groups[axis], ctx.cluster) * nbytes / BUCKET_BYTES
+            t = collective_time(kind, bucket, ctx.groups[axis], ctx.cluster) * nbytes / bucket
         out[kind] = out.get(kind, 0.0) + t
     return out
 

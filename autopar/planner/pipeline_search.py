@@ -214,12 +214,19 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # overlaps with forward and backward (ZeRO's gathers and reduce-scatters), stretched as the
     # schedule stretches compute. After each rank's last backward: its share (by parameter
     # bytes) of the gradient buckets, hidden by at most that last microbatch's backward, its
-    # optimizer updates and ZeRO-2's deferred reduce-scatters; the step ends with the last rank.
+    # optimizer updates, ZeRO-2's deferred reduce-scatters and ZeRO-1/2's gathers of the updated
+    # parameters; the step ends with the last rank.
     from autopar.planner.evaluate import step_parts
     from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_seconds
 
     fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks))
     bwd -= sum(update)
+    # ZeRO-1/2's all-gathers of the updated parameters follow each rank's updates, after the schedule
+    post_gather = [0.0] * n_stages
+    for name, var in problem.nodes.items():
+        if var.node.meta.get("autopar.kind") == "param" and var.comm_kinds:
+            post_gather[stage_of(name)] += sum(float(arr[choice[name]]) for arr in var.comm_kinds.values())
+    blocking -= sum(post_gather)
     floor = exposed_floor(problem.ctx.cluster)
     # held whole under the split-backward schedules, ZeRO-2 gradients are reduced after the
     # schedule (zero2_after), not every microbatch as the submesh plan priced them
@@ -235,7 +242,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         # torch's weight pass adds to the gradients past the hooks that start a bucket's
         # reduction: under a split-backward schedule only stage 0's buckets start early
         hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
-        return max(sync - hiding, floor * sync, 0.0) + sum(update[s] + zero2_after[s] for s in mine)
+        return max(sync - hiding, floor * sync, 0.0) + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine)
 
     step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
