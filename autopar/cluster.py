@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import functools
 import math
-import statistics
 import numbers
 import os
 import pathlib
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost_models.hardware import PRESETS as _PRESETS
 from autopar.errors import ClusterSpecError
+from autopar.spec_fields import (check_float, check_int, check_name, check_rows, is_fraction, is_real, json_build,
+                                  json_fields, json_rows)
 
 __all__ = ["Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "calibration_path"]
 
@@ -49,56 +52,6 @@ _FLOPS_DTYPES = {
 }
 
 
-def _check_float(owner: str, field: str, value: Any, hint: str) -> float:
-    """Return ``value`` as a float if it is a finite number > 0, else raise naming the field."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise ClusterSpecError(
-            f"{owner}.{field} must be a positive finite number, got {value!r}; {hint}"
-        )
-    return float(value)
-
-
-def _check_int(owner: str, field: str, value: Any, hint: str) -> int:
-    """Return ``value`` as an int if it is an integer >= 1, else raise naming the field."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ClusterSpecError(f"{owner}.{field} must be an integer >= 1, got {value!r}; {hint}")
-    return int(value)
-
-
-def _is_fraction(value: Any) -> bool:
-    """A real number in (0, 1] (not a bool, not NaN)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 < float(value) <= 1.0
-
-
-def _is_real(value: Any, low: float = 0.0, high: float = math.inf, strict: bool = False) -> bool:
-    """A finite real number (not a bool) in [low, high) -- in (low, high) where ``strict``."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        return False
-    return (value > low if strict else value >= low) and value < high
-
-
-def _check_rows(owner: str, field: str, value: Any, row_ok, convert, expected: str, unique: bool = True) -> tuple:
-    """``value`` (a sequence of rows) as a sorted tuple of ``convert(row)``: every row a list or
-    tuple passing ``row_ok``, else an error saying ``expected``; with ``unique``, a first item
-    (a name, a kind) listed twice is an error too."""
-    rows = []
-    for row in value if isinstance(value, (list, tuple)) else [value]:
-        if not (isinstance(row, (list, tuple)) and row_ok(row)):
-            raise ClusterSpecError(f"{owner}.{field} entries must be {expected}, got {row!r}")
-        rows.append(convert(row))
-    names = [r[0] for r in rows]
-    twice = next((n for i, n in enumerate(names) if n in names[:i]), None) if unique else None
-    if twice is not None:
-        raise ClusterSpecError(f"{owner}.{field} lists {twice!r} twice: {names}")
-    return tuple(sorted(rows))
-
-
-def _check_name(owner: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise ClusterSpecError(f"{owner}.name must be a non-empty string, got {value!r}")
-
-
 @dataclass(frozen=True)
 class PeakFlops:
     """Dense peak FLOP/s of one device per dtype (tensor-core rates where the device has them)."""
@@ -111,7 +64,7 @@ class PeakFlops:
     def __post_init__(self) -> None:
         for f in ("fp32", "tf32", "bf16", "fp16"):
             hint = "use the dense (not sparsity) datasheet figure in FLOP/s, e.g. 312e12"
-            object.__setattr__(self, f, _check_float("PeakFlops", f, getattr(self, f), hint))
+            object.__setattr__(self, f, check_float("PeakFlops", f, getattr(self, f), hint))
 
     def for_dtype(self, dtype: Any) -> float:
         """Peak FLOP/s for ``dtype``: "fp32", "tf32", "bf16", "fp16", torch names or dtypes.
@@ -164,37 +117,37 @@ class DeviceSpec:
         return None
 
     def __post_init__(self) -> None:
-        _check_name("DeviceSpec", self.name)
-        if self.attention_efficiency is not None and not _is_fraction(self.attention_efficiency):
+        check_name("DeviceSpec", self.name)
+        if self.attention_efficiency is not None and not is_fraction(self.attention_efficiency):
             raise ClusterSpecError(
                 f"DeviceSpec.attention_efficiency must be in (0, 1] or None, got {self.attention_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in attention"
             )
         upd = self.update_element_s
         if upd is not None:
-            if not (isinstance(upd, (tuple, list)) and len(upd) == 2 and all(_is_real(v) for v in upd)):
+            if not (isinstance(upd, (tuple, list)) and len(upd) == 2 and all(is_real(v) for v in upd)):
                 raise ClusterSpecError(
                     f"DeviceSpec.update_element_s must be (seconds per element, seconds per element per optimizer "
                     f"state), both >= 0, or None; got {upd!r}")
             object.__setattr__(self, "update_element_s", (float(upd[0]), float(upd[1])))
-        object.__setattr__(self, "op_costs", _check_rows(
+        object.__setattr__(self, "op_costs", check_rows(
             "DeviceSpec", "op_costs", self.op_costs,
-            lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(_is_real(v) for v in r[1:]),
+            lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(is_real(v) for v in r[1:]),
             lambda r: (r[0], float(r[1]), float(r[2])),
             "(op name, forward s per element >= 0, backward s per element >= 0)"))
-        object.__setattr__(self, "matmul_table", _check_rows(
+        object.__setattr__(self, "matmul_table", check_rows(
             "DeviceSpec", "matmul_table", self.matmul_table,
             lambda r: len(r) == 4 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
-                                          for v in r[:3]) and _is_real(r[3], strict=True),
+                                          for v in r[:3]) and is_real(r[3], strict=True),
             lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3])), "(m, k, n, seconds > 0)", unique=False))
         for attr in ("op_overhead", "update_op_overhead"):
             ovh = getattr(self, attr)
-            if ovh is not None and not _is_real(ovh, high=1.0):
+            if ovh is not None and not is_real(ovh, high=1.0):
                 raise ClusterSpecError(
                     f"DeviceSpec.{attr} must be a number of seconds in [0, 1) or None, got {ovh!r}; it is the "
                     "fixed cost of one executed op (e.g. 5e-6)"
                 )
-        if self.matmul_efficiency is not None and not _is_fraction(self.matmul_efficiency):
+        if self.matmul_efficiency is not None and not is_fraction(self.matmul_efficiency):
             raise ClusterSpecError(
                 f"DeviceSpec.matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in large matmuls"
@@ -203,9 +156,9 @@ class DeviceSpec:
             raise ClusterSpecError(
                 f"DeviceSpec.peak_flops must be a PeakFlops, got {type(self.peak_flops).__name__}"
             )
-        _check_int("DeviceSpec", "memory_bytes", self.memory_bytes,
+        check_int("DeviceSpec", "memory_bytes", self.memory_bytes,
                    "pass the device memory in bytes as an int, e.g. 80 * 10**9")
-        mbw = _check_float("DeviceSpec", "memory_bandwidth", self.memory_bandwidth,
+        mbw = check_float("DeviceSpec", "memory_bandwidth", self.memory_bandwidth,
                            "pass the memory bandwidth in bytes/s, e.g. 2.039e12")
         object.__setattr__(self, "memory_bandwidth", mbw)
 
@@ -241,11 +194,11 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         self._check_collectives()
-        bw = _check_float("LinkSpec", "bandwidth", self.bandwidth,
+        bw = check_float("LinkSpec", "bandwidth", self.bandwidth,
                           "pass bytes/s per device per direction, e.g. 300e9 for NVLink 3")
-        lat = _check_float("LinkSpec", "latency", self.latency,
+        lat = check_float("LinkSpec", "latency", self.latency,
                            "pass seconds per message hop, e.g. 5e-6")
-        if self.efficiency is not None and not _is_fraction(self.efficiency):
+        if self.efficiency is not None and not is_fraction(self.efficiency):
             raise ClusterSpecError(
                 f"LinkSpec.efficiency must be in (0, 1] or None, got {self.efficiency!r}; it is the "
                 "achieved fraction of the link bandwidth in large collectives"
@@ -263,34 +216,28 @@ class LinkSpec:
     def _check_collectives(self) -> None:
         from autopar.cost_models.communication import COLLECTIVE_KINDS
 
-        object.__setattr__(self, "collectives", _check_rows(
+        object.__setattr__(self, "collectives", check_rows(
             "LinkSpec", "collectives", self.collectives,
-            lambda r: len(r) == 3 and r[0] in COLLECTIVE_KINDS and _is_real(r[1]) and _is_real(r[2], strict=True),
+            lambda r: len(r) == 3 and r[0] in COLLECTIVE_KINDS and is_real(r[1]) and is_real(r[2], strict=True),
             lambda r: (str(r[0]), float(r[1]), float(r[2])),
             f"(kind, latency s >= 0, bandwidth bytes/s > 0) with kind one of {list(COLLECTIVE_KINDS)}"))
-        object.__setattr__(self, "collective_table", _check_rows(
+        object.__setattr__(self, "collective_table", check_rows(
             "LinkSpec", "collective_table", self.collective_table,
             lambda r: len(r) == 4 and r[0] in COLLECTIVE_KINDS and isinstance(r[1], numbers.Integral)
-            and not isinstance(r[1], bool) and r[1] >= 2 and _is_real(r[2], strict=True) and _is_real(r[3], strict=True),
+            and not isinstance(r[1], bool) and r[1] >= 2 and is_real(r[2], strict=True) and is_real(r[3], strict=True),
             lambda r: (str(r[0]), int(r[1]), float(r[2]), float(r[3])),
             f"(kind, ranks >= 2, bytes > 0, seconds > 0) with kind one of {list(COLLECTIVE_KINDS)}", unique=False))
 
     def measured_time(self, kind: str, ranks: int, nbytes: float) -> float | None:
-        """Seconds of ``kind`` over ``ranks`` ranks at ``nbytes`` from ``collective_table`` (each
-        size's time capped by every larger size's): log-log interpolation between the measured sizes, the smallest size's time below them,
-        and above them the last two sizes' marginal cost per byte; None where fewer than two
-        sizes of this kind and group size were measured."""
-        times: dict[float, list[float]] = {}
-        for k, p, b, t in self.collective_table:
-            if k == kind and p == ranks:
-                times.setdefault(b, []).append(t)
-        rows = [(b, statistics.median(ts)) for b, ts in sorted(times.items())]  # one time per size
+        """Seconds of ``kind`` over ``ranks`` ranks at ``nbytes`` from ``collective_table``:
+        log-log interpolation between the measured sizes (``_measured_sizes``: one time per size,
+        each capped by the larger sizes'), the smallest size's time below them, and above them the
+        last two sizes' marginal cost per byte; None where fewer than two sizes of this kind and
+        group size were measured, or above them where the last two give no cost per byte (the
+        fitted model then prices it)."""
+        rows = _measured_sizes(self.collective_table, kind, ranks)
         if len(rows) < 2:
             return None
-        # a message takes no longer than any larger one: a noisy small size is capped by the
-        # sizes above it (rows are sorted by bytes)
-        for i in range(len(rows) - 2, -1, -1):
-            rows[i] = (rows[i][0], min(rows[i][1], rows[i + 1][1]))
         if nbytes <= rows[0][0]:
             return rows[0][1]
         for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
@@ -344,13 +291,14 @@ class Cluster:
     expert_imbalance: float = 1.0
     # Seconds a collective waits, beyond its own time, for ranks that reach it at different times
     # after compute (host scheduling, launch jitter; processes sharing cores time-slice): paid
-    # once per collective call. 0 for the presets; measured by ``autopar calibrate``.
+    # once per blocking collective call (``blocking_collective_time``; an asynchronous one hides
+    # it). 0 for the presets; measured by ``autopar calibrate``.
     collective_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_name("Cluster", self.name)
-        _check_int("Cluster", "nodes", self.nodes, "a cluster needs at least one node")
-        _check_int(
+        check_name("Cluster", self.name)
+        check_int("Cluster", "nodes", self.nodes, "a cluster needs at least one node")
+        check_int(
             "Cluster", "devices_per_node", self.devices_per_node,
             "a cluster with zero devices per node has nothing to run on; pass the number of "
             "GPUs (or CPU processes) per node, e.g. 8",
@@ -392,7 +340,7 @@ class Cluster:
                 "share of overlappable communication that stays exposed"
             )
         skew = self.collective_skew_s
-        if not _is_real(skew, high=1.0):
+        if not is_real(skew, high=1.0):
             raise ClusterSpecError(
                 f"Cluster.collective_skew_s must be a number of seconds in [0, 1), got {skew!r}; it is what a "
                 "collective waits for ranks that arrive at different times (e.g. 1e-4)")
@@ -464,7 +412,7 @@ class Cluster:
                 raise ClusterSpecError(
                     f"WORLD_SIZE must be an integer, got {env!r}; pass n to Cluster.local(n)"
                 ) from None
-        n = _check_int("Cluster.local", "n", n, "pass the number of CPU processes, e.g. 4")
+        n = check_int("Cluster.local", "n", n, "pass the number of CPU processes, e.g. 4")
         try:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (AttributeError, OSError, ValueError):  # non-POSIX: assume 8 GiB
@@ -512,7 +460,7 @@ class Cluster:
             d.setdefault("exposed_comm_share", None)  # specs written before they existed
             d.setdefault("expert_imbalance", 1.0)
             d.setdefault("collective_skew_s", 0.0)
-        top = _fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
+        top = json_fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
         version = top["schema_version"]
         if type(version) is not int or version != SCHEMA_VERSION:
             raise ClusterSpecError(
@@ -525,33 +473,49 @@ class Cluster:
                 top["device"].setdefault(key, None)  # specs written before they existed
             top["device"].setdefault("op_costs", [])
             top["device"].setdefault("matmul_table", [])
-        dev = _fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
+        dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
                                                  "update_op_overhead", "update_element_s", "op_costs",
                                                  "matmul_table"])
         for key in ("op_costs", "matmul_table", "update_element_s"):
-            dev[key] = _tuples(dev[key])
-        flops = _fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
-        dev["peak_flops"] = _build(PeakFlops, flops, "device.peak_flops")
-        top["device"] = _build(DeviceSpec, dev, "device")
+            dev[key] = json_rows(dev[key])
+        flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
+        dev["peak_flops"] = json_build(PeakFlops, flops, "device.peak_flops")
+        top["device"] = json_build(DeviceSpec, dev, "device")
         for link in ("intra_node", "inter_node"):
             if isinstance(top[link], dict):
                 top[link].setdefault("efficiency", None)  # specs written before they existed
                 top[link].setdefault("rails", None)
                 top[link].setdefault("collectives", [])
                 top[link].setdefault("collective_table", [])
-            fields = _fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives",
+            fields = json_fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives",
                                                      "collective_table"])
-            fields["collectives"] = _tuples(fields["collectives"])
-            fields["collective_table"] = _tuples(fields["collective_table"])
-            top[link] = _build(LinkSpec, fields, link)
+            fields["collectives"] = json_rows(fields["collectives"])
+            fields["collective_table"] = json_rows(fields["collective_table"])
+            top[link] = json_build(LinkSpec, fields, link)
         if not isinstance(top["sources"], list):
             raise ClusterSpecError(
                 f"cluster JSON field 'sources' must be a list of strings, got {top['sources']!r}"
             )
         top["sources"] = tuple(top["sources"])
         del top["schema_version"]
-        return _build(cls, top, "<top level>")
+        return json_build(cls, top, "<top level>")
+
+
+@functools.lru_cache(maxsize=64)
+def _measured_sizes(table: tuple, kind: str, ranks: int) -> tuple[tuple[float, float], ...]:
+    """(bytes, seconds) of ``kind`` over ``ranks`` ranks in ``LinkSpec.collective_table``, by size:
+    a size measured twice counts once (its median), and a message takes no longer than any larger
+    one (a noisy small size is capped by the sizes above it). Cached: the planner prices many
+    collectives against one table."""
+    times: dict[float, list[float]] = {}
+    for k, p, b, t in table:
+        if k == kind and p == ranks:
+            times.setdefault(b, []).append(t)
+    rows = [(b, statistics.median(ts)) for b, ts in sorted(times.items())]
+    for i in range(len(rows) - 2, -1, -1):
+        rows[i] = (rows[i][0], min(rows[i][1], rows[i + 1][1]))
+    return tuple(rows)
 
 
 def calibration_path(n: int) -> pathlib.Path:
@@ -581,35 +545,3 @@ def _calibrated_local(n: int, ram_share: int) -> Cluster | None:
             f"CPU processes; re-run `autopar calibrate --nproc {n}` or delete the file")
     device = dataclasses.replace(spec.device, memory_bytes=ram_share)
     return dataclasses.replace(spec, device=device)
-
-
-def _tuples(value: Any) -> Any:
-    """JSON's lists as the spec's tuples, one level of rows deep (anything else unchanged: the
-    field's own check says what is wrong with it)."""
-    if not isinstance(value, list):
-        return value
-    return tuple(tuple(r) if isinstance(r, list) else r for r in value)
-
-
-def _fields(d: Any, prefix: str, names: list[str]) -> dict[str, Any]:
-    """Check that JSON object ``d`` has exactly the keys ``names``; errors name the full path."""
-    if not isinstance(d, dict):
-        where = f"field '{prefix[:-1]}'" if prefix else "top level"
-        raise ClusterSpecError(f"cluster JSON {where} must be an object, got {d!r}")
-    missing = [k for k in names if k not in d]
-    if missing:
-        raise ClusterSpecError(f"cluster JSON is missing field '{prefix}{missing[0]}'")
-    unknown = sorted(k for k in d if k not in names)
-    if unknown:
-        raise ClusterSpecError(
-            f"cluster JSON has unknown field '{prefix}{unknown[0]}'; known: {sorted(names)}"
-        )
-    return dict(d)
-
-
-def _build(cls: type, kwargs: dict[str, Any], where: str) -> Any:
-    """Construct ``cls(**kwargs)``, prefixing validation errors with the JSON location."""
-    try:
-        return cls(**kwargs)
-    except ClusterSpecError as e:
-        raise ClusterSpecError(f"cluster JSON {where}: {e}") from None

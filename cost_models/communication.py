@@ -66,8 +66,7 @@ from autopar.errors import AutoparError
 if TYPE_CHECKING:  # only for annotations: keeps autopar.cluster -> cost_models acyclic
     from autopar.cluster import Cluster, LinkSpec
 
-__all__ = ["COLLECTIVE_KINDS", "CommGroup", "axis_group", "blocking_collective_time", "collective_latency",
-           "collective_time"]
+__all__ = ["COLLECTIVE_KINDS", "CommGroup", "axis_group", "blocking_collective_time", "collective_time"]
 
 COLLECTIVE_KINDS = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv",
@@ -207,11 +206,3 @@ def _time(kind: str, n: float, p: int, r: int, m: int, cluster: Cluster) -> floa
     # broadcast: pipelined chain, bottleneck inter-node bandwidth
     return n / inter.effective_bandwidth + (m - 1) * inter.latency + (p - m) * intra.latency
 
-
-def collective_latency(kind: str, group: CommGroup, cluster: Cluster) -> float:
-    """The size-independent part of ``collective_time``: its time as the message shrinks to
-    nothing (a zero-byte collective is not run at all, so ``collective_time`` prices it 0)."""
-    return collective_time(kind, _TINY_BYTES, group, cluster)
-
-
-_TINY_BYTES = 1e-12  # its bandwidth term is below 1e-20 s on any link

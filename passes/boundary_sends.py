@@ -1,7 +1,7 @@
 """Send values across pipeline stage boundaries in pieces, where the plan says so.
 
 A pipeline plan's ``Stage.send_layouts`` names values its stage sends on in a layout other than
-their planned one (``pipeline_search.boundary_sender``: a value replicated or partially summed
+their planned one (``planner.boundary_choice.boundary_sender``: a value replicated or partially summed
 over a mesh axis crosses as that axis's pieces, each rank sending ``1/n`` of it). Here each such
 value gets one ``reshard`` into pieces in the sending stage, and one back into its planned layout
 in each later stage that uses it; those stages' uses read their own. The gradients go the reverse

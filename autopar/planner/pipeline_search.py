@@ -32,11 +32,12 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
+from autopar.planner.boundary_choice import boundary_sender, send_layouts
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
                                     V_SCHEDULES, cut_model, cut_stages, in_flight, local_bytes, schedule_step_time,
                                     stage_rank)
 
-__all__ = ["search_pipeline_plan", "stage_cluster", "boundary_sender", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
+__all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
            "best_of", "MAX_FREE_PIPELINES"]
 
 GiB = 2**30
@@ -104,7 +105,7 @@ class _Priced:
     bubble: float
     recompute_blocks: tuple  # the block instances checkpointed (those of the ranks that recompute)
     comm_bytes: tuple  # Predicted.comm_bytes with those instances checkpointed
-    send_layouts: tuple = ()  # per stage: ((value, layout it is sent in), ...) where not its planned one
+    send_layouts: tuple  # per stage: ((value, layout it is sent in), ...) where not its planned one
 
 
 def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
@@ -257,63 +258,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
             problem, choice, frozenset(kept_blocks), autocast_dtype=autocast_dtype(problem),
             zero2_reductions=1 if any(whole_grads) else None).items()))
     return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks, comm_bytes,
-                   _send_layouts(traced.graph, cut, n_stages))
-
-
-def _send_layouts(graph, cut, n_stages: int) -> tuple:
-    """Per stage, the values it sends on in pieces (``boundary_sender``): those a later stage uses."""
-    users = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in cut.send_layouts}
-    out = [[] for _ in range(n_stages)]
-    for name, layout in sorted(cut.send_layouts.items()):
-        s = cut.stage_of.get(name, n_stages - 1)
-        if any(cut.stage_of.get(u, n_stages - 1) > s for u in users[name]):
-            out[s].append((name, layout))
-    return tuple(tuple(x) for x in out)
-
-
-def boundary_sender(ctx, m: int, link_bw: float):
-    """``cut_model``'s ``boundary``: a value replicated, or partially summed, over a mesh axis of
-    the stage's submesh crosses a boundary as that axis's pieces when that is faster: each rank of
-    the axis sends ``1/n`` of it (a partial sum is reduce-scattered first) and the receiving stage
-    gathers it back into its planned layout; in backward the reverse. Megatron-LM's scatter/gather
-    of pipeline sends. Pays where stages meet over a slower link than the axis's own (stages on
-    different nodes, tensor parallel inside one). The piece is cut along the value's largest
-    unsplit dim after the first that divides evenly; one axis at most."""
-    from autopar.layouts import Partial, Replicate, Shard, divides_evenly, format_layout, grad_layout, parse_layout
-    from autopar.planner.costing import reshard_time
-    from autopar.trace import TensorMeta
-
-    def seconds(micro, src, dst) -> float:
-        return sum(reshard_time(micro, src, dst, ctx).values())
-
-    def choose(node, layout: str | None, nbytes: float):
-        metas = node.meta.get("autopar.outputs") or ()
-        if layout in (None, "-") or len(metas) != 1 or metas[0] is None or not metas[0].is_floating or nbytes <= 0:
-            return None
-        meta, planned = metas[0], parse_layout(layout)
-        micro = TensorMeta((meta.shape[0] // m,) + tuple(meta.shape[1:]), meta.dtype) if meta.shape and \
-            meta.shape[0] % m == 0 else meta
-        grads = bool(node.meta.get("autopar.needs_grad", False))
-        split = {p.dim for p in planned if isinstance(p, Shard)}
-        best, best_cost = None, 2.0 * nbytes / link_bw
-        for a, (p, n) in enumerate(zip(planned, ctx.mesh_shape)):
-            if n == 1 or not (isinstance(p, Replicate) or p == Partial("sum")):
-                continue
-            # dim 0 is left whole: it is what microbatches cut (the batch), or a length of their own
-            for d in sorted(set(range(1, len(meta.shape))) - split, key=lambda d: -micro.shape[d]):
-                pieces = tuple(Shard(d) if i == a else q for i, q in enumerate(planned))
-                if not divides_evenly(micro.shape, pieces, ctx.mesh_shape):
-                    continue
-                again = seconds(micro, planned, pieces) + seconds(micro, pieces, planned)
-                if grads:
-                    gp, gq = grad_layout(planned), grad_layout(pieces)
-                    again += seconds(micro, gp, gq) + seconds(micro, gq, gp)
-                cost = 2.0 * nbytes / n / link_bw + m * again
-                if cost < best_cost * (1 - 1e-9):
-                    best, best_cost = (format_layout(pieces), nbytes / n, m * again), cost
-                break
-        return best
-    return choose
+                   send_layouts(traced.graph, cut, n_stages))
 
 
 def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float], list[float]]:
@@ -442,7 +387,7 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
         stages.append(Stage(s, inner.stages[0].mesh, priced.rank_of[s] * math.prod(mesh_sizes), nodes,
                             tuple(priced.owned[s]), predicted_time_s=_r(priced.stage_time_s[s] / m),
                             peak_memory_bytes=_r(priced.peaks[priced.rank_of[s]]),
-                            send_layouts=priced.send_layouts[s] if priced.send_layouts else ()))
+                            send_layouts=priced.send_layouts[s]))
     worst = max(range(pp), key=lambda r: priced.peaks[r])
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     worst_params = sum(p.bytes_per_device for s in range(n_stages) if priced.rank_of[s] == worst for p in priced.owned[s])

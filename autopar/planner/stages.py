@@ -47,8 +47,8 @@ class StageCut:
     boundary_bytes: tuple[float, ...]  # per boundary, per step, one direction, per device
     # per boundary, per step: the collectives regathering what crosses it sent in pieces
     # (forward on the receiving side, its gradient's backward on the sending side)
-    boundary_gather_s: tuple[float, ...] = ()
-    send_layouts: dict = None  # traced node name -> the layout it crosses boundaries in, where not its own
+    boundary_gather_s: tuple[float, ...]
+    send_layouts: dict  # traced node name -> the layout it crosses boundaries in, where not its own
 
 
 # How a value may cross a stage boundary: ``(layout sent, bytes per device per step, seconds per
@@ -81,8 +81,8 @@ class CutModel:
     send: np.ndarray  # send[c]: seconds to send what crosses cut c (forward and back), per step
     crossing: np.ndarray  # crossing[c]: bytes per device crossing cut c, one direction, per step
     allowed: list[int]  # the cuts allowed, ascending
-    gather: np.ndarray = None  # gather[c]: seconds per step regathering what crosses cut c in pieces
-    sent: dict = None  # traced node name -> the layout it crosses a cut in, where not its own
+    gather: np.ndarray  # gather[c]: seconds per step regathering what crosses cut c in pieces
+    sent: dict  # traced node name -> the layout it crosses a cut in, where not its own
 
     def stage_times(self, bounds: list[int]) -> list[float]:
         """Per stage, for stages ``ops[bounds[s]:bounds[s + 1]]`` (bounds from 0 to len(ops)):
@@ -208,9 +208,8 @@ def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
             stage_of[node.name] = min(users) if node.meta.get("autopar.kind") in ("param", "buffer") and users else 0
         elif node.op == "output":
             stage_of[node.name] = stages - 1
-    gather = cm.gather if cm.gather is not None else np.zeros(n + 1)
     return StageCut(stage_of, tuple(cm.stage_times(bounds)), tuple(float(cm.crossing[b]) for b in bounds[1:-1]),
-                    tuple(float(gather[b]) for b in bounds[1:-1]), dict(cm.sent or {}))
+                    tuple(float(cm.gather[b]) for b in bounds[1:-1]), dict(cm.sent))
 
 
 def stage_rank(stage: int, ranks: int, schedule: str) -> int:
