@@ -16,7 +16,7 @@ from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
+__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -100,6 +100,51 @@ def pure_all_reduce_axes(src: Layout, dst: Layout, gsrc: Layout | None, gdst: La
         else:
             return None
     return tuple(axes) if axes else None
+
+
+def _reshard_source(a: fx.Node) -> fx.Node:
+    """The value behind ``a`` when ``a`` is a reshard (program graphs), else ``a``."""
+    if a.op == "call_function" and a.target is reshard:
+        return a.args[0]
+    return a
+
+
+def gradient_sink_params(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The parameters to which a gradient sum pending at ``node``'s output can be pushed back.
+
+    Non-empty when ``node`` is a single-output op with one consumer node whose every input that
+    needs a gradient is a parameter (directly, or through that parameter's reshard): e.g. the
+    position embedding ``embedding(wpe, arange(T))``, ``w.t()``, ``w * scale``. Such an op whose
+    output is replicated on a mesh axis ran redundantly there, and a vjp is linear in its incoming
+    gradient: fed a partial sum it returns partial sums of its parameters' gradients. So an edge
+    that would all-reduce the op's output gradient (``pure_all_reduce_axes``) instead hands it on
+    partial, and the parameters' own gradient sync (``GradSync``'s buckets, a ZeRO
+    reduce-scatter) sums it: ``passes.sink_gradient_sums`` rewrites it, the planner prices it
+    with this same rule (``sunk_param_grad``). Works on traced and program graphs alike."""
+    if node.op != "call_function" or node.meta.get("autopar.kind") != "op":
+        return ()
+    outs = node.meta.get("autopar.outputs") or ()
+    if len(outs) != 1 or outs[0] is None or not node.meta.get("autopar.needs_grad"):
+        return ()
+    served = {u.meta.get("autopar.serves", u.name) if u.target is reshard else u.name for u in node.users}
+    if len(served) != 1:
+        return ()
+    params = []
+    for a in node.all_input_nodes:
+        src = _reshard_source(a)
+        if not src.meta.get("autopar.needs_grad"):
+            continue
+        if src.op != "placeholder" or src.meta.get("autopar.kind") != "param":
+            return ()
+        params.append(src)
+    return tuple(dict.fromkeys(params))
+
+
+def sunk_param_grad(grad_src: Layout, axes: tuple[int, ...]) -> Layout:
+    """The gradient source of a parameter edge (``grad_src`` before) when its op's output gradient
+    arrives partial over ``axes`` (``gradient_sink_params``): a partial sum there, until the
+    parameter's reduction sums it."""
+    return tuple(Partial("sum") if a in axes else p for a, p in enumerate(grad_src))
 
 
 def batch_norm_split(layout: Layout, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:

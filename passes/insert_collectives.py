@@ -10,7 +10,7 @@ from autopar.functionalize import written_edges
 from autopar.ir import LOSS_LAYOUT_KEY, boundary_layout, edge_reshard, param_cast_dtype, reshard
 from autopar.passes.context import PassContext
 
-__all__ = ["insert_collectives_pass", "LOSS_LAYOUT_KEY"]
+__all__ = ["insert_collectives_pass", "edge_call", "LOSS_LAYOUT_KEY"]
 
 
 
@@ -26,8 +26,10 @@ def _only_partial(layout: str) -> bool:
     return all(isinstance(p, (Partial, Replicate)) for p in parse_layout(layout))
 
 
-def _edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst,
-               ctx: PassContext) -> fx.Node:
+def edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst,
+              ctx: PassContext) -> fx.Node:
+    """A ``reshard`` of ``arg`` for ``before`` (inserted just ahead of it), with the kwargs and
+    meta every pass and the runtime expect (parameter casts, uneven shapes, the site it serves)."""
     kwargs = {}
     metas = arg.meta.get("autopar.outputs") or (None,)
     if metas[0] is not None:
@@ -108,7 +110,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
                     "land in a copy. The planner moves such a tensor only where no plan without the move exists: "
                     "relax the constraints, or write the op out of place in the model")
             src, want, gsrc, gdst = (format_layout(x) if x is not None else None for x in edge)
-            return _edge_call(graph, node, a, src, want, gsrc, gdst, ctx)
+            return edge_call(graph, node, a, src, want, gsrc, gdst, ctx)
 
         new_args, new_kwargs = pytree.tree_map(visit, (node.args, node.kwargs))
         node.args, node.kwargs = tuple(new_args), dict(new_kwargs)

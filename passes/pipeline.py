@@ -13,6 +13,7 @@ from autopar.passes.insert_collectives import insert_collectives_pass
 from autopar.passes.localize_shapes import localize_shapes_pass
 from autopar.passes.outline_recompute import outline_recompute_pass
 from autopar.passes.prefetch_param_gathers import prefetch_param_gathers_pass
+from autopar.passes.sink_gradient_sums import sink_gradient_sums_pass
 from autopar.passes.sync_batch_norm import sync_batch_norm_pass
 
 __all__ = ["PASSES", "run_passes", "PassError"]
@@ -22,6 +23,7 @@ PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     sync_batch_norm_pass,
     expert_dispatch_pass,
     insert_collectives_pass,
+    sink_gradient_sums_pass,
     defer_gradient_sync_pass,
     prefetch_param_gathers_pass,
     eliminate_dead_code_pass,

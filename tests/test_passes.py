@@ -113,3 +113,28 @@ def test_pass_runner_names_the_failing_pass():
 
     with pytest.raises(PassError, match="break_graph_pass failed: RuntimeError: boom"):
         run_passes(copy.deepcopy(traced.gm), PassContext.for_stage(plan), [break_graph_pass])
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_position_embedding_gradient_is_summed_with_its_parameter(zero):
+    """The position embedding reads only a parameter (and arange): under data parallelism it runs
+    replicated and its output gradient is a partial sum. It is handed back to ``wpe`` partial and
+    summed with the parameters' gradients (GradSync's buckets; ZeRO-3's reduce-scatter), not
+    all-reduced inside backward (``passes.sink_gradient_sums``); the planner prices it so."""
+    from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
+
+    cfg = GPTConfig()
+    idx, tgt = example_batch(cfg, 8)
+    plan, gm = _program(GPT(cfg), (idx,), tgt, gpt_loss, autopar.Constraints(dp=2, tp=1, zero=zero))
+    (pos,) = [n for n in gm.graph.nodes if n.meta.get("autopar.module") == "wpe" and n.meta.get("autopar.kind") == "op"]
+    assert not any(u.target is reshard for u in pos.users)  # its output gradient moves as it is
+    (wpe,) = [n for n in gm.graph.nodes if n.name == plan.params["wpe.weight"].node]
+    counts = count_collectives(gm)
+    assert ("backward", "all_reduce") not in counts or zero == 0
+    if zero == 0:
+        assert gm.meta[GRAD_SYNC_KEY][wpe.name] == (0,)  # bucketed with every other gradient
+        assert counts[("backward", "all_reduce")] == len(plan.params)
+    else:  # gathered ahead; its partial gradient reduce-scattered back to the shard
+        (start,) = [u for u in wpe.users if u.target is gather_param_start]
+        assert start.kwargs["grad"] and counts[("backward", "reduce_scatter")] == len(plan.params)
+    assert plan.placement(pos.name).outs == ("[R, R]",)  # replicated: the case this pass is for

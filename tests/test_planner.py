@@ -562,3 +562,16 @@ def test_warnings_silenced_by_two_planner_threads_come_back():
     assert warnings.filters == before
     with pytest.warns(UserWarning, match="heard"):
         warnings.warn("heard")
+
+
+def test_pending_loss_value_is_priced_overlapped_with_backward():
+    """A data-parallel loss is left pending (``P(avg)``) and its value all-reduced by the runtime
+    asynchronously while backward runs (``ParallelModel._reduce_loss_async``): the planner prices
+    it in the backward window, not as a collective the step waits for."""
+    from examples.mlp import MLP, example_batch, mlp_loss
+
+    x, t = example_batch()
+    plan = autopar.plan(MLP(64, 256, 2), autopar.Cluster.local(2), (x,), loss_fn=mlp_loss, example_target=t,
+                        constraints=autopar.Constraints(dp=2, tp=1, zero=0))
+    assert plan.predicted.blocking_comm_s == 0.0
+    assert dict(plan.predicted.comm_bytes)["all_reduce"] > 0 and plan.predicted.overlappable_comm_s > 0

@@ -11,6 +11,8 @@ The same walk as the passes and the runtime, on the plan's layouts:
   the runtime once per step: ZeRO-0/1 all-reduce their gradient buffer, ZeRO-2 reduce-scatters
   (every microbatch, padded along the state dim, one level per zero axis); ZeRO-1/2 all-gather
   the updated shards after the step;
+* an op that only reads parameters hands a gradient sum pending at its output back to them
+  (``ir.gradient_sink_params``): the sum joins theirs, and that edge moves nothing;
 * the loss value, a pending sum or mean over some axes, is all-reduced (4 bytes) per microbatch;
 * a batch norm over a split batch all-reduces its statistics (``ir.batch_norm_sync``).
 
@@ -23,8 +25,9 @@ import math
 import operator
 from collections import defaultdict
 
-from autopar.ir import batch_norm_sync, boundary_layout, region_exchanges, edge_reshard, param_cast_dtype, pure_all_reduce_axes
-from autopar.layouts import Partial, Shard, local_numel, local_shape, state_dim
+from autopar.ir import (batch_norm_sync, boundary_layout, edge_reshard, gradient_sink_params, param_cast_dtype,
+                        pure_all_reduce_axes, region_exchanges, sunk_param_grad)
+from autopar.layouts import Partial, Shard, grad_layout, local_numel, local_shape, state_dim
 from autopar.planner.costing import reshard_step_bytes
 from autopar.planner.op_memory import op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
@@ -55,6 +58,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
         u, j = producer_of(node)
         return problem.strategy_of(u.name, choice).outs[j]
 
+    sunk = _sunk_sums(problem, choice, layout_of)
     param_uses: dict[str, list] = defaultdict(list)  # param -> [(consumer, edge)]
     for v in traced.graph.nodes:
         if v.op != "call_function" or v.target is operator.getitem or v.meta.get("autopar.kind") != "op":
@@ -71,12 +75,19 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
                 continue
             u, _ = producer_of(a)
             edge = edge_reshard(layout_of(a), s.ins[i], s.grad_ins[i], bool(a.meta.get("autopar.needs_grad")))
+            is_param = u.op == "placeholder" and u.meta.get("autopar.kind") == "param"
+            if is_param and v.name in sunk and a.meta.get("autopar.needs_grad"):
+                # this op hands its parameter partial gradients (``passes.sink_gradient_sums``)
+                src, dst, gsrc, gdst = edge if edge is not None else (layout_of(a), layout_of(a), None, None)
+                gdst = gdst if gdst is not None else grad_layout(src)
+                edge = (src, dst, sunk_param_grad(gsrc if gsrc is not None else gdst, sunk[v.name]), gdst)
+            elif u.name in sunk and edge is not None and pure_all_reduce_axes(*edge) == sunk[u.name]:
+                continue  # summed with the op's parameters' gradients instead
             if edge is None:
-                if u.meta.get("autopar.kind") == "param":
+                if is_param:
                     param_uses[u.name].append((v, None))
                 continue
             src, dst, gsrc, gdst = edge
-            is_param = u.op == "placeholder" and u.meta.get("autopar.kind") == "param"
             if is_param:
                 param_uses[u.name].append((v, edge))
                 if pure_all_reduce_axes(src, dst, gsrc, gdst) is not None:
@@ -125,6 +136,25 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
         else:
             add(reshard_step_bytes(meta.shape, meta.itemsize, lay, boundary_layout(out_node, a, len(lay)), mesh), m)
     return {k: v for k, v in out.items() if v}
+
+
+def _sunk_sums(problem: Problem, choice: dict[str, int], layout_of) -> dict[str, tuple[int, ...]]:
+    """Ops whose output gradient sum is handed back to their parameters (``ir.gradient_sink_params``,
+    ``passes.sink_gradient_sums``): name -> the axes summed."""
+    out: dict[str, tuple[int, ...]] = {}
+    for v in problem.traced.graph.nodes:
+        if v.op != "call_function" or v.target is operator.getitem or v.meta.get("autopar.kind") != "op":
+            continue
+        s = problem.strategy_of(v.name, choice)
+        for i, a in enumerate(tensor_inputs(v)):
+            u, _ = producer_of(a)
+            if i >= len(s.ins) or not a.meta.get("autopar.needs_grad") or not gradient_sink_params(u):
+                continue
+            edge = edge_reshard(layout_of(a), s.ins[i], s.grad_ins[i], True)
+            axes = pure_all_reduce_axes(*edge) if edge is not None else None
+            if axes is not None:
+                out[u.name] = axes
+    return out
 
 
 def _saves_input(node, i: int, autocast_dtype) -> bool:

@@ -19,9 +19,9 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import (LOCAL_OUTPUTS_KEY, edge_reshard, local_rows, param_cast_dtype, prefetchable_gather,
-                        pure_all_reduce_axes)
-from autopar.layouts import local_numel, local_shape, replicated, split_factor
+from autopar.ir import (LOCAL_OUTPUTS_KEY, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
+                        prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
+from autopar.layouts import Partial, Replicate, local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work,
@@ -324,7 +324,8 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
         if u not in nodes or (v is not None and v not in nodes):
             continue
         table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
-                            written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss)
+                            written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss,
+                            loss_value=v is None and traced.has_loss and len(out_node.args) == 1)
         if table is not None:
             edges.append(table)
     # identical (u, v) edges collapse: the ILP simply sums them
@@ -333,7 +334,7 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
 
 def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int,
                 batch: set[str] = frozenset(), recompute: bool = False, autocast=None, written: bool = False,
-                traced_loss: bool = True):
+                traced_loss: bool = True, loss_value: bool = False):
     """Price one edge for every pair of (producer layout, consumer layout): the ``reshard`` the
     passes will insert there (``ir.edge_reshard``), in the window the runtime runs it in.
 
@@ -351,7 +352,10 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     ``ctx.reshard_memo``) and shared by every edge and attempt that meets them.
 
     ``written``: the consumer writes this input in place, or through a view of it
-    (``functionalize.written_edges``): every pair that moves it costs ``REFUSED_RESHARD_S``."""
+    (``functionalize.written_edges``): every pair that moves it costs ``REFUSED_RESHARD_S``.
+    ``loss_value``: the edge hands the program's only output, the loss, back: a scalar still
+    pending a sum or mean is reduced by the runtime asynchronously after each forward, while
+    backward runs (``ParallelModel._reduce_loss_async``): overlapped, in the backward window."""
     meta = U.node.meta["autopar.outputs"][idx] if idx < len(U.node.meta["autopar.outputs"]) else None
     if meta is None:
         return None
@@ -392,8 +396,12 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         u_ids = [(intern.setdefault(k[0], len(intern)), k[1], k[2]) for k in u_layouts]
     else:
         per_micro = 1.0 if U.name in batch else m  # how many times the traced-size bytes move
+        # a gradient sum this op can hand back to its parameters (``ir.gradient_sink_params``)
+        sink = tuple(p.meta["autopar.outputs"][0] for p in gradient_sink_params(U.node)) if needs_grad else ()
+        if loss_value and meta.numel == 1:
+            per_micro = m  # the runtime reduces each microbatch's loss value
         value = ("act", meta.shape, ctx.act_bytes(meta) / max(meta.numel, 1), needs_grad, per_micro,
-                 2.0 if in_recompute else 1.0, written)
+                 2.0 if in_recompute else 1.0, written, sink, loss_value and meta.numel == 1)
         u_ids = [intern.setdefault(k, len(intern)) for k in u_layouts]
     v_ids = [(intern.setdefault(lin, len(intern)), intern.setdefault(lgrad, len(intern))) for lin, lgrad in v_layouts]
     nu, nv = len(u_layouts), len(v_layouts)
@@ -459,14 +467,25 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
 
     lin, lgrad = vkey
     if value[0] == "act":
-        _, _, _, needs_grad, per_micro, fwd_times, written = value
+        _, _, _, needs_grad, per_micro, fwd_times, written, sink, loss_value = value
         edge = edge_reshard(ukey, lin, lgrad, needs_grad) if ukey is not None else None
         if edge is not None and written:
             out.append(("blocking", REFUSED_RESHARD_S, ()))  # the op would write into a copy
         if edge is not None:
             src, dst, gsrc, gdst = edge
-            add(reshard_time(meta, src, dst, ctx) if src != dst else {}, "blocking", per_micro * fwd_times)
-            if gsrc is not None:
+            if loss_value and all(isinstance(p, (Partial, Replicate)) for p in src):
+                # (``insert_collectives_pass`` leaves such a loss pending; the runtime reduces it)
+                add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap_bwd", per_micro)
+            else:
+                add(reshard_time(meta, src, dst, ctx) if src != dst else {}, "blocking", per_micro * fwd_times)
+            summed = pure_all_reduce_axes(src, dst, gsrc, gdst) if sink and gsrc is not None else None
+            if summed is not None:  # handed back partial: summed with the parameters' gradients
+                # (``passes.sink_gradient_sums``), priced as a replicated parameter's bucketed sum
+                whole = replicated(len(ctx.mesh_shape))
+                for pmeta in sink:
+                    wire = float(ctx.policy.torch_reduce_dtype.itemsize if ctx.policy.mixed else pmeta.itemsize)
+                    add(bucketed_time(pmeta, sunk_param_grad(whole, summed), whole, ctx, wire), "overlap_last", 1.0)
+            elif gsrc is not None:
                 add(reshard_time(meta, gsrc, gdst, ctx), "blocking", per_micro)
         return tuple(out)
     _, _, _, needs_grad, fwd_per_elem, bwd_per_elem, m, again = value
