@@ -294,6 +294,10 @@ class Cluster:
     # once per blocking collective call (``blocking_collective_time``; an asynchronous one hides
     # it). 0 for the presets; measured by ``autopar calibrate``.
     collective_skew_s: float = 0.0
+    # Seconds a pipeline stage spends per microbatch beyond its compute and its messages: the
+    # schedule's actions (torch.distributed.pipelining's bookkeeping, receive buffers, autograd
+    # calls), which a CPU process pays in full. 0 for the presets; measured by ``autopar calibrate``.
+    pipeline_microbatch_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_name("Cluster", self.name)
@@ -345,6 +349,12 @@ class Cluster:
                 f"Cluster.collective_skew_s must be a number of seconds in [0, 1), got {skew!r}; it is what a "
                 "collective waits for ranks that arrive at different times (e.g. 1e-4)")
         object.__setattr__(self, "collective_skew_s", float(skew))
+        per_micro = self.pipeline_microbatch_s
+        if not is_real(per_micro, high=1.0):
+            raise ClusterSpecError(
+                f"Cluster.pipeline_microbatch_s must be a number of seconds in [0, 1), got {per_micro!r}; it is what "
+                "a pipeline stage spends per microbatch beyond compute and messages (e.g. 2e-4)")
+        object.__setattr__(self, "pipeline_microbatch_s", float(per_micro))
         imb = self.expert_imbalance
         if not (isinstance(imb, numbers.Real) and not isinstance(imb, bool) and math.isfinite(imb) and imb >= 1.0):
             raise ClusterSpecError(
@@ -460,6 +470,7 @@ class Cluster:
             d.setdefault("exposed_comm_share", None)  # specs written before they existed
             d.setdefault("expert_imbalance", 1.0)
             d.setdefault("collective_skew_s", 0.0)
+            d.setdefault("pipeline_microbatch_s", 0.0)
         top = json_fields(d, "", [f.name for f in dataclasses.fields(cls)] + ["schema_version"])
         version = top["schema_version"]
         if type(version) is not int or version != SCHEMA_VERSION:

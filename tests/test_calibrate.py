@@ -94,6 +94,8 @@ def test_collective_skew_is_what_a_collective_waits_beyond_its_own_time():
         assert blocking_collective_time(kind, 1e6, CommGroup(1, 1), skewed) == 0.0
     with pytest.raises(ClusterSpecError, match="collective_skew_s"):
         dataclasses.replace(base, collective_skew_s=-1e-3)
+    with pytest.raises(ClusterSpecError, match="pipeline_microbatch_s"):
+        dataclasses.replace(base, pipeline_microbatch_s=float("nan"))
     assert Cluster.from_json(skewed.to_json()) == skewed
 
 
@@ -146,9 +148,13 @@ def _synthetic_measurements(world: int = 4) -> dict:
                     "matmul_flops": flops, "params": 100, "update_numel": numel,
                     "sgd_update_s": slow * (2 * 5e-6 + numel * 0.2e-9),
                     "adamw_update_s": slow * (8 * 5e-6 + numel * 3.2e-9)}
+        # a stage-to-stage message: 100 us + bytes / 1 GB/s (pairs only)
+        coll["send_recv"] = [(2, n, 100e-6 + n / 1e9) for n in (64.0, 1e4, 1e6)]
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
                       "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029},
-                      "skew": {"compute_s": 1e-3, "alone_s": 2e-4, "together_s": 1.5e-3}})
+                      "skew": {"compute_s": 1e-3, "alone_s": 2e-4, "together_s": 1.5e-3},
+                      # 1F1B of tiny stages: 1 ms + 0.5 ms per microbatch, of which 0.1 ms compute
+                      "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4}})
     return combine_ranks(ranks)
 
 
@@ -167,6 +173,9 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert c.intra_node.collective("all_to_all") == pytest.approx((50e-6, 2e9), rel=1e-6)
     assert c.exposed_comm_share == pytest.approx(0.9)
     assert c.collective_skew_s == pytest.approx(3e-4)
+    # per microbatch: 0.5 ms less its compute (0.1) and two 64-byte messages (2 x 100.064 us)
+    assert c.pipeline_microbatch_s == pytest.approx(0.5e-3 - 1e-4 - 2 * (100e-6 + 64 / 1e9), rel=1e-6)
+    assert c.intra_node.measured_time("send_recv", 2, 1e4) == pytest.approx(100e-6 + 1e4 / 1e9, rel=1e-3)
     assert any("all_reduce" in s for s in c.sources) and c.device.memory_bytes == base.device.memory_bytes
     assert Cluster.from_json(c.to_json()) == c
 
@@ -281,9 +290,11 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     d = spec.device
     assert d.op_overhead is not None and d.matmul_efficiency == 1.0 and d.peak_flops.fp32 > 1e8
     assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
-    assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS)
+    assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
-    assert "all_to_all" in printed and str(out) in printed
+    # a pipeline stage's message and its schedule's work per microbatch, measured on the pair
+    assert spec.intra_node.measured_time("send_recv", 2, 1e4) is not None and spec.pipeline_microbatch_s >= 0.0
+    assert "all_to_all" in printed and "pipeline schedule" in printed and str(out) in printed
 
 
 def test_matmul_time_gives_back_the_measured_shapes_and_interpolates_between_them():

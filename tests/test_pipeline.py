@@ -586,3 +586,28 @@ def test_a_stage_sends_its_inputs_gradients_densely():
     raw = torch.randn(4, 6, requires_grad=True)  # without the wrapper, autograd hands back a transposed view
     (plain,) = torch.autograd.grad((raw.t() * torch.arange(24.0).reshape(6, 4)).sum(), raw)
     assert not plain.is_contiguous()
+
+
+def test_each_crossing_tensor_is_a_message_and_the_schedule_work_per_microbatch_is_priced():
+    """torch's pipelining sends every tensor crossing a boundary as its own message (the GPT's
+    residual stream, and the target it carries to the last stage; only the activation's gradient
+    comes back), and a stage's schedule spends ``Cluster.pipeline_microbatch_s`` per microbatch
+    beyond compute: the step time grows by at least that for each microbatch."""
+    from autopar.planner.pipeline_search import _messages_s
+    from autopar.planner.stages import cut_model, cut_stages
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    base = autopar.Cluster.local(2, calibrated=False)
+    plan = autopar.plan(model, base, x, loss_fn=loss, example_target=y, constraints=autopar.Constraints(pp=2))
+    traced = trace_model(model, x, loss_fn=loss, example_target=y)
+    cm = cut_model(traced.graph, plan.nodes, (1, 1), 1e9)
+    cut = cut_stages(traced.graph, cm, 2)
+    (fwd, bwd, grad_bytes), = cut.boundary_messages
+    assert fwd >= 2 and bwd == 1 and 0 < grad_bytes <= cut.boundary_bytes[0]  # the target has no gradient
+    # n messages of b / n bytes each cost n latencies
+    assert _messages_s(lambda n: 1e-4 + n / 1e9, 3e3, 1e3, 3, 1) == pytest.approx(4e-4 + 4e3 / 1e9)
+    slow = dataclasses.replace(base, pipeline_microbatch_s=1e-3)
+    busy = autopar.plan(model, slow, x, loss_fn=loss, example_target=y, constraints=autopar.Constraints(pp=2))
+    m = plan.microbatches
+    assert busy.microbatches == m and busy.predicted.step_time_s >= plan.predicted.step_time_s + m * 1e-3

@@ -68,6 +68,10 @@ def combine_ranks(per_rank: list[dict]) -> dict:
         out["overlap"] = {k: mean(r["overlap"][k] for r in per_rank) for k in first["overlap"]}
         if "skew" in first:
             out["skew"] = {k: mean(r["skew"][k] for r in per_rank) for k in first["skew"]}
+        if "pipeline" in first:
+            pl = first["pipeline"]
+            out["pipeline"] = {"m": pl["m"], "compute_s": mean(r["pipeline"]["compute_s"] for r in per_rank),
+                               "step_s": [mean(r["pipeline"]["step_s"][i] for r in per_rank) for i in range(len(pl["m"]))]}
     return out
 
 
@@ -155,10 +159,31 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us (after "
                            f"{sk['compute_s'] * 1e3:.2f} ms of compute, a tiny all-reduce takes "
                            f"{(sk['together_s'] - sk['compute_s']) * 1e6:.1f} us against {sk['alone_s'] * 1e6:.1f} alone)")
+        per_micro = 0.0
+        if "pipeline" in measured and link.measured_time("send_recv", 2, 64.0) is not None:
+            pl = measured["pipeline"]
+            per_micro = pipeline_microbatch_seconds(pl["m"], pl["step_s"], pl["compute_s"],
+                                                    link.measured_time("send_recv", 2, 64.0))
+            sources.append(f"a pipeline schedule's work per microbatch and stage: {per_micro * 1e6:.1f} us (1F1B over "
+                           f"{pl['m'][0]} and {pl['m'][-1]} microbatches: {pl['step_s'][0] * 1e3:.2f} and "
+                           f"{pl['step_s'][-1] * 1e3:.2f} ms)")
         cluster = dataclasses.replace(cluster, intra_node=link,
                                       inter_node=link if base.nodes == 1 else base.inter_node,
-                                      exposed_comm_share=share, collective_skew_s=skew)
+                                      exposed_comm_share=share, collective_skew_s=skew,
+                                      pipeline_microbatch_s=per_micro)
     return dataclasses.replace(cluster, sources=tuple(sources))
+
+
+def pipeline_microbatch_seconds(counts, step_s, compute_s: float, message_s: float) -> float:
+    """What a pipeline schedule costs per microbatch and stage beyond the stage's compute and its
+    two messages (activation forward, gradient back): the slope of the probe's step time over
+    its microbatch counts, less those (``microbench._pipeline``); never below 0.
+
+    >>> round(pipeline_microbatch_seconds([2, 8], [0.004, 0.010], 1e-4, 2e-4), 6)
+    0.0005
+    """
+    slope = (step_s[-1] - step_s[0]) / (counts[-1] - counts[0])
+    return max(0.0, slope - compute_s - 2.0 * message_s)
 
 
 def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = False,

@@ -15,9 +15,12 @@ measured, per rank (``measure_rank``):
   op costs beyond its arithmetic, and the update per element;
 * each collective the runtime issues (through ``runtime.comm.MeshComm``, as the program does) over
   message sizes, on the whole world and, with 4 or more ranks, on pairs: (group size, bytes in
-  nccl-tests' convention, seconds);
+  nccl-tests' convention, seconds); and on pairs (the world, with 2 ranks), one message from one
+  rank to the other (``send_recv``: a pipeline stage's send);
 * overlap: a collective alone, a block of matmuls alone, then both with the collective in flight.
-* skew: a block of matmuls, then a tiny blocking all-reduce: what it waits beyond its own time.
+* skew: a block of matmuls, then a tiny blocking all-reduce: what it waits beyond its own time;
+* a two-stage 1F1B pipeline of tiny stages on every pair at two microbatch counts: what the
+  schedule costs per microbatch beyond compute and messages.
 
 Times are per call on the slowest rank: back-to-back calls between two barriers for at least
 20 ms, less what the barriers alone take (``_per_op``); each measurement is the median of
@@ -241,17 +244,37 @@ def _training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
 # slope is the per-element cost, the fixed cost is op_overhead's): the traced graph's op names
 # (``strategies.op_view._op_name``) of the common non-matmul ops of training graphs.
 OP_SIZES = ((16, 1024), (256, 1024))  # (rows, width): 16 Ki and 256 Ki elements
+OP_REPEATS = 3  # windows per op and size (a slope over two sizes; ``autopar calibrate`` stays within a minute)
 
 
-def _op_probe(name: str, rows: int, width: int, device: torch.device):
+def _op_probe(name: str, rows: int, width: int, device: torch.device, pool: torch.Tensor | None = None):
     """(forward callable returning the output, elements) of op ``name`` on a [rows, width] input;
-    elements: the largest of its input and output numels (as ``planner.costing`` counts them)."""
+    elements: the largest of its input and output numels (as ``planner.costing`` counts them).
+    Cold operands, as for the matmuls (``COLD_BYTES``): each call takes the next of as many
+    operand sets as fill that much memory (views into ``pool``; one process here, 256 Ki
+    elements, forward + backward: GELU 2.01 ns per element cold vs 1.66 warm, an add 0.81 vs 0.46)."""
+    pool = pool if pool is not None else torch.randn(COLD_BYTES // 4, device=device)
+    per = 2 * rows * width
+    copies = max(1, min(64, pool.numel() // per))
+    turns = [_op_operands(name, pool[i * per: (i + 1) * per].view(2, rows, width), device) for i in range(copies)]
+    turn = [0]
+
+    def call():
+        op = turns[turn[0] % copies]
+        turn[0] += 1
+        return op()
+
+    return call, rows * width
+
+
+def _op_operands(name: str, xy: torch.Tensor, device: torch.device):
+    """Op ``name`` as a closure over its own operands: ``xy[0]`` and ``xy[1]`` ([rows, width])."""
     F = torch.nn.functional
-    x = torch.randn(rows, width, device=device, requires_grad=True)
-    y = torch.randn(rows, width, device=device, requires_grad=True)
+    rows, width = xy.shape[1:]
+    x, y = xy[0].requires_grad_(), xy[1].requires_grad_()
     w = torch.ones(width, device=device, requires_grad=True)
     b = torch.zeros(width, device=device, requires_grad=True)
-    table = torch.randn(512, width, device=device, requires_grad=True)
+    table = torch.randn(512, width, device=device, requires_grad=True) if name == "embedding" else None
     idx = torch.randint(0, 512, (rows,), device=device)
     target = torch.randint(0, width, (rows,), device=device)
     ops = {
@@ -264,7 +287,7 @@ def _op_probe(name: str, rows: int, width: int, device: torch.device):
         "embedding": lambda: F.embedding(idx, table),
         "dropout": lambda: F.dropout(x, 0.1, training=True),
     }
-    return ops[name], rows * width
+    return ops[name]
 
 
 MEASURED_OPS = ("gelu", "relu", "silu", "tanh", "sigmoid", "add", "mul", "layer_norm", "rms_norm", "softmax",
@@ -277,16 +300,18 @@ def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     names = MEASURED_OPS[:3] if spec.quick else MEASURED_OPS
     _progress(f"{len(names)} common ops, forward and backward")
     out = {}
+    pool = torch.randn(COLD_BYTES // 4, device=device)
     for name in names:
         rows = []
         for r, w in OP_SIZES:
-            fwd, elements = _op_probe(name, r, w, device)
+            fwd, elements = _op_probe(name, r, w, device, pool)
             grad = torch.ones_like(fwd())
 
             def both(fwd=fwd, grad=grad):
                 fwd().backward(grad)
 
-            rows.append((elements, _per_op(fwd, device, spec.repeats, barrier), _per_op(both, device, spec.repeats, barrier)))
+            repeats = min(spec.repeats, OP_REPEATS)
+            rows.append((elements, _per_op(fwd, device, repeats, barrier), _per_op(both, device, repeats, barrier)))
         out[name] = rows
     return out
 
@@ -307,6 +332,22 @@ def _collective_call(comm, kind: str, nbytes: int, axis: int, device: torch.devi
     return lambda: comm.all_to_all(out, full, axis)
 
 
+def _send_recv_call(comm, nbytes: int, axis: int, device: torch.device) -> Callable[[], object]:
+    """One message of ``nbytes`` from coordinate 0 to coordinate 1 of ``comm``'s ``axis`` (a pair),
+    sent as ``torch.distributed.pipelining`` sends a stage's activations (``batch_isend_irecv``)."""
+    import torch.distributed as dist
+
+    group = comm._group(axis)
+    peer = dist.get_process_group_ranks(group)[1 - comm.coords[axis]]
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    op = dist.isend if comm.coords[axis] == 0 else dist.irecv
+
+    def call():
+        for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer, group)]):
+            work.wait()
+    return call
+
+
 def _meshes(world: int, device: torch.device):
     """(group size, MeshComm, axis): the whole world and, with 4 or more ranks, pairs."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -325,14 +366,18 @@ def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, world: int
     # from latency (with small sizes only, the noise can outweigh the bandwidth term)
     sizes = _QUICK_BYTES if spec.quick else _COMM_BYTES
     _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {world} ranks" + (" and pairs" if world >= 4 else ""))
-    out: dict = {k: [] for k in _COMM_KINDS}
+    out: dict = {k: [] for k in _COMM_KINDS + ("send_recv",)}
     for p, comm, axis in _meshes(world, device):
         for kind in _COMM_KINDS:
             for nbytes in sizes:
                 call = _collective_call(comm, kind, nbytes, axis, device)
                 seconds = _per_op(call, device, spec.repeats, barrier=barrier)
                 out[kind].append((p, float(max(p, nbytes // 4 // p * p) * 4), seconds))
-    return out
+        if p == 2:  # a pipeline's stage-to-stage message, every pair sending at once as stages do
+            for nbytes in sizes:
+                seconds = _per_op(_send_recv_call(comm, nbytes, axis, device), device, spec.repeats, barrier=barrier)
+                out["send_recv"].append((2, float(max(1, nbytes // 4) * 4), seconds))
+    return {k: v for k, v in out.items() if v}
 
 
 def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
@@ -392,6 +437,41 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
             "together_s": _per_op(both, device, spec.repeats, barrier=barrier)}
 
 
+PIPELINE_MICROBATCHES = (2, 8)  # the two microbatch counts of the pipeline probe
+
+
+def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+    """A two-stage ``torch.distributed.pipelining`` 1F1B step of tiny stages (one ``Linear`` each)
+    on every pair of ranks at once, at ``PIPELINE_MICROBATCHES``; and one stage's forward +
+    backward of one microbatch alone. The slope over the microbatch count, less that compute and
+    the two messages a microbatch sends (``send_recv``), is what the schedule's actions cost
+    (``Cluster.pipeline_microbatch_s``)."""
+    from torch.distributed import pipelining
+
+    _progress("a two-stage pipeline schedule's work per microbatch")
+    _, comm, axis = _meshes(world, device)[-1]
+    group, stage = comm._group(axis), comm.coords[axis]
+    width, rows = 16, 2
+    mod = torch.nn.Linear(width, width).to(device)
+    x1 = torch.randn(rows, width, device=device, requires_grad=True)
+    out: dict = {"m": list(PIPELINE_MICROBATCHES), "step_s": [],
+                 "compute_s": _per_op(lambda: mod(x1).sum().backward(), device, spec.repeats, barrier)}
+    for m in PIPELINE_MICROBATCHES:
+        meta_in = torch.empty(rows, width, device="meta", requires_grad=stage == 1)
+        meta_out = torch.empty(rows, width, device="meta", requires_grad=True)
+        pipe = pipelining.PipelineStage(mod, stage, 2, device, input_args=(meta_in,), output_args=(meta_out,), group=group)
+        schedule = pipelining.Schedule1F1B(pipe, m, loss_fn=lambda y, _t: y.sum())
+        batch = torch.randn(m * rows, width, device=device)
+
+        def step(schedule=schedule, batch=batch, m=m):
+            if stage == 0:
+                schedule.step(batch)
+            else:
+                schedule.step(target=torch.zeros(m, device=device), losses=[])
+        out["step_s"].append(_per_op(step, device, spec.repeats, barrier))
+    return out
+
+
 def measure_rank(spec: MicrobenchSpec) -> dict:
     """This rank's measurements (run under ``autopar.launch`` or torchrun on every rank at once;
     initialises the process group on ``spec.backend`` unless one exists)."""
@@ -413,4 +493,6 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
         out["collectives"] = _collectives(spec, device, barrier, world)
         out["overlap"] = _overlap(spec, device, barrier, world)
         out["skew"] = _skew(spec, device, barrier)
+        if world % 2 == 0:
+            out["pipeline"] = _pipeline(spec, device, barrier, world)
     return out

@@ -52,6 +52,9 @@ class CostContext:
     cluster: Cluster
     policy: PrecisionPolicy
     optimizer: OptimizerSpec
+    # the model's trainable gradient bytes: GradSync's buckets are no larger (a model smaller than
+    # one bucket all-reduces all of its gradients in one collective of that size)
+    grad_bytes: float = math.inf
     # memo of reshard prices for this context (hashing the whole context per lookup was a
     # tenth of planning time)
     reshard_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -282,8 +285,9 @@ def _reshard_time(shape, per_elem, src, dst, ctx, blocking: bool) -> dict[str, f
 
 def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> dict[str, float]:
     """``reshard_time`` of a gradient reduced in the runtime's buckets (``runtime.grad_sync``):
-    a tensor smaller than a bucket (``BUCKET_BYTES`` of gradients, sent at ``per_elem`` bytes
-    per element) costs its share of a full bucket's collective,
+    a tensor smaller than a bucket (``BUCKET_BYTES`` of gradients, or all of the model's,
+    ``ctx.grad_bytes``, when fewer; sent at ``per_elem`` bytes per element) costs its share of a
+    full bucket's collective,
     a larger one its own (with an alpha-beta model: its bandwidth in full and its share of one
     latency)."""
     from autopar.runtime.grad_sync import BUCKET_BYTES
@@ -291,7 +295,8 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
     if src == dst:
         return {}
     per = per_elem if per_elem is not None else meta.itemsize
-    bucket = BUCKET_BYTES * per / meta.itemsize  # buckets are cut in the gradient's bytes, sent in ``per``
+    # buckets are cut in the gradient's bytes, sent in ``per``; never more than the model's gradients
+    bucket = min(BUCKET_BYTES, ctx.grad_bytes) * per / meta.itemsize
     out: dict[str, float] = {}
     for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape):
         if nbytes >= bucket:

@@ -11,8 +11,7 @@ import math
 from autopar.constraints import Constraints
 from autopar.errors import NoFeasiblePlanError
 from autopar.planner.constraint_filter import make_filter
-from autopar.planner.meshes import axis_names, data_degree
-from autopar.planner.costing import CostContext
+from autopar.planner.meshes import data_degree
 from autopar.planner.evaluate import evaluate
 from autopar.planner.ilp import InfeasibleProblem, solve
 from autopar.planner.problem import build_problem
@@ -38,7 +37,7 @@ def raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget,
     for mesh in meshes:
         for recompute in recomputes:
             try:
-                ctx = cost_context(mesh, cluster, policy, optimizer)
+                ctx = cost_context(mesh, cluster, policy, optimizer, traced)
                 problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=_leanest_micro(traced, mesh, c),
                                         strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
                 sol = solve(problem, None, solver, objective="memory")
@@ -74,7 +73,7 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
         bigger = cluster.with_nodes(nodes)
         cache: dict = {}
         for mesh in mesh_candidates(bigger, c):
-            ctx = CostContext(mesh, axis_names(mesh), bigger, policy, optimizer)
+            ctx = cost_context(mesh, bigger, policy, optimizer, traced)
             problem = build_problem(traced, blocks, ctx, recompute=bool(blocks.blocks), microbatches=_leanest_micro(traced, mesh, c),
                                     strategy_filter=make_filter(traced, c, mesh), strategy_cache=cache)
             try:

@@ -37,7 +37,7 @@ from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, S
                                     V_SCHEDULES, cut_model, cut_stages, in_flight, local_bytes, schedule_step_time,
                                     stage_rank)
 
-__all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
+__all__ = ["search_pipeline_plan", "stage_cluster", "message_seconds", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
            "best_of", "MAX_FREE_PIPELINES"]
 
 GiB = 2**30
@@ -52,9 +52,9 @@ MAX_FREE_PIPELINES = 5
 FREE_MEMORY_ROUNDS = 3
 
 
-def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float, float]:
+def stage_cluster(cluster: Cluster, pp: int):
     """(the cluster one stage plans on, the bandwidth between consecutive stages in bytes/s, the
-    latency of one message between them in seconds)."""
+    seconds of one message of n bytes between them: ``message_seconds``)."""
     if cluster.nodes % pp == 0:
         sub = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
         link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
@@ -65,7 +65,20 @@ def stage_cluster(cluster: Cluster, pp: int) -> tuple[Cluster, float, float]:
         raise ConstraintError(
             f"pp={pp} does not split the cluster's {cluster.nodes} nodes x {cluster.devices_per_node} devices into equal "
             f"stages (whole nodes per stage, or a share of one node); choose pp dividing {cluster.nodes} (the node count)")
-    return sub, link.effective_bandwidth, link.latency
+    return sub, link.effective_bandwidth, message_seconds(link)
+
+
+def message_seconds(link):
+    """Seconds of one stage-to-stage message of n bytes over ``link``: its calibrated ``send_recv``
+    times (``LinkSpec.measured_time``, interpolated), else its ``send_recv`` latency + bytes /
+    bandwidth (the link's own where that kind was not fitted)."""
+    def seconds(nbytes: float) -> float:
+        measured = link.measured_time("send_recv", 2, nbytes) if link.collective_table else None
+        if measured is not None:
+            return measured
+        latency, bandwidth = link.collective("send_recv")
+        return latency + nbytes / bandwidth
+    return seconds
 
 
 def virtual_stages(schedule: str, asked: int | None) -> int:
@@ -119,7 +132,7 @@ def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
 
 
 def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: str, link_bw: float,
-           link_latency: float, budget: float, per_rank_recompute: bool) -> _Priced:
+           send_s, budget: float, per_rank_recompute: bool) -> _Priced:
     """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
     ``blocks``: the graph's repeated blocks (``find_repeated_blocks``); ``att``: the search's
     attempt behind ``inner`` (its problem and choice).
@@ -204,11 +217,15 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     compute = [plain[s] + (again[s] if recomputes[rank_of[s]] else 0.0) for s in range(n_stages)]
     kept_blocks = tuple(b for b in inner.recompute_blocks
                         if any(recomputes[rank_of[stage_of(k)]] for k, i in recomputed.items() if i == b))
+    # each stage's schedule actions per microbatch (``Cluster.pipeline_microbatch_s``), stretched as compute
+    actions = m * att.problem.ctx.cluster.pipeline_microbatch_s
+    compute = [c + actions for c in compute]
     pipe_compute, bubble = schedule_step_time(compute, m, schedule, pp)
-    # per microbatch and boundary: its activations forward and their gradient backward, each one
-    # message (latency + bytes / bandwidth); on the critical path, one microbatch crosses every
+    # per microbatch and boundary: each tensor crossing it forward, and each gradient crossing it
+    # back, one message (``message_seconds``); on the critical path, one microbatch crosses every
     # boundary and the other m - 1 queue on the slowest one
-    sends = [2.0 * (link_latency + b / m / link_bw) + g / m for b, g in zip(cut.boundary_bytes, cut.boundary_gather_s)]
+    sends = [_messages_s(send_s, b / m, gb / m, nf, nb) + g / m
+             for b, g, (nf, nb, gb) in zip(cut.boundary_bytes, cut.boundary_gather_s, cut.boundary_messages)]
     p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
     # inside the schedule: the submesh plan's compute (without the updates and the recomputed
     # forward of the ranks that fit), its blocking collectives and the exposed part of those it
@@ -233,7 +250,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # schedule (zero2_after), not every microbatch as the submesh plan priced them
     in_backward = max(ovl["overlap_bwd"] - sum(zero2_per_micro) * m, 0.0)
     exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], in_backward, 0.0, m, floor))
-    in_schedule = fwd + bwd + blocking + exposed
+    in_schedule = fwd + bwd + blocking + exposed + actions * n_stages
     bwd_share = max(bwd, 0.0) / max(fwd + bwd, 1e-30)
     split = schedule in SPLIT_BACKWARD_SCHEDULES
 
@@ -259,6 +276,14 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
             zero2_reductions=1 if any(whole_grads) else None).items()))
     return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks, comm_bytes,
                    send_layouts(traced.graph, cut, n_stages))
+
+
+def _messages_s(send_s, fwd_bytes: float, bwd_bytes: float, fwd_messages: int, bwd_messages: int) -> float:
+    """Seconds of one microbatch's messages over a boundary: ``fwd_messages`` tensors of
+    ``fwd_bytes`` in all forward, ``bwd_messages`` gradients of ``bwd_bytes`` back (torch's
+    pipelining sends each tensor as its own message)."""
+    fwd = fwd_messages * send_s(fwd_bytes / fwd_messages) if fwd_messages else 0.0
+    return fwd + (bwd_messages * send_s(bwd_bytes / bwd_messages) if bwd_messages else 0.0)
 
 
 def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float], list[float]]:
@@ -310,7 +335,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     if schedule not in PIPELINE_SCHEDULES:
         raise ConstraintError(f"schedule={schedule!r} does not run yet; pipeline plans run {', '.join(PIPELINE_SCHEDULES)}")
     v = virtual_stages(schedule, c.virtual_stages)
-    sub, link_bw, link_latency = stage_cluster(cluster, pp)
+    sub, link_bw, send_s = stage_cluster(cluster, pp)
     m = c.microbatches or default_microbatches(traced.global_batch, pp, c.dp or 1)
     if traced.global_batch and traced.global_batch % m:
         raise ConstraintError(f"microbatches={m} does not divide the batch of {traced.global_batch}")
@@ -334,7 +359,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
             inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
         except NoFeasiblePlanError:
             break  # a smaller budget than any per-operator plan needs: the last overflow is the answer
-        priced = _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, link_latency, budget,
+        priced = _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, send_s, budget,
                         per_rank_recompute=c.recompute is None)
         worst = max(priced.peaks)
         if worst <= budget:

@@ -122,10 +122,19 @@ def _memo(table: OrderedDict, key, make):
         return value
 
 
-def cost_context(mesh, cluster, policy, optimizer) -> CostContext:
-    """The process's CostContext for these (its reshard prices are shared by every plan)."""
-    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer),
-                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer))
+def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = None) -> CostContext:
+    """The process's CostContext for these (its reshard prices are shared by every plan of a
+    model with as many gradient bytes)."""
+    grads = gradient_bytes(traced) if traced is not None else math.inf
+    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads),
+                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads))
+
+
+def gradient_bytes(traced: TracedGraph) -> float:
+    """Bytes of the model's trainable parameters' gradients (``CostContext.grad_bytes``)."""
+    return float(sum(n.meta["autopar.outputs"][0].nbytes for n in traced.graph.nodes
+                     if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"
+                     and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None))
 
 
 def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer, solver) -> str:
@@ -160,7 +169,7 @@ def _graph_key(traced: TracedGraph) -> str:
 
 def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
     # one context per mesh (shared by every attempt and plan): its reshard-price memo
-    ctx = cost_context(mesh, cluster, policy, optimizer)
+    ctx = cost_context(mesh, cluster, policy, optimizer, traced)
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
         strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,

@@ -49,6 +49,9 @@ class StageCut:
     # (forward on the receiving side, its gradient's backward on the sending side)
     boundary_gather_s: tuple[float, ...]
     send_layouts: dict  # traced node name -> the layout it crosses boundaries in, where not its own
+    # per boundary: (tensors crossing it forward, tensors whose gradients cross it back, bytes per
+    # device per step of those gradients): each tensor is its own message per microbatch
+    boundary_messages: tuple[tuple[int, int, float], ...] = ()
 
 
 # How a value may cross a stage boundary: ``(layout sent, bytes per device per step, seconds per
@@ -83,6 +86,9 @@ class CutModel:
     allowed: list[int]  # the cuts allowed, ascending
     gather: np.ndarray  # gather[c]: seconds per step regathering what crosses cut c in pieces
     sent: dict  # traced node name -> the layout it crosses a cut in, where not its own
+    messages: np.ndarray  # messages[c]: tensors crossing cut c forward (one message each per microbatch)
+    grad_messages: np.ndarray  # grad_messages[c]: of those, the ones whose gradient crosses back
+    grad_crossing: np.ndarray  # grad_crossing[c]: their bytes per device per step
 
     def stage_times(self, bounds: list[int]) -> list[float]:
         """Per stage, for stages ``ops[bounds[s]:bounds[s + 1]]`` (bounds from 0 to len(ops)):
@@ -108,6 +114,7 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
     prefix = np.concatenate([[0.0], np.cumsum(compute)])
     blocked = np.zeros(n + 1, dtype=np.int64)
     crossing = np.zeros(n + 1)
+    messages, grad_messages, grad_crossing = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1)
     gather = np.zeros(n + 1)
     sent: dict[str, str] = {}
     for node in graph.nodes:
@@ -136,6 +143,10 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             sent[node.name], nbytes, regather = choice
             gather[first + 1: last + 1] += regather
         crossing[first + 1: last + 1] += nbytes
+        messages[first + 1: last + 1] += 1
+        if node.meta.get("autopar.needs_grad") and node.op != "placeholder":
+            grad_messages[first + 1: last + 1] += 1
+            grad_crossing[first + 1: last + 1] += nbytes
     for inst in set((recompute_instances or {}).values()):
         members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
         if members:
@@ -149,7 +160,8 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             starts.add(members[0])
             inside[members[0] + 1: members[1] + 1] = True
         allowed = [c for c in allowed if c in starts or not inside[c]]
-    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth + gather, crossing, allowed, gather, sent)
+    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth + gather, crossing, allowed, gather, sent, messages,
+                    grad_messages, grad_crossing)
 
 
 def _instance_spans(instances: dict[str, str], pos: dict[str, int]) -> list[tuple[int, int]]:
@@ -209,7 +221,9 @@ def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
         elif node.op == "output":
             stage_of[node.name] = stages - 1
     return StageCut(stage_of, tuple(cm.stage_times(bounds)), tuple(float(cm.crossing[b]) for b in bounds[1:-1]),
-                    tuple(float(cm.gather[b]) for b in bounds[1:-1]), dict(cm.sent))
+                    tuple(float(cm.gather[b]) for b in bounds[1:-1]), dict(cm.sent),
+                    tuple((int(cm.messages[b]), int(cm.grad_messages[b]), float(cm.grad_crossing[b]))
+                          for b in bounds[1:-1]))
 
 
 def stage_rank(stage: int, ranks: int, schedule: str) -> int:
