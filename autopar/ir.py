@@ -199,10 +199,11 @@ def region_expert_axis(node: fx.Node, ins: list, mesh_shape) -> int | None:
 
 def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[str, int, float, bool]]:
     """What an expert-parallel token region moves per microbatch (``runtime.expert_dispatch``), as
-    ``(kind, mesh axis, bytes, whether forward moves them)``: per grouped matmul, each rank's rows
-    to the experts' ranks and the results back, and in backward the results' gradients out and the
-    rows' gradients back; the per-expert row counts (int64) once per routing (a layer's grouped
-    matmuls share one). Rows received are as many as sent under balanced routing (what is priced;
+    ``(kind, mesh axis, bytes, whether forward moves them)``: each rank's rows to the experts'
+    ranks where a chain of grouped matmuls starts and the results back where it ends
+    (``regions.grouped_exchanges``: rows stay on the experts' ranks between grouped matmuls over
+    one routing), and in backward the same for the gradients; the per-expert row counts (int64)
+    once per routing (a layer's grouped matmuls share one). Rows received are as many as sent under balanced routing (what is priced;
     the bytes each rank sends first are exact)."""
     import math
 
@@ -217,12 +218,12 @@ def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[st
     experts = next(a for a in node.args if isinstance(a, fx.Node) and a.name in
                    set(node.meta[REGION_EXPERTS_KEY])).meta["autopar.outputs"][0].shape[0]
     moves = []
-    for rows, k, n, item, new_routing in node.meta.get(REGION_GROUPED_KEY, ()):
+    for rows, _k, _n, item, new_routing, sent, brought in node.meta.get(REGION_GROUPED_KEY, ()):
         local = rows / split
         if new_routing:  # the row counts, once per routing
             moves.append(("all_to_all", axis, 8.0 * experts, True))
-        moves += [("all_to_all", axis, local * k * item, True), ("all_to_all", axis, local * n * item, True),
-                  ("all_to_all", axis, local * n * item, False), ("all_to_all", axis, local * k * item, False)]
+        for width in ((sent,) if sent else ()) + tuple(brought):  # each way, and its gradient back
+            moves += [("all_to_all", axis, local * width * item, True), ("all_to_all", axis, local * width * item, False)]
     return moves
 
 

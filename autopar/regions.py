@@ -28,12 +28,22 @@ import torch.fx as fx
 
 from autopar.grouped_mm import redirect_grouped_mm
 
-__all__ = ["TokenRegion", "outline_token_regions", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY", "REGION_GROUPED_KEY"]
+__all__ = ["TokenRegion", "outline_token_regions", "grouped_exchanges", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY",
+           "REGION_GROUPED_KEY", "ROW_LOCAL_OPS"]
 
 REGION_FLOPS_KEY = "autopar.region_flops"
 REGION_EXPERTS_KEY = "autopar.region_experts"  # its expert weights (parameter node names): split over experts
 # its grouped matmuls: (rows, k, n, bytes per element, whether its row counts are new) each
 REGION_GROUPED_KEY = "autopar.region_grouped"
+# Ops that act on each row alone: under expert parallelism the rows of a grouped matmul's result
+# stay on the experts' ranks through them, into the next grouped matmul over the same routing
+# (``runtime.expert_dispatch``); the names as ``strategies.op_view._op_name`` gives them for the
+# traced graph and as ``row_local_name`` gives them for torch functions. Split and chunk: along
+# the last dim only. Every tensor operand must itself be such rows.
+ROW_LOCAL_OPS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg", "to",
+                           "_to_copy", "type_as", "contiguous", "clone", "chunk", "split", "getitem", "float",
+                           "half", "bfloat16"})
+_LAST_DIM_OPS = frozenset({"chunk", "split"})
 
 
 class TokenRegion:
@@ -50,8 +60,9 @@ class TokenRegion:
         """``expert_axis``: the mesh axis the region's expert weights are split over (their
         grouped matmuls then exchange rows with the ranks holding the other experts)."""
         inputs, state = args[: self.n_inputs], args[self.n_inputs:]
-        with redirect_grouped_mm(expert_axis):  # any dtype, any alignment (torch's kernels take neither)
-            return torch.func.functional_call(self.module, dict(zip(self.state_names, state)), inputs)
+        with redirect_grouped_mm(expert_axis) as mode:  # any dtype, any alignment (torch's kernels take neither)
+            out = torch.func.functional_call(self.module, dict(zip(self.state_names, state)), inputs)
+        return mode.finish(out)  # (outside the mode: bringing rows back runs torch functions)
 
     def __deepcopy__(self, memo):
         return self  # it holds no state of its own: the parameters come in as arguments
@@ -102,12 +113,7 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
         call.meta = {k: v for k, v in out.meta.items() if k.startswith("autopar.") or k == "val"}
         call.meta[REGION_FLOPS_KEY] = sum(node_flops(n)[0] for n in members)
         call.meta[REGION_EXPERTS_KEY] = experts
-        grouped, routings = [], set()
-        for n in members:
-            if _is_grouped_mm(n):
-                grouped.append(_grouped_shapes(n) + (n.args[2] not in routings,))
-                routings.add(n.args[2])
-        call.meta[REGION_GROUPED_KEY] = tuple(grouped)
+        call.meta[REGION_GROUPED_KEY] = grouped_exchanges(members, out)
         call.meta["autopar.module"] = path
         out.replace_all_uses_with(call)
         for n in reversed(members):
@@ -163,6 +169,51 @@ def _only_grouped_weight(param: fx.Node, inside: set) -> bool:
             else:
                 return False
     return seen
+
+
+def grouped_exchanges(members: list[fx.Node], out: fx.Node) -> tuple:
+    """Per grouped matmul of a region (``REGION_GROUPED_KEY``): ``(rows, k, n, bytes per element,
+    whether its routing (``offs``) is new, width of the rows sent to the experts' ranks (0: they
+    are there already), widths of the values of its routing brought back (listed on the routing's
+    first grouped matmul))``. Rows stay on the experts' ranks from a grouped matmul through
+    ``ROW_LOCAL_OPS`` whose tensor operands are all rows of one routing, into the next grouped
+    matmul over that routing; they come back where anything else (or the region's output) takes
+    them, the value there being brought back. The rules of ``runtime.expert_dispatch``, on the
+    traced ops."""
+    from autopar.strategies.rules import _op_name
+
+    inside = set(members)
+    routing_of: dict = {}  # value -> the routing (offs node) whose rows it is, on the experts' ranks
+    for n in members:  # in program order: producers first
+        if _is_grouped_mm(n):
+            routing_of[n] = n.args[2]
+            continue
+        name = _op_name(n)
+        if name not in ROW_LOCAL_OPS or (name in _LAST_DIM_OPS and not _splits_last_dim(n)):
+            continue
+        sources = {routing_of.get(a) for a in n.all_input_nodes}
+        if len(sources) == 1 and None not in sources:
+            routing_of[n] = sources.pop()
+    back: dict = {}
+    for v, offs in routing_of.items():
+        kept = [u for u in v.users if u in inside and (
+            (_is_grouped_mm(u) and u.args[0] is v and u.args[2] is offs) or routing_of.get(u) is offs)]
+        if v is out or len(kept) < len(v.users):  # something else takes it: its rows come back
+            back.setdefault(offs, []).append(v.meta["autopar.outputs"][0].shape[-1])
+    entries, routings = [], set()
+    for g in (n for n in members if _is_grouped_mm(n)):
+        rows, k, n_out, item = _grouped_shapes(g)
+        offs, new = g.args[2], g.args[2] not in routings
+        chained = routing_of.get(g.args[0]) is offs
+        entries.append((rows, k, n_out, item, new, 0 if chained else k, tuple(back.get(offs, ())) if new else ()))
+        routings.add(offs)
+    return tuple(entries)
+
+
+def _splits_last_dim(n: fx.Node) -> bool:
+    x = n.args[0].meta["autopar.outputs"][0]
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return x is not None and dim % len(x.shape) == len(x.shape) - 1
 
 
 def _grouped_shapes(n: fx.Node) -> tuple[int, int, int, int]:

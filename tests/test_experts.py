@@ -171,6 +171,32 @@ def test_free_plan_puts_many_experts_on_an_expert_axis():
     assert "p_blocks_0_moe_w_in" in why and "alternative" in why
 
 
+@pytest.mark.parametrize("case, width", [("moe_dropless", "n_embd"), ("real:mixtral", "hidden_size")])
+def test_expert_rows_stay_on_the_experts_ranks_between_grouped_matmuls(case, width):
+    """A dropless layer's rows go to the experts' ranks before its first grouped matmul and come
+    back after its last one: the activation between them acts on each row alone
+    (``regions.grouped_exchanges``, priced by ``ir.region_exchanges``, run by
+    ``runtime.expert_dispatch.ExpertRows``): one exchange each way per layer, not one per matmul."""
+    from autopar.ir import region_exchanges
+    from autopar.layouts import Shard
+    from autopar.regions import REGION_GROUPED_KEY
+
+    model, batches, loss = build_case(case)
+    x, y = batches[0]
+    traced = trace_model(model, x, loss_fn=loss, example_target=y)
+    regions = [n for n in traced.graph.nodes if REGION_GROUPED_KEY in n.meta]
+    assert regions
+    hidden = getattr(getattr(model, "cfg", None) or model.config, width)
+    for n in regions:
+        first, second = n.meta[REGION_GROUPED_KEY]
+        assert first[4] and not second[4]  # one routing: its row counts exchanged once
+        assert first[5] == hidden and second[5] == 0  # rows out once: the second takes them where they are
+        assert first[6] == (hidden,) and second[6] == ()  # one value back: the down projection's result
+        # every input split on the one axis: the tokens, and the expert weights over their experts
+        moves = region_exchanges(n, [(Shard(0),) for a in n.args if isinstance(a, torch.fx.Node)], (Shard(0),), (4,))
+        assert [m[3] for m in moves] == [True, True, False, True, False]  # counts; rows out, back; and their gradients
+
+
 def test_grouped_mm_op_gradients():
     """autopar::grouped_mm (the dropless grouped matmul autopar traces and runs): values and
     gradients against a loop of matmuls in float64, with an empty group and rows past the last."""
@@ -384,14 +410,16 @@ def test_mixtral_trains_with_parity_and_expert_parallelism():
     """A tiny Hugging Face Mixtral (dropless top-2 of 4 experts), unmodified, on 4 processes: the
     free plan, dp=4, dp=2 x tp=2, and expert parallel (ep=4; ep=2 beside tp=2; ep=2 in a pp=2
     pipeline), whose grouped matmuls exchange each expert's rows by all-to-alls of variable
-    sizes: per layer the row counts once, per grouped matmul (2 per layer) the rows and the
-    results forward and their gradients backward (2 layers: 18 calls); the bytes sent first are
-    exact, those sent back depend on the routing (the plan prices balanced routing)."""
+    sizes: per layer the row counts once, the rows out before the gate-up grouped matmul and the
+    down projection's results back (the rows stay on the experts' ranks through the activation),
+    forward and their gradients backward (2 layers: 10 calls; 18 when each grouped matmul
+    exchanged its own); the bytes sent first are exact, those sent back depend on the routing
+    (the plan prices balanced routing)."""
     results = autopar.launch(_mixtral_suite, 4)
     failures = [line for r in results[0]["parity"] for line in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)
     for r in results:
-        assert r["calls"].get("all_to_all") == 18, r["calls"]
+        assert r["calls"].get("all_to_all") == 10, r["calls"]
         assert 0.5 < r["bytes"]["all_to_all"] / r["predicted"]["all_to_all"] < 1.5, (r["bytes"], r["predicted"])
         assert {k: v for k, v in r["bytes"].items() if k != "all_to_all"} == \
             {k: v for k, v in r["predicted"].items() if k != "all_to_all"}

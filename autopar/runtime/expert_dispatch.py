@@ -8,15 +8,24 @@ go to that rank by an all-to-all with variable split sizes, which computes its e
 rows of every rank and sends the results back by the reverse all-to-all. Backward runs the same
 exchanges for the gradients (each all-to-all's backward is the reverse one). The per-expert row
 counts are exchanged first (an all-to-all of ``experts`` int64 per rank).
+
+Between grouped matmuls over one routing the rows stay where the experts are (``ExpertRows``):
+a grouped matmul's result is held as the experts' rows, ops that act on each row alone
+(``regions.ROW_LOCAL_OPS``, every tensor operand such rows of one routing) run on them there,
+and the next grouped matmul takes them as they are; anything else (or the region's end) brings
+the value it takes back first. A Mixtral expert layer (gate-up, activation, down) so exchanges
+rows twice, not four times. ``regions.grouped_exchanges`` prices the same rules.
 """
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 from autopar.grouped_mm import grouped_mm
+from autopar.regions import ROW_LOCAL_OPS
 from autopar.runtime.collectives import current_mesh
 
-__all__ = ["ep_grouped_mm"]
+__all__ = ["ep_grouped_mm", "ExpertRows", "row_local_name"]
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -62,19 +71,101 @@ def ep_grouped_mm(x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor, ax
                   routed: dict | None = None) -> torch.Tensor:
     """``grouped_mm(x, w, offs)`` where this rank holds experts ``[r * n, (r + 1) * n)`` of ``w``
     (``w_local``, n of them) on mesh ``axis`` of size ``ep`` (``offs``: cumulative rows per expert
-    over all ``ep * n`` experts; rows sorted by expert). ``routed``: a memo of the routing per
-    ``offs`` tensor, so the grouped matmuls of one layer exchange their counts once."""
-    ep, n = current_mesh().sizes[axis], w_local.shape[0]
-    if offs.shape[0] != ep * n:
-        raise RuntimeError(f"expert parallelism: {offs.shape[0]} experts over {ep} ranks of {n} each do not add up")
-    routed = {} if routed is None else routed
-    key = (id(offs), axis)
-    if key not in routed:
-        routed[key] = (offs, _routing(offs, axis, n))  # keeps offs alive, so its id is not reused
-    send, recv, index, inverse, local_offs, total = routed[key][1]
-    rows = _AllToAllV.apply(x[:total], axis, recv, send)
-    out_local = grouped_mm(rows.index_select(0, index), w_local, local_offs)
-    back = _AllToAllV.apply(out_local.index_select(0, inverse), axis, send, recv)
-    if back.shape[0] < x.shape[0]:  # rows past the last group are zero, as grouped_mm leaves them
-        back = torch.cat([back, back.new_zeros((x.shape[0] - back.shape[0], back.shape[1]))])
-    return back
+    over all ``ep * n`` experts; rows sorted by expert): the rows out and the results back.
+    ``routed``: a memo of the routing per ``offs`` tensor, so the grouped matmuls of one layer
+    exchange their counts once."""
+    rows = ExpertRows(axis)
+    if routed is not None:
+        rows.routed = routed
+    return rows.bring_back(rows.grouped_mm(x, w_local, offs))
+
+
+_METADATA = frozenset({"dtype", "device", "data_ptr", "requires_grad", "is_floating_point", "element_size",
+                       "is_cuda", "layout", "is_contiguous"})
+_REFLECTED = {"rmul": "mul", "radd": "add", "rsub": "sub", "truediv": "div", "rtruediv": "div"}
+
+
+def row_local_name(func) -> str:
+    """``func``'s name as ``regions.ROW_LOCAL_OPS`` lists it (``Tensor.__mul__`` -> "mul", a
+    property getter -> the property's name); "" for tensor indexing (it may pick rows)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    if name == "__getitem__":
+        return ""
+    name = name.strip("_")
+    return _REFLECTED.get(name, name)
+
+
+_NOT_ROW_LOCAL = object()
+
+
+class ExpertRows:
+    """One region call's grouped matmuls over mesh ``axis`` (see the module docstring): the routing
+    per ``offs`` tensor, and the values held as experts' rows (by id, with their routing and the
+    token rows they came from)."""
+
+    def __init__(self, axis: int):
+        self.axis = axis
+        self.routed: dict = {}
+        self.held: dict = {}  # id -> (tensor, routing key, token rows)
+        self.returned: dict = {}  # id of a held value -> its token rows, once brought back
+
+    def grouped_mm(self, x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's experts times ``w_local``, held as experts' rows."""
+        ep, n = current_mesh().sizes[self.axis], w_local.shape[0]
+        if offs.shape[0] != ep * n:
+            raise RuntimeError(f"expert parallelism: {offs.shape[0]} experts over {ep} ranks of {n} each do not add up")
+        key = (id(offs), self.axis)
+        if key not in self.routed:
+            self.routed[key] = (offs, _routing(offs, self.axis, n))  # keeps offs alive, so its id is not reused
+        send, recv, index, _inverse, local_offs, total = self.routed[key][1]
+        held = self.held.get(id(x))
+        if held is not None and held[1] == key:
+            rows, tokens = x, held[2]
+        else:
+            x = self.bring_back(x) if held is not None else x
+            rows, tokens = _AllToAllV.apply(x[:total], self.axis, recv, send).index_select(0, index), x.shape[0]
+        out = grouped_mm(rows, w_local, local_offs)
+        self.held[id(out)] = (out, key, tokens)
+        return out
+
+    def row_local(self, func, args: tuple, kwargs: dict):
+        """``func`` run on held rows where it acts on each row alone (its result held too), or on
+        metadata; ``_NOT_ROW_LOCAL`` otherwise (and where it touches no held value)."""
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        keys = {self.held[id(t)][1] if id(t) in self.held else None for t in tensors}
+        if not tensors or keys == {None}:
+            return _NOT_ROW_LOCAL
+        name = row_local_name(func)
+        if name in _METADATA:
+            return func(*args, **kwargs)
+        if name not in ROW_LOCAL_OPS or len(keys) != 1 or None in keys:
+            return _NOT_ROW_LOCAL
+        if name in ("chunk", "split"):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if dim % args[0].dim() != args[0].dim() - 1:
+                return _NOT_ROW_LOCAL
+        key, tokens = keys.pop(), self.held[id(tensors[0])][2]
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.held[id(t)] = (t, key, tokens)
+        return out
+
+    def bring_back(self, t):
+        """``t`` as token rows: a held value's rows sent back to the ranks whose tokens they are
+        (once per value), anything else as it is."""
+        if not isinstance(t, torch.Tensor) or id(t) not in self.held:
+            return t
+        if id(t) not in self.returned:
+            _, key, tokens = self.held[id(t)]
+            send, recv, _index, inverse, _local_offs, _total = self.routed[key][1]
+            back = _AllToAllV.apply(t.index_select(0, inverse), self.axis, send, recv)
+            if back.shape[0] < tokens:  # rows past the last group are zero, as grouped_mm leaves them
+                back = torch.cat([back, back.new_zeros((tokens - back.shape[0],) + tuple(back.shape[1:]))])
+            self.returned[id(t)] = back
+        return self.returned[id(t)]
+
+    def bring_back_all(self, tree):
+        return pytree.tree_map(self.bring_back, tree)
