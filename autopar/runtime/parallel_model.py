@@ -48,16 +48,17 @@ import torch.fx as fx
 
 from autopar.errors import AutoparError
 from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Partial, Replicate, Shard, chunk_range, parse_layout
+from autopar.layouts import Replicate, Shard, chunk_range, parse_layout
 from autopar.runtime.collectives import active_mesh, gather_dim, shard_tensor
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.comm import MeshComm, collective_site
+from autopar.runtime.comm import MeshComm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_tree
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
 from autopar.runtime.input_check_methods import InputCheckMethods
+from autopar.runtime.loss_value_methods import LossValueMethods
 from autopar.runtime.input_checks import (
     CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, example_spec, refuse_uneven_inputs,
 )
@@ -107,7 +108,8 @@ class _Program:
         return cls(plan, traced, program, loss_reduction, inputs, loss, example_spec(traced, plan.microbatches, example))
 
 
-class ParallelModel(CheckpointMethods, InputCheckMethods, MeasureMethods, NativeLoopMethods, torch.nn.Module):
+class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, MeasureMethods, NativeLoopMethods,
+                    torch.nn.Module):
     """A model compiled for this rank. Build it with ``autopar.compile``.
 
     Two ways to train it: ``train_step`` (compiled with ``optimizer=``: the loss inside the plan,
@@ -505,36 +507,6 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, MeasureMethods, Native
                     w.wait()
                 total += float(self._finish_loss(value, prog.loss_layout))
         return total * weight
-
-    # ------------------------------------------------------------------ the loss value
-    def _partial_axes(self, layout=None) -> list[tuple[int, str]]:
-        layout = layout if layout is not None else self._train.loss_layout
-        if layout is None:
-            return []
-        return [(a, p.reduce_op) for a, p in enumerate(layout) if isinstance(p, Partial) and self.comm.sizes[a] > 1]
-
-    def _loss_grad_scale(self) -> float:
-        """d(global loss)/d(local loss): 1/n for each axis the loss is averaged over."""
-        scale = 1.0
-        for a, op in self._partial_axes():
-            if op == "avg":
-                scale /= self.comm.sizes[a]
-        return scale
-
-    def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
-        value = loss.detach().clone().reshape(1).float()
-        with collective_site("the loss's all-reduce"):
-            works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
-        return value, [w for w in works if w is not None]
-
-    def _finish_loss(self, value: torch.Tensor, layout=None) -> float:
-        for a, _ in self._partial_axes(layout)[1:]:
-            with collective_site("the loss's all-reduce"):
-                self.comm.all_reduce(value, a)
-        for a, op in self._partial_axes(layout):
-            if op == "avg":
-                value = value / self.comm.sizes[a]
-        return float(value)
 
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()

@@ -1,0 +1,47 @@
+"""``ParallelModel``'s loss value: the program returns this rank's loss, a sum or mean still
+pending over the mesh axes of its layout (``ir.LOSS_LAYOUT_KEY``). It is all-reduced
+asynchronously after each forward, while backward runs, and waited for after the step; the
+planner prices it so (``planner.problem``: the backward window). Backward is seeded with
+d(global loss)/d(local loss), so gradients are the global loss's.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.layouts import Partial
+from autopar.runtime.comm import collective_site
+
+__all__ = ["LossValueMethods"]
+
+
+class LossValueMethods:
+    """Mixed into ``ParallelModel`` (uses its ``comm`` and ``_train``)."""
+
+    def _partial_axes(self, layout=None) -> list[tuple[int, str]]:
+        layout = layout if layout is not None else self._train.loss_layout
+        if layout is None:
+            return []
+        return [(a, p.reduce_op) for a, p in enumerate(layout) if isinstance(p, Partial) and self.comm.sizes[a] > 1]
+
+    def _loss_grad_scale(self) -> float:
+        """d(global loss)/d(local loss): 1/n for each axis the loss is averaged over."""
+        scale = 1.0
+        for a, op in self._partial_axes():
+            if op == "avg":
+                scale /= self.comm.sizes[a]
+        return scale
+
+    def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
+        value = loss.detach().clone().reshape(1).float()
+        with collective_site("the loss's all-reduce"):
+            works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
+        return value, [w for w in works if w is not None]
+
+    def _finish_loss(self, value: torch.Tensor, layout=None) -> float:
+        for a, _ in self._partial_axes(layout)[1:]:
+            with collective_site("the loss's all-reduce"):
+                self.comm.all_reduce(value, a)
+        for a, op in self._partial_axes(layout):
+            if op == "avg":
+                value = value / self.comm.sizes[a]
+        return float(value)
