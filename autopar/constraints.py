@@ -124,6 +124,24 @@ def _freeze_pins(pins: Mapping[str, Mapping[str, str]] | None, *, param: bool = 
     return tuple(out)
 
 
+def _freeze_zero_params(value) -> tuple:
+    """``Constraints.zero_params`` as ((glob, stage), ...) sorted, checked."""
+    if isinstance(value, tuple):
+        try:
+            value = dict(value)
+        except (TypeError, ValueError):
+            raise ConstraintError(f"Constraints.zero_params must be a dict such as {{'blocks.0.*': 3}}, got {value!r}") from None
+    if not isinstance(value, Mapping):
+        raise ConstraintError(f"Constraints.zero_params must be a dict from parameter names (globs allowed) to a ZeRO "
+                              f"stage 0-3, such as {{'blocks.0.*': 3}}; got {type(value).__name__}")
+    for g, z in value.items():
+        if not isinstance(g, str):
+            raise ConstraintError(f"Constraints.zero_params keys must be parameter name strings (globs allowed), got {g!r}")
+        if z not in (0, 1, 2, 3) or isinstance(z, bool):
+            raise ConstraintError(f"Constraints.zero_params[{g!r}] must be a ZeRO stage 0, 1, 2 or 3, got {z!r}")
+    return tuple(sorted(value.items()))
+
+
 @dataclass(frozen=True)
 class Constraints:
     """Fixed decisions. Degrees multiply to the world size (``ep`` borrows dp x tp devices).
@@ -143,12 +161,16 @@ class Constraints:
     placements: tuple = field(default=())  # ((glob, ((axis, placement), ...)), ...)
     outputs: tuple = field(default=())  # ((module glob, ((axis, placement), ...)), ...)
     virtual_stages: int | None = None  # pipeline stages per rank (interleaved and zero-bubble schedules)
+    # ZeRO stage per parameter glob, beating ``zero`` where one matches ({'blocks.0.*': 3}); a
+    # pipeline plan sets it for the stages of the ranks that need it (ZeRO per stage)
+    zero_params: tuple = field(default=())  # ((glob, stage), ...)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
             _check_degree(name, getattr(self, name))
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise ConstraintError(f"Constraints.zero must be 0, 1, 2 or 3 (ZeRO stage), got {self.zero!r}")
+        object.__setattr__(self, "zero_params", _freeze_zero_params(self.zero_params))
         if self.recompute is not None and not isinstance(self.recompute, bool):
             raise ConstraintError(f"Constraints.recompute must be True, False or None, got {self.recompute!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -179,6 +201,7 @@ class Constraints:
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "placements": [[g, [list(a) for a in axes]] for g, axes in self.placements],
             "outputs": [[g, [list(a) for a in axes]] for g, axes in self.outputs],
+            "zero_params": [[g, z] for g, z in self.zero_params],
         }
 
     @classmethod
@@ -186,6 +209,7 @@ class Constraints:
         d = dict(d)
         d["placements"] = {g: dict(map(tuple, axes)) for g, axes in d.get("placements", [])}
         d["outputs"] = {g: dict(map(tuple, axes)) for g, axes in d.get("outputs", [])}
+        d["zero_params"] = {g: z for g, z in d.get("zero_params", [])}
         return cls(**d)
 
     def merged_with(self, placements: tuple, outputs: tuple) -> "Constraints":
@@ -205,7 +229,7 @@ class Constraints:
             outs[g] = axes
         return Constraints(
             self.dp, self.tp, self.pp, self.ep, self.microbatches, self.zero, self.recompute, self.schedule,
-            tuple(sorted(merged.items())), tuple(sorted(outs.items())), self.virtual_stages,
+            tuple(sorted(merged.items())), tuple(sorted(outs.items())), self.virtual_stages, self.zero_params,
         )
 
     def __str__(self) -> str:

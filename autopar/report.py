@@ -44,6 +44,9 @@ def _pipeline_lines(plan) -> list[str]:
         ranks = f"{st.first_rank}-{st.first_rank + size - 1}" if size > 1 else str(st.first_rank)
         mine = [b for b in plan.recompute_blocks if any(n.module.startswith(b + ".") for n in st.nodes)]
         rc = f" (recomputes {len(mine)} block(s))" if mine else ""
+        # ZeRO-1/2 (state sharded), ZeRO-3 (sharded on the first, data-parallel, axis)
+        zero = sorted({p.zero_stage for p in st.params if p.zero_axes} | {3 for p in st.params if p.layout.startswith("[S(")})
+        rc += f" (ZeRO-{'/'.join(map(str, zero))})" if zero else ""
         lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {_gib(st.peak_memory_bytes):>12}  "
                      f"{st.span}{rc}")
         for name, layout in st.send_layouts:

@@ -611,3 +611,52 @@ def test_each_crossing_tensor_is_a_message_and_the_schedule_work_per_microbatch_
     busy = autopar.plan(model, slow, x, loss_fn=loss, example_target=y, constraints=autopar.Constraints(pp=2))
     m = plan.microbatches
     assert busy.microbatches == m and busy.predicted.step_time_s >= plan.predicted.step_time_s + m * 1e-3
+
+
+def _per_stage_zero_plan():
+    """gpt pp=2 x dp=2 (no recompute) on devices whose usable memory lies between what its two
+    ranks need without ZeRO: the first rank (two microbatches in flight under 1F1B) overflows,
+    the last fits."""
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    base = autopar.Cluster.local(4, calibrated=False)
+    c = autopar.Constraints(pp=2, dp=2, recompute=False)
+    free = autopar.plan(model, base, x, loss_fn=loss, example_target=y, constraints=c)
+    first, last = (s.peak_memory_bytes for s in free.stages)
+    usable = last + 0.9 * (first - last)
+    tight = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(usable / USABLE_MEMORY_FRACTION)))
+    return autopar.plan(model, tight, x, loss_fn=loss, example_target=y, constraints=c), free, usable
+
+
+def test_zero_per_stage_shards_only_the_ranks_that_need_it():
+    """Where only the first pipeline rank overflows, its stage's parameters take ZeRO and the last
+    stage's stay whole with their optimizer state (``pipeline_search._zero_per_stage``; shrinking
+    every stage's memory alike found no plan here), and every rank's predicted peak fits."""
+    plan, free, usable = _per_stage_zero_plan()
+    zeroed = [[p for p in s.params if p.zero_axes or p.layout.startswith("[S(")] for s in plan.stages]
+    assert zeroed[0] and not zeroed[1], [[(p.fqn, p.layout, p.zero_stage) for p in s.params] for s in plan.stages]
+    assert all(s.peak_memory_bytes <= usable for s in plan.stages)
+    assert plan.stages[0].peak_memory_bytes < free.stages[0].peak_memory_bytes
+    assert plan.stages[1].peak_memory_bytes == pytest.approx(free.stages[1].peak_memory_bytes)
+
+
+def _per_stage_zero_suite(plan_json: str):
+    from autopar.runtime.parity import parity_worker
+
+    out = []
+    for opt in ("sgd", "adamw"):
+        r = parity_worker("gpt", None, 5, opt=opt, lr=0.05 if opt == "sgd" else 1e-3, plan=autopar.Plan.from_json(plan_json))
+        r.pop("plan"), r.pop("program")
+        r["case"], r["constraints"], r["optimizer"] = "gpt", {"pp": 2, "dp": 2, "zero": "per stage"}, opt
+        out.append(r)
+    return out
+
+
+@pytest.mark.slow
+def test_zero_per_stage_parity():
+    plan, _, _ = _per_stage_zero_plan()
+    results = autopar.launch(_per_stage_zero_suite, 4, plan.to_json())
+    failures = [line for r in results[0] for line in parity_failures(r, TOL)]
+    assert not failures, "\n".join(failures)

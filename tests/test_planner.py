@@ -575,3 +575,25 @@ def test_pending_loss_value_is_priced_overlapped_with_backward():
                         constraints=autopar.Constraints(dp=2, tp=1, zero=0))
     assert plan.predicted.blocking_comm_s == 0.0
     assert dict(plan.predicted.comm_bytes)["all_reduce"] > 0 and plan.predicted.overlappable_comm_s > 0
+
+
+def test_zero_params_sets_zero_per_parameter():
+    """``Constraints(zero_params=)``: a ZeRO stage per parameter glob, beating ``zero``; checked,
+    and kept through ``to_dict``; a pipeline plan uses it for ZeRO per stage."""
+    from examples.mlp import MLP, example_batch, mlp_loss
+
+    x, t = example_batch()
+    c = Constraints(dp=2, zero=0, zero_params={"layers.0.*": 3, "layers.2.*": 1})
+    plan = autopar.plan(MLP(64, 256, 3), autopar.Cluster.local(2), (x,), loss_fn=mlp_loss, example_target=t, constraints=c)
+    for fqn, p in plan.params.items():
+        if fqn.startswith("layers.0."):
+            assert p.layout == "[S(0), R]", (fqn, p)  # ZeRO-3: sharded on 'dp'
+        elif fqn.startswith("layers.2."):
+            assert p.layout == "[R, R]" and p.zero_stage == 1 and p.zero_axes == ("dp",), (fqn, p)
+        else:
+            assert p.layout == "[R, R]" and not p.zero_axes, (fqn, p)  # zero=0 elsewhere
+    assert Constraints.from_dict(c.to_dict()) == c
+    with pytest.raises(ConstraintError, match=r"zero_params\['a'\] must be a ZeRO stage"):
+        Constraints(zero_params={"a": 4})
+    with pytest.raises(ConstraintError, match="zero_params must be a dict"):
+        Constraints(zero_params=["a", 3])

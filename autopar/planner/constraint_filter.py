@@ -100,14 +100,15 @@ def _output_nodes_of(traced: TracedGraph, pattern: str) -> set[str]:
 
 def pin_key(c: Constraints):
     """A function naming the pins that apply to a node (so pinned blocks do not share decisions)."""
-    if not c.placements and not c.outputs:
+    if not c.placements and not c.outputs and not c.zero_params:
         return None
 
     def key(node: fx.Node) -> tuple:
         fqn = node.meta.get("autopar.fqn", "")
         module = node.meta.get("autopar.module", "")
         return (tuple(g for g, _ in c.placements if fqn and _matches(fqn, g)),
-                tuple(g for g, _ in c.outputs if _matches(module, g) or any(_matches(p, g) for p in _prefixes(module))))
+                tuple(g for g, _ in c.outputs if _matches(module, g) or any(_matches(p, g) for p in _prefixes(module))),
+                tuple(g for g, _ in c.zero_params if fqn and _matches(fqn, g)))
 
     return key
 
@@ -166,7 +167,9 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
         if kind == "param":
             lay = s.outs[0]
             fqn = node.meta["autopar.fqn"]
-            if s.zero_stage == 1 and c.zero != 1 and microbatches == 1:
+            # this parameter's ZeRO stage: its own (``zero_params``, a per-stage choice) or the blanket one
+            z = next((level for pattern, level in c.zero_params if _matches(fqn, pattern)), c.zero)
+            if s.zero_stage == 1 and z != 1 and microbatches == 1:
                 # ZeRO-1 keeps whole gradients and moves more bytes than ZeRO-2 (all-reduce, then
                 # all-gather); it can only win when gradients accumulate over microbatches
                 return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
@@ -183,11 +186,10 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                     return ep_rule
                 if ep_a == dp_a:
                     return None  # the data-parallel axis holds experts, not replicas: no ZeRO there
-            if c.zero in (0, 1, 2) and any(
+            if z in (0, 1, 2) and any(
                     a != dp_a and (a in s.zero_axes or (isinstance(lay[a], Shard) and not (node.name in experts and a == ep_a)))
                     for a in data):
-                return f"zero={c.zero} keeps parameters whole on the data axes (ZeRO's shards are on 'dp')"
-            z = c.zero
+                return f"zero={z} keeps parameters whole on the data axes (ZeRO's shards are on 'dp')"
             if z is not None and mesh[dp_a] > 1:
                 sharded_dp = isinstance(lay[dp_a], Shard)
                 zero_dp = dp_a in s.zero_axes

@@ -352,7 +352,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
     scale = float(pp)  # the submesh plan's memory: pp devices' worth, shrunk below while a rank overflows
-    priced = None
+    priced = unshrunk = None
     for _ in range(memory_rounds or _MEMORY_ROUNDS):
         roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
         try:
@@ -367,9 +367,20 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         if not inner.recompute and c.recompute is None and inner_c.recompute is None:
             inner_c = dataclasses.replace(inner_c, recompute=True)  # Megatron's PTD-P recomputes, for this reason
             continue
+        if unshrunk is None:
+            unshrunk = (priced, inner_c)
         scale *= budget / worst * 0.97
     if priced is None:
         raise NoFeasiblePlanError(f"pp={pp}: no per-operator plan of a stage's {sub.world_size} devices fits")
+    if unshrunk is not None and memory_rounds is None:
+        # the memory was shrunk for every stage alike: ZeRO on the overflowing ranks' stages alone may fit, or be faster
+        per_stage = _zero_per_stage(unshrunk, budget, pp, lambda inner_cs: _price(
+            traced, blocks, *_inner_plan(traced, dataclasses.replace(sub, device=dataclasses.replace(
+                sub.device, memory_bytes=int(sub.device.memory_bytes * pp))), inner_cs, precision, optimizer, solver,
+                progress, inner_search), pp, v, m, schedule, link_bw, send_s, budget,
+            per_rank_recompute=c.recompute is None))
+        if per_stage is not None and (max(priced.peaks) > budget or per_stage.step_s < priced.step_s):
+            priced = per_stage
     worst = max(range(pp), key=lambda r: priced.peaks[r])
     if priced.peaks[worst] > budget:
         raise NoFeasiblePlanError(
@@ -381,6 +392,28 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
 
 
 _MEMORY_ROUNDS = 4
+ZERO_PER_STAGE = (1, 3)  # the ZeRO stages tried on the overflowing ranks' parameters alone, in order
+
+
+def _zero_per_stage(unshrunk, budget: float, pp: int, price) -> "_Priced | None":
+    """ZeRO per stage: the pipeline priced (``price(inner constraints)``) with the parameters of
+    the ranks that overflowed (``unshrunk``: a pricing and its inner constraints, before the
+    memory was shrunk for every stage alike) under ZeRO-1, else ZeRO-3, and the others free; the
+    first that fits, or None. Under 1F1B the first rank holds ``pp`` microbatches in flight and
+    the last one: the first overflows first, and sharding its state alone costs the others nothing."""
+    priced, inner_c = unshrunk
+    if inner_c.zero is not None or inner_c.zero_params:
+        return None  # the user chose ZeRO
+    over = {r for r in range(pp) if priced.peaks[r] > budget}
+    names = sorted({p.fqn for s, ps in enumerate(priced.owned) if priced.rank_of[s] in over for p in ps})
+    for level in ZERO_PER_STAGE:
+        try:
+            attempt = price(dataclasses.replace(inner_c, zero_params={n: level for n in names}))
+        except (NoFeasiblePlanError, ConstraintError):
+            continue
+        if max(attempt.peaks) <= budget:
+            return attempt
+    return None
 
 
 def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search):
@@ -429,7 +462,7 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
     cjson = json.dumps(c.to_dict(), sort_keys=True)
     notes = inner.notes + (
         "pipeline plans price every stage with the same per-operator decisions (one submesh plan for the whole "
-        "graph, then cut)",
+        "graph, then cut), but for ZeRO: where only some ranks overflow, their stages' parameters alone may take it",
     )
     return dataclasses.replace(
         inner, stages=tuple(stages), schedule=schedule, microbatches=m, predicted=predicted,

@@ -287,7 +287,8 @@ def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: di
     Only when nothing in ``c`` refers to an axis (dp=, tp=, zero=, pins): then strategies, filters
     and prices depend on each axis only through its size and its communication group's shape
     (e.g. (8, 1) and (1, 8) on one 8-GPU node). Records ``mesh`` when it is new."""
-    if c.dp is not None or c.tp is not None or c.ep is not None or c.zero is not None or c.placements or c.outputs:
+    if c.dp is not None or c.tp is not None or c.ep is not None or c.zero is not None or c.zero_params or c.placements \
+            or c.outputs:
         return None
     groups = tuple(axis_group(mesh, a, cluster.devices_per_node) for a in range(len(mesh)))
     key = tuple(sorted(((g.size, g.ranks_per_node) for g in groups)))
