@@ -343,18 +343,15 @@ class Cluster:
                 f"Cluster.exposed_comm_share must be in [0, 1] or None, got {share!r}; it is the "
                 "share of overlappable communication that stays exposed"
             )
-        skew = self.collective_skew_s
-        if not is_real(skew, high=1.0):
-            raise ClusterSpecError(
-                f"Cluster.collective_skew_s must be a number of seconds in [0, 1), got {skew!r}; it is what a "
-                "collective waits for ranks that arrive at different times (e.g. 1e-4)")
-        object.__setattr__(self, "collective_skew_s", float(skew))
-        per_micro = self.pipeline_microbatch_s
-        if not is_real(per_micro, high=1.0):
-            raise ClusterSpecError(
-                f"Cluster.pipeline_microbatch_s must be a number of seconds in [0, 1), got {per_micro!r}; it is what "
-                "a pipeline stage spends per microbatch beyond compute and messages (e.g. 2e-4)")
-        object.__setattr__(self, "pipeline_microbatch_s", float(per_micro))
+        for name, meaning in (("collective_skew_s", "what a collective waits for ranks that arrive at different "
+                                                     "times (e.g. 1e-4)"),
+                              ("pipeline_microbatch_s", "what a pipeline stage spends per microbatch beyond compute "
+                                                        "and messages (e.g. 2e-4)")):
+            seconds = getattr(self, name)
+            if not is_real(seconds, high=1.0):
+                raise ClusterSpecError(
+                    f"Cluster.{name} must be a number of seconds in [0, 1), got {seconds!r}; it is {meaning}")
+            object.__setattr__(self, name, float(seconds))
         imb = self.expert_imbalance
         if not (isinstance(imb, numbers.Real) and not isinstance(imb, bool) and math.isfinite(imb) and imb >= 1.0):
             raise ClusterSpecError(
