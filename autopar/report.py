@@ -13,7 +13,8 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:,.3f} ms"
 
 
-def _gib(b: float) -> str:
+def format_bytes(b: float) -> str:
+    """Bytes for people: GiB from a tenth of one, else MiB."""
     if b >= 0.1 * GiB:
         return f"{b / GiB:,.2f} GiB"
     return f"{b / 2**20:,.2f} MiB"
@@ -47,7 +48,7 @@ def _pipeline_lines(plan) -> list[str]:
         # ZeRO-1/2 (state sharded), ZeRO-3 (sharded on the first, data-parallel, axis)
         zero = sorted({p.zero_stage for p in st.params if p.zero_axes} | {3 for p in st.params if p.layout.startswith("[S(")})
         rc += f" (ZeRO-{'/'.join(map(str, zero))})" if zero else ""
-        lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {_gib(st.peak_memory_bytes):>12}  "
+        lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {format_bytes(st.peak_memory_bytes):>12}  "
                      f"{st.span}{rc}")
         for name, layout in st.send_layouts:
             placed = plan.nodes.get(name)
@@ -112,18 +113,18 @@ def plan_summary(plan) -> str:
                      f"{_ms(p.blocking_comm_s)} + exposed overlappable comm {_ms(p.exposed_comm_s)}")
     lines.append(f"communication        {comm}")
     if p.comm_bytes:
-        lines.append("bytes per step       " + ", ".join(f"{k} {_gib(v)}" for k, v in p.comm_bytes)
+        lines.append("bytes per step       " + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.comm_bytes)
                      + " (per device; measure with ParallelModel.measure_step)")
     mem = dict(p.memory_bytes)
     kept = ("params", "grads", "optimizer_state")
-    lines.append(f"peak memory / device {_gib(p.peak_memory_bytes)} of {_gib(cluster.device.memory_bytes)} "
-                 f"(kept: {', '.join(f'{k} {_gib(mem[k])}' for k in kept if k in mem)}; most at once during the step: "
-                 f"{', '.join(f'{k} {_gib(v)}' for k, v in mem.items() if k not in kept)})")
+    lines.append(f"peak memory / device {format_bytes(p.peak_memory_bytes)} of {format_bytes(cluster.device.memory_bytes)} "
+                 f"(kept: {', '.join(f'{k} {format_bytes(mem[k])}' for k in kept if k in mem)}; most at once during the step: "
+                 f"{', '.join(f'{k} {format_bytes(v)}' for k, v in mem.items() if k not in kept)})")
     lines.append(f"model FLOPs / step   {p.model_flops:.3e}  MFU {p.mfu * 100:.1f}%")
     b = plan.baseline
     if b.predicted is not None:
         ratio = b.predicted.step_time_s / p.step_time_s if p.step_time_s else float("nan")
-        lines.append(f"baseline {b.name}: {_ms(b.predicted.step_time_s)}/step, peak {_gib(b.predicted.peak_memory_bytes)}"
+        lines.append(f"baseline {b.name}: {_ms(b.predicted.step_time_s)}/step, peak {format_bytes(b.predicted.peak_memory_bytes)}"
                      f" ({b.note}); this plan is {ratio:.2f}x its speed")
     else:
         lines.append(f"baseline {b.name}: {b.note}")

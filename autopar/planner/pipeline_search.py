@@ -383,10 +383,12 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
             priced = per_stage
     worst = max(range(pp), key=lambda r: priced.peaks[r])
     if priced.peaks[worst] > budget:
+        from autopar.report import format_bytes
+
         raise NoFeasiblePlanError(
-            f"pp={pp}: pipeline rank {worst} needs {priced.peaks[worst] / GiB:.2f} GiB per device "
+            f"pp={pp}: pipeline rank {worst} needs {format_bytes(priced.peaks[worst])} per device "
             f"({in_flight(schedule, worst, pp, m, v):.2g} microbatches in flight under {schedule}) but a device has "
-            f"{budget / GiB:.2f} GiB usable; use more stages (pp), 1f1b rather than gpipe, recompute, or a larger cluster")
+            f"{format_bytes(budget)} usable; use more stages (pp), 1f1b rather than gpipe, recompute, or a larger cluster")
     return _assemble(traced, cluster, c, priced, pp, v, m, schedule, precision, optimizer, solver,
                      naive_dp_baseline(traced, cluster, precision, optimizer, solver))
 

@@ -552,8 +552,10 @@ def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solve
         return Baseline("naive data parallel", None, False, f"not expressible: {exc.detail}")
     pred = predicted_of(att)
     fits = bool(att.evaluation.peak_bytes <= budget)
+    from autopar.report import format_bytes
+
     note = "fits" if fits else (
-        f"does not fit: needs {att.evaluation.peak_bytes / 2**30:.1f} GiB per device, has {budget / 2**30:.1f} GiB usable"
+        f"does not fit: needs {format_bytes(att.evaluation.peak_bytes)} per device, has {format_bytes(budget)} usable"
     )
     return Baseline("naive data parallel", pred, fits, note)
 
