@@ -32,7 +32,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from autopar.ir import edge_reshard, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
+from autopar.ir import edge_reshard, gradient_sink_params, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import Layout, Shard, grad_layout, local_shape, split_factor, state_dim, state_layout
 from autopar.planner.costing import reshard_staging_bytes
 from autopar.planner.op_memory import OpMemory, op_memory
@@ -67,6 +67,7 @@ class _In:
     param: bool  # the producer is a parameter
     cast: object  # the dtype a parameter is cast to before it is gathered for this op (or None)
     grad: bool  # a floating value a gradient flows back to
+    sink: bool = False  # its producer hands a pending gradient sum back to its parameters (ir.gradient_sink_params)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ def _skeleton(problem: Problem, autocast_dtype) -> _Skeleton:
             meta = single(a)
             is_param = u.op == "placeholder" and u.meta.get("autopar.kind") == "param"
             ins.append(_In(u.name, j, meta, a.name in batch, is_param, param_cast_dtype(u, n) if is_param else None,
-                           bool(meta is not None and meta.is_floating and a.meta.get("autopar.needs_grad"))))
+                           bool(meta is not None and meta.is_floating and a.meta.get("autopar.needs_grad")),
+                           bool(not is_param and gradient_sink_params(u))))
         outs = tuple(n.meta.get("autopar.outputs") or ())
         ops.append(_Op(n.name, tuple(ins), outs, tuple(uses.get((n.name, j), 0) for j in range(len(outs))),
                        op_memory(n, autocast_dtype), n.name in batch, bool(n.meta.get("autopar.needs_grad")),
@@ -435,8 +437,9 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                 while len(inflight3) > _ZERO3_INFLIGHT + 1:
                     sim.free(inflight3.pop(0))
                 continue
-            deferred = inp.param and lin is not None and gin is not None and \
-                pure_all_reduce_axes(lout, lin, gin, grad_layout(lout)) is not None  # summed by GradSync
+            # summed by GradSync (a parameter's, or one its producer hands back to its parameters)
+            deferred = (inp.param or inp.sink) and lin is not None and gin is not None and \
+                pure_all_reduce_axes(lout, lin, gin, grad_layout(lout)) is not None
             if lin is not None and lout is not None and gin is not None and gin != grad_layout(lout) and not deferred:
                 g2 = sim.alloc(sizes.local(inp.meta, grad_layout(lout)) * scale, "bwd")
                 _, staging = sizes.reshard(inp.meta, float(inp.meta.itemsize), gin, grad_layout(lout))
