@@ -76,7 +76,6 @@ grouped_mm.register_autograd(_backward, setup_context=_setup)
 class _Redirect(TorchFunctionMode):
     def __init__(self, expert_axis: int | None):
         super().__init__()
-        self.expert_axis = expert_axis
         self.rows = None  # expert parallel: runtime.expert_dispatch.ExpertRows of this call
         if expert_axis is not None:
             from autopar.runtime.expert_dispatch import ExpertRows
@@ -85,26 +84,22 @@ class _Redirect(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        grouped = func in _TARGETS or func is torch.ops.autopar.grouped_mm.default
-        if self.rows is not None and not grouped:
-            from autopar.runtime.expert_dispatch import _NOT_ROW_LOCAL
-
-            out = self.rows.row_local(func, args, kwargs)
-            if out is not _NOT_ROW_LOCAL:
-                return out
-            args, kwargs = self.rows.bring_back_all((args, kwargs))
-        if grouped:
+        if func in _TARGETS or func is torch.ops.autopar.grouped_mm.default:
             x, w = args[0], args[1]
             offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
             if offs is not None and x.dim() == 2 and w.dim() == 3 and kwargs.get("bias") is None \
                     and kwargs.get("out_dtype") in (None, x.dtype):
                 if self.rows is not None and w.shape[0] != offs.shape[0]:
                     return self.rows.grouped_mm(x, w, offs)
-                if self.rows is not None:
-                    x = self.rows.bring_back(x)
-                return grouped_mm(x, w, offs)
-            if self.rows is not None:
-                args, kwargs = self.rows.bring_back_all((args, kwargs))
+                func, args, kwargs = grouped_mm, (x, w, offs), {}
+        elif self.rows is not None:
+            from autopar.runtime.expert_dispatch import _NOT_ROW_LOCAL
+
+            out = self.rows.row_local(func, args, kwargs)
+            if out is not _NOT_ROW_LOCAL:
+                return out
+        if self.rows is not None:  # anything else takes held expert rows back as token rows
+            args, kwargs = self.rows.bring_back_all((args, kwargs))
         return func(*args, **kwargs)
 
     def finish(self, out):
@@ -120,6 +115,7 @@ _TARGETS = {f for f in (getattr(torch.nn.functional, "grouped_mm", None), getatt
 def redirect_grouped_mm(expert_axis: int | None = None):
     """While active, 2-D x 3-D ``grouped_mm`` calls (no bias) run ``autopar::grouped_mm``; with
     ``expert_axis``, those whose weight holds fewer experts than ``offs`` counts run
-    ``runtime.expert_dispatch.ep_grouped_mm`` over that mesh axis (expert parallelism)."""
+    ``runtime.expert_dispatch.ExpertRows.grouped_mm`` over that mesh axis (expert parallelism), the
+    rows staying there through row-local ops; the yielded mode's ``finish`` brings them back."""
     with _Redirect(expert_axis) as mode:
         yield mode

@@ -3,7 +3,7 @@
 In a token-wise region (``autopar.regions``) whose expert weights the plan splits over a mesh
 axis (``[experts, ...]``, dim 0, ``ep`` ranks holding ``experts / ep`` each), every rank sorts its
 own tokens' rows by expert as the model's code does, and each ``grouped_mm(x, w, offs)`` of the
-region runs ``ep_grouped_mm`` instead: the rows of each rank's experts (contiguous, being sorted)
+region runs ``ExpertRows.grouped_mm`` instead: the rows of each rank's experts (contiguous, being sorted)
 go to that rank by an all-to-all with variable split sizes, which computes its experts on the
 rows of every rank and sends the results back by the reverse all-to-all. Backward runs the same
 exchanges for the gradients (each all-to-all's backward is the reverse one). The per-expert row
@@ -25,7 +25,7 @@ from autopar.grouped_mm import grouped_mm
 from autopar.regions import ROW_LOCAL_OPS
 from autopar.runtime.collectives import current_mesh
 
-__all__ = ["ep_grouped_mm", "ExpertRows", "row_local_name"]
+__all__ = ["ExpertRows", "row_local_name"]
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -65,19 +65,6 @@ def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple:
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)
     return send, got.sum(dim=1).tolist(), index, inverse, torch.cumsum(got.sum(dim=0), 0), int(ends[-1])
-
-
-def ep_grouped_mm(x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor, axis: int,
-                  routed: dict | None = None) -> torch.Tensor:
-    """``grouped_mm(x, w, offs)`` where this rank holds experts ``[r * n, (r + 1) * n)`` of ``w``
-    (``w_local``, n of them) on mesh ``axis`` of size ``ep`` (``offs``: cumulative rows per expert
-    over all ``ep * n`` experts; rows sorted by expert): the rows out and the results back.
-    ``routed``: a memo of the routing per ``offs`` tensor, so the grouped matmuls of one layer
-    exchange their counts once."""
-    rows = ExpertRows(axis)
-    if routed is not None:
-        rows.routed = routed
-    return rows.bring_back(rows.grouped_mm(x, w_local, offs))
 
 
 _METADATA = frozenset({"dtype", "device", "data_ptr", "requires_grad", "is_floating_point", "element_size",
