@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.layouts import Layout, Partial, Replicate, Shard, grad_layout
+from autopar.layouts import Layout, Partial, Replicate, Shard, grad_layout, parse_layout
 from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
+__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -102,11 +102,26 @@ def pure_all_reduce_axes(src: Layout, dst: Layout, gsrc: Layout | None, gdst: La
     return tuple(axes) if axes else None
 
 
-def _reshard_source(a: fx.Node) -> fx.Node:
+def reshard_summed_axes(node: fx.Node) -> tuple[int, ...] | None:
+    """``pure_all_reduce_axes`` of a program's ``reshard`` node (its layouts given as strings)."""
+    _, src, dst, gsrc, gdst = node.args
+    if gsrc is None or gdst is None:
+        return None
+    return pure_all_reduce_axes(parse_layout(src), parse_layout(dst), parse_layout(gsrc), parse_layout(gdst))
+
+
+def reshard_source(a: fx.Node) -> fx.Node:
     """The value behind ``a`` when ``a`` is a reshard (program graphs), else ``a``."""
     if a.op == "call_function" and a.target is reshard:
         return a.args[0]
     return a
+
+
+def pending_loss(layout: Layout) -> bool:
+    """Whether a scalar loss in ``layout`` is left pending (partial sums or means, or replicas, on
+    every axis): ``insert_collectives_pass`` returns it so, the runtime all-reduces its value
+    asynchronously while backward runs, and the planner prices that reduction there."""
+    return all(isinstance(p, (Partial, Replicate)) for p in layout)
 
 
 def gradient_sink_params(node: fx.Node) -> tuple[fx.Node, ...]:
@@ -131,7 +146,7 @@ def gradient_sink_params(node: fx.Node) -> tuple[fx.Node, ...]:
         return ()
     params = []
     for a in node.all_input_nodes:
-        src = _reshard_source(a)
+        src = reshard_source(a)
         if not src.meta.get("autopar.needs_grad"):
             continue
         if src.op != "placeholder" or src.meta.get("autopar.kind") != "param":

@@ -5,19 +5,10 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autopar.ir import GRAD_SYNC_KEY, pure_all_reduce_axes, reshard
-from autopar.layouts import parse_layout
+from autopar.ir import GRAD_SYNC_KEY, reshard, reshard_summed_axes
 from autopar.passes.context import PassContext
 
 __all__ = ["defer_gradient_sync_pass", "GRAD_SYNC_KEY"]
-
-
-def _pure_all_reduce_axes(node: fx.Node) -> tuple[int, ...] | None:
-    """Axes of a reshard whose forward is a no-op and whose backward only all-reduces (P -> R)."""
-    _, src, dst, gsrc, gdst = node.args
-    if gsrc is None or gdst is None:
-        return None
-    return pure_all_reduce_axes(parse_layout(src), parse_layout(dst), parse_layout(gsrc), parse_layout(gdst))
 
 
 def defer_gradient_sync_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -37,7 +28,7 @@ def defer_gradient_sync_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
     for param, users in uses.items():
         if not users or not all(u.op == "call_function" and u.target is reshard for u in users):
             continue
-        axes = {_pure_all_reduce_axes(u) for u in users}
+        axes = {reshard_summed_axes(u) for u in users}
         if len(axes) != 1 or None in axes:
             continue
         for u in users:

@@ -7,7 +7,7 @@ from torch.utils import _pytree as pytree
 from autopar.layouts import format_layout, parse_layout, uneven_dims
 from autopar.errors import NoFeasiblePlanError
 from autopar.functionalize import written_edges
-from autopar.ir import LOSS_LAYOUT_KEY, boundary_layout, edge_reshard, param_cast_dtype, reshard
+from autopar.ir import LOSS_LAYOUT_KEY, boundary_layout, edge_reshard, param_cast_dtype, pending_loss, reshard
 from autopar.passes.context import PassContext
 
 __all__ = ["insert_collectives_pass", "edge_call", "LOSS_LAYOUT_KEY"]
@@ -18,12 +18,6 @@ __all__ = ["insert_collectives_pass", "edge_call", "LOSS_LAYOUT_KEY"]
 def _is_scalar(n: fx.Node) -> bool:
     outs = n.meta.get("autopar.outputs") or ()
     return len(outs) == 1 and outs[0] is not None and outs[0].numel == 1
-
-
-def _only_partial(layout: str) -> bool:
-    from autopar.layouts import Partial, Replicate
-
-    return all(isinstance(p, (Partial, Replicate)) for p in parse_layout(layout))
 
 
 def edge_call(graph: fx.Graph, before: fx.Node, arg: fx.Node, src: str, dst: str, gsrc, gdst,
@@ -76,7 +70,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             # user's loss replicated too, or as this rank's rows (local batches)
             handed = {a.name: format_layout(boundary_layout(node, a, len(ctx.mesh_shape))) for a in node.all_input_nodes}
             loss = node.args[0] if len(node.args) == 1 and isinstance(node.args[0], fx.Node) else None
-            if loss is not None and _is_scalar(loss) and _only_partial(ctx.node(loss.name).outs[0]):
+            if loss is not None and _is_scalar(loss) and pending_loss(parse_layout(ctx.node(loss.name).outs[0])):
                 # a scalar loss still pending a reduction: the runtime reduces its value off the
                 # critical path and seeds backward with the matching scale (see ParallelModel)
                 gm.meta[LOSS_LAYOUT_KEY] = ctx.node(loss.name).outs[0]

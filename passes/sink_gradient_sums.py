@@ -3,19 +3,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.ir import gradient_sink_params, pure_all_reduce_axes, reshard, sunk_param_grad
+from autopar.ir import gradient_sink_params, reshard, reshard_source, reshard_summed_axes, sunk_param_grad
 from autopar.layouts import Replicate, format_layout, grad_layout, parse_layout
 from autopar.passes.context import PassContext
 from autopar.passes.insert_collectives import edge_call
 
 __all__ = ["sink_gradient_sums_pass"]
-
-
-def _summed_axes(r: fx.Node) -> tuple[int, ...] | None:
-    _, src, dst, gsrc, gdst = r.args
-    if gsrc is None or gdst is None:
-        return None
-    return pure_all_reduce_axes(parse_layout(src), parse_layout(dst), parse_layout(gsrc), parse_layout(gdst))
 
 
 def _replicated_on(layout: str, axes: tuple[int, ...]) -> bool:
@@ -28,11 +21,10 @@ def _param_edges(node: fx.Node, axes: tuple[int, ...], ctx: PassContext) -> list
     when one of them does not reach ``node`` replicated over ``axes`` (nothing is rewritten)."""
     edges = []
     for a in node.all_input_nodes:
-        is_reshard = a.op == "call_function" and a.target is reshard
-        src = a.args[0] if is_reshard else a
+        src = reshard_source(a)
         if not src.meta.get("autopar.needs_grad"):
             continue
-        if is_reshard:
+        if src is not a:  # the parameter's reshard
             if a.args[3] is None or not (_replicated_on(a.args[2], axes) and _replicated_on(a.args[3], axes)):
                 return None
         elif not _replicated_on(ctx.node(a.name).outs[0], axes):
@@ -62,7 +54,7 @@ def sink_gradient_sums_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     for r in list(graph.nodes):
         if r in done or r.op != "call_function" or r.target is not reshard or r.kwargs.get("param"):
             continue
-        axes = _summed_axes(r)
+        axes = reshard_summed_axes(r)
         node = r.args[0]
         if axes is None or not gradient_sink_params(node):
             continue

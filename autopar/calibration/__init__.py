@@ -159,11 +159,10 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us (after "
                            f"{sk['compute_s'] * 1e3:.2f} ms of compute, a tiny all-reduce takes "
                            f"{(sk['together_s'] - sk['compute_s']) * 1e6:.1f} us against {sk['alone_s'] * 1e6:.1f} alone)")
-        per_micro = 0.0
-        if "pipeline" in measured and link.measured_time("send_recv", 2, 64.0) is not None:
+        per_micro, message_s = 0.0, link.measured_time("send_recv", 2, 64.0)
+        if "pipeline" in measured and message_s is not None:
             pl = measured["pipeline"]
-            per_micro = pipeline_microbatch_seconds(pl["m"], pl["step_s"], pl["compute_s"],
-                                                    link.measured_time("send_recv", 2, 64.0))
+            per_micro = pipeline_microbatch_seconds(pl["m"], pl["step_s"], pl["compute_s"], message_s)
             sources.append(f"a pipeline schedule's work per microbatch and stage: {per_micro * 1e6:.1f} us (1F1B over "
                            f"{pl['m'][0]} and {pl['m'][-1]} microbatches: {pl['step_s'][0] * 1e3:.2f} and "
                            f"{pl['step_s'][-1] * 1e3:.2f} ms)")

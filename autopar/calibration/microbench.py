@@ -247,13 +247,12 @@ OP_SIZES = ((16, 1024), (256, 1024))  # (rows, width): 16 Ki and 256 Ki elements
 OP_REPEATS = 3  # windows per op and size (a slope over two sizes; ``autopar calibrate`` stays within a minute)
 
 
-def _op_probe(name: str, rows: int, width: int, device: torch.device, pool: torch.Tensor | None = None):
+def _op_probe(name: str, rows: int, width: int, device: torch.device, pool: torch.Tensor):
     """(forward callable returning the output, elements) of op ``name`` on a [rows, width] input;
     elements: the largest of its input and output numels (as ``planner.costing`` counts them).
     Cold operands, as for the matmuls (``COLD_BYTES``): each call takes the next of as many
-    operand sets as fill that much memory (views into ``pool``; one process here, 256 Ki
+    operand sets as fill ``pool`` (views into it; one process here, 256 Ki
     elements, forward + backward: GELU 2.01 ns per element cold vs 1.66 warm, an add 0.81 vs 0.46)."""
-    pool = pool if pool is not None else torch.randn(COLD_BYTES // 4, device=device)
     per = 2 * rows * width
     copies = max(1, min(64, pool.numel() // per))
     turns = [_op_operands(name, pool[i * per: (i + 1) * per].view(2, rows, width), device) for i in range(copies)]

@@ -20,8 +20,8 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.ir import (LOCAL_OUTPUTS_KEY, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
-                        prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
-from autopar.layouts import Partial, Replicate, local_numel, local_shape, replicated, split_factor
+                        pending_loss, prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
+from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work,
@@ -398,10 +398,11 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         per_micro = 1.0 if U.name in batch else m  # how many times the traced-size bytes move
         # a gradient sum this op can hand back to its parameters (``ir.gradient_sink_params``)
         sink = tuple(p.meta["autopar.outputs"][0] for p in gradient_sink_params(U.node)) if needs_grad else ()
-        if loss_value and meta.numel == 1:
+        loss_value = loss_value and meta.numel == 1
+        if loss_value:
             per_micro = m  # the runtime reduces each microbatch's loss value
         value = ("act", meta.shape, ctx.act_bytes(meta) / max(meta.numel, 1), needs_grad, per_micro,
-                 2.0 if in_recompute else 1.0, written, sink, loss_value and meta.numel == 1)
+                 2.0 if in_recompute else 1.0, written, sink, loss_value)
         u_ids = [intern.setdefault(k, len(intern)) for k in u_layouts]
     v_ids = [(intern.setdefault(lin, len(intern)), intern.setdefault(lgrad, len(intern))) for lin, lgrad in v_layouts]
     nu, nv = len(u_layouts), len(v_layouts)
@@ -473,8 +474,7 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
             out.append(("blocking", REFUSED_RESHARD_S, ()))  # the op would write into a copy
         if edge is not None:
             src, dst, gsrc, gdst = edge
-            if loss_value and all(isinstance(p, (Partial, Replicate)) for p in src):
-                # (``insert_collectives_pass`` leaves such a loss pending; the runtime reduces it)
+            if loss_value and pending_loss(src):  # the runtime reduces it while backward runs
                 add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap_bwd", per_micro)
             else:
                 add(reshard_time(meta, src, dst, ctx) if src != dst else {}, "blocking", per_micro * fwd_times)
