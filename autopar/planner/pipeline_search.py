@@ -16,8 +16,8 @@ The search, in order:
 
 With ``pp`` given, the constraints fix the microbatch count (default ``2 * pp`` where the batch
 allows) and the schedule (default 1F1B). A plan without ``pp`` on several nodes also weighs
-pipelines (``free_pipeline_candidates``, ``best_of``): stage counts, 1F1B or interleaved 1F1B,
-then the microbatch count of the fastest.
+pipelines (``planner.free_pipelines``): stage counts, 1F1B or interleaved 1F1B, then the
+microbatch count of the fastest.
 """
 from __future__ import annotations
 
@@ -34,22 +34,15 @@ from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
-                                    V_SCHEDULES, cut_model, cut_stages, in_flight, local_bytes, schedule_step_time,
-                                    stage_rank)
+                                    V_SCHEDULES, cut_model, cut_stages, in_flight, local_bytes, message_seconds,
+                                    messages_seconds, schedule_step_time, stage_rank)
 
-__all__ = ["search_pipeline_plan", "stage_cluster", "message_seconds", "default_microbatches", "virtual_stages", "free_pipeline_candidates",
-           "best_of", "MAX_FREE_PIPELINES"]
+__all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages"]
 
 GiB = 2**30
 # the per-operator plans of stage submeshes, per planning inputs: a schedule compared with another
 # on the same submesh and microbatches reuses it (least recently planned dropped first)
 _INNER: OrderedDict = OrderedDict()
-# at most this many stage counts are searched for a plan without ``pp`` (each costs one
-# per-operator search of a submesh)
-MAX_FREE_PIPELINES = 5
-# memory rounds per stage count weighed for a plan without pp (a stage count that needs more is
-# left out; with pp= given, ``_MEMORY_ROUNDS``)
-FREE_MEMORY_ROUNDS = 3
 
 
 def stage_cluster(cluster: Cluster, pp: int):
@@ -66,19 +59,6 @@ def stage_cluster(cluster: Cluster, pp: int):
             f"pp={pp} does not split the cluster's {cluster.nodes} nodes x {cluster.devices_per_node} devices into equal "
             f"stages (whole nodes per stage, or a share of one node); choose pp dividing {cluster.nodes} (the node count)")
     return sub, link.effective_bandwidth, message_seconds(link)
-
-
-def message_seconds(link):
-    """Seconds of one stage-to-stage message of n bytes over ``link``: its calibrated ``send_recv``
-    times (``LinkSpec.measured_time``, interpolated), else its ``send_recv`` latency + bytes /
-    bandwidth (the link's own where that kind was not fitted)."""
-    def seconds(nbytes: float) -> float:
-        measured = link.measured_time("send_recv", 2, nbytes) if link.collective_table else None
-        if measured is not None:
-            return measured
-        latency, bandwidth = link.collective("send_recv")
-        return latency + nbytes / bandwidth
-    return seconds
 
 
 def virtual_stages(schedule: str, asked: int | None) -> int:
@@ -224,7 +204,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # per microbatch and boundary: each tensor crossing it forward, and each gradient crossing it
     # back, one message (``message_seconds``); on the critical path, one microbatch crosses every
     # boundary and the other m - 1 queue on the slowest one
-    sends = [_messages_s(send_s, b / m, gb / m, nf, nb) + g / m
+    sends = [messages_seconds(send_s, b / m, gb / m, nf, nb) + g / m
              for b, g, (nf, nb, gb) in zip(cut.boundary_bytes, cut.boundary_gather_s, cut.boundary_messages)]
     p2p = sum(sends) + (m - 1) * max(sends, default=0.0)
     # inside the schedule: the submesh plan's compute (without the updates and the recomputed
@@ -276,14 +256,6 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
             zero2_reductions=1 if any(whole_grads) else None).items()))
     return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks, comm_bytes,
                    send_layouts(traced.graph, cut, n_stages))
-
-
-def _messages_s(send_s, fwd_bytes: float, bwd_bytes: float, fwd_messages: int, bwd_messages: int) -> float:
-    """Seconds of one microbatch's messages over a boundary: ``fwd_messages`` tensors of
-    ``fwd_bytes`` in all forward, ``bwd_messages`` gradients of ``bwd_bytes`` back (torch's
-    pipelining sends each tensor as its own message)."""
-    fwd = fwd_messages * send_s(fwd_bytes / fwd_messages) if fwd_messages else 0.0
-    return fwd + (bwd_messages * send_s(bwd_bytes / bwd_messages) if bwd_messages else 0.0)
 
 
 def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float], list[float]]:
@@ -351,20 +323,25 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         inner_c = dataclasses.replace(inner_c, recompute=True)
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
+
+    def priced_at(scale: float, inner_c: Constraints) -> _Priced:
+        """The pipeline over a submesh plan made with ``scale`` devices' worth of memory."""
+        roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
+        inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
+        return _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, send_s, budget,
+                      per_rank_recompute=c.recompute is None)
+
     scale = float(pp)  # the submesh plan's memory: pp devices' worth, shrunk below while a rank overflows
     priced = unshrunk = None
     for _ in range(memory_rounds or _MEMORY_ROUNDS):
-        roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
         try:
-            inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
+            priced = priced_at(scale, inner_c)
         except NoFeasiblePlanError:
             break  # a smaller budget than any per-operator plan needs: the last overflow is the answer
-        priced = _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, send_s, budget,
-                        per_rank_recompute=c.recompute is None)
         worst = max(priced.peaks)
         if worst <= budget:
             break
-        if not inner.recompute and c.recompute is None and inner_c.recompute is None:
+        if not priced.inner.recompute and c.recompute is None and inner_c.recompute is None:
             inner_c = dataclasses.replace(inner_c, recompute=True)  # Megatron's PTD-P recomputes, for this reason
             continue
         if unshrunk is None:
@@ -374,11 +351,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         raise NoFeasiblePlanError(f"pp={pp}: no per-operator plan of a stage's {sub.world_size} devices fits")
     if unshrunk is not None and memory_rounds is None:
         # the memory was shrunk for every stage alike: ZeRO on the overflowing ranks' stages alone may fit, or be faster
-        per_stage = _zero_per_stage(unshrunk, budget, pp, lambda inner_cs: _price(
-            traced, blocks, *_inner_plan(traced, dataclasses.replace(sub, device=dataclasses.replace(
-                sub.device, memory_bytes=int(sub.device.memory_bytes * pp))), inner_cs, precision, optimizer, solver,
-                progress, inner_search), pp, v, m, schedule, link_bw, send_s, budget,
-            per_rank_recompute=c.recompute is None))
+        per_stage = _zero_per_stage(unshrunk, budget, pp, lambda inner_cs: priced_at(float(pp), inner_cs))
         if per_stage is not None and (max(priced.peaks) > budget or per_stage.step_s < priced.step_s):
             priced = per_stage
     worst = max(range(pp), key=lambda r: priced.peaks[r])
@@ -495,131 +468,3 @@ def _compute_dtype(precision) -> str:
 
 def _r(x: float) -> float:
     return float(f"{float(x):.9g}")
-
-
-def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[Constraints]:
-    """The pipeline configurations a plan without ``pp`` also weighs, on a multi-node cluster
-    of a model with repeated blocks: ``pp`` dividing both the node count (whole nodes per stage)
-    and the number of repeated blocks (balanced stages), tensor parallel inside a node
-    (``devices_per_node``, as Megatron's PTD-P: the rest of each stage's devices data
-    parallel), one sample per microbatch per replica (the smallest bubble for the batch); all of
-    them, smallest ``pp`` first (``best_of`` decides which to price). None when the
-    constraints fix a decision these would override (microbatches, a schedule, dp and tp both)."""
-    from autopar.planner.blocks import find_repeated_blocks
-    from autopar.planner.constraint_filter import pin_key
-
-    batch = traced.global_batch
-    if cluster.nodes < 2 or not batch or c.pp == 1 or c.schedule is not None or c.microbatches is not None \
-            or c.virtual_stages:
-        return []
-    blocks = find_repeated_blocks(traced.graph, pin_key(c))
-    layers = max((len(v) for v in blocks.blocks.values()), default=0)
-    if layers < 2:
-        return []
-    tp = c.tp or cluster.devices_per_node
-    out = []
-    for pp in range(2, cluster.nodes + 1):
-        if cluster.nodes % pp or layers % pp or cluster.world_size % (pp * tp):
-            continue
-        dp = cluster.world_size // (pp * tp)
-        if (c.dp is not None and c.dp != dp) or batch % dp:
-            continue
-        out.append(dataclasses.replace(c, pp=pp, tp=tp, dp=dp, microbatches=batch // dp, schedule="1f1b"))
-    return out
-
-
-def _spread(n: int) -> list[int]:
-    """Indices of ``MAX_FREE_PIPELINES`` of ``n`` sorted candidates, spread evenly, ends included."""
-    if n <= MAX_FREE_PIPELINES:
-        return list(range(n))
-    step = (n - 1) / (MAX_FREE_PIPELINES - 1)
-    return sorted({round(i * step) for i in range(MAX_FREE_PIPELINES)})
-
-
-def best_of(single: Plan | None, failure: Exception | None, candidates: list[Constraints], traced, cluster: Cluster, *,
-            precision, optimizer, solver, progress, inner_search) -> Plan:
-    """The fastest of the single-stage plan (None: ``failure`` says why there is none) and the
-    pipeline plans of ``candidates`` (sorted by ``pp``): ``MAX_FREE_PIPELINES`` of them spread
-    over the range, then the neighbours of the fastest until it stops moving, each under 1F1B
-    and interleaved 1F1B, then the fastest's microbatch count halved while that is faster; every
-    alternative's outcome is listed in the plan's solver report."""
-    from autopar.planner.ilp import InfeasibleProblem
-
-    tried: list[tuple[str, str]] = []
-    best_pipe, best_c = None, None  # the fastest pipeline plan and its constraints
-    # memory binds on one stage's devices already: a stage holding pp microbatches recomputes too
-    # (PTD-P's choice), so its per-operator plan starts there rather than finding out
-    recompute_first = single is None or bool(single.recompute_blocks)
-
-    def price(cand, schedules=("1f1b", "interleaved-1f1b")) -> float | None:
-        """Price ``cand`` under each of ``schedules``; its fastest step time (None: none fits)."""
-        nonlocal best_pipe, best_c
-        fastest = None
-        for schedule in schedules:
-            c = dataclasses.replace(cand, schedule=schedule)
-            label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
-            try:
-                plan = search_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
-                                            solver=solver, progress=progress, inner_search=inner_search,
-                                            memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first)
-            except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
-                tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
-                continue
-            tried.append((label, f"{plan.predicted.step_time_s * 1e3:.3f} ms/step, peak "
-                                 f"{plan.predicted.peak_memory_bytes / GiB:.2f} GiB, bubble {plan.bubble_fraction * 100:.1f}%"))
-            if best_pipe is None or plan.predicted.step_time_s < best_pipe.predicted.step_time_s * (1 - 1e-9):
-                best_pipe, best_c = plan, c
-            if fastest is None or plan.predicted.step_time_s < fastest:
-                fastest = plan.predicted.step_time_s
-        return fastest
-
-    # a spread of stage counts first; then the nearest untried counts either side of the fastest
-    # (past those that did not fit), while the fastest moves
-    # (the step time is close to unimodal in pp: bubble and sends grow with it, per-stage work shrinks)
-    times: dict[int, float | None] = {}
-    for i in _spread(len(candidates)):
-        times[i] = price(candidates[i])
-    while True:
-        priced = [i for i, t in times.items() if t is not None]
-        if not priced:
-            break
-        top = min(priced, key=lambda i: times[i])
-        fresh = []
-        for step in (-1, 1):  # the nearest untried count each way, past counts that did not fit
-            j = top + step
-            while j in times and times[j] is None:
-                j += step
-            if 0 <= j < len(candidates) and j not in times:
-                fresh.append(j)
-        if not fresh:
-            break
-        for j in fresh:
-            times[j] = price(candidates[j])
-    # then the microbatch count of the fastest pipeline (faster than the single-stage plan or not),
-    # halved while that is faster: fewer, larger microbatches make a larger bubble but cost less per
-    # microbatch (sends' latency, smaller matmuls' efficiency, ZeRO's gathers and reductions)
-    while best_c is not None:
-        m = best_c.microbatches // 2
-        batch = traced.global_batch
-        if best_c.microbatches % 2 or m < best_c.pp or (batch // m) % (best_c.dp or 1):
-            break
-        before = best_c
-        price(dataclasses.replace(best_c, microbatches=m), schedules=(best_c.schedule,))
-        if best_c is before:
-            break
-    best = single
-    if best_pipe is not None and (single is None or best_pipe.predicted.step_time_s
-                                  < single.predicted.step_time_s * (1 - 1e-9)):
-        best = best_pipe
-    if best is None:
-        raise failure
-    # every alternative weighed: the single-stage search's, then the pipelines'
-    report = dataclasses.replace(best.solver, candidates=(single.solver.candidates if single is not None else ())
-                                 + tuple(tried))
-    notes = best.notes
-    if best is not single:
-        why = ("no single-stage plan fits" if single is None else
-               f"{single.predicted.step_time_s / best.predicted.step_time_s:.2f}x the speed of the best single-stage plan "
-               f"({single.predicted.step_time_s * 1e3:.1f} ms/step)")
-        notes = notes + (f"pipelined: {why}",)
-    return dataclasses.replace(best, solver=report, notes=notes)

@@ -321,9 +321,9 @@ def search_plan(
 ) -> Plan | float:
     """The best plan under ``constraints``: with ``pp`` given, a pipeline plan
     (``pipeline_search``); otherwise the best single-stage plan and, on a multi-node cluster,
-    the pipeline plans ``pipeline_search.free_pipeline_candidates`` proposes, whichever is
+    the pipeline plans ``free_pipelines.free_pipeline_candidates`` proposes, whichever is
     predicted fastest (``_with_pipelines=False``: single-stage only)."""
-    from autopar.planner import pipeline_search
+    from autopar.planner import free_pipelines, pipeline_search
 
     if (constraints.pp or 1) > 1:
         mesh_candidates(cluster, constraints)  # the degrees are checked before any search
@@ -332,7 +332,7 @@ def search_plan(
                                                     inner_search=search_plan)
     kwargs = dict(constraints=constraints, precision=precision, optimizer=optimizer, solver=solver, progress=progress,
                   _with_baseline=_with_baseline, _with_free=_with_free, _cache=_cache, _step_time_only=_step_time_only)
-    candidates = (pipeline_search.free_pipeline_candidates(traced, cluster, constraints)
+    candidates = (free_pipelines.free_pipeline_candidates(traced, cluster, constraints)
                   if _with_pipelines and not _step_time_only else [])
     if not candidates:
         return _search_single_stage(traced, cluster, **kwargs)
@@ -340,7 +340,7 @@ def search_plan(
         single, failure = _search_single_stage(traced, cluster, **kwargs), None
     except NoFeasiblePlanError as exc:
         single, failure = None, exc
-    return pipeline_search.best_of(single, failure, candidates, traced, cluster, precision=precision,
+    return free_pipelines.best_of(single, failure, candidates, traced, cluster, precision=precision,
                                    optimizer=optimizer, solver=solver, progress=progress, inner_search=search_plan)
 
 

@@ -10,6 +10,8 @@ Pure functions over a traced graph and the per-operator plan of one stage's subm
   ``compute_s``) plus sending what crosses each of its boundaries (activations forward,
   their gradients back) over the link between stages; the cut minimises the slowest stage
   (exact dynamic program over the allowed cuts, ties to fewer bytes sent).
+* Messages (``message_seconds``, ``messages_seconds``): each tensor crossing a boundary is its own
+  message per microbatch (a gradient back for each that has one), at the link's ``send_recv`` time.
 * Schedules (``schedule_step_time``, ``in_flight``): GPipe and 1F1B run ``m`` microbatches
   through ``p`` stages in ``sum(t_s) + (m - 1) * max(t_s)`` (bubble ``(p - 1) / (m + p - 1)``
   for balanced stages, Narayanan et al. 2021); interleaved schedules divide the bubble by the
@@ -29,6 +31,7 @@ from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
 __all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
+           "message_seconds", "messages_seconds",
            "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES",
            "ZERO_BUBBLE_W_SHARE", "local_bytes"]
 
@@ -224,6 +227,27 @@ def cut_stages(graph: fx.Graph, cm: CutModel, stages: int) -> StageCut:
                     tuple(float(cm.gather[b]) for b in bounds[1:-1]), dict(cm.sent),
                     tuple((int(cm.messages[b]), int(cm.grad_messages[b]), float(cm.grad_crossing[b]))
                           for b in bounds[1:-1]))
+
+
+def message_seconds(link):
+    """Seconds of one stage-to-stage message of n bytes over ``link``: its calibrated ``send_recv``
+    times (``LinkSpec.measured_time``, interpolated), else its ``send_recv`` latency + bytes /
+    bandwidth (the link's own where that kind was not fitted)."""
+    def seconds(nbytes: float) -> float:
+        measured = link.measured_time("send_recv", 2, nbytes) if link.collective_table else None
+        if measured is not None:
+            return measured
+        latency, bandwidth = link.collective("send_recv")
+        return latency + nbytes / bandwidth
+    return seconds
+
+
+def messages_seconds(send_s, fwd_bytes: float, bwd_bytes: float, fwd_messages: int, bwd_messages: int) -> float:
+    """Seconds of one microbatch's messages over a boundary: ``fwd_messages`` tensors of
+    ``fwd_bytes`` in all forward, ``bwd_messages`` gradients of ``bwd_bytes`` back (torch's
+    pipelining sends each tensor as its own message)."""
+    fwd = fwd_messages * send_s(fwd_bytes / fwd_messages) if fwd_messages else 0.0
+    return fwd + (bwd_messages * send_s(bwd_bytes / bwd_messages) if bwd_messages else 0.0)
 
 
 def stage_rank(stage: int, ranks: int, schedule: str) -> int:
