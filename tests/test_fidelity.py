@@ -130,3 +130,23 @@ def test_fewest_recomputed_instances_match_brute_force(monkeypatch, curve):
         assert len(ev.recompute) == want, (budget, len(ev.recompute), want)
         assert ev.recompute == frozenset(prefixes[:want])
         assert len(calls) <= 2 + 2 * math.ceil(math.log2(n)) + 1
+
+
+PIPELINE_CASES = [("gpt", "pp_1f1b"), ("gpt", "pp_interleaved"), ("gpt", "pp_zbv"), ("gpt", "pp_recompute"),
+                  ("mlp", "pp_gpipe")]
+
+
+@pytest.mark.slow
+def test_every_pipeline_rank_peaks_where_its_plan_says():
+    """pp=2 x dp=2: each rank's measured peak within 15% of its pipeline rank's prediction (its
+    stages' state, the activations each of its stages holds under the schedule's order, torch's
+    receive buffers and, under the multi-stage schedules, the sends held to the step's end)."""
+    results = autopar.launch(fidelity_suite, 4, PIPELINE_CASES)
+    failures = []
+    for i, (model, family) in enumerate(PIPELINE_CASES):
+        assert results[0][i]["stages"] > 1
+        for rank, per_rank in enumerate(results):
+            ratio = per_rank[i]["peak"] / per_rank[i]["predicted_peak"]
+            if not 1 / 1.15 <= ratio <= 1.15:
+                failures.append(f"{model} {family} rank {rank}: measured / predicted {ratio:.2f}")
+    assert not failures, "\n".join(failures)

@@ -48,9 +48,12 @@ from autopar.runtime.prefetch import MAX_INFLIGHT as _ZERO3_INFLIGHT  # noqa: E4
 
 @dataclass
 class MemoryEstimate:
+    """``kept_by_node``: the bytes alive at the end of forward (what backward needs, and the
+    loss), by the node whose forward made them: a pipeline stage keeps its own nodes' share."""
     peak_bytes: float
     categories: dict[str, float] = field(default_factory=dict)
     peak_phase: str = ""
+    kept_by_node: dict[str, float] = field(default_factory=dict)
 
     @property
     def persistent_bytes(self) -> float:
@@ -197,6 +200,7 @@ class _Sim:
         self.where = ""
         self.size: dict[int, float] = {}
         self.phase_of: dict[int, str] = {}
+        self.owner: dict[int, str] = {}  # storage -> the node (``where``) that allocated it
         self.refs: dict[int, int] = {}
         self.live = {"fwd": 0.0, "bwd": 0.0}
         self.max = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
@@ -208,6 +212,7 @@ class _Sim:
         self.next += 1
         self.size[sid] = nbytes
         self.phase_of[sid] = phase
+        self.owner[sid] = self.where
         self.refs[sid] = refs
         self.live[phase] += nbytes
         return sid
@@ -275,6 +280,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     region_first: dict[str, int] = {}  # recompute instance -> first storage id made inside it
     # ------------------------------------------------------------------ forward
     for name, kind, meta, batch, n_uses in sk.placeholders:
+        sim.where = name
         lay = strat[name].outs[0]
         if kind in ("input", "target") and meta is not None and any(
                 isinstance(p, Shard) and k > 1 for p, k in zip(lay, mesh)):
@@ -375,6 +381,9 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                 sim.unref(sid)  # the reshard's output had this one use
             sim.unref(val.get((inp.producer, inp.index)))
     fwd_peak = sim.max["fwd"]
+    kept_by_node: dict[str, float] = {}
+    for sid, size in sim.size.items():
+        kept_by_node[sim.owner[sid]] = kept_by_node.get(sim.owner[sid], 0.0) + size
     # ------------------------------------------------------------------ backward
     grad_of: dict[int, int] = {}  # value storage -> its gradient's storage
     inflight: list[int] = []
@@ -496,7 +505,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     phase = sim.max_phase if sim.max["total"] >= opt_step else "optimizer"
     categories = dict(persistent)
     categories.update(activations=fwd_peak, backward=sim.max["bwd"], optimizer_step=opt_step)
-    return MemoryEstimate(sum(persistent.values()) + peak, categories, phase)
+    return MemoryEstimate(sum(persistent.values()) + peak, categories, phase, kept_by_node)
 
 
 def _prefetch_dim(inp: _In, src, s, i: int, sizes: _Sizes) -> int | None:

@@ -34,7 +34,7 @@ from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
-                                    V_SCHEDULES, cut_model, cut_stages, in_flight, local_bytes, message_seconds,
+                                    V_SCHEDULES, cut_model, cut_stages, held_per_stage, in_flight, local_bytes, message_seconds,
                                     messages_seconds, schedule_step_time, stage_rank)
 
 __all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages"]
@@ -111,6 +111,19 @@ def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
     return state, kept, working - kept
 
 
+def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, produced: list[float]) -> list[float]:
+    """Per stage, its share of the activations kept for backward: of the bytes alive at the end
+    of the submesh plan's forward, those its own nodes made (``MemoryEstimate.kept_by_node``);
+    by the bytes its operators produce where the simulation gave none."""
+    per = [0.0] * n_stages
+    for name, nbytes in kept_by_node.items():
+        per[stage_of(name)] += nbytes
+    total = sum(per)
+    if total <= 0.0:
+        per, total = list(produced), sum(produced) or 1.0
+    return [x / total for x in per]
+
+
 def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: str, link_bw: float,
            send_s, budget: float, per_rank_recompute: bool) -> _Priced:
     """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
@@ -159,14 +172,21 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     total_produced = sum(produced) or 1.0
     with_rc = _memory_parts(dict(inner.predicted.memory_bytes), inner.predicted.peak_memory_bytes)
     without_rc = with_rc
+    kept_with = kept_without = _kept_per_stage(att.evaluation.memory.kept_by_node, stage_of, n_stages, produced)
     if chosen and per_rank_recompute:
         from autopar.planner.evaluate import evaluate
 
         ev = evaluate(problem, choice, frozenset())
         without_rc = _memory_parts(ev.memory.categories, ev.peak_bytes)
+        kept_without = _kept_per_stage(ev.memory.kept_by_node, stage_of, n_stages, produced)
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     owned = [[p for p in inner.params.values() if stage_of(p.node) == s] for s in range(n_stages)]
     loss_rank = rank_of[n_stages - 1]
+
+    held_sends = schedule in MULTI_STAGE_SCHEDULES
+    copies = schedule in SPLIT_BACKWARD_SCHEDULES
+    fwd_send = [cut.boundary_bytes[s] / m if s < n_stages - 1 else 0.0 for s in range(n_stages)]
+    bwd_send = [cut.boundary_messages[s - 1][2] / m if s > 0 else 0.0 for s in range(n_stages)]
 
     def peak_of(r: int, recomputes: bool) -> float:
         """Rank ``r``'s stages' state, the activations of its microbatches in flight, p2p buffers."""
@@ -174,6 +194,14 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         mine = [s for s in range(n_stages) if rank_of[s] == r]
         pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
         ashare = sum(produced[s] for s in mine) / total_produced
+        shares = kept_with if recomputes else kept_without
+        # the activations of the microbatches each stage holds; under torch's multi-stage
+        # schedules (_PipelineScheduleRuntime) every send of the step also lives until its end:
+        # an output sent is one of those activations until its backward, unless the stage sends
+        # a copy (split-backward schedules, runtime.pipeline), and every input gradient sent
+        held = max(sum(kept * shares[s] * h + held_sends * ((f if copies else b) * fwd_send[s] + b * bwd_send[s])
+                       for s, h, f, b in zip(mine, moment.held, moment.forwards, moment.backwards))
+                   for moment in held_per_stage(schedule, r, pp, m, v))
         # torch.distributed.pipelining allocates every microbatch's receive buffers up front: the
         # activations a stage receives and the gradients it receives for what it sends, each the
         # whole step's boundary bytes (m microbatches of 1/m)
@@ -182,7 +210,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         # the transient: whole where the loss starts backward, and on a rank that recomputes (a
         # block's saved set is re-created there, one block at a time); elsewhere its share
         whole = r == loss_rank or recomputes
-        return (state * pshare + kept * ashare * in_flight(schedule, r, pp, m, v)
+        return (state * pshare + held
                 + (transient if whole else transient * ashare) + buffers)
 
     # split-backward schedules hold ZeRO-2 gradients whole until one reduce-scatter after the

@@ -30,7 +30,7 @@ import torch.fx as fx
 from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
-__all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "stage_rank",
+__all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "held_per_stage", "stage_rank",
            "message_seconds", "messages_seconds",
            "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES",
            "ZERO_BUBBLE_W_SHARE", "local_bytes"]
@@ -135,9 +135,12 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
         else:
             continue
         if isinstance(node.meta.get("val"), (tuple, list)):
-            if any(u.target is not operator.getitem for u in node.users if u.name in pos):
-                blocked[first + 1: last + 1] += 1  # a container used whole: keep it in one stage
-            continue  # otherwise its getitems carry the bytes (each runs with it, in its stage)
+            # a container used whole stays in one stage; otherwise its getitems carry the bytes,
+            # and each runs in its stage: no cut between the container and its last getitem
+            whole = any(u.target is not operator.getitem for u in node.users if u.name in pos)
+            items = [pos[u.name] for u in node.users if u.name in pos and u.target is operator.getitem]
+            blocked[first + 1: (last if whole else max(items, default=first)) + 1] += 1
+            continue
         placed = placements.get(node.name)
         layout = placed.outs[0] if placed is not None and placed.outs else None
         nbytes = local_bytes(node, layout, mesh_sizes)
@@ -320,3 +323,75 @@ def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, virtual: 
     if schedule == "dualpipev":
         return min(float(m), p + 0.5)
     return min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) / v
+
+
+
+@dataclass(frozen=True)
+class HeldMoment:
+    """One moment of a rank's schedule, per local stage (ascending stage order): the microbatches
+    whose activations it holds, and the forwards and backwards it has run so far."""
+    held: tuple[float, ...]
+    forwards: tuple[int, ...]
+    backwards: tuple[int, ...]
+
+
+def _rank_order(schedule: str, r: int, p: int, m: int, v: int) -> list[tuple[int, int]] | None:
+    """Rank ``r``'s (local stage, +1 forward / -1 backward) in torch.distributed.pipelining's order,
+    for the schedules whose order decides which stage holds what (None: the others)."""
+    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
+        # forwards by rounds of ``per_round`` microbatches from the first local stage; after the
+        # warm-up, one forward and one backward at a time, backwards from the last local stage
+        per_round = m // max(1, m // p)
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), m * v)
+        order = []
+        for op in range(m * v):
+            order.append(((op // per_round) % v, 1))
+            if op >= warmup:
+                order.append((v - 1 - ((op - warmup) // per_round) % v, -1))
+        return order
+    if schedule == "zbv":
+        # chunk 0 is stage r, chunk 1 stage 2p-1-r (ScheduleZBVZeroBubble's warm-up and steady state)
+        order, f = [], [0, 0]
+
+        def fwd(c):
+            if f[c] < m:
+                f[c] += 1
+                order.append((c, 1))
+
+        for _ in range(2 * (p - r) - 1):
+            fwd(0)
+        for _ in range(r):
+            fwd(1)
+            fwd(0)
+        for _ in range(p - r):
+            fwd(1)
+            order.append((1, -1))
+        while f[1] < f[0] or f[0] < m:
+            fwd(0)
+            order.append((0, -1))
+            fwd(1)
+            order.append((1, -1))
+        return order
+    return None
+
+
+def held_per_stage(schedule: str, rank: int, ranks: int, microbatches: int, virtual: int = 1) -> list[HeldMoment]:
+    """The moments of rank ``rank``'s schedule at which its peak may fall (after each forward, and
+    its end): per
+    local stage, what it holds and what it has sent. A rank's kept activations peak at ``max over
+    moments of sum_j share_j * held_j`` (the stage with the loss weighs by its own count, not the
+    rank's average, ``in_flight``). Schedules without a per-stage order (GPipe, 1F1B, DualPipeV)
+    hold ``in_flight`` on every stage."""
+    m, p, v, r = microbatches, ranks, virtual, rank
+    order = _rank_order(schedule, r, p, m, v)
+    if order is None:
+        return [HeldMoment((in_flight(schedule, r, p, m, v),) * v, (m,) * v, (0,) * v)]
+    held, fwd, bwd = [0] * v, [0] * v, [0] * v
+    moments = []
+    for j, step in order:
+        held[j] += step
+        (fwd if step > 0 else bwd)[j] += 1
+        if step > 0:
+            moments.append(HeldMoment(tuple(float(h) for h in held), tuple(fwd), tuple(bwd)))
+    moments.append(HeldMoment(tuple(float(h) for h in held), tuple(fwd), tuple(bwd)))  # the end: every send made
+    return moments

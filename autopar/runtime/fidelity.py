@@ -9,6 +9,7 @@ Models: ``mlp`` (parameter dominated: ``zoo.ResidualMLP``, 4 wide pre-norm resid
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -144,8 +145,8 @@ def fidelity_misses(r: dict, peak_tol: float = 0.15, category_tol: float = 0.20)
 
 
 def worst_rank(per_rank: list[dict]) -> dict:
-    """The rank whose measured peak is furthest above its prediction."""
-    return max(per_rank, key=lambda r: r["peak"] / max(r["predicted_peak"], 1.0))
+    """The rank whose measured peak is furthest from its prediction, above or below."""
+    return max(per_rank, key=lambda r: abs(math.log(max(r["peak"], 1.0) / max(r["predicted_peak"], 1.0))))
 
 
 def tight_memory_worker(memory_bytes: int, constraints: dict | None = None, steps: int = 4) -> dict[str, Any]:
