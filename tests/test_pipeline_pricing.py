@@ -136,6 +136,41 @@ def test_zero_per_stage_shards_only_the_ranks_that_need_it():
     assert plan.stages[1 - over].peak_memory_bytes == pytest.approx(free.stages[1 - over].peak_memory_bytes)
 
 
+def test_zero_per_stage_in_the_free_plans_pipeline_search():
+    """The free plan's pipelines (fewer memory rounds) weigh ZeRO per stage too, unless the
+    pipeline before it, which ZeRO can only slow, is already no faster than the best plan found."""
+    from autopar.planner.free_pipelines import FREE_MEMORY_ROUNDS
+    from autopar.planner.pipeline_search import search_pipeline_plan
+    from autopar.planner.search import search_plan
+
+    plan, free, usable = _per_stage_zero_plan()
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    traced = trace_model(model, x, loss_fn=loss, example_target=y)
+    from autopar.planner.search import USABLE_MEMORY_FRACTION
+
+    base = autopar.Cluster.local(4, calibrated=False)
+    tight = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(usable / USABLE_MEMORY_FRACTION)))
+    c = autopar.Constraints(pp=2, dp=2, recompute=False)
+
+    def search(to_beat_s):
+        return search_pipeline_plan(traced, tight, constraints=c, precision="fp32", optimizer="adamw",
+                                    solver=autopar.SolverConfig(), inner_search=search_plan,
+                                    memory_rounds=FREE_MEMORY_ROUNDS, to_beat_s=to_beat_s)
+
+    weighed = search(None)
+    over = max(range(2), key=lambda i: free.stages[i].peak_memory_bytes)
+    assert [p.zero_axes for p in weighed.stages[1 - over].params] == [p.zero_axes for p in free.stages[1 - over].params]
+    assert any(p.zero_axes for p in weighed.stages[over].params)
+    assert weighed.fingerprint == plan.fingerprint
+    # a plan to beat that the pipeline before ZeRO does not beat: not tried (the shrunk plan, or none)
+    try:
+        bounded = search(free.predicted.step_time_s * 0.5)
+    except autopar.NoFeasiblePlanError:
+        return
+    assert bounded.fingerprint != weighed.fingerprint
+
+
 def _per_stage_zero_suite(plan_json: str):
     from autopar.runtime.parity import parity_worker
 

@@ -83,10 +83,12 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
         for schedule in schedules:
             c = dataclasses.replace(cand, schedule=schedule)
             label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
+            beat = [p.predicted.step_time_s for p in (single, best_pipe) if p is not None]
             try:
                 plan = search_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
                                             solver=solver, progress=progress, inner_search=inner_search,
-                                            memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first)
+                                            memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first,
+                                            to_beat_s=min(beat, default=None))
             except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
                 tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
                 continue

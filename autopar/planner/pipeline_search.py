@@ -315,7 +315,7 @@ def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[lis
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
                          progress=None, inner_search, memory_rounds: int | None = None,
-                         recompute_first: bool = False) -> Plan:
+                         recompute_first: bool = False, to_beat_s: float | None = None) -> Plan:
     """The pipeline plan for ``constraints.pp`` stages (see the module docstring).
     ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back).
 
@@ -323,6 +323,8 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     pipeline rank's peak (its stages' state, activations of its microbatches in flight) then
     exceeds the device, it is made again with recompute (unless the constraints fix it), then
     with that budget shrunk by the overshoot, up to ``memory_rounds`` (``_MEMORY_ROUNDS``) times.
+    ``to_beat_s``: the step time of the best plan found so far (the free plan's search): ZeRO per
+    stage is not tried where the pipeline before it, which it can only slow, is no faster.
     ``recompute_first``: start with recompute (the single-stage plan needed it already). Unless the
     constraints fix recompute, only the ranks that overflow without it recompute (``_price``)."""
     from autopar.planner.blocks import find_repeated_blocks
@@ -377,7 +379,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
         scale *= budget / worst * 0.97
     if priced is None:
         raise NoFeasiblePlanError(f"pp={pp}: no per-operator plan of a stage's {sub.world_size} devices fits")
-    if unshrunk is not None and memory_rounds is None:
+    if unshrunk is not None and (to_beat_s is None or unshrunk[0].step_s < to_beat_s):
         # the memory was shrunk for every stage alike: ZeRO on the overflowing ranks' stages alone may fit, or be faster
         per_stage = _zero_per_stage(unshrunk, budget, pp, lambda inner_cs: priced_at(float(pp), inner_cs))
         if per_stage is not None and (max(priced.peaks) > budget or per_stage.step_s < priced.step_s):
@@ -408,6 +410,8 @@ def _zero_per_stage(unshrunk, budget: float, pp: int, price) -> "_Priced | None"
     if inner_c.zero is not None or inner_c.zero_params:
         return None  # the user chose ZeRO
     over = {r for r in range(pp) if priced.peaks[r] > budget}
+    if len(over) == pp:
+        return None  # every rank overflows: the memory shrunk for every stage alike is the per-stage plan
     names = sorted({p.fqn for s, ps in enumerate(priced.owned) if priced.rank_of[s] in over for p in ps})
     for level in ZERO_PER_STAGE:
         try:
