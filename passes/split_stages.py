@@ -10,10 +10,12 @@ Invariants of the result (``split_stages``):
 
 * stage ``s``'s graph takes, in order, its own parameters and buffers (the placeholders the plan
   puts in stage ``s``), then what it receives: for stage 0 the program's batch inputs (and
-  target), for ``s > 0`` exactly the values stage ``s - 1`` returns, in the same order;
+  target), for ``s > 0`` exactly the values stage ``s - 1`` returns, in the same order, then
+  the batch inputs it uses itself (``fed_names``: every rank holds the batch, so a later stage
+  takes what it uses of it directly rather than through the stages before it);
 * a stage other than the last returns the values live across its end boundary (produced in a
-  stage ``<= s`` and used in a stage ``> s``), in program order; the last returns what the
-  program returns;
+  stage ``<= s`` and used in a stage ``> s``, batch inputs excepted), in program order; the last
+  returns what the program returns;
 * every node runs in exactly one stage, at or after the stage of each of its inputs; parameter
   and buffer placeholders keep their names (checkpoints and the store find them by name).
 """
@@ -39,6 +41,7 @@ class StageProgram:
     state_names: tuple[str, ...]  # parameter / buffer placeholders this stage owns, in order
     input_names: tuple[str, ...]  # what it receives (stage 0: the program's batch inputs)
     output_names: tuple[str, ...]  # what it sends on (the last stage: the program's outputs)
+    fed_names: tuple[str, ...] = ()  # batch inputs a later stage takes directly, after what it receives
 
 
 def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[str]) -> dict[str, int]:
@@ -107,23 +110,24 @@ def split_stages(program: fx.GraphModule, planned: dict[str, int], state: set[st
     for n in nodes:
         for a in n.all_input_nodes:
             last_use[a.name] = max(last_use.get(a.name, -1), stage[n.name])
-    # values live across boundary b (between stages b and b + 1)
+    batch = [n for n in nodes if n.op == "placeholder" and n.name not in state]
+    # values live across boundary b (between stages b and b + 1); the batch is fed, not sent
     crossing: list[list[fx.Node]] = []
     for b in range(stages - 1):
-        live = [n for n in nodes if n.name not in state and n.op != "output" and stage[n.name] <= b
+        live = [n for n in nodes if n.op not in ("output", "placeholder") and stage[n.name] <= b
                 and last_use.get(n.name, -1) > b]
         for n in live:
             if _is_container(n):
                 raise StageSplitError(f"'{n.name}' crosses the boundary after stage {b} but is not a tensor")
         crossing.append(sorted(live, key=lambda n: position[n.name]))
-    batch = [n for n in nodes if n.op == "placeholder" and n.name not in state]
     result = []
     for s in range(stages):
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         own = [n for n in nodes if n.op == "placeholder" and n.name in state and stage[n.name] == s]
         received = batch if s == 0 else crossing[s - 1]
-        for n in own + received:
+        fed = [] if s == 0 else [n for n in batch if any(stage[u.name] == s for u in n.users)]
+        for n in own + received + fed:
             ph = g.placeholder(n.name)
             ph.meta = dict(n.meta)
             env[n] = ph
@@ -139,7 +143,8 @@ def split_stages(program: fx.GraphModule, planned: dict[str, int], state: set[st
             outputs = tuple(n.name for n in crossing[s])
         gm = fx.GraphModule(program, g)
         gm.meta.update(program.meta)
-        result.append(StageProgram(s, gm, tuple(n.name for n in own), tuple(n.name for n in received), outputs))
+        result.append(StageProgram(s, gm, tuple(n.name for n in own), tuple(n.name for n in received), outputs,
+                                   tuple(n.name for n in fed)))
     return result
 
 

@@ -390,6 +390,8 @@ CASES_2 = [
     ("gpt", {"pp": 2, "schedule": "zbv"}, "sgd"),
     ("gpt", {"pp": 2, "schedule": "dualpipev", "microbatches": 8}, "adamw"),
     ("gpt", {"pp": 2, "recompute": True}, "sgd"),
+    ("routed_mlp", {"pp": 2}, "adamw"),
+    ("routed_mlp", {"pp": 2, "schedule": "zbv"}, "sgd"),
 ]
 CASES_4 = [
     ("gpt", {"pp": 4}, "sgd"),
@@ -432,6 +434,27 @@ def test_split_backward_schedules_reduce_zero2_gradients_once():
     whole, after, per_micro = _zero2_held_whole(inner, ctx, [params, []], "zbv")
     assert whole == [2000.0, 0.0] and after[0] > 0 == after[1] and 0 < per_micro[0] <= after[0]
     assert _zero2_held_whole(inner, ctx, [params, []], "1f1b") == ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
+
+
+def test_integer_boolean_and_detached_values_cross_a_stage_boundary():
+    """The routed MLP's cut sends an int64 index, a bool mask and a detached float (in floating
+    carriers, ``runtime.pipeline.to_carrier``); the target is not sent, the last stage takes it
+    from the batch (``passes.split_stages``: ``fed_names``). Parity: ``CASES_2``."""
+    from autopar.runtime.pipeline import carrier_dtype, from_carrier, to_carrier
+
+    plan, model, batches, loss = _plan("routed_mlp", 2, pp=2)
+    x, y = batches[0]
+    traced = trace_model(model, (x,), loss_fn=loss, example_target=y)
+    planned = {n.name: s.index for s in plan.stages for n in s.nodes}
+    programs = split_stages(traced.gm, planned, set(traced.param_fqns) | set(traced.buffer_fqns), 2)
+    nodes = {n.name: n for n in traced.graph.nodes}
+    sent = [nodes[n].meta["autopar.outputs"][0].dtype for n in programs[0].output_names]
+    assert torch.int64 in sent and torch.bool in sent, sent
+    assert programs[1].fed_names == (traced.target_name,) and traced.target_name not in programs[0].output_names
+    for t in (torch.tensor([[3], [-1]]), torch.tensor([True, False]), torch.tensor([7, 9], dtype=torch.int32)):
+        carried = to_carrier(t)
+        assert carried.is_floating_point() and carried.dtype == carrier_dtype(t.dtype)
+        assert torch.equal(from_carrier(carried, t.dtype), t)
 
 
 def _check(results):

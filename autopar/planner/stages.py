@@ -6,12 +6,14 @@ Pure functions over a traced graph and the per-operator plan of one stage's subm
 * A cut sits between two operators in program order. It is allowed where no parameter or buffer
   is used on both sides (a parameter belongs to one stage), no recomputed block instance
   straddles it (its checkpoint is one region) and no multi-output value crosses it unindexed.
+  Batch inputs never cross: each stage that uses one takes it from the batch.
 * A stage costs the forward + backward compute of its operators (the per-operator plan's
   ``compute_s``) plus sending what crosses each of its boundaries (activations forward,
   their gradients back) over the link between stages; the cut minimises the slowest stage
   (exact dynamic program over the allowed cuts, ties to fewer bytes sent).
 * Messages (``message_seconds``, ``messages_seconds``): each tensor crossing a boundary is its own
-  message per microbatch (a gradient back for each that has one), at the link's ``send_recv`` time.
+  message per microbatch, and so is its gradient back (zeros for a value without one: the
+  runtime's protocol on every torch version), at the link's ``send_recv`` time.
 * Schedules (``schedule_step_time``, ``in_flight``): GPipe and 1F1B run ``m`` microbatches
   through ``p`` stages in ``sum(t_s) + (m - 1) * max(t_s)`` (bubble ``(p - 1) / (m + p - 1)``
   for balanced stages, Narayanan et al. 2021); interleaved schedules divide the bubble by the
@@ -90,7 +92,7 @@ class CutModel:
     gather: np.ndarray  # gather[c]: seconds per step regathering what crosses cut c in pieces
     sent: dict  # traced node name -> the layout it crosses a cut in, where not its own
     messages: np.ndarray  # messages[c]: tensors crossing cut c forward (one message each per microbatch)
-    grad_messages: np.ndarray  # grad_messages[c]: of those, the ones whose gradient crosses back
+    grad_messages: np.ndarray  # grad_messages[c]: the gradients crossing back (one per value: zeros where it has none)
     grad_crossing: np.ndarray  # grad_crossing[c]: their bytes per device per step
 
     def stage_times(self, bounds: list[int]) -> list[float]:
@@ -128,12 +130,10 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
         if node.op == "placeholder":
             if node.meta.get("autopar.kind") in ("param", "buffer"):  # every use in one stage
                 blocked[min(users) + 1: last + 1] += 1
-                continue
-            first = 0  # a batch input enters at stage 0 and is passed on to its last user
-        elif node.name in pos:
-            first = pos[node.name]
-        else:
+            continue  # a batch input is fed to every stage that uses it (passes.split_stages), not sent
+        if node.name not in pos:
             continue
+        first = pos[node.name]
         if isinstance(node.meta.get("val"), (tuple, list)):
             # a container used whole stays in one stage; otherwise its getitems carry the bytes,
             # and each runs in its stage: no cut between the container and its last getitem
@@ -144,15 +144,15 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
         placed = placements.get(node.name)
         layout = placed.outs[0] if placed is not None and placed.outs else None
         nbytes = local_bytes(node, layout, mesh_sizes)
-        choice = boundary(node, layout, nbytes) if boundary is not None and node.op != "placeholder" else None
+        choice = boundary(node, layout, nbytes) if boundary is not None else None
         if choice is not None:
             sent[node.name], nbytes, regather = choice
             gather[first + 1: last + 1] += regather
         crossing[first + 1: last + 1] += nbytes
         messages[first + 1: last + 1] += 1
-        if node.meta.get("autopar.needs_grad") and node.op != "placeholder":
-            grad_messages[first + 1: last + 1] += 1
-            grad_crossing[first + 1: last + 1] += nbytes
+        # every value takes a gradient message back (zeros where it has none: runtime.pipeline)
+        grad_messages[first + 1: last + 1] += 1
+        grad_crossing[first + 1: last + 1] += nbytes
     for inst in set((recompute_instances or {}).values()):
         members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
         if members:

@@ -110,6 +110,12 @@ def build_case(name: str, seed: int = 0):
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(16, 21, generator=g), torch.randn(16, 3, generator=g)) for _ in range(8)]
         return OddMLP(), batches, torch.nn.functional.mse_loss
+    if name == "routed_mlp":  # integer, boolean and detached values cross a pipeline cut
+        from autopar.runtime.zoo import RoutedResidualMLP
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(8)]
+        return RoutedResidualMLP(), batches, torch.nn.functional.cross_entropy
     if name == "mlp":
         from examples.mlp import MLP, example_batch, mlp_loss
 

@@ -7,10 +7,16 @@ Invariants:
   (``local_stages``: one for GPipe and 1F1B, ``virtual_stages`` looped or in a V otherwise;
   stages outermost in the ``("pp", "dp", "tp")`` mesh); inside a stage it is the rank of the
   submesh the per-operator plan was made for, and the stage programs' collectives run there;
-* the batch enters at stage 0 only: each input is cut into the plan's microbatches, each
-  microbatch sharded by the input's layout, and the shards joined again so that the schedule's
-  even split along dim 0 hands microbatch ``i`` its shard; the target travels with the
-  activations to the last stage, where the program computes the loss;
+* the batch enters at stage 0: each input is cut into the plan's microbatches, each microbatch
+  sharded by the input's layout, and the shards joined again so that the schedule's even split
+  along dim 0 hands microbatch ``i`` its shard; a later stage that uses a batch input (the last
+  one, the target) takes it the same way from the batch every rank holds, through the
+  schedule's keyword inputs (``FED_PREFIX``), rather than through the stages before it;
+* one protocol on every torch version (2.11's ``PipelineStage`` makes every receive buffer
+  require a gradient and sends one back for each): every value crossing a boundary travels as a
+  floating tensor that takes a gradient, an integer or boolean value in a floating carrier of
+  the same bytes (``to_carrier``, restored on arrival); a value without a gradient of its own
+  gets zeros back (``_ZeroGradsFor``), which its sender drops (``_DependOn``);
 * the last stage's loss for microbatch ``i`` is the program's (partial over the submesh, as
   without pipelining); the schedule backpropagates it scaled by ``d(global loss)/d(its loss)``,
   so the gradients equal one device's; gradient sync over the submesh runs once per step: a
@@ -23,6 +29,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import weakref
@@ -72,12 +79,71 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+FED_PREFIX = "autopar_fed_"  # the schedule's keyword inputs: batch inputs a later stage takes directly
+
+
+def carrier_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The floating dtype a value of ``dtype`` crosses a stage boundary in (itself if floating):
+    the float of the same width (the bytes reinterpreted), float32 for one-byte values (converted:
+    every bool, int8 and uint8 is exact in it)."""
+    if dtype.is_floating_point:
+        return dtype
+    return {8: torch.float64, 4: torch.float32, 2: torch.float16}.get(dtype.itemsize, torch.float32)
+
+
+def to_carrier(t: torch.Tensor) -> torch.Tensor:
+    carrier = carrier_dtype(t.dtype)
+    if carrier is t.dtype:
+        return t
+    return t.contiguous().view(carrier) if carrier.itemsize == t.dtype.itemsize else t.to(carrier)
+
+
+def from_carrier(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype is dtype:
+        return t
+    return t.view(dtype) if t.dtype.itemsize == dtype.itemsize else t.to(dtype)
+
+
+class _ZeroGradsFor(torch.autograd.Function):
+    """``x`` unchanged, and a zero gradient for each of ``others`` (received values), added to
+    whatever else they get (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return x.clone()  # not a view: split-backward schedules detach the stage's outputs in place
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
+
+
+class _DependOn(torch.autograd.Function):
+    """``sent`` (a value without a gradient of its own) as a copy that takes one, through
+    ``anchor``: the zeros the receiving stage returns for it go to ``anchor`` and add nothing."""
+
+    @staticmethod
+    def forward(ctx, sent, anchor):
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return sent.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.anchor
+        return None, torch.zeros(shape, dtype=dtype, device=device)
+
+
 class _StageModule(torch.nn.Module):
     """What ``PipelineStage`` runs: the stage program fed this rank's state and what it receives.
-    Stage 0 receives the batch's tensors; its constant (non-tensor) inputs are bound here."""
+    Stage 0 receives the batch's tensors; its constant (non-tensor) inputs are bound here. A later
+    stage also takes the batch inputs it uses (``prog.fed_names``) from the schedule's keyword
+    inputs, or from ``fed_constants`` for those that are not split by microbatch."""
 
     def __init__(self, prog: StageProgram, state: Callable[[], list], run, constants: dict[int, object], last: bool,
-                 params: list[torch.nn.Parameter], copy_outputs: bool = False):
+                 params: list[torch.nn.Parameter], copy_outputs: bool = False, received=(), sent=(),
+                 fed_constants: dict | None = None):
+        """``received`` / ``sent``: per tensor crossing in / out, ``(dtype, whether a gradient
+        flows)`` as the program has it (the boundary carries it in ``carrier_dtype``)."""
         super().__init__()
         self._copy_outputs = copy_outputs
         self.prog = prog.gm
@@ -85,25 +151,70 @@ class _StageModule(torch.nn.Module):
         self._run = run
         self._constants = constants
         self._last = last
+        self._received = tuple(received)
+        self._sent_dtypes = tuple(d for d, _ in sent)
+        self._fed = prog.fed_names
+        self._fed_constants = fed_constants if fed_constants is not None else {}
         # the stage's parameters (the store's, not copies): zero-bubble schedules take the weight
         # gradients of ``parameters()`` apart from the input gradients
         for i, p in enumerate(params):
             self.register_parameter(f"param{i}", p)
 
-    def forward(self, *received):
-        args = [_DenseGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in received]
+    def forward(self, *received, **fed):
+        # every received value takes a gradient back, zeros at least (see the module docstring):
+        # one that has none of its own, or whose uses do not reach the outputs (a value passed on
+        # detached), would otherwise leave torch without the gradient it sends
+        args, anchored = [], []
+        for i, t in enumerate(received):
+            if isinstance(t, torch.Tensor) and i < len(self._received):
+                dtype, wants_grad = self._received[i]
+                if t.requires_grad:
+                    anchored.append(t)
+                    if not (wants_grad and t.dtype is dtype):
+                        t = t.detach()
+                t = from_carrier(t, dtype)
+                if t.requires_grad:
+                    t = _DenseGrad.apply(t)
+            args.append(t)
         for i in sorted(self._constants):
             args.insert(i, self._constants[i])
+        args += [fed[FED_PREFIX + n] if FED_PREFIX + n in fed else self._fed_constants[n] for n in self._fed]
         out = self._run()(self._state() + args, self.prog)
         if self._last:  # as (1,): the schedule concatenates the microbatches' outputs
-            return (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
+            loss = (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
+            return _ZeroGradsFor.apply(loss, *anchored) if anchored else loss
         # sent as is: a view (a transpose, a slice) must first be laid out densely. Zero-bubble
         # schedules detach the outputs in place after the input gradients, while the weight
         # gradients may still need them (a value the stage also saved): those get a copy
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        outs = tuple(t.clone(memory_format=torch.contiguous_format) if self._copy_outputs else t.contiguous()
-                     for t in outs)
-        return outs if isinstance(out, (tuple, list)) else outs[0]
+        outs = [to_carrier(t.clone(memory_format=torch.contiguous_format) if self._copy_outputs else t.contiguous())
+                for t in outs]
+        anchor = next((t for t in outs if t.requires_grad), None)
+        if anchor is None:
+            anchor = next((t for t in list(received) + self._state() if isinstance(t, torch.Tensor) and t.requires_grad),
+                          None)
+        if anchor is not None:
+            outs = [t if t.requires_grad else _DependOn.apply(t, anchor) for t in outs]
+        if anchored:
+            k = next((j for j, t in enumerate(outs) if t.requires_grad), 0)
+            outs[k] = _ZeroGradsFor.apply(outs[k], *anchored)
+        return tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
+
+
+@functools.cache
+def _stage_class():
+    """torch's ``PipelineStage``, less one 2.11 failure: its warm-up exchanges a message with
+    each neighbouring stage, the neighbour on the same rank included (V schedules run stages
+    ``p-1`` and ``p`` on one rank), which gloo cannot send to itself. Later versions warm up
+    otherwise and never call this method for a ``PipelineStage``."""
+    from torch.distributed import pipelining
+
+    class Stage(pipelining.PipelineStage):
+        def _get_init_p2p_neighbors_ops(self):
+            me = dist.get_rank()
+            return [op for op in super()._get_init_p2p_neighbors_ops() if getattr(op, "peer", None) != me]
+
+    return Stage
 
 
 class PipelineRunner:
@@ -140,16 +251,21 @@ class PipelineRunner:
         # program on placeholder values to infer them (torch's dynamic inference would: a real
         # forward and backward on uninitialised buffers, collectives and buffer updates included)
         batch_metas, metas = _boundary_metas(self.programs, program, plan, comm, input_layouts)
+        self.fed_constants: dict[str, object] = {}  # batch inputs fed whole to a later stage (not split)
+        self.fed_names = sorted({n for i in self.mine for n in self.programs[i].fed_names})
         self.pipe_stages = []
         for index in self.mine:
             prog = self.programs[index]
             last = index == self.n_stages - 1
+            crossing_in = [] if index == 0 else [(t.dtype, t.requires_grad) for t in metas[index - 1]]
+            crossing_out = [] if last else [(t.dtype, t.requires_grad) for t in metas[index]]
             module = _StageModule(prog, _state_of(store, prog.state_names), run, self.constants, last,
                                   [store.slots[n].local for n in prog.state_names if n in store.slots],
-                                  copy_outputs=plan.schedule in SPLIT_BACKWARD_SCHEDULES)
-            ins = batch_metas if index == 0 else metas[index - 1]
-            outs = [torch.empty((1,), device="meta", requires_grad=True)] if last else metas[index]
-            self.pipe_stages.append(pipelining.PipelineStage(module, index, self.n_stages, device, input_args=tuple(ins),
+                                  copy_outputs=plan.schedule in SPLIT_BACKWARD_SCHEDULES, received=crossing_in,
+                                  sent=crossing_out, fed_constants=self.fed_constants)
+            ins = batch_metas if index == 0 else [_as_carried(t) for t in metas[index - 1]]
+            outs = [torch.empty((1,), device="meta", requires_grad=True)] if last else [_as_carried(t) for t in metas[index]]
+            self.pipe_stages.append(_stage_class()(module, index, self.n_stages, device, input_args=tuple(ins),
                                                              output_args=tuple(outs), group=pp_group))
         cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
         options = {}
@@ -169,9 +285,20 @@ class PipelineRunner:
         self.first = 0 in self.mine
         self.last = self.n_stages - 1 in self.mine
 
+    def _local_batch(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Batch input ``x`` cut into microbatches, each sharded by the input's layout, joined
+        again so the schedule's even split along dim 0 hands microbatch ``i`` its shard."""
+        m = self.microbatches
+        x = x.to(self.device)
+        layout = self.input_layouts.get(name)
+        parts = x.chunk(m, dim=0) if x.dim() else [x] * m
+        if len(parts) != m:
+            raise AutoparError(f"input '{name}' of batch {x.shape[0]} cannot be cut into {m} microbatches")
+        local = [shard_tensor(p, layout, self.comm) if layout is not None else p for p in parts]
+        return torch.cat(local, dim=0) if x.dim() else local[0]
+
     def _stage0_inputs(self, feed: dict) -> list[torch.Tensor]:
         """The batch as stage 0 hands it to the schedule (see the module docstring)."""
-        m = self.microbatches
         out = []
         self.constants.clear()
         for i, name in enumerate(self.batch_names):
@@ -179,21 +306,28 @@ class PipelineRunner:
             if not isinstance(x, torch.Tensor):
                 self.constants[i] = x
                 continue
-            x = x.to(self.device)
-            layout = self.input_layouts.get(name)
-            parts = x.chunk(m, dim=0) if x.dim() else [x] * m
-            if len(parts) != m:
-                raise AutoparError(f"input '{name}' of batch {x.shape[0]} cannot be cut into {m} microbatches")
-            local = [shard_tensor(p, layout, self.comm) if layout is not None else p for p in parts]
-            out.append(torch.cat(local, dim=0) if x.dim() else local[0])
+            out.append(self._local_batch(name, x))
         return out
+
+    def _fed_inputs(self, feed: dict) -> dict[str, torch.Tensor]:
+        """The batch inputs this rank's later stages take directly, as the schedule's keyword
+        inputs (split by microbatch as stage 0's are); others (not tensors, or 0-d) whole."""
+        kwargs = {}
+        self.fed_constants.clear()
+        for name in self.fed_names:
+            x = feed[name]
+            if isinstance(x, torch.Tensor) and x.dim():
+                kwargs[FED_PREFIX + name] = self._local_batch(name, x)
+            else:
+                self.fed_constants[name] = x.to(self.device) if isinstance(x, torch.Tensor) else x
+        return kwargs
 
     def step(self, feed: dict) -> list[torch.Tensor]:
         """Forward and backward of every microbatch. ``feed``: batch placeholder name -> value
         (used where stage 0 runs). Returns the last stage's per-microbatch local losses (empty on
         the ranks that do not run it)."""
         self._values = []
-        kwargs = {}
+        kwargs = self._fed_inputs(feed)
         if self.last:
             kwargs["target"] = torch.zeros(self.microbatches, device=self.device)  # the program holds the real one
             kwargs["losses"] = []
@@ -233,6 +367,12 @@ def _meta_of(node, plan, comm, input_layouts: dict) -> torch.Tensor | None:
     local = shard_tensor(full, layout, comm) if layout is not None else full
     grad = bool(node.meta.get("autopar.needs_grad", False)) and meta.dtype.is_floating_point
     return torch.empty(local.shape, dtype=meta.dtype, device="meta", requires_grad=grad)
+
+
+def _as_carried(t: torch.Tensor) -> torch.Tensor:
+    """The meta tensor torch's stage sends or receives for ``t``: in its ``carrier_dtype``, with
+    a gradient (see the module docstring)."""
+    return torch.empty(t.shape, dtype=carrier_dtype(t.dtype), device="meta", requires_grad=True)
 
 
 def _boundary_metas(programs, program, plan, comm, input_layouts) -> tuple[list, list[list[torch.Tensor]]]:

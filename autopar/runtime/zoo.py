@@ -7,6 +7,9 @@ convolutions, BatchNorm (its running statistics are buffers updated in place), p
 ``OddMLP``: no parameter dim divisible by 2 or 4, one smaller than 4 (ZeRO-3 must shard unevenly).
 ``ResidualMLP``: parameter-dominated pre-norm residual MLP blocks over [batch, sequence, dim]
 (a transformer without attention: sequence parallelism has a norm output to split).
+``RoutedResidualMLP``: residual layers whose first one also picks, per token, an integer index and
+a boolean mask (routing-like values, no gradient) that the last layer reads: a pipeline cut between
+them sends an integer, a boolean and a detached float across.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -215,3 +218,23 @@ class ResidualMLP(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class RoutedResidualMLP(nn.Module):
+    """Residual MLP layers over [batch, dim]; the first layer's output also chooses, per row, one
+    feature (``argmax``: int64), a sign mask (bool) and a detached scale, which the head uses."""
+
+    def __init__(self, d: int = 16, hidden: int = 32, layers: int = 4, classes: int = 5):
+        super().__init__()
+        self.layers = nn.ModuleList(_MLPBlock(d, hidden) for _ in range(layers))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        pick = h.argmax(-1, keepdim=True)  # integer, no gradient
+        positive = h > 0  # boolean
+        scale = h.abs().mean(-1, keepdim=True).detach() + 1.0  # floating, no gradient
+        for layer in self.layers[1:]:
+            h = layer(h)
+        h = torch.where(positive, h, 0.5 * h) / scale + 0.1 * h.gather(-1, pick)
+        return self.head(h)
