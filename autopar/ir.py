@@ -16,7 +16,7 @@ from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "GRAD_SYNC_KEY",
+__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -170,6 +170,15 @@ def batch_norm_split(layout: Layout, mesh_shape) -> tuple[tuple[int, ...], tuple
     comm model prices with this one rule."""
     split = [(a, p.dim == 1) for a, (p, k) in enumerate(zip(layout, mesh_shape)) if isinstance(p, Shard) and k > 1]
     return tuple(a for a, ch in split if not ch), tuple(a for a, ch in split if ch)
+
+
+def training_batch_norms(graph: fx.Graph) -> list[str]:
+    """The modules of ``graph``'s batch norms in training mode (their statistics are the
+    batch's: a microbatch's differ, so they cannot be split into microbatches exactly)."""
+    from autopar.strategies.rules import OpView, _op_name
+
+    return [n.meta.get("autopar.module") or n.name for n in graph.nodes
+            if n.op == "call_function" and _op_name(n) == "batch_norm" and OpView(n).arg("training", False)]
 
 
 def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tuple[str, int, float, bool]]:

@@ -423,6 +423,40 @@ def test_cli_run_bad_flags(tmp_path, capsys):
     assert "--nproc must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("constraints", [{"microbatches": 2}, {"pp": 2}])
+def test_microbatches_over_a_training_batch_norm_are_refused(constraints):
+    """Microbatches would give each batch norm a microbatch's statistics (and count its batches
+    once per microbatch): a different model, so refused, naming the module; data parallelism
+    keeps the batch's statistics and plans."""
+    from autopar.runtime.zoo import SmallCNN
+
+    x = torch.randn(8, 3, 16, 16)
+    with pytest.raises(ConstraintError, match=r"batch norm of module '[\w.]+'.*microbatch.*GroupNorm"):
+        autopar.plan(SmallCNN(), Cluster.local(2), x, loss_fn=F.cross_entropy, example_target=torch.randint(0, 10, (8,)),
+                     constraints=Constraints(**constraints))
+    plan = autopar.plan(SmallCNN(), Cluster.local(2), x, loss_fn=F.cross_entropy,
+                        example_target=torch.randint(0, 10, (8,)), constraints=Constraints(dp=2))
+    assert plan.microbatches == 1
+
+
+def test_pipeline_of_tied_weights_names_the_parameter():
+    """A parameter belongs to one stage: tied input and output embeddings leave no cut between
+    their uses, and the stage after the head would hold nothing. Refused, naming the tied weight."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+
+        def forward(self, idx):
+            return self.layers(self.embed(idx)) @ self.embed.weight.t()
+
+    idx = torch.randint(0, 32, (8, 4))
+    loss = lambda out, y: F.cross_entropy(out.reshape(-1, 32), y.reshape(-1))  # noqa: E731
+    with pytest.raises(ConstraintError, match=r"'embed.weight' is used at both ends.*tie"):
+        autopar.plan(Tied(), Cluster.local(2), idx, loss_fn=loss, example_target=idx, constraints=Constraints(pp=2))
+
+
 def test_every_error_here_is_an_autopar_value_error():
     for kind in (ClusterSpecError, ConstraintError, PlanFormatError, PlanMismatchError, TraceError):
         assert issubclass(kind, AutoparError) and issubclass(kind, ValueError)

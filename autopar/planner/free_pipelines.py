@@ -33,9 +33,11 @@ def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[C
     from autopar.planner.blocks import find_repeated_blocks
     from autopar.planner.constraint_filter import pin_key
 
+    from autopar.ir import training_batch_norms
+
     batch = traced.global_batch
     if cluster.nodes < 2 or not batch or c.pp == 1 or c.schedule is not None or c.microbatches is not None \
-            or c.virtual_stages:
+            or c.virtual_stages or training_batch_norms(traced.graph):  # (a batch norm needs the whole batch)
         return []
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
     layers = max((len(v) for v in blocks.blocks.values()), default=0)

@@ -111,6 +111,27 @@ def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
     return state, kept, working - kept
 
 
+def _no_parameters_message(graph, n_stages: int, empty: list[int]) -> str:
+    """Why a cut into ``n_stages`` leaves stages ``empty`` without parameters: a parameter
+    belongs to one stage, so one used far apart (tied weights: an embedding reused as the output
+    head) forbids every cut between its uses."""
+    pos = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.op == "call_function")}
+    uses = {}
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.meta.get("autopar.kind") == "param":
+            used = [pos[u.name] for u in n.users if u.name in pos]
+            if used:
+                uses[n.meta.get("autopar.fqn", n.name)] = (min(used), max(used))
+    # wide: spanning more than half of where the parameters are used
+    lo, hi = min((a for a, _ in uses.values()), default=0), max((b for _, b in uses.values()), default=0)
+    wide = sorted((name for name, (a, b) in uses.items() if b - a > (hi - lo) // 2), key=lambda k: uses[k][0] - uses[k][1])
+    why = (f"the parameter {', '.join(repr(w) for w in wide[:2])} is used at both ends of the model (tied weights, "
+           "e.g. an embedding reused as the output head) and a parameter belongs to one stage, so no cut falls between "
+           "its uses; untie it (e.g. a Hugging Face config's tie_word_embeddings=False) or use fewer stages"
+           if wide else "the model has too few parameterised operators to spread; use fewer stages")
+    return f"a cut into {n_stages} pipeline stages leaves stage {empty[0]} without parameters: {why}"
+
+
 def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, produced: list[float]) -> list[float]:
     """Per stage, its share of the activations kept for backward: of the bytes alive at the end
     of the submesh plan's forward, those its own nodes made (``MemoryEstimate.kept_by_node``);
@@ -181,6 +202,8 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         kept_without = _kept_per_stage(ev.memory.kept_by_node, stage_of, n_stages, produced)
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     owned = [[p for p in inner.params.values() if stage_of(p.node) == s] for s in range(n_stages)]
+    if not all(owned):
+        raise ConstraintError(_no_parameters_message(traced.graph, n_stages, [s for s in range(n_stages) if not owned[s]]))
     loss_rank = rank_of[n_stages - 1]
 
     held_sends = schedule in MULTI_STAGE_SCHEDULES

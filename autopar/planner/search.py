@@ -325,6 +325,7 @@ def search_plan(
     predicted fastest (``_with_pipelines=False``: single-stage only)."""
     from autopar.planner import free_pipelines, pipeline_search
 
+    _refuse_microbatched_batch_norm(traced, constraints)
     if (constraints.pp or 1) > 1:
         mesh_candidates(cluster, constraints)  # the degrees are checked before any search
         return pipeline_search.search_pipeline_plan(traced, cluster, constraints=constraints, precision=precision,
@@ -342,6 +343,25 @@ def search_plan(
         single, failure = None, exc
     return free_pipelines.best_of(single, failure, candidates, traced, cluster, precision=precision,
                                    optimizer=optimizer, solver=solver, progress=progress, inner_search=search_plan)
+
+
+def _refuse_microbatched_batch_norm(traced: TracedGraph, c: Constraints) -> None:
+    """Microbatches (gradient accumulation, pipelines) change what a batch norm in training
+    computes: a microbatch's statistics, not the batch's. Refused rather than trained apart from
+    the model as written."""
+    from autopar.ir import training_batch_norms
+
+    asked = [f"{k}={v}" for k, v in (("microbatches", c.microbatches), ("pp", c.pp)) if (v or 1) > 1]
+    if not asked:
+        return
+    norms = training_batch_norms(traced.graph)
+    if norms:
+        raise ConstraintError(
+            f"{' and '.join(asked)} splits each batch into microbatches, but the batch norm of module {norms[0]!r}"
+            f"{f' (and {len(norms) - 1} more)' if len(norms) > 1 else ''} normalises over the whole batch in training: "
+            "over a microbatch it would compute other statistics and train a different model. Use microbatches=1 and "
+            "pp=1 (data, tensor and ZeRO parallelism keep the batch's statistics), or replace BatchNorm with GroupNorm "
+            "or LayerNorm")
 
 
 def _search_single_stage(
