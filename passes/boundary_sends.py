@@ -21,7 +21,7 @@ import torch.fx as fx
 from autopar.ir import reshard
 from autopar.layouts import format_layout, grad_layout, parse_layout
 from autopar.passes.outline_recompute import outlined_graph
-from autopar.passes.split_stages import stage_of_nodes
+from autopar.passes.split_stages import shared_state, stage_of_nodes
 
 __all__ = ["insert_boundary_sends"]
 
@@ -57,7 +57,7 @@ def insert_boundary_sends(program: fx.GraphModule, plan, planned: dict[str, int]
     if not sends:
         return planned
     planned = dict(planned)
-    stage = stage_of_nodes(program, planned, state)
+    stage = stage_of_nodes(program, planned, state, shared_state(plan))
     placements = plan.nodes
     for s, name, pieces in sends:
         found = _top_level(program, name)

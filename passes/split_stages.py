@@ -9,7 +9,7 @@ boundary).
 Invariants of the result (``split_stages``):
 
 * stage ``s``'s graph takes, in order, its own parameters and buffers (the placeholders the plan
-  puts in stage ``s``), then what it receives: for stage 0 the program's batch inputs (and
+  puts in stage ``s``, and the shared ones it uses), then what it receives: for stage 0 the program's batch inputs (and
   target), for ``s > 0`` exactly the values stage ``s - 1`` returns, in the same order, then
   the batch inputs it uses itself (``fed_names``: every rank holds the batch, so a later stage
   takes what it uses of it directly rather than through the stages before it);
@@ -17,7 +17,8 @@ Invariants of the result (``split_stages``):
   stage ``<= s`` and used in a stage ``> s``, batch inputs excepted), in program order; the last
   returns what the program returns;
 * every node runs in exactly one stage, at or after the stage of each of its inputs; parameter
-  and buffer placeholders keep their names (checkpoints and the store find them by name).
+  and buffer placeholders keep their names (checkpoints and the store find them by name); only
+  a shared parameter appears in several stages.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-__all__ = ["StageProgram", "split_stages", "stage_of_nodes", "StageSplitError"]
+__all__ = ["StageProgram", "split_stages", "stage_of_nodes", "shared_state", "StageSplitError"]
 
 
 class StageSplitError(RuntimeError):
@@ -44,12 +45,23 @@ class StageProgram:
     fed_names: tuple[str, ...] = ()  # batch inputs a later stage takes directly, after what it receives
 
 
-def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[str]) -> dict[str, int]:
+def shared_state(plan) -> frozenset[str]:
+    """The parameter placeholders a pipeline plan puts in several stages (tied weights)."""
+    seen: dict[str, int] = {}
+    for s in plan.stages:
+        for p in s.params:
+            seen[p.node] = seen.get(p.node, 0) + 1
+    return frozenset(n for n, k in seen.items() if k > 1)
+
+
+def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[str],
+                   shared: frozenset[str] = frozenset()) -> dict[str, int]:
     """Each program node's stage: the plan's where it names the node; a ``getitem`` runs with
     what it indexes; a node the passes inserted (a collective, a cast, an outlined recompute
     block) runs with its earliest user, so what crosses a boundary is a value the plan placed
     (in its planned layout). State placeholders (``state``) go to the stage of their first user,
-    other placeholders (the batch) to stage 0."""
+    other placeholders (the batch) to stage 0. A state placeholder may be used in later stages
+    only if it is ``shared`` (a tied parameter: each of those stages holds a copy)."""
     nodes = list(program.graph.nodes)
     last = max(planned.values(), default=0)
     stage: dict[str, int] = {}
@@ -78,7 +90,7 @@ def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[
                 raise StageSplitError(f"node '{n.name}' runs in stage {stage[n.name]} but uses '{a.name}' from the later "
                                       f"stage {stage[a.name]}")
     for n in nodes:
-        if n.op == "placeholder" and n.name in state:
+        if n.op == "placeholder" and n.name in state and n.name not in shared:
             late = [u.name for u in n.users if u.op != "output" and stage[u.name] != stage[n.name]]
             if late:
                 raise StageSplitError(f"'{n.name}' is used in stage {stage[n.name]} and by '{late[0]}' in stage "
@@ -98,11 +110,12 @@ def _planned_inside(program: fx.GraphModule, n: fx.Node, planned: dict[str, int]
     return stages.pop() if stages else None
 
 
-def split_stages(program: fx.GraphModule, planned: dict[str, int], state: set[str], stages: int) -> list[StageProgram]:
+def split_stages(program: fx.GraphModule, planned: dict[str, int], state: set[str], stages: int,
+                 shared: frozenset[str] = frozenset()) -> list[StageProgram]:
     """``program`` cut into ``stages`` stage programs (see the module docstring). ``planned``:
     the plan's stage of each traced node; ``state``: the names of parameter and buffer
-    placeholders."""
-    stage = stage_of_nodes(program, planned, state)
+    placeholders; ``shared``: those of them every stage that uses them holds (tied parameters)."""
+    stage = stage_of_nodes(program, planned, state, shared)
     nodes = list(program.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
     position = {n.name: i for i, n in enumerate(nodes)}
@@ -124,7 +137,8 @@ def split_stages(program: fx.GraphModule, planned: dict[str, int], state: set[st
     for s in range(stages):
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        own = [n for n in nodes if n.op == "placeholder" and n.name in state and stage[n.name] == s]
+        own = [n for n in nodes if n.op == "placeholder" and n.name in state
+               and (stage[n.name] == s or n.name in shared and any(stage[u.name] == s for u in n.users))]
         received = batch if s == 0 else crossing[s - 1]
         fed = [] if s == 0 else [n for n in batch if any(stage[u.name] == s for u in n.users)]
         for n in own + received + fed:

@@ -439,9 +439,9 @@ def test_microbatches_over_a_training_batch_norm_are_refused(constraints):
     assert plan.microbatches == 1
 
 
-def test_pipeline_of_tied_weights_names_the_parameter():
-    """A parameter belongs to one stage: tied input and output embeddings leave no cut between
-    their uses, and the stage after the head would hold nothing. Refused, naming the tied weight."""
+def test_tied_weights_across_stages_refuse_zero_that_shards_their_gradients():
+    """A tied parameter's copies (one per stage using it) sum whole gradients between the stages:
+    ZeRO-2/3, which shard them, are refused naming the weight."""
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -453,8 +453,9 @@ def test_pipeline_of_tied_weights_names_the_parameter():
 
     idx = torch.randint(0, 32, (8, 4))
     loss = lambda out, y: F.cross_entropy(out.reshape(-1, 32), y.reshape(-1))  # noqa: E731
-    with pytest.raises(ConstraintError, match=r"'embed.weight' is used at both ends.*tie"):
-        autopar.plan(Tied(), Cluster.local(2), idx, loss_fn=loss, example_target=idx, constraints=Constraints(pp=2))
+    with pytest.raises(ConstraintError, match=r"'embed.weight' is used in several pipeline stages.*ZeRO-2"):
+        autopar.plan(Tied(), Cluster.local(4), idx, loss_fn=loss, example_target=idx,
+                     constraints=Constraints(pp=2, dp=2, zero=2))
 
 
 def test_every_error_here_is_an_autopar_value_error():

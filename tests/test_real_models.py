@@ -53,16 +53,17 @@ def test_encoders_vision_and_cnns_train_exactly():
     _run(["bert", "t5", "vit"] + list(CNN_MODELS))
 
 
-PIPELINED = ("llama", "gpt_neox", "phi3", "bert", "vit", "mixtral", "convnext")
+PIPELINED = ("llama", "gpt_neox", "phi3", "bert", "vit", "mixtral", "convnext", "gemma", "t5")
 
 
 @pytest.mark.slow
 def test_real_models_train_exactly_in_a_pipeline():
     """pp=2 on 2 processes (1F1B, the default microbatches): Hugging Face decoders, an encoder,
-    ViT, Mixtral and a ConvNeXt (its LayerNorm, no batch norm), cut where the planner chooses;
-    the models whose embeddings are tied, and those with batch norms, are refused
-    (``tests/test_bad_inputs.py``)."""
-    cases = [(f"real:{n}", {"pp": 2}) for n in PIPELINED]
+    ViT, Mixtral, a ConvNeXt (its LayerNorm, no batch norm), and Gemma and T5, whose input and
+    output embeddings are tied (a copy on each stage, their gradients summed; under zbv one rank
+    runs both stages that use it, the other holds neither), cut where the planner chooses;
+    models with batch norms are refused (``tests/test_bad_inputs.py``)."""
+    cases = [(f"real:{n}", {"pp": 2}) for n in PIPELINED] + [("real:gemma", {"pp": 2, "schedule": "zbv"})]
     results = autopar.launch(parity_suite, 2, cases, 3, timeout_s=1500)[0]
     failures = [f for r in results for f in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)

@@ -111,27 +111,6 @@ def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
     return state, kept, working - kept
 
 
-def _no_parameters_message(graph, n_stages: int, empty: list[int]) -> str:
-    """Why a cut into ``n_stages`` leaves stages ``empty`` without parameters: a parameter
-    belongs to one stage, so one used far apart (tied weights: an embedding reused as the output
-    head) forbids every cut between its uses."""
-    pos = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.op == "call_function")}
-    uses = {}
-    for n in graph.nodes:
-        if n.op == "placeholder" and n.meta.get("autopar.kind") == "param":
-            used = [pos[u.name] for u in n.users if u.name in pos]
-            if used:
-                uses[n.meta.get("autopar.fqn", n.name)] = (min(used), max(used))
-    # wide: spanning more than half of where the parameters are used
-    lo, hi = min((a for a, _ in uses.values()), default=0), max((b for _, b in uses.values()), default=0)
-    wide = sorted((name for name, (a, b) in uses.items() if b - a > (hi - lo) // 2), key=lambda k: uses[k][0] - uses[k][1])
-    why = (f"the parameter {', '.join(repr(w) for w in wide[:2])} is used at both ends of the model (tied weights, "
-           "e.g. an embedding reused as the output head) and a parameter belongs to one stage, so no cut falls between "
-           "its uses; untie it (e.g. a Hugging Face config's tie_word_embeddings=False) or use fewer stages"
-           if wide else "the model has too few parameterised operators to spread; use fewer stages")
-    return f"a cut into {n_stages} pipeline stages leaves stage {empty[0]} without parameters: {why}"
-
-
 def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, produced: list[float]) -> list[float]:
     """Per stage, its share of the activations kept for backward: of the bytes alive at the end
     of the submesh plan's forward, those its own nodes made (``MemoryEstimate.kept_by_node``);
@@ -201,9 +180,24 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         without_rc = _memory_parts(ev.memory.categories, ev.peak_bytes)
         kept_without = _kept_per_stage(ev.memory.kept_by_node, stage_of, n_stages, produced)
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
-    owned = [[p for p in inner.params.values() if stage_of(p.node) == s] for s in range(n_stages)]
-    if not all(owned):
-        raise ConstraintError(_no_parameters_message(traced.graph, n_stages, [s for s in range(n_stages) if not owned[s]]))
+    # a parameter is held by every stage that uses it (tied weights: a copy each, their gradients
+    # summed between their ranks after the schedule, runtime.pipeline)
+    used_in = {n.name: {stage_of(u.name) for u in n.users if u.op != "output"} or {stage_of(n.name)}
+               for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
+    owned = [[p for p in inner.params.values() if s in used_in.get(p.node, {stage_of(p.node)})] for s in range(n_stages)]
+    trainable = {n.name for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.requires_grad")}
+    shared = [p for p in inner.params.values()
+              if p.node in trainable and len({rank_of[s] for s in used_in.get(p.node, ())}) > 1]
+    for p in shared:
+        if p.zero_stage >= 2:
+            raise ConstraintError(
+                f"the parameter {p.fqn!r} is used in several pipeline stages (tied weights), whose copies' gradients "
+                f"are summed whole between them; ZeRO-{p.zero_stage} shards those gradients: use zero=0 or 1, or untie it")
+    bare = [r for r in range(pp) if not any(owned[s] for s in range(n_stages) if rank_of[s] == r)]
+    if bare:
+        raise ConstraintError(
+            f"a cut into {n_stages} pipeline stages leaves pipeline rank {bare[0]} without parameters (its stages run "
+            "parameter-free operators only): use fewer stages")
     loss_rank = rank_of[n_stages - 1]
 
     held_sends = schedule in MULTI_STAGE_SCHEDULES
@@ -215,7 +209,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         """Rank ``r``'s stages' state, the activations of its microbatches in flight, p2p buffers."""
         state, kept, transient = with_rc if recomputes else without_rc
         mine = [s for s in range(n_stages) if rank_of[s] == r]
-        pshare = sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
+        pshare = sum(p.bytes_per_device for p in {p.fqn: p for s in mine for p in owned[s]}.values()) / total_param
         ashare = sum(produced[s] for s in mine) / total_produced
         shares = kept_with if recomputes else kept_without
         # the activations of the microbatches each stage holds; under torch's multi-stage
@@ -287,11 +281,15 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
 
     def after_schedule(r: int) -> float:
         mine = [s for s in range(n_stages) if rank_of[s] == r]
-        sync = ovl["overlap_last"] * sum(p.bytes_per_device for s in mine for p in owned[s]) / total_param
+        sync = ovl["overlap_last"] * sum(p.bytes_per_device for p in {p.fqn: p for s in mine for p in owned[s]}.values()) / total_param
         # torch's weight pass adds to the gradients past the hooks that start a bucket's
         # reduction: under a split-backward schedule only stage 0's buckets start early
         hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
-        return max(sync - hiding, floor * sync, 0.0) + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine)
+        # a tied weight's copies: their gradients summed between the ranks holding them
+        tied = sum((len(ranks) - 1) * send_s(p.bytes_per_device) for p in shared
+                   if r in (ranks := {rank_of[s] for s in used_in[p.node]}))
+        return (max(sync - hiding, floor * sync, 0.0) + tied
+                + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine))
 
     step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
@@ -478,7 +476,8 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
                             send_layouts=priced.send_layouts[s]))
     worst = max(range(pp), key=lambda r: priced.peaks[r])
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
-    worst_params = sum(p.bytes_per_device for s in range(n_stages) if priced.rank_of[s] == worst for p in priced.owned[s])
+    worst_params = sum(p.bytes_per_device for p in {p.fqn: p for s in range(n_stages) if priced.rank_of[s] == worst
+                                                     for p in priced.owned[s]}.values())
     shown = dict(inner.predicted.memory_bytes)
     for k in ("params", "grads", "optimizer_state"):
         if k in shown:

@@ -3,10 +3,12 @@
 Pure functions over a traced graph and the per-operator plan of one stage's submesh
 (``pipeline_search`` calls them). The model, stated once:
 
-* A cut sits between two operators in program order. It is allowed where no parameter or buffer
-  is used on both sides (a parameter belongs to one stage), no recomputed block instance
-  straddles it (its checkpoint is one region) and no multi-output value crosses it unindexed.
-  Batch inputs never cross: each stage that uses one takes it from the batch.
+* A cut sits between two operators in program order. It is allowed where no buffer is used on
+  both sides (its updates stay in one stage), no recomputed block instance straddles it (its
+  checkpoint is one region) and no multi-output value crosses it unindexed. Batch inputs never
+  cross: each stage that uses one takes it from the batch. A parameter used on both sides (tied
+  weights: an embedding reused as the output head) gets a copy in every stage that uses it,
+  their gradients summed between those stages once per step (``shared``: priced with the sends).
 * A stage costs the forward + backward compute of its operators (the per-operator plan's
   ``compute_s``) plus sending what crosses each of its boundaries (activations forward,
   their gradients back) over the link between stages; the cut minimises the slowest stage
@@ -94,6 +96,7 @@ class CutModel:
     messages: np.ndarray  # messages[c]: tensors crossing cut c forward (one message each per microbatch)
     grad_messages: np.ndarray  # grad_messages[c]: the gradients crossing back (one per value: zeros where it has none)
     grad_crossing: np.ndarray  # grad_crossing[c]: their bytes per device per step
+    shared: np.ndarray  # shared[c]: bytes per device of the trainable parameters used on both sides
 
     def stage_times(self, bounds: list[int]) -> list[float]:
         """Per stage, for stages ``ops[bounds[s]:bounds[s + 1]]`` (bounds from 0 to len(ops)):
@@ -121,6 +124,7 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
     crossing = np.zeros(n + 1)
     messages, grad_messages, grad_crossing = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1)
     gather = np.zeros(n + 1)
+    shared = np.zeros(n + 1)
     sent: dict[str, str] = {}
     for node in graph.nodes:
         users = [pos[u.name] for u in node.users if u.name in pos]
@@ -128,8 +132,13 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             continue
         last = max(users)
         if node.op == "placeholder":
-            if node.meta.get("autopar.kind") in ("param", "buffer"):  # every use in one stage
+            kind = node.meta.get("autopar.kind")
+            if kind == "buffer":  # every use in one stage
                 blocked[min(users) + 1: last + 1] += 1
+            elif kind == "param" and node.meta.get("autopar.requires_grad"):  # a copy per stage, gradients summed
+                placed = placements.get(node.name)
+                shared[min(users) + 1: last + 1] += local_bytes(node, placed.outs[0] if placed is not None and placed.outs
+                                                                else None, mesh_sizes)
             continue  # a batch input is fed to every stage that uses it (passes.split_stages), not sent
         if node.name not in pos:
             continue
@@ -166,8 +175,8 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             starts.add(members[0])
             inside[members[0] + 1: members[1] + 1] = True
         allowed = [c for c in allowed if c in starts or not inside[c]]
-    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth + gather, crossing, allowed, gather, sent, messages,
-                    grad_messages, grad_crossing)
+    return CutModel(ops, prefix, 2.0 * (crossing + shared) / link_bandwidth + gather, crossing, allowed, gather, sent,
+                    messages, grad_messages, grad_crossing, shared)
 
 
 def _instance_spans(instances: dict[str, str], pos: dict[str, int]) -> list[tuple[int, int]]:

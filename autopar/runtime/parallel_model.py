@@ -169,7 +169,11 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self.plan = plan
         self.device_mesh = b.mesh(plan)
         self._pp_group, self._stage = None, None
+        stage_ranks = None
         if pipelined:  # this rank's stage submesh; the pipeline's own axis joins the stages
+            names = self.device_mesh.mesh_dim_names
+            stage_ranks = self.device_mesh.mesh.movedim(names.index("pp"), 0).reshape(
+                self.device_mesh.mesh.shape[names.index("pp")], -1).tolist()
             self._pp_group = self.device_mesh.get_group("pp")
             self._stage = self.device_mesh.get_local_rank("pp")
             self.device_mesh = self.device_mesh[tuple(a for a, _ in plan.mesh_axes)]
@@ -199,15 +203,17 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         for name, current in self._tensors.items():
             if self._state.holds(self._param_of_key.get(name, name)):
                 self._state.swap_into(self._param_of_key.get(name, name), current)
-            else:  # another pipeline stage's: not this rank's parameter
-                drop_registered(self, name)
+            else:  # another pipeline stage's: not this rank's parameter (nor under a tied name)
+                for alias in [name] + [k for k, v in self._param_of_key.items() if v == name]:
+                    drop_registered(self, alias)
         self._programs[kind] = prog
         self._pipeline = None
         if pipelined:
             self._pipeline = PipelineRunner(
                 plan=plan, traced=traced, program=program, pp_rank=self._stage, pp_group=self._pp_group, store=self.store,
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
-                loss_scale=self._loss_grad_scale() * (1.0 / plan.microbatches if loss_reduction == "mean" else 1.0))
+                loss_scale=self._loss_grad_scale() * (1.0 / plan.microbatches if loss_reduction == "mean" else 1.0),
+                stage_ranks=stage_ranks)
         self._note_zero_versions()
         if self._resume_from is not None:
             folder, self._resume_from = self._resume_from, None
@@ -431,12 +437,15 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 w.wait()
             return sum(float(self._finish_loss(v)) for v in values) * weight
 
-    def _sync_and_step(self) -> None:
-        """After the step's last backward: finish the gradient reductions, step the optimizer,
-        gather ZeRO-1/2 shards back into whole parameters, zero the gradient buffers."""
+    def _sync_and_step(self, before_step=None) -> None:
+        """After the step's last backward: finish the gradient reductions (then ``before_step``),
+        step the optimizer, gather ZeRO-1/2 shards back into whole parameters, zero the gradient
+        buffers."""
         with self._phase("backward"):
             self._grad_sync.finish()
             drain_gradient_reductions(self.comm)
+            if before_step is not None:
+                before_step()
         with self._phase("optimizer"):
             self.optimizer.step()
             self._gather_zero_params()
@@ -454,7 +463,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches)
             with self._phase("forward"):
                 losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
-            self._sync_and_step()
+            self._sync_and_step(self._pipeline.sum_tied_grads)
             reduced = [self._reduce_loss_async(v) for v in losses]
             for _, works in reduced:
                 for w in works:

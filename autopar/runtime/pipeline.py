@@ -44,7 +44,7 @@ from autopar.layouts import Layout
 from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES
 from autopar.passes.outline_recompute import outlined_graph
 from autopar.passes.boundary_sends import insert_boundary_sends
-from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.passes.split_stages import StageProgram, shared_state, split_stages
 from autopar.runtime.collectives import shard_tensor
 
 __all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages"]
@@ -60,10 +60,12 @@ def local_stages(plan, pp_rank: int) -> list[int]:
 
 
 def stage_state_names(plan, traced, pp_rank: int) -> set[str]:
-    """The parameter and buffer placeholders pipeline rank ``pp_rank``'s stages own."""
+    """The parameter and buffer placeholders pipeline rank ``pp_rank``'s stages hold (a tied
+    parameter: every stage that uses it, ``Stage.params``)."""
     state = set(traced.param_fqns) | set(traced.buffer_fqns)
     mine = set(local_stages(plan, pp_rank))
-    return {n.name for s in plan.stages if s.index in mine for n in s.nodes if n.name in state}
+    return ({n.name for s in plan.stages if s.index in mine for n in s.nodes if n.name in state}
+            | {p.node for s in plan.stages if s.index in mine for p in s.params})
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -221,7 +223,9 @@ class PipelineRunner:
     """Build once per compiled pipeline plan; ``step`` runs one optimizer step's forward and backward."""
 
     def __init__(self, *, plan, traced, program, pp_rank: int, pp_group, store, comm, device, run,
-                 input_layouts: dict[str, Layout], loss_scale: float):
+                 input_layouts: dict[str, Layout], loss_scale: float, stage_ranks: list[list[int]] | None = None):
+        """``stage_ranks[p]``: the global ranks of pipeline rank ``p``'s submesh, in one order for
+        every ``p`` (the groups that sum a tied parameter's copies join the same position)."""
         from torch.distributed import pipelining
 
         self.plan = plan
@@ -243,7 +247,9 @@ class PipelineRunner:
         state_names = set(traced.param_fqns) | set(traced.buffer_fqns)
         planned = {n.name: s.index for s in plan.stages for n in s.nodes}
         planned = insert_boundary_sends(program, plan, planned, state_names)  # values sent in pieces
-        self.programs = split_stages(program, planned, state_names, self.n_stages)
+        shared = shared_state(plan)
+        self.programs = split_stages(program, planned, state_names, self.n_stages, shared)
+        self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store)
         self.batch_names = list(self.programs[0].input_names)
         self._values: list[torch.Tensor] = []
         self.constants: dict[int, object] = {}  # stage 0: the batch's non-tensor inputs, by position
@@ -337,11 +343,40 @@ class PipelineRunner:
             self.schedule.step(**kwargs)
         return list(self._values)
 
+    def sum_tied_grads(self) -> None:
+        """Sum the gradients of a tied parameter's copies between the ranks holding them, once
+        per step, after gradient sync over the stage's submesh: every copy then takes the whole
+        gradient, and their optimizer steps keep them equal."""
+        for group, slots in self._tied:
+            for slot in slots:
+                p = slot.local
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
     def broadcast_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's loss value on every rank of this pipeline."""
         value = value.reshape(1).float().clone()
         dist.broadcast(value, src=self._last_rank, group=self.pp_group)
         return value
+
+
+def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store) -> list:
+    """(process group, store slots) per set of pipeline ranks holding tied parameters' copies
+    that this rank is in. Every rank creates every group, in one order (torch requires it)."""
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for name in sorted(shared):
+        ranks = tuple(sorted({plan.pipeline_rank(s.index) for s in plan.stages if any(p.node == name for p in s.params)}))
+        if len(ranks) > 1:
+            by_ranks.setdefault(ranks, []).append(name)
+    tied = []
+    for ranks, names in sorted(by_ranks.items()):
+        group, _ = dist.new_subgroups_by_enumeration([[stage_ranks[r][i] for r in ranks]
+                                                       for i in range(len(stage_ranks[0]))])
+        if pp_rank in ranks:
+            slots = [store.slots[n] for n in names if n in store.slots and store.slots[n].local.requires_grad]
+            tied.append((group, slots))
+    return tied
 
 
 def _meta_of(node, plan, comm, input_layouts: dict) -> torch.Tensor | None:
