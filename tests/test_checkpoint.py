@@ -176,6 +176,32 @@ def test_reshard_matrix(uninterrupted):
 
 
 @pytest.mark.slow
+def tied_pipeline_worker(root):
+    """Gemma (input and output embeddings tied) trained 2 steps at pp=2, where both stages hold
+    the tied weight, saved, then loaded under dp=2 and under zbv (one rank runs both of its
+    stages, the other holds neither): its full model and optimizer states after each load."""
+    pm, batches = _compile({"pp": 2}, case="real:gemma")
+    _train_to(pm, batches, 2)
+    saved = _state(pm)
+    path = pm.save(os.path.join(root, "tied"))
+    pm.close()
+    loaded = []
+    for constraints in ({"dp": 2}, {"pp": 2, "schedule": "zbv"}):
+        pm, _ = _compile(constraints, case="real:gemma")
+        pm.load(path)
+        loaded.append(_state(pm))
+        pm.close()
+    return saved, loaded
+
+
+@pytest.mark.slow
+def test_tied_weights_across_pipeline_stages_save_and_reshard(tmp_path):
+    saved, loaded = autopar.launch(tied_pipeline_worker, 2, str(tmp_path))[0]
+    assert saved["stages"] == 2
+    for state, label in zip(loaded, ("dp=2", "zbv")):
+        _assert_equal_states(state, saved, True, f"saved at pp=2, loaded under {label}")
+
+
 def test_reshard_into_one_process(uninterrupted, world1):
     ref, root = uninterrupted
     pm, _ = _compile({})
