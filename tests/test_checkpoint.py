@@ -175,7 +175,6 @@ def test_reshard_matrix(uninterrupted):
     assert any(p.zero_axes for p in results[4]["plan"].params.values())
 
 
-@pytest.mark.slow
 def tied_pipeline_worker(root):
     """Gemma (input and output embeddings tied) trained 2 steps at pp=2, where both stages hold
     the tied weight, saved, then loaded under dp=2 and under zbv (one rank runs both of its
@@ -202,6 +201,7 @@ def test_tied_weights_across_pipeline_stages_save_and_reshard(tmp_path):
         _assert_equal_states(state, saved, True, f"saved at pp=2, loaded under {label}")
 
 
+@pytest.mark.slow
 def test_reshard_into_one_process(uninterrupted, world1):
     ref, root = uninterrupted
     pm, _ = _compile({})

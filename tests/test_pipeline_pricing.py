@@ -94,6 +94,8 @@ def _torch_order(cls_name: str, rank: int, p: int, m: int, v: int):
 
 @pytest.mark.parametrize("schedule,cls_name,p,m", [("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 4),
                                                     ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 8),
+                                                    ("zero-bubble", "ScheduleInterleavedZeroBubble", 2, 4),
+                                                    ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 8),
                                                     ("zbv", "ScheduleZBVZeroBubble", 2, 4),
                                                     ("zbv", "ScheduleZBVZeroBubble", 3, 6)])
 def test_microbatches_held_per_stage_follow_torchs_order(schedule, cls_name, p, m):

@@ -192,7 +192,8 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         if p.zero_stage >= 2:
             raise ConstraintError(
                 f"the parameter {p.fqn!r} is used in several pipeline stages (tied weights), whose copies' gradients "
-                f"are summed whole between them; ZeRO-{p.zero_stage} shards those gradients: use zero=0 or 1, or untie it")
+                f"are summed between them as the parameter is laid out; ZeRO-{p.zero_stage} shards the gradients apart from "
+                f"it: use zero=0, 1 or 3, or untie it")
     bare = [r for r in range(pp) if not any(owned[s] for s in range(n_stages) if rank_of[s] == r)]
     if bare:
         raise ConstraintError(

@@ -8,7 +8,8 @@ Pure functions over a traced graph and the per-operator plan of one stage's subm
   checkpoint is one region) and no multi-output value crosses it unindexed. Batch inputs never
   cross: each stage that uses one takes it from the batch. A parameter used on both sides (tied
   weights: an embedding reused as the output head) gets a copy in every stage that uses it,
-  their gradients summed between those stages once per step (``shared``: priced with the sends).
+  their gradients summed between those stages' ranks once per step (``pipeline_search`` prices
+  that sum after the schedule, where it runs).
 * A stage costs the forward + backward compute of its operators (the per-operator plan's
   ``compute_s``) plus sending what crosses each of its boundaries (activations forward,
   their gradients back) over the link between stages; the cut minimises the slowest stage
@@ -96,7 +97,6 @@ class CutModel:
     messages: np.ndarray  # messages[c]: tensors crossing cut c forward (one message each per microbatch)
     grad_messages: np.ndarray  # grad_messages[c]: the gradients crossing back (one per value: zeros where it has none)
     grad_crossing: np.ndarray  # grad_crossing[c]: their bytes per device per step
-    shared: np.ndarray  # shared[c]: bytes per device of the trainable parameters used on both sides
 
     def stage_times(self, bounds: list[int]) -> list[float]:
         """Per stage, for stages ``ops[bounds[s]:bounds[s + 1]]`` (bounds from 0 to len(ops)):
@@ -124,7 +124,6 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
     crossing = np.zeros(n + 1)
     messages, grad_messages, grad_crossing = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1)
     gather = np.zeros(n + 1)
-    shared = np.zeros(n + 1)
     sent: dict[str, str] = {}
     for node in graph.nodes:
         users = [pos[u.name] for u in node.users if u.name in pos]
@@ -132,13 +131,8 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             continue
         last = max(users)
         if node.op == "placeholder":
-            kind = node.meta.get("autopar.kind")
-            if kind == "buffer":  # every use in one stage
+            if node.meta.get("autopar.kind") == "buffer":  # every use in one stage
                 blocked[min(users) + 1: last + 1] += 1
-            elif kind == "param" and node.meta.get("autopar.requires_grad"):  # a copy per stage, gradients summed
-                placed = placements.get(node.name)
-                shared[min(users) + 1: last + 1] += local_bytes(node, placed.outs[0] if placed is not None and placed.outs
-                                                                else None, mesh_sizes)
             continue  # a batch input is fed to every stage that uses it (passes.split_stages), not sent
         if node.name not in pos:
             continue
@@ -175,8 +169,8 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             starts.add(members[0])
             inside[members[0] + 1: members[1] + 1] = True
         allowed = [c for c in allowed if c in starts or not inside[c]]
-    return CutModel(ops, prefix, 2.0 * (crossing + shared) / link_bandwidth + gather, crossing, allowed, gather, sent,
-                    messages, grad_messages, grad_crossing, shared)
+    return CutModel(ops, prefix, 2.0 * crossing / link_bandwidth + gather, crossing, allowed, gather, sent, messages,
+                    grad_messages, grad_crossing)
 
 
 def _instance_spans(instances: dict[str, str], pos: dict[str, int]) -> list[tuple[int, int]]:
@@ -346,8 +340,14 @@ class HeldMoment:
 
 def _rank_order(schedule: str, r: int, p: int, m: int, v: int) -> list[tuple[int, int]] | None:
     """Rank ``r``'s (local stage, +1 forward / -1 backward) in torch.distributed.pipelining's order,
-    for the schedules whose order decides which stage holds what (None: the others)."""
-    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
+    for the schedules whose order decides which stage holds what (None: the others). Interleaved
+    1F1B runs ``(v-1) * per_round + 2 (p-1-r)`` forwards, then one forward and one backward at a
+    time, forwards by rounds of ``per_round`` microbatches from the first local stage, backwards
+    from the last; ZBV's rank ``r`` holds, after its warm-up, ``(2p-r-1, r+1)`` or ``(2p-r, r)``
+    microbatches on its (first, second) stage; interleaved zero bubble is torch's own calculation."""
+    if schedule == "zero-bubble" and v > 1:
+        return _torch_zero_bubble_order(r, p, m, v)
+    if schedule == "interleaved-1f1b" and v > 1:
         # forwards by rounds of ``per_round`` microbatches from the first local stage; after the
         # warm-up, one forward and one backward at a time, backwards from the last local stage
         per_round = m // max(1, m // p)
@@ -384,13 +384,38 @@ def _rank_order(schedule: str, r: int, p: int, m: int, v: int) -> list[tuple[int
     return None
 
 
+def _torch_zero_bubble_order(r: int, p: int, m: int, v: int) -> list[tuple[int, int]] | None:
+    """Rank ``r``'s order under torch's ``ScheduleInterleavedZeroBubble``, from torch's own
+    per-rank calculation (its weight passes lag the input passes by rules of their own; an
+    activation is released by its weight pass). Private to torch, so None (the rank's
+    ``in_flight`` on every stage) where this torch computes it otherwise."""
+    try:
+        from torch.distributed.pipelining import schedules
+
+        sched = object.__new__(schedules.ScheduleInterleavedZeroBubble)
+        sched.pp_group_size, sched.n_local_stages, sched.num_stages, sched._n_microbatches = p, v, p * v, m
+        sched.number_of_rounds = max(1, m // p)
+        sched.microbatches_per_round = m // sched.number_of_rounds
+        actions = [a for a in sched._calculate_single_rank_operations(r) if a is not None]
+        mine = sorted(s for s in range(p * v) if stage_rank(s, p, "zero-bubble") == r)
+        order = []
+        for a in actions:
+            kind = str(a.computation_type).rsplit(".", 1)[-1]
+            if kind == "FORWARD":
+                order.append((mine.index(a.stage_index), 1))
+            elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):
+                order.append((mine.index(a.stage_index), -1))
+        return order if sum(step for _, step in order) == 0 and len(order) == 2 * m * v else None
+    except Exception:  # noqa: BLE001 (another torch: its private calculation differs)
+        return None
+
+
 def held_per_stage(schedule: str, rank: int, ranks: int, microbatches: int, virtual: int = 1) -> list[HeldMoment]:
     """The moments of rank ``rank``'s schedule at which its peak may fall (after each forward, and
-    its end): per
-    local stage, what it holds and what it has sent. A rank's kept activations peak at ``max over
-    moments of sum_j share_j * held_j`` (the stage with the loss weighs by its own count, not the
-    rank's average, ``in_flight``). Schedules without a per-stage order (GPipe, 1F1B, DualPipeV)
-    hold ``in_flight`` on every stage."""
+    its end): per local stage, what it holds and what it has sent. A rank's kept activations peak
+    at ``max over moments of sum_j share_j * held_j`` (the stage with the loss weighs by its own
+    count, not the rank's average, ``in_flight``). The order is torch's (``_rank_order``); GPipe,
+    1F1B and DualPipeV hold ``in_flight`` on every stage."""
     m, p, v, r = microbatches, ranks, virtual, rank
     order = _rank_order(schedule, r, p, m, v)
     if order is None:

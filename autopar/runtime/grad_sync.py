@@ -84,6 +84,7 @@ class GradSync:
         self._last = True  # whether the running backward is the last microbatch's
         self._defer_zero2 = False  # ZeRO-2 gradients accumulate whole until finish() (see hold)
         self._rounds = 0  # hold(rounds=k): a bucket is reduced once each member accumulated k times
+        self._uses: dict[str, int] = {}  # hold(uses=): members accumulated k times per microbatch
         self._pending: list[tuple] = []  # ZeRO-2: (work, out, staging, slot, length)
         me = weakref.ref(self)
         self._handles = []
@@ -100,7 +101,7 @@ class GradSync:
         b = self._bucket_of[ph]
         if self._rounds:  # a pipeline schedule: every microbatch's backward passes through here
             b.ready += 1
-            if b.ready == len(b.members) * self._rounds:
+            if b.ready == sum(self._uses.get(m, 1) for m in b.members) * self._rounds:
                 self._launch(b)
             return
         if not self._last:
@@ -188,7 +189,7 @@ class GradSync:
             for b in self.buckets:
                 b.ready, b.work = 0, None
 
-    def hold(self, whole_zero2: bool = False, rounds: int = 0) -> None:
+    def hold(self, whole_zero2: bool = False, rounds: int = 0, uses: dict[str, int] | None = None) -> None:
         """Before a step whose backward passes interleave (a pipeline schedule: none is known to
         be the last). With ``rounds`` (the microbatches) a bucket is all-reduced, overlapping the
         rest of the schedule, once each of its gradients has been accumulated that many times;
@@ -196,11 +197,13 @@ class GradSync:
         split-backward schedule's weight pass adds to ``.grad`` past the hooks).
         ``whole_zero2``: ZeRO-2 gradients too accumulate whole and are reduce-scattered once, in
         ``finish()`` (split-backward schedules: per-microbatch reduce-scatters could serve only
-        some stages)."""
+        some stages). ``uses``: parameters this rank's stages use more than once per microbatch
+        (a tied weight in two of its stages) and how many times."""
         self.arm(last_microbatch=True)  # every bucket starts the step unreduced
         self._last = False
         self._defer_zero2 = whole_zero2
         self._rounds = rounds
+        self._uses = dict(uses or {})
 
     def prepare_accumulation(self) -> None:
         """Before a backward that adds to gradients already reduced (the native loop without

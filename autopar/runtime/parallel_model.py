@@ -460,7 +460,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             feed[self._train.traced.target_name] = target
         with active_mesh(self.comm):
             # a bucket is reduced once its gradients hold every microbatch (the rest after the schedule)
-            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches)
+            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches,
+                                 uses=self._pipeline.local_uses)
             with self._phase("forward"):
                 losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
             self._sync_and_step(self._pipeline.sum_tied_grads)

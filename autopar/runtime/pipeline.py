@@ -107,17 +107,22 @@ def from_carrier(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _ZeroGradsFor(torch.autograd.Function):
-    """``x`` unchanged, and a zero gradient for each of ``others`` (received values), added to
-    whatever else they get (see the module docstring)."""
+    """The first ``n`` tensors unchanged (copies), and a zero gradient for each of the others
+    (received values), added to whatever else they get (see the module docstring). Every output
+    of a stage passes through it together: torch's split backward reaches a stage's parameters
+    only through paths that meet its received inputs, which here meet every output."""
 
     @staticmethod
-    def forward(ctx, x, *others):
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
-        return x.clone()  # not a view: split-backward schedules detach the stage's outputs in place
+    def forward(ctx, n, *tensors):
+        ctx.n = n
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in tensors[n:]]
+        # not views: split-backward schedules detach the stage's outputs in place
+        outs = tuple(t.clone() for t in tensors[:n])
+        return outs if n > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
+    def backward(ctx, *grads):
+        return (None, *grads, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
 
 
 class _DependOn(torch.autograd.Function):
@@ -184,7 +189,7 @@ class _StageModule(torch.nn.Module):
         out = self._run()(self._state() + args, self.prog)
         if self._last:  # as (1,): the schedule concatenates the microbatches' outputs
             loss = (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
-            return _ZeroGradsFor.apply(loss, *anchored) if anchored else loss
+            return _ZeroGradsFor.apply(1, loss, *anchored) if anchored else loss
         # sent as is: a view (a transpose, a slice) must first be laid out densely. Zero-bubble
         # schedules detach the outputs in place after the input gradients, while the weight
         # gradients may still need them (a value the stage also saved): those get a copy
@@ -198,8 +203,10 @@ class _StageModule(torch.nn.Module):
         if anchor is not None:
             outs = [t if t.requires_grad else _DependOn.apply(t, anchor) for t in outs]
         if anchored:
-            k = next((j for j, t in enumerate(outs) if t.requires_grad), 0)
-            outs[k] = _ZeroGradsFor.apply(outs[k], *anchored)
+            ks = [j for j, t in enumerate(outs) if t.requires_grad] or [0]
+            joined = _ZeroGradsFor.apply(len(ks), *(outs[j] for j in ks), *anchored)
+            for j, t in zip(ks, joined if len(ks) > 1 else (joined,)):
+                outs[j] = t
         return tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
 
 
@@ -250,6 +257,9 @@ class PipelineRunner:
         shared = shared_state(plan)
         self.programs = split_stages(program, planned, state_names, self.n_stages, shared)
         self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store)
+        # a tied weight in two of this rank's stages (V schedules) accumulates twice per microbatch
+        counts = [n for i in self.mine for n in self.programs[i].state_names]
+        self.local_uses = {n: counts.count(n) for n in set(counts) if counts.count(n) > 1}
         self.batch_names = list(self.programs[0].input_names)
         self._values: list[torch.Tensor] = []
         self.constants: dict[int, object] = {}  # stage 0: the batch's non-tensor inputs, by position
