@@ -461,3 +461,16 @@ def test_tied_weights_across_stages_refuse_zero_that_shards_their_gradients():
 def test_every_error_here_is_an_autopar_value_error():
     for kind in (ClusterSpecError, ConstraintError, PlanFormatError, PlanMismatchError, TraceError):
         assert issubclass(kind, AutoparError) and issubclass(kind, ValueError)
+
+
+def test_a_batch_norm_model_that_fits_only_microbatched_gets_no_microbatched_plan():
+    """The planner's own gradient accumulation (tried when no plan fits whole) leaves out a model
+    with a training batch norm: no plan, with the memory it needs at one microbatch."""
+    from autopar.runtime.zoo import SmallCNN
+
+    x, y = torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,))
+    whole = autopar.plan(SmallCNN(), Cluster.local(1), x, loss_fn=F.cross_entropy, example_target=y)
+    tight = dataclasses.replace(Cluster.local(1), device=dataclasses.replace(
+        Cluster.local(1).device, memory_bytes=int(whole.predicted.peak_memory_bytes * 0.8)))
+    with pytest.raises(autopar.NoFeasiblePlanError, match="no plan fits in memory"):
+        autopar.plan(SmallCNN(), tight, x, loss_fn=F.cross_entropy, example_target=y)

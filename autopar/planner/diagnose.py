@@ -55,9 +55,14 @@ def raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget,
 
 
 def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -> int:
-    """The most microbatches the batch allows on this mesh (the least activation memory)."""
+    """The most microbatches the batch allows on this mesh (the least activation memory); one
+    where a batch norm needs the whole batch."""
+    from autopar.ir import training_batch_norms
+
     if c.microbatches is not None:
         return c.microbatches
+    if training_batch_norms(traced.graph):
+        return 1
     counts = _microbatch_counts(traced.global_batch or 1, data_degree(mesh))
     return counts[-1] if counts else 1
 

@@ -430,7 +430,13 @@ def _search_single_stage(
         outcomes += mesh_outcomes
         failures += mesh_failures
     batch = traced.global_batch
-    if not attempts and c.microbatches is None and batch:
+    from autopar.ir import training_batch_norms
+
+    norms = training_batch_norms(traced.graph) if not attempts and c.microbatches is None and batch else []
+    if norms:  # (a microbatch's statistics would train another model: _refuse_microbatched_batch_norm)
+        outcomes.append(("gradient accumulation", f"not tried: the batch norm of module {norms[0]!r} normalises over the "
+                                                  "whole batch in training"))
+    elif not attempts and c.microbatches is None and batch:
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         recompute = bool(blocks.blocks) if c.recompute is None else c.recompute
         for mesh in meshes:
