@@ -80,18 +80,6 @@ def test_no_cut_between_a_split_and_its_getitems():
     assert all(cm.crossing[c] > 0 for c in cm.allowed)
 
 
-def _torch_order(cls_name: str, rank: int, p: int, m: int, v: int):
-    """Rank ``rank``'s actions as torch.distributed.pipelining orders them (its schedule's own
-    per-rank calculation, run without process groups)."""
-    from torch.distributed.pipelining import schedules
-
-    sched = object.__new__(getattr(schedules, cls_name))
-    sched.pp_group_size, sched.n_local_stages, sched.num_stages, sched._n_microbatches = p, v, p * v, m
-    sched.number_of_rounds = max(1, m // p)
-    sched.microbatches_per_round = m // sched.number_of_rounds
-    return [a for a in sched._calculate_single_rank_operations(rank) if a is not None]
-
-
 @pytest.mark.parametrize("schedule,cls_name,p,m", [("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 4),
                                                     ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 8),
                                                     ("zero-bubble", "ScheduleInterleavedZeroBubble", 2, 4),
@@ -102,13 +90,13 @@ def test_microbatches_held_per_stage_follow_torchs_order(schedule, cls_name, p, 
     """``held_per_stage``: what each of a rank's stages holds when its peak may fall, from the
     schedule's order; replayed here from torch's own order (a forward adds a microbatch, a full or
     weight backward releases it), the largest holdings agree for every weighting of the stages."""
-    from autopar.planner.stages import held_per_stage, stage_rank
+    from autopar.planner.stages import held_per_stage, stage_rank, torch_rank_actions
 
     v = 2
     for r in range(p):
         mine = sorted(s for s in range(p * v) if stage_rank(s, p, schedule) == r)
         held, replayed = dict.fromkeys(mine, 0), []
-        for a in _torch_order(cls_name, r, p, m, v):
+        for a in torch_rank_actions(cls_name, r, p, m, v):
             kind = str(a.computation_type).rsplit(".", 1)[-1]
             if kind == "FORWARD":
                 held[a.stage_index] += 1

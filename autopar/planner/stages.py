@@ -35,7 +35,7 @@ import torch.fx as fx
 from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
 
-__all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "held_per_stage", "stage_rank",
+__all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "held_per_stage", "torch_rank_actions", "stage_rank",
            "message_seconds", "messages_seconds",
            "PIPELINE_SCHEDULES", "MULTI_STAGE_SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES",
            "ZERO_BUBBLE_W_SHARE", "local_bytes"]
@@ -384,19 +384,26 @@ def _rank_order(schedule: str, r: int, p: int, m: int, v: int) -> list[tuple[int
     return None
 
 
-def _torch_zero_bubble_order(r: int, p: int, m: int, v: int) -> list[tuple[int, int]] | None:
-    """Rank ``r``'s order under torch's ``ScheduleInterleavedZeroBubble``, from torch's own
-    per-rank calculation (its weight passes lag the input passes by rules of their own; an
-    activation is released by its weight pass). Private to torch, so None (the rank's
-    ``in_flight`` on every stage) where this torch computes it otherwise."""
-    try:
-        from torch.distributed.pipelining import schedules
+def torch_rank_actions(cls_name: str, r: int, p: int, m: int, v: int) -> list:
+    """Rank ``r``'s actions under torch's schedule class ``cls_name`` (p ranks, m microbatches, v
+    stages per rank), from torch's own per-rank calculation, run without process groups. Private
+    to torch: may raise where another torch computes it otherwise."""
+    from torch.distributed.pipelining import schedules
 
-        sched = object.__new__(schedules.ScheduleInterleavedZeroBubble)
-        sched.pp_group_size, sched.n_local_stages, sched.num_stages, sched._n_microbatches = p, v, p * v, m
-        sched.number_of_rounds = max(1, m // p)
-        sched.microbatches_per_round = m // sched.number_of_rounds
-        actions = [a for a in sched._calculate_single_rank_operations(r) if a is not None]
+    sched = object.__new__(getattr(schedules, cls_name))
+    sched.pp_group_size, sched.n_local_stages, sched.num_stages, sched._n_microbatches = p, v, p * v, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    return [a for a in sched._calculate_single_rank_operations(r) if a is not None]
+
+
+def _torch_zero_bubble_order(r: int, p: int, m: int, v: int) -> list[tuple[int, int]] | None:
+    """Rank ``r``'s order under torch's ``ScheduleInterleavedZeroBubble`` (``torch_rank_actions``:
+    its weight passes lag the input passes by rules of their own; an activation is released by
+    its weight pass). None (the rank's ``in_flight`` on every stage) where this torch computes it
+    otherwise."""
+    try:
+        actions = torch_rank_actions("ScheduleInterleavedZeroBubble", r, p, m, v)
         mine = sorted(s for s in range(p * v) if stage_rank(s, p, "zero-bubble") == r)
         order = []
         for a in actions:
