@@ -7,6 +7,7 @@ The training runs are the example GPT (``parity.build_case("gpt")``) with AdamW,
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -178,10 +179,16 @@ def test_reshard_matrix(uninterrupted):
 def tied_pipeline_worker(root):
     """Gemma (input and output embeddings tied) trained 2 steps at pp=2, where both stages hold
     the tied weight, saved, then loaded under dp=2 and under zbv (one rank runs both of its
-    stages, the other holds neither): its full model and optimizer states after each load."""
+    stages, the other holds neither): its full model and optimizer states after each load; and the
+    bytes this rank's all-reduces counted while training (the tied copies' gradient sums only)."""
     pm, batches = _compile({"pp": 2}, case="real:gemma")
+    before = pm.comm.stats.totals()
     _train_to(pm, batches, 2)
+    summed = pm.comm.stats.since(before)[0].get("all_reduce", 0)
+    tied = [4 * math.prod(p.shape) for p in pm.plan.params.values()  # fp32, whole (pp only)
+            if sum(any(q.fqn == p.fqn for q in s.params) for s in pm.plan.stages) > 1]
     saved = _state(pm)
+    saved["tied"] = (summed, tied)
     path = pm.save(os.path.join(root, "tied"))
     pm.close()
     loaded = []
@@ -197,6 +204,8 @@ def tied_pipeline_worker(root):
 def test_tied_weights_across_pipeline_stages_save_and_reshard(tmp_path):
     saved, loaded = autopar.launch(tied_pipeline_worker, 2, str(tmp_path))[0]
     assert saved["stages"] == 2
+    summed, tied = saved["tied"]
+    assert len(tied) == 1 and summed == 2 * tied[0], "the tied gradient sums are counted once per step"
     for state, label in zip(loaded, ("dp=2", "zbv")):
         _assert_equal_states(state, saved, True, f"saved at pp=2, loaded under {label}")
 

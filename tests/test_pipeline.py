@@ -384,7 +384,7 @@ CASES_4 = [
     ("real:gemma", {"pp": 2, "dp": 2}, "adamw"),
     ("real:gemma", {"pp": 2, "dp": 2, "zero": 3}, "sgd"),
     # under a V schedule one rank runs both stages using it: its hooks fire twice per microbatch
-    ("real:gemma", {"pp": 2, "dp": 2, "schedule": "dualpipev", "microbatches": 4}, "sgd"),
+    ("real:gemma", {"pp": 2, "dp": 2, "zero": 2, "schedule": "dualpipev", "microbatches": 4}, "sgd"),
 ]
 
 
@@ -411,9 +411,10 @@ def test_split_backward_schedules_reduce_zero2_gradients_once():
               ParamPlacement("b", "p_b", "[R]", (), (10,), 40.0, 0)]
     from autopar.planner.costing import CostContext
     ctx = CostContext((2,), ("dp",), autopar.Cluster.local(2), None, None)
-    whole, after, per_micro = _zero2_held_whole(inner, ctx, [params, []], "zbv")
-    assert whole == [2000.0, 0.0] and after[0] > 0 == after[1] and 0 < per_micro[0] <= after[0]
-    assert _zero2_held_whole(inner, ctx, [params, []], "1f1b") == ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
+    grads = {"p_w": 4000.0, "p_b": 40.0}  # whole local gradient bytes
+    whole, after, per_micro = _zero2_held_whole(inner, ctx, [params, []], "zbv", grads)
+    assert whole == [4000.0, 0.0] and after[0] > 0 == after[1] and 0 < per_micro[0] <= after[0]
+    assert _zero2_held_whole(inner, ctx, [params, []], "1f1b", grads) == ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
 
 
 def _check(results):

@@ -24,7 +24,8 @@ def test_integer_boolean_and_detached_values_cross_a_stage_boundary():
     """The routed MLP's cut sends an int64 index, a bool mask and a detached float (in floating
     carriers, ``runtime.pipeline.to_carrier``); the target is not sent, the last stage takes it
     from the batch (``passes.split_stages``: ``fed_names``). Parity: ``CASES_2``."""
-    from autopar.runtime.pipeline import carrier_dtype, from_carrier, to_carrier
+    from autopar.planner.stages import carrier_dtype
+    from autopar.runtime.pipeline import from_carrier, to_carrier
 
     plan, model, batches, loss = _plan("routed_mlp", 2, pp=2)
     x, y = batches[0]

@@ -111,14 +111,18 @@ def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
     return state, kept, working - kept
 
 
-def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, produced: list[float]) -> list[float]:
+def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, produced: list[float],
+                    fed: dict[str, set[int]] | None = None) -> list[float]:
     """Per stage, its share of the activations kept for backward: of the bytes alive at the end
-    of the submesh plan's forward, those its own nodes made (``MemoryEstimate.kept_by_node``);
-    by the bytes its operators produce where the simulation gave none."""
+    of the submesh plan's forward, those its own nodes made (``MemoryEstimate.kept_by_node``); a
+    batch input's (``fed``: placeholder -> the stages using it) on every stage that takes it from
+    the batch; by the bytes its operators produce where the simulation gave none."""
     per = [0.0] * n_stages
+    fed = fed or {}
     for name, nbytes in kept_by_node.items():
-        per[stage_of(name)] += nbytes
-    total = sum(per)
+        for s in fed.get(name, (stage_of(name),)):
+            per[s] += nbytes
+    total = sum(kept_by_node.values())
     if total <= 0.0:
         per, total = list(produced), sum(produced) or 1.0
     return [x / total for x in per]
@@ -172,13 +176,15 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     total_produced = sum(produced) or 1.0
     with_rc = _memory_parts(dict(inner.predicted.memory_bytes), inner.predicted.peak_memory_bytes)
     without_rc = with_rc
-    kept_with = kept_without = _kept_per_stage(att.evaluation.memory.kept_by_node, stage_of, n_stages, produced)
+    fed = {n.name: {stage_of(u.name) for u in n.users if u.op != "output"} for n in traced.graph.nodes
+           if n.op == "placeholder" and n.meta.get("autopar.kind") not in ("param", "buffer")}
+    kept_with = kept_without = _kept_per_stage(att.evaluation.memory.kept_by_node, stage_of, n_stages, produced, fed)
     if chosen and per_rank_recompute:
         from autopar.planner.evaluate import evaluate
 
         ev = evaluate(problem, choice, frozenset())
         without_rc = _memory_parts(ev.memory.categories, ev.peak_bytes)
-        kept_without = _kept_per_stage(ev.memory.kept_by_node, stage_of, n_stages, produced)
+        kept_without = _kept_per_stage(ev.memory.kept_by_node, stage_of, n_stages, produced, fed)
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     # a parameter is held by every stage that uses it (tied weights: a copy each, their gradients
     # summed between their ranks after the schedule, runtime.pipeline)
@@ -188,17 +194,11 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     trainable = {n.name for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.requires_grad")}
     shared = [p for p in inner.params.values()
               if p.node in trainable and len({rank_of[s] for s in used_in.get(p.node, ())}) > 1]
-    for p in shared:
-        if p.zero_stage >= 2:
-            raise ConstraintError(
-                f"the parameter {p.fqn!r} is used in several pipeline stages (tied weights), whose copies' gradients "
-                f"are summed between them as the parameter is laid out; ZeRO-{p.zero_stage} shards the gradients apart from "
-                f"it: use zero=0, 1 or 3, or untie it")
-    bare = [r for r in range(pp) if not any(owned[s] for s in range(n_stages) if rank_of[s] == r)]
+    bare = [r for r in range(pp) if not any(p.node in trainable for s in range(n_stages) if rank_of[s] == r for p in owned[s])]
     if bare:
         raise ConstraintError(
-            f"a cut into {n_stages} pipeline stages leaves pipeline rank {bare[0]} without parameters (its stages run "
-            "parameter-free operators only): use fewer stages")
+            f"a cut into {n_stages} pipeline stages leaves pipeline rank {bare[0]} without trainable parameters (its "
+            "stages run parameter-free operators or frozen parameters only): use fewer stages")
     loss_rank = rank_of[n_stages - 1]
 
     held_sends = schedule in MULTI_STAGE_SCHEDULES
@@ -233,7 +233,8 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
 
     # split-backward schedules hold ZeRO-2 gradients whole until one reduce-scatter after the
     # schedule (runtime.pipeline): their whole bytes per stage, and that reduction's time
-    whole_grads, zero2_after, zero2_per_micro = _zero2_held_whole(inner, att.problem.ctx, owned, schedule)
+    grad_bytes = _whole_grad_bytes(traced, inner)
+    whole_grads, zero2_after, zero2_per_micro = _zero2_held_whole(inner, att.problem.ctx, owned, schedule, grad_bytes)
 
     def peak(r: int, recomputes: bool) -> float:
         return peak_of(r, recomputes) + sum(whole_grads[s] for s in range(n_stages) if rank_of[s] == r)
@@ -286,8 +287,9 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         # torch's weight pass adds to the gradients past the hooks that start a bucket's
         # reduction: under a split-backward schedule only stage 0's buckets start early
         hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
-        # a tied weight's copies: their gradients summed between the ranks holding them
-        tied = sum((len(ranks) - 1) * send_s(p.bytes_per_device) for p in shared
+        # a tied weight's copies: their gradients (ZeRO-2: each rank's reduced shard of them)
+        # summed between the ranks holding them
+        tied = sum((len(ranks) - 1) * send_s(_grad_bytes_after_sync(p, dict(inner.mesh_axes), grad_bytes)) for p in shared
                    if r in (ranks := {rank_of[s] for s in used_in[p.node]}))
         return (max(sync - hiding, floor * sync, 0.0) + tied
                 + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine))
@@ -308,8 +310,10 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
                    send_layouts(traced.graph, cut, n_stages))
 
 
-def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[list[float], list[float], list[float]]:
-    """Per stage, under a split-backward schedule: (the bytes its ZeRO-2 gradients hold beyond
+def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str, grad_bytes: dict[str, float]
+                      ) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, under a split-backward schedule (``grad_bytes``: a parameter node's whole local
+    gradient, ``_whole_grad_bytes``): (the bytes its ZeRO-2 gradients hold whole beside
     their shards while they accumulate whole, the time of their one reduce-scatter after the
     schedule, exposed, and the time of one microbatch's overlapped reduce-scatters that the
     submesh plan priced instead); zeros under any other schedule (those reduce-scatter per
@@ -327,12 +331,39 @@ def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str) -> tuple[lis
         for p in params:
             if p.zero_stage != 2 or not p.zero_axes:
                 continue
-            whole[s] += p.bytes_per_device * (1.0 - 1.0 / math.prod(sizes[a] for a in p.zero_axes))
-            after[s] += sum(blocking_collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
+            g = grad_bytes.get(p.node, 0.0)
+            whole[s] += g  # beside the shard buffer (runtime.param_store), until the reduce-scatter
+            after[s] += sum(blocking_collective_time("reduce_scatter", g, ctx.groups[axis[a]], ctx.cluster)
                             for a in p.zero_axes)
-            per_micro[s] += sum(collective_time("reduce_scatter", p.bytes_per_device, ctx.groups[axis[a]], ctx.cluster)
+            per_micro[s] += sum(collective_time("reduce_scatter", g, ctx.groups[axis[a]], ctx.cluster)
                                 for a in p.zero_axes)
     return whole, after, per_micro
+
+
+def _whole_grad_bytes(traced, inner: Plan) -> dict[str, float]:
+    """Per trainable parameter node: its gradient's bytes on one device under its layout (in the
+    parameter's dtype; ZeRO-3's shard), before any ZeRO-2 reduce-scatter."""
+    from autopar.layouts import local_numel, parse_layout
+
+    sizes = tuple(s for _, s in inner.mesh_axes)
+    nodes = {n.name: n for n in traced.graph.nodes if n.op == "placeholder"}
+    out = {}
+    for p in inner.params.values():
+        node = nodes.get(p.node)
+        if node is None or not node.meta.get("autopar.requires_grad"):
+            continue
+        meta = node.meta["autopar.outputs"][0]
+        out[p.node] = float(local_numel(meta.shape, parse_layout(p.layout), sizes) * meta.itemsize)
+    return out
+
+
+def _grad_bytes_after_sync(p, sizes: dict[str, int], grad_bytes: dict[str, float]) -> float:
+    """A parameter's gradient bytes on one rank once synchronised over its submesh: ZeRO-2 keeps
+    only its shard on the zero axes."""
+    g = grad_bytes.get(p.node, 0.0)
+    if p.zero_stage == 2 and p.zero_axes:
+        return g / math.prod(sizes[a] for a in p.zero_axes)
+    return g
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,

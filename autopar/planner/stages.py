@@ -30,6 +30,7 @@ import operator
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from autopar.errors import ConstraintError
@@ -106,6 +107,25 @@ class CutModel:
                 for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
 
 
+def carrier_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The floating dtype a value of ``dtype`` crosses a stage boundary in (itself if floating;
+    torch's stages exchange gradients for every value they send): the float of the same width
+    (the bytes reinterpreted), float16 for one-byte values (converted: every bool, int8 and uint8
+    is exact in it, at twice their bytes)."""
+    if dtype.is_floating_point:
+        return dtype
+    return {8: torch.float64, 4: torch.float32, 2: torch.float16}.get(dtype.itemsize, torch.float16)
+
+
+def _carried_bytes(node: fx.Node, nbytes: float) -> float:
+    """``nbytes`` of ``node``'s value as its stage boundary carries it (``carrier_dtype``)."""
+    metas = [m for m in (node.meta.get("autopar.outputs") or ()) if m is not None]
+    dtype = metas[0].dtype if len(metas) == 1 else None
+    if dtype is None or dtype.is_floating_point:
+        return nbytes
+    return nbytes * carrier_dtype(dtype).itemsize / dtype.itemsize
+
+
 def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], link_bandwidth: float,
               recompute_instances: dict[str, str] | None = None, block_instances: dict[str, str] | None = None,
               boundary=None) -> CutModel:
@@ -146,7 +166,7 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
             continue
         placed = placements.get(node.name)
         layout = placed.outs[0] if placed is not None and placed.outs else None
-        nbytes = local_bytes(node, layout, mesh_sizes)
+        nbytes = _carried_bytes(node, local_bytes(node, layout, mesh_sizes))
         choice = boundary(node, layout, nbytes) if boundary is not None else None
         if choice is not None:
             sent[node.name], nbytes, regather = choice

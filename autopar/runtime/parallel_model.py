@@ -297,6 +297,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if self.plan is not None:
             self._grad_sync.close()
             self.comm.close()
+            if self._pipeline is not None:
+                self._pipeline.close()
         self._checkpointer.close()  # the save in flight completes (or its failure is raised)
         _LIVE.discard(self)
 

@@ -41,11 +41,12 @@ import torch.fx as fx
 
 from autopar.errors import AutoparError
 from autopar.layouts import Layout
-from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES
+from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES, carrier_dtype
 from autopar.passes.outline_recompute import outlined_graph
 from autopar.passes.boundary_sends import insert_boundary_sends
 from autopar.passes.split_stages import StageProgram, shared_state, split_stages
 from autopar.runtime.collectives import shard_tensor
+from autopar.runtime.comm import MeshComm, collective_site
 
 __all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages"]
 
@@ -82,15 +83,6 @@ class _DenseGrad(torch.autograd.Function):
 
 
 FED_PREFIX = "autopar_fed_"  # the schedule's keyword inputs: batch inputs a later stage takes directly
-
-
-def carrier_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The floating dtype a value of ``dtype`` crosses a stage boundary in (itself if floating):
-    the float of the same width (the bytes reinterpreted), float32 for one-byte values (converted:
-    every bool, int8 and uint8 is exact in it)."""
-    if dtype.is_floating_point:
-        return dtype
-    return {8: torch.float64, 4: torch.float32, 2: torch.float16}.get(dtype.itemsize, torch.float32)
 
 
 def to_carrier(t: torch.Tensor) -> torch.Tensor:
@@ -256,7 +248,7 @@ class PipelineRunner:
         planned = insert_boundary_sends(program, plan, planned, state_names)  # values sent in pieces
         shared = shared_state(plan)
         self.programs = split_stages(program, planned, state_names, self.n_stages, shared)
-        self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store)
+        self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store, comm.stats)
         # a tied weight in two of this rank's stages (V schedules) accumulates twice per microbatch
         counts = [n for i in self.mine for n in self.programs[i].state_names]
         self.local_uses = {n: counts.count(n) for n in set(counts) if counts.count(n) > 1}
@@ -356,13 +348,18 @@ class PipelineRunner:
     def sum_tied_grads(self) -> None:
         """Sum the gradients of a tied parameter's copies between the ranks holding them, once
         per step, after gradient sync over the stage's submesh: every copy then takes the whole
-        gradient, and their optimizer steps keep them equal."""
-        for group, slots in self._tied:
+        gradient, and their optimizer steps keep them equal. Counted and named like every other
+        collective (``MeshComm``); a copy's gradient is a view into the store's flat buffer."""
+        for tied_comm, slots in self._tied:
             for slot in slots:
-                p = slot.local
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+                with collective_site(f"the gradient sum of tied parameter '{slot.fqn}' between pipeline stages"):
+                    # ZeRO-2: the copies' reduced shards (each copy's slot is laid out alike)
+                    tied_comm.all_reduce(slot.opt.grad if slot.zero_stage == 2 else slot.local.grad, 0)
+
+    def close(self) -> None:
+        """Release the tied-gradient groups (the stage submesh's are released by its ``MeshComm``)."""
+        for tied_comm, _ in self._tied:
+            tied_comm.close()
 
     def broadcast_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's loss value on every rank of this pipeline."""
@@ -371,9 +368,9 @@ class PipelineRunner:
         return value
 
 
-def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store) -> list:
-    """(process group, store slots) per set of pipeline ranks holding tied parameters' copies
-    that this rank is in. Every rank creates every group, in one order (torch requires it)."""
+def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store, stats) -> list:
+    """(one-axis ``MeshComm``, store slots) per set of pipeline ranks holding tied parameters'
+    copies that this rank is in. Every rank creates every group, in one order (torch requires it)."""
     by_ranks: dict[tuple[int, ...], list[str]] = {}
     for name in sorted(shared):
         ranks = tuple(sorted({plan.pipeline_rank(s.index) for s in plan.stages if any(p.node == name for p in s.params)}))
@@ -385,7 +382,7 @@ def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store)
                                                        for i in range(len(stage_ranks[0]))])
         if pp_rank in ranks:
             slots = [store.slots[n] for n in names if n in store.slots and store.slots[n].local.requires_grad]
-            tied.append((group, slots))
+            tied.append((MeshComm((group,), (len(ranks),), (ranks.index(pp_rank),), stats), slots))
     return tied
 
 
