@@ -216,8 +216,9 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         # the activations of the microbatches each stage holds; under torch's multi-stage
         # schedules (_PipelineScheduleRuntime) every send of the step also lives until its end:
         # an output sent is one of those activations until its backward, unless the stage sends
-        # a copy (split-backward schedules, runtime.pipeline), and every input gradient sent
-        held = max(sum(kept * shares[s] * h + held_sends * ((f if copies else b) * fwd_send[s] + b * bwd_send[s])
+        # a copy (split-backward schedules, runtime.pipeline). Every schedule keeps each input
+        # gradient a stage sends: it is the ``.grad`` of its receive buffer until the next step
+        held = max(sum(kept * shares[s] * h + held_sends * (f if copies else b) * fwd_send[s] + b * bwd_send[s]
                        for s, h, f, b in zip(mine, moment.held, moment.forwards, moment.backwards))
                    for moment in held_per_stage(schedule, r, pp, m, v))
         # torch.distributed.pipelining allocates every microbatch's receive buffers up front: the

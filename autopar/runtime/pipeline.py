@@ -14,9 +14,10 @@ Invariants:
   schedule's keyword inputs (``FED_PREFIX``), rather than through the stages before it;
 * one protocol on every torch version (2.11's ``PipelineStage`` makes every receive buffer
   require a gradient and sends one back for each): every value crossing a boundary travels as a
-  floating tensor that takes a gradient, an integer or boolean value in a floating carrier of
-  the same bytes (``to_carrier``, restored on arrival); a value without a gradient of its own
-  gets zeros back (``_ZeroGradsFor``), which its sender drops (``_DependOn``);
+  floating tensor that takes a gradient, an integer or boolean value in a floating carrier
+  (``to_carrier``, restored on arrival); a value without a gradient of its own gets zeros back
+  (``_with_zero_grads_for``; dense only where nothing else reaches it), which its sender drops
+  (``_DependOn``);
 * the last stage's loss for microbatch ``i`` is the program's (partial over the submesh, as
   without pipelining); the schedule backpropagates it scaled by ``d(global loss)/d(its loss)``,
   so the gradients equal one device's; gradient sync over the submesh runs once per step: a
@@ -98,23 +99,33 @@ def from_carrier(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if t.dtype.itemsize == dtype.itemsize else t.to(dtype)
 
 
-class _ZeroGradsFor(torch.autograd.Function):
-    """The first ``n`` tensors unchanged (copies), and a zero gradient for each of the others
-    (received values), added to whatever else they get (see the module docstring). Every output
-    of a stage passes through it together: torch's split backward reaches a stage's parameters
-    only through paths that meet its received inputs, which here meet every output."""
+def _with_zero_grads_for(out: torch.Tensor, received: list, flows) -> torch.Tensor:
+    """``out`` (a new tensor, not a view: split-backward schedules detach a stage's outputs in
+    place) that also sends a zero gradient to each received value, added to whatever else they
+    get (see the module docstring). Every output of a stage passes through one, with the received
+    values: torch's split backward reaches a stage's parameters only through paths that meet its
+    received inputs, which here meet every output. Built of torch's own ops: torch 2.11's weight
+    pass cannot start from a custom Function's node. ``flows``: per received value, whether a
+    dense gradient reaches it otherwise (its zeros are then an expanded scalar, no memory; else
+    dense, as torch sends them). ``where`` keeps the forward value exact, whatever was received."""
+    never = torch.zeros((), dtype=torch.bool, device=out.device)
+    zero = out.new_zeros(())
+    for r, flows_r in zip(received, flows):
+        dropped = torch.where(never, r.sum(), 0) if flows_r else torch.where(never, r, 0).sum()
+        zero = zero + dropped.to(out.dtype)
+    return out + zero
 
-    @staticmethod
-    def forward(ctx, n, *tensors):
-        ctx.n = n
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in tensors[n:]]
-        # not views: split-backward schedules detach the stage's outputs in place
-        outs = tuple(t.clone() for t in tensors[:n])
-        return outs if n > 1 else outs[0]
 
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *grads, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
+def _reached(outputs, nodes: list) -> tuple[bool, ...]:
+    """Per autograd node in ``nodes`` (None: none), whether backward from ``outputs`` reaches it."""
+    seen, todo = set(), [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return tuple(n is not None and n in seen for n in nodes)
 
 
 class _DependOn(torch.autograd.Function):
@@ -145,6 +156,7 @@ class _StageModule(torch.nn.Module):
         flows)`` as the program has it (the boundary carries it in ``carrier_dtype``)."""
         super().__init__()
         self._copy_outputs = copy_outputs
+        self._flows: tuple[bool, ...] | None = None  # per received value: its own gradient reaches it
         self.prog = prog.gm
         self._state = state
         self._run = run
@@ -163,7 +175,7 @@ class _StageModule(torch.nn.Module):
         # every received value takes a gradient back, zeros at least (see the module docstring):
         # one that has none of its own, or whose uses do not reach the outputs (a value passed on
         # detached), would otherwise leave torch without the gradient it sends
-        args, anchored = [], []
+        args, anchored, dense = [], [], []
         for i, t in enumerate(received):
             if isinstance(t, torch.Tensor) and i < len(self._received):
                 dtype, wants_grad = self._received[i]
@@ -174,14 +186,18 @@ class _StageModule(torch.nn.Module):
                 t = from_carrier(t, dtype)
                 if t.requires_grad:
                     t = _DenseGrad.apply(t)
+                if anchored and anchored[-1] is received[i]:
+                    dense.append(t.grad_fn if t.requires_grad else None)
             args.append(t)
         for i in sorted(self._constants):
             args.insert(i, self._constants[i])
         args += [fed[FED_PREFIX + n] if FED_PREFIX + n in fed else self._fed_constants[n] for n in self._fed]
         out = self._run()(self._state() + args, self.prog)
+        if anchored and self._flows is None and torch.is_grad_enabled():  # the same paths every microbatch
+            self._flows = _reached(out if isinstance(out, (tuple, list)) else (out,), dense)
         if self._last:  # as (1,): the schedule concatenates the microbatches' outputs
             loss = (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
-            return _ZeroGradsFor.apply(1, loss, *anchored) if anchored else loss
+            return _with_zero_grads_for(loss, anchored, self._flows or (False,) * len(anchored)) if anchored else loss
         # sent as is: a view (a transpose, a slice) must first be laid out densely. Zero-bubble
         # schedules detach the outputs in place after the input gradients, while the weight
         # gradients may still need them (a value the stage also saved): those get a copy
@@ -195,19 +211,25 @@ class _StageModule(torch.nn.Module):
         if anchor is not None:
             outs = [t if t.requires_grad else _DependOn.apply(t, anchor) for t in outs]
         if anchored:
+            # the first output's zeros are dense where no gradient of its own reaches a received
+            # value (torch sends them); the other outputs' add nothing and cost nothing
+            flows = self._flows or (False,) * len(anchored)
             ks = [j for j, t in enumerate(outs) if t.requires_grad] or [0]
-            joined = _ZeroGradsFor.apply(len(ks), *(outs[j] for j in ks), *anchored)
-            for j, t in zip(ks, joined if len(ks) > 1 else (joined,)):
-                outs[j] = t
+            for n, j in enumerate(ks):
+                outs[j] = _with_zero_grads_for(outs[j], anchored, flows if n == 0 else (True,) * len(anchored))
         return tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
 
 
 @functools.cache
 def _stage_class():
-    """torch's ``PipelineStage``, less one 2.11 failure: its warm-up exchanges a message with
+    """torch's ``PipelineStage``, less two 2.11 failures. Its warm-up exchanges a message with
     each neighbouring stage, the neighbour on the same rank included (V schedules run stages
-    ``p-1`` and ``p`` on one rank), which gloo cannot send to itself. Later versions warm up
-    otherwise and never call this method for a ``PipelineStage``."""
+    ``p-1`` and ``p`` on one rank), which gloo cannot send to itself; later versions warm up
+    otherwise and never call this method for a ``PipelineStage``. And its weight pass runs one
+    ``autograd.grad`` per parameter group, through each group's intermediates: groups sharing an
+    intermediate (parameters whose paths meet the received values only where a stage output
+    joins them) went through it twice, the second time freed. Those groups are merged after the
+    input pass (``_merge_param_groups``), which later versions' weight pass takes alike."""
     from torch.distributed import pipelining
 
     class Stage(pipelining.PipelineStage):
@@ -215,7 +237,45 @@ def _stage_class():
             me = dist.get_rank()
             return [op for op in super()._get_init_p2p_neighbors_ops() if getattr(op, "peer", None) != me]
 
+        def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            state = getattr(self, "backward_state", {}).get(bwd_chunk_id)
+            if state is not None and state[1]:
+                self.backward_state[bwd_chunk_id] = (state[0], _merge_param_groups(state[1]), *state[2:])
+            return out
+
     return Stage
+
+
+def _merge_param_groups(groups: list[dict]) -> list[dict]:
+    """torch's split-backward parameter groups (``params``, ``intermediates``, their captured
+    ``grads``), those sharing an intermediate autograd node merged into one (union-find), so the
+    weight pass goes through each intermediate once."""
+    parent = list(range(len(groups)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict = {}
+    for i, g in enumerate(groups):
+        for node in g.get("intermediates", ()):
+            j = owner.setdefault(node, i)
+            parent[root(i)] = root(j)
+    if len({root(i) for i in range(len(groups))}) == len(groups):
+        return groups
+    merged: dict[int, dict] = {}
+    for i, g in enumerate(groups):
+        m = merged.setdefault(root(i), {"params": [], "intermediates": [], "grads": []})
+        grads = g.get("grads") or [(None,)] * len(g["intermediates"])  # no gradient reached them
+        for node, grad in zip(g["intermediates"], grads):
+            if node not in m["intermediates"]:
+                m["intermediates"].append(node)
+                m["grads"].append(grad)
+        m["params"] += [p for p in g["params"] if p not in m["params"]]
+    return list(merged.values())
 
 
 class PipelineRunner:
