@@ -82,3 +82,30 @@ def test_compile_errors_are_clear(world1):
     pm = autopar.compile(MLP(), world1, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_opt)
     with pytest.raises(autopar.AutoparError, match="needs target="):
         pm.train_step(x)
+
+
+def test_zero3_saved_tensors_hooks_keep_no_reference_cycle():
+    """Under ZeRO-3's saved-tensor hooks (``runtime.param_regather``) an op that saves its own
+    output (log_softmax) must not hold its node through that output: a graph that backward
+    leaves alive (a split backward's ``retain_graph``) or that is dropped without backward is
+    freed by reference counting, not by Python's cycle collector."""
+    import gc
+    import weakref
+
+    from autopar.runtime.param_regather import regather_saved_params
+
+    x = torch.randn(64, 32, requires_grad=True)
+    freed = []
+    gc.disable()
+    try:
+        with regather_saved_params():
+            y = x.log_softmax(-1)
+        ref = weakref.ref(y.untyped_storage(), lambda _: freed.append(True))
+        loss = (y * 2).sum()
+        del y
+        torch.autograd.grad(loss, x, retain_graph=True)
+        del loss
+        assert freed == [True], "the saved output outlived its graph"
+    finally:
+        gc.enable()
+    assert ref() is None

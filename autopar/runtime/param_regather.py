@@ -58,16 +58,18 @@ class _Regather:
 
 
 def _pack(t: torch.Tensor):
-    if not _GATHERED or t.layout != torch.strided:
-        return t
-    st = t.untyped_storage()
-    entry = _GATHERED.get(st._cdata)
-    if entry is not None and entry[0]() is st:
-        seq = _PACKED[0]
-        obj = _Regather(entry[1], entry[2], t, seq)
-        seq.items.append(weakref.ref(obj))
-        return obj
-    return t
+    if _GATHERED and t.layout == torch.strided:
+        st = t.untyped_storage()
+        entry = _GATHERED.get(st._cdata)
+        if entry is not None and entry[0]() is st:
+            seq = _PACKED[0]
+            obj = _Regather(entry[1], entry[2], t, seq)
+            seq.items.append(weakref.ref(obj))
+            return obj
+    # not the tensor itself: an op saving its own output (softmax, exp) would then hold its node
+    # through the output's grad_fn, a cycle that outlives the graph until Python's collector runs
+    # (a graph dropped without backward, or kept by a split backward's ``retain_graph``)
+    return t.detach() if t.grad_fn is not None else t
 
 
 def _unpack(obj):
