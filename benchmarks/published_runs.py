@@ -1,0 +1,262 @@
+"""One published run (an entry of ``benchmarks/published_runs.json``) -> what autopar plans for it.
+
+The papers' FLOPs formulas, the mapping of a run's published configuration to
+``autopar.Constraints`` and of its hardware to an ``autopar.Cluster`` (with the calibrated
+constants, if any), the planning of one run (``plan_entry``) and the conversion of a predicted
+step time to throughput in the paper's own unit. The module-level ``*_OVERRIDE``, ``FREE_PLANS``
+and ``INTER_NODE_GBPS`` flags live here only: ``published_comparison.main`` and
+``published_calibration`` set them as ``published_runs.NAME = ...``. See
+``published_comparison.py`` for the user documentation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+import autopar
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+
+RUNS_JSON = os.path.join(ROOT, "benchmarks", "published_runs.json")
+PEAK_16BIT = {"A100": 312e12, "H100": 989e12}  # the peaks the papers divide by
+A100_40GB = dict(memory_bytes=40 * 10**9, memory_bandwidth=1.555e12)  # A100 40GB SXM datasheet
+
+
+# --- the papers' FLOPs formulas ---------------------------------------------------------------
+
+def narayanan_eq3_flops(B, s, l, h, V):
+    """Narayanan et al. 2021, Eq. 3: FLOPs per iteration incl. the recomputed forward pass."""
+    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def korthikanti_model_flops(B, s, L, h, V):
+    """Korthikanti et al. 2022, App. A: model FLOPs per iteration (no recompute)."""
+    return 72 * B * L * s * h**2 * (1 + s / (6 * h) + V / (12 * h * L))
+
+
+def mpt_flops_per_token(N, L, d, s):
+    """llm-foundry README: MFU counts 6*N + 12*L*d*s FLOPs per token (N = all parameters)."""
+    return 6 * N + 12 * L * d * s
+
+
+def family(entry: dict) -> str:
+    i = entry["id"]
+    if i.startswith("narayanan21-t1"):
+        return "narayanan-t1"
+    if i.startswith("narayanan21-t2-zero3"):
+        return "narayanan-t2-zero3"
+    if i.startswith("narayanan21-t2-ptdp"):
+        return "narayanan-t2-ptdp"
+    if i.startswith("korthikanti22"):
+        return "korthikanti"
+    if i.startswith("mpt-"):
+        return "mpt"
+    return "other"
+
+
+def _gpu(entry):
+    return "H100" if entry["gpu"].startswith("H100") else "A100"
+
+
+# --- mapping a published entry to a planner call ----------------------------------------------
+
+def representable(entry: dict) -> str | None:
+    """None if the row can be planned, else why not."""
+    m, c = entry["model"], entry["config"]
+    if family(entry) == "other":
+        if c.get("tp") is None or c.get("global_batch") is None:
+            return "tensor-parallel degree and global batch not published: config cannot be forced"
+        return "no FLOPs formula wired for this source"
+    if m["ffn_hidden"] != 4 * m["hidden"]:
+        return f"ffn_hidden {m['ffn_hidden']} != 4*hidden: the example GPT has a 4x MLP"
+    if not entry["gpu"].startswith(("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB")):
+        return f"no preset for {entry['gpu']}"
+    return None
+
+
+def forced(entry: dict) -> tuple[dict, list[str]]:
+    """The published configuration as Constraints arguments, and the mapping notes."""
+    c, notes = entry["config"], []
+    tp = c.get("tp") or 1
+    dp = c.get("dp") or entry["gpus"] // (tp * (c.get("pp") or 1))
+    zero = c.get("zero")
+    if zero is None:
+        zero = 0
+        notes.append("zero null -> 0 (no distributed optimizer in Megatron-LM 2021)")
+    rc = c.get("recompute")
+    if rc == "full":
+        recompute = True
+    elif rc == "none":
+        recompute = False
+    elif rc == "selective":
+        recompute = False
+        notes.append("selective recompute -> recompute=False (no selective option)")
+    else:
+        recompute = True
+        notes.append("recompute null -> True (Eq. 3 counts recompute)")
+    if c.get("sequence_parallel"):
+        notes.append("sequence parallel left to the ILP")
+    pp = c.get("pp") or 1
+    mb = c.get("micro_batch")
+    if pp > 1 and not mb:
+        mb = 1
+        notes.append("micro_batch null -> 1 (Megatron's pipelined runs; Table 2 publishes 1)")
+    micro = 1
+    if mb:
+        per_replica = c["global_batch"] / dp
+        micro = max(1, round(per_replica / mb))
+    out = dict(dp=dp, tp=tp, zero=zero, recompute=recompute, microbatches=micro)
+    if pp > 1:
+        out.update(pp=pp, schedule="1f1b")
+        notes.append("schedule 1f1b (whether a row used the interleaved schedule is not published)")
+    return out, notes
+
+
+def attention_for(entry: dict) -> str:
+    """How the published stack ran attention: Megatron-LM of 2021-2022 (Narayanan, Korthikanti)
+    had no flash attention, so its (heads x seq x seq) scores went through device memory
+    (scale/mask/softmax fused into one kernel; the example GPT's "math" path runs mask and
+    softmax as two, and no attention dropout); MPT ran a fused flash kernel."""
+    return "math" if family(entry).startswith(("narayanan", "korthikanti")) else "sdpa"
+
+
+# set by --calibrate-on: a measured (calibrated) matmul efficiency replacing the preset's
+EFFICIENCY_OVERRIDE: float | None = None
+# set by --calibrate-comm-on: the achieved fraction of inter-node bandwidth (LinkSpec.efficiency)
+COMM_EFFICIENCY_OVERRIDE: float | None = None
+# set by --calibrate-rails-on: how many NICs of a node one collective drives (LinkSpec.rails)
+RAILS_OVERRIDE: float | None = None
+# set by --calibrate-exposed-on: the share of overlappable communication left exposed
+# (Cluster.exposed_comm_share)
+EXPOSED_OVERRIDE: float | None = None
+# set by --free: also plan every row without constraints and compare
+FREE_PLANS = False
+# set by --inter-node-gbps: an assumed node-to-node fabric (Gb/s per node, all NICs) for rows whose
+# source does not state it (a sensitivity check, printed in each row's notes)
+INTER_NODE_GBPS: float | None = None
+
+
+def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
+    cl = autopar.Cluster.preset(entry["cluster_preset"], nodes=entry["nodes"])
+    notes = []
+    if EFFICIENCY_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, device=dataclasses.replace(cl.device, matmul_efficiency=EFFICIENCY_OVERRIDE))
+        notes.append(f"matmul_efficiency {EFFICIENCY_OVERRIDE:.3f} (calibrated)")
+    if INTER_NODE_GBPS is not None and cl.nodes > 1:
+        per_gpu = INTER_NODE_GBPS * 1e9 / 8 / cl.devices_per_node
+        cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, bandwidth=per_gpu))
+        notes.append(f"assumed {INTER_NODE_GBPS:.0f} Gb/s node-to-node ({per_gpu / 1e9:.1f} GB/s per GPU)")
+    if COMM_EFFICIENCY_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, efficiency=COMM_EFFICIENCY_OVERRIDE))
+        notes.append(f"inter-node efficiency {COMM_EFFICIENCY_OVERRIDE:.3f} (calibrated)")
+    if RAILS_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, rails=RAILS_OVERRIDE))
+        notes.append(f"inter-node rails {RAILS_OVERRIDE:.2f} (calibrated)")
+    if EXPOSED_OVERRIDE is not None:
+        cl = dataclasses.replace(cl, exposed_comm_share=EXPOSED_OVERRIDE)
+        notes.append(f"exposed communication share {EXPOSED_OVERRIDE:.3f} (calibrated)")
+    if entry["gpu"].startswith("A100-SXM4-40GB"):
+        dev = dataclasses.replace(cl.device, name="A100-SXM4-40GB", **A100_40GB)
+        cl = dataclasses.replace(cl, device=dev)
+        notes.append("A100 40GB: preset memory/bandwidth overridden")
+    assert cl.world_size == entry["gpus"], (entry["id"], cl.world_size)
+    return cl, notes
+
+
+def published_and_predicted(entry: dict, step_s: float) -> dict:
+    """Throughput in the paper's unit: published value, predicted value, and the unit name."""
+    m, c, rep = entry["model"], entry["config"], entry["reported"]
+    B, s, l, h, V, n = c["global_batch"], m["seq_len"], m["layers"], m["hidden"], m["vocab"], entry["gpus"]
+    fam = family(entry)
+    if fam.startswith("narayanan"):
+        F = narayanan_eq3_flops(B, s, l, h, V)
+        pub = rep["tflops_per_gpu"]
+        return dict(unit="TFLOP/s/GPU (Eq. 3)", published=pub, predicted=F / (step_s * n) / 1e12,
+                    published_step_s=F / (pub * 1e12 * n), derived="")
+    if fam == "korthikanti":
+        F = korthikanti_model_flops(B, s, l, h, V)
+        peak = PEAK_16BIT["A100"]
+        if rep.get("mfu") is not None:
+            pub, derived = rep["mfu"] * 100, ""
+        else:
+            pub, derived = F / (rep["seconds_per_iteration"] * n * peak) * 100, "MFU derived from published s/iter"
+        return dict(unit="MFU % (App. A)", published=pub, predicted=F / (step_s * n * peak) * 100,
+                    published_step_s=rep.get("seconds_per_iteration"), derived=derived)
+    if fam == "mpt":
+        per_tok = mpt_flops_per_token(m["params_b"] * 1e9, l, h, s)
+        peak = PEAK_16BIT[_gpu(entry)]
+        pub = rep["mfu"] * 100
+        tokens = B * s
+        return dict(unit="MFU % (6N+12Lds)", published=pub, predicted=per_tok * tokens / step_s / (n * peak) * 100,
+                    published_step_s=tokens / rep["tokens_per_s"], derived="")
+    raise ValueError(fam)
+
+
+def plan_entry(entry: dict) -> dict:
+    m, c = entry["model"], entry["config"]
+    kw, notes = forced(entry)
+    cluster, cnotes = cluster_for(entry)
+    notes += cnotes
+    attention = attention_for(entry)
+    if attention == "math":
+        notes.append("attention materialised (no flash attention in this stack)")
+    with torch.device("meta"):
+        model = GPT(GPTConfig(m["vocab"], m["seq_len"], m["layers"], m["heads"], m["hidden"], attention=attention))
+    idx = torch.empty(c["global_batch"], m["seq_len"], dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    plan, err, relaxed = None, "", 1
+    while plan is None:
+        try:
+            plan = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed",
+                                constraints=autopar.Constraints(**kw))
+        except autopar.NoFeasiblePlanError as exc:
+            err = str(exc)
+            if not ("memory" in err or "GiB" in err) or relaxed >= 4:
+                break
+            # The published run fitted; ours does not: bf16-mixed (autocast) keeps the residual
+            # stream and the checkpointed block inputs in fp32, where Megatron-LM and DeepSpeed
+            # trained in half precision with fp32 master weights. Changing the published
+            # configuration (more microbatches) would change what is compared (ZeRO-3 gathers
+            # every parameter once per microbatch), so the memory check is relaxed instead.
+            relaxed *= 2
+            dev = cluster.device
+            cluster = dataclasses.replace(cluster, device=dataclasses.replace(dev, memory_bytes=dev.memory_bytes * 2))
+    plan_s = time.perf_counter() - t0
+    out = dict(id=entry["id"], family=family(entry), gpus=entry["gpus"], forced=dict(kw), notes=notes, plan_s=plan_s)
+    if relaxed > 1 and plan is not None:
+        notes.append(f"the published configuration does not fit our memory model (fp32 residual stream under "
+                     f"autocast); planned with {relaxed}x device memory")
+    if plan is None:
+        out.update(ok=False, error=err.split(". ")[0])
+        return out
+    step = plan.predicted.step_time_s
+    kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for node in plan.nodes.values():
+        k = "matmul" if any(t in node.op for t in ("linear", ".mm", "bmm", "addmm", "matmul", "einsum")) else (
+            "attention" if "scaled_dot_product_attention" in node.op else "other")
+        kinds[k] += node.compute_s
+    out.update(ok=True, step_s=step, compute_s=plan.predicted.compute_s, exposed_comm_s=plan.predicted.exposed_comm_s,
+               blocking_comm_s=plan.predicted.blocking_comm_s, comm_s=dict(plan.predicted.comm_s),
+               compute_by_kind=kinds, peak_gib=plan.predicted.peak_memory_bytes / 2**30,
+               planner_mfu=plan.predicted.mfu, recompute=plan.recompute, mesh=plan.mesh)
+    out.update(published_and_predicted(entry, step))
+    out["ratio"] = out["predicted"] / out["published"]
+    out["error_pct"] = (out["ratio"] - 1) * 100
+    if FREE_PLANS:
+        t0 = time.perf_counter()
+        try:
+            free = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed")
+        except autopar.NoFeasiblePlanError as exc:
+            out.update(free_ok=False, free_error=str(exc).split(". ")[0])
+        else:
+            out.update(free_ok=True, free_step_s=free.predicted.step_time_s, free_pp=free.pipeline_degree,
+                       free_mesh=free.mesh, free_schedule=free.schedule, free_microbatches=free.microbatches,
+                       free_predicted=published_and_predicted(entry, free.predicted.step_time_s)["predicted"])
+        out["free_plan_s"] = time.perf_counter() - t0
+    return out
