@@ -147,7 +147,8 @@ def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: i
     """Seconds of ``batch`` matmuls of [m, k] x [k, n] on a device with a measured shape table
     (``DeviceSpec.matmul_table``, fp32, from ``autopar calibrate``): at the efficiency
     interpolated from the table (linearly in log efficiency over log m, log k, log n; a shape
-    beyond the grid takes its edge's), at ``dtype``'s peak. A matmul's efficiency depends on its
+    beyond the grid's largest takes its edge's), at ``dtype``'s peak; below the grid's smallest,
+    the edge's time scaled by the elements the op reads and writes. A matmul's efficiency depends on its
     shape, not only its FLOPs: on a CPU a weight gradient whose inner dimension is a microbatch of
     8 rows runs at a fifth of a square matmul's rate.
     """
@@ -155,9 +156,18 @@ def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: i
         raise AutoparError(f"matmul_time: device {device.name!r} has no measured matmul table; "
                            "run `autopar calibrate` or price with op_time")
     dims, log_eff = _efficiency_grid(device.matmul_table, device.peak_flops.fp32)
-    point = [np.log(max(v, 1)) for v in (m, k, n)]
-    eff = float(np.exp(_interpolate(dims, log_eff, point)))
-    return 2.0 * batch * m * k * n / (device.peak_flops.for_dtype(dtype) * eff)
+    # a dim below the grid's smallest: priced at that smallest, scaled by the elements moved (so
+    # tiny a dim leaves the op bound by its other operands, as it runs: a weight gradient over 4
+    # rows takes about the time of one over 8, not half of it)
+    lowest = [float(np.exp(ax[0])) for ax in dims]
+    shape = [max(float(v), 1.0) for v in (m, k, n)]
+    at = [max(v, lo) for v, lo in zip(shape, lowest)]
+    eff = float(np.exp(_interpolate(dims, log_eff, [np.log(v) for v in at])))
+    seconds = 2.0 * batch * at[0] * at[1] * at[2] / (device.peak_flops.for_dtype(dtype) * eff)
+    if at != shape:
+        moved = lambda a, b, c: a * b + b * c + a * c  # noqa: E731 - both operands and the result
+        seconds *= moved(*shape) / moved(*at)
+    return seconds
 
 
 @functools.lru_cache(maxsize=16)

@@ -299,8 +299,9 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
 
 def test_matmul_time_gives_back_the_measured_shapes_and_interpolates_between_them():
     """A table whose efficiency grows with the inner dimension k: each measured shape is priced as
-    measured, a shape between two is priced between them, one beyond the grid at its edge's
-    efficiency, and bf16 at its own peak."""
+    measured, a shape between two is priced between them, one beyond the grid's largest at its
+    edge's efficiency, one below its smallest at the edge's time scaled by the elements moved,
+    and bf16 at its own peak."""
     from autopar.cost_models.compute import matmul_time
 
     dims = (8, 64, 512)
@@ -316,6 +317,12 @@ def test_matmul_time_gives_back_the_measured_shapes_and_interpolates_between_the
     assert 2.0 * 64 * 4096 * 64 / matmul_time(64, 4096, 64, d, "fp32") == pytest.approx(peak * 0.8, rel=1e-9)
     assert matmul_time(64, 64, 64, d, "bf16") == pytest.approx(matmul_time(64, 64, 64, d, "fp32") / 2, rel=1e-9)
     assert matmul_time(64, 64, 64, d, "fp32", batch=3) == pytest.approx(3 * matmul_time(64, 64, 64, d, "fp32"))
+    # below the grid's smallest dim: the edge's time scaled by the elements moved, not by the
+    # FLOPs (a weight gradient over a 4-row microbatch writes the whole [m, n] gradient)
+    edge = matmul_time(512, 8, 512, d, "fp32")
+    moved = (512 * 4 + 4 * 512 + 512 * 512) / (512 * 8 + 8 * 512 + 512 * 512)
+    assert matmul_time(512, 4, 512, d, "fp32") == pytest.approx(edge * moved, rel=1e-9)
+    assert matmul_time(512, 4, 512, d, "fp32") > 0.9 * edge
 
 
 def test_a_calibrated_shape_table_prices_a_linear_by_its_local_shapes():
