@@ -73,14 +73,19 @@ def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, barrie
     a core to take turns inside it, so what they share is in the figure."""
     fn()
     _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
+    singles = []
+    for _ in range(3):  # one call's time, from the median of three (one slow call would shorten every window)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        singles.append(time.perf_counter() - t0)
+    one = max(statistics.median(singles), 1e-7)
     calls = barrier(max(1, min(100_000, int(min_s / one))))  # every rank runs the largest count
     idle = statistics.median(_window(lambda: None, 0, device, barrier) for _ in range(3))
-    runs = [_window(fn, calls, device, barrier) - idle for _ in range(repeats)]
-    return max(statistics.median(runs), 1e-9) / calls
+    # the barriers' own time is taken off each window, at most half of it: on a shared machine
+    # their jitter can exceed a short window's work, and a run is never priced at nothing
+    runs = [max(w - idle, w / 2) for w in (_window(fn, calls, device, barrier) for _ in range(repeats))]
+    return statistics.median(runs) / calls
 
 
 def _window(fn: Callable[[], object], calls: int, device: torch.device, barrier) -> float:
