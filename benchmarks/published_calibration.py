@@ -12,6 +12,20 @@ import published_runs as runs
 from published_runs import cluster_for, plan_entry
 
 
+def _narrow(lo, f_lo, hi, f_hi, side: int, x: float, f: float):
+    """One regula falsi (Illinois) step: the trial ``(x, f)`` replaces the bracket's end of its
+    sign (``f < 0``: the low end); when the same end moves twice running, the other end's value is
+    halved, so a stale end cannot stall the bracket (``f_hi`` None: not bracketed yet). Returns
+    ``(lo, f_lo, hi, f_hi, side)``."""
+    if f < 0:
+        if side == -1 and f_hi is not None:
+            f_hi /= 2
+        return x, f, hi, f_hi, -1
+    if side == 1:
+        f_lo /= 2
+    return lo, f_lo, x, f, 1
+
+
 def calibrate_comm(ref: dict, constant: str = "efficiency", tol: float = 0.005, max_plans: int = 10) -> float:
     """The inter-node ``constant`` ("efficiency" or "rails") at which the planner's step time for
     ``ref`` equals the published one. Every trial is a full re-plan. Both constants divide the
@@ -53,20 +67,11 @@ def calibrate_comm(ref: dict, constant: str = "efficiency", tol: float = 0.005, 
         f, r = trial(x)
         if abs(f) <= tol * target:
             break
-        if f < 0:
-            if x >= x_max:
-                print(f"  {constant} at its limit ({value(x):.4f}) and the prediction is still below the published "
-                      "step: kept at the limit", file=sys.stderr, flush=True)
-                break
-            lo, f_lo = x, f
-            if side == -1 and f_hi is not None:
-                f_hi /= 2  # Illinois: keep the stale end from stalling the bracket
-            side = -1
-        else:
-            hi, f_hi = x, f
-            if side == 1:
-                f_lo /= 2
-            side = 1
+        if f < 0 and x >= x_max:
+            print(f"  {constant} at its limit ({value(x):.4f}) and the prediction is still below the published "
+                  "step: kept at the limit", file=sys.stderr, flush=True)
+            break
+        lo, f_lo, hi, f_hi, side = _narrow(lo, f_lo, hi, f_hi, side, x, f)
         if hi is None:
             x = min(x_max, 2 * x)  # not bracketed yet: communication still hidden at this value
         else:
@@ -105,15 +110,6 @@ def calibrate_exposed(ref: dict, tol: float = 0.005, max_plans: int = 8) -> floa
         f = trial(share)
         if abs(f) <= tol * abs(f_hi - f_lo + 1e-12) or abs(f) < 1e-3:
             break
-        if f < 0:
-            lo, f_lo = share, f
-            if side == -1:
-                f_hi /= 2
-            side = -1
-        else:
-            hi, f_hi = share, f
-            if side == 1:
-                f_lo /= 2
-            side = 1
+        lo, f_lo, hi, f_hi, side = _narrow(lo, f_lo, hi, f_hi, side, share, f)
     print(f"calibrated on {ref['id']}: exposed communication share {share:.4f}\n")
     return share
