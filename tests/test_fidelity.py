@@ -139,8 +139,9 @@ PIPELINE_CASES = [("gpt", "pp_1f1b"), ("gpt", "pp_interleaved"), ("gpt", "pp_zbv
 @pytest.mark.slow
 def test_every_pipeline_rank_peaks_where_its_plan_says():
     """pp=2 x dp=2 (ZeRO-2 and -3 under zbv among them): each rank's measured peak within 15% of
-    its pipeline rank's prediction (its stages' state, the activations each of its stages holds under the schedule's order, torch's
-    receive buffers and, under the multi-stage schedules, the sends held to the step's end)."""
+    its pipeline rank's prediction (its stages' state, the activations each of its stages holds
+    under the schedule's order, torch's receive buffers and, under the multi-stage schedules, the
+    sends held to the step's end)."""
     results = autopar.launch(fidelity_suite, 4, PIPELINE_CASES)
     failures = []
     for i, (model, family) in enumerate(PIPELINE_CASES):

@@ -111,6 +111,13 @@ def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
     return state, kept, working - kept
 
 
+def _rank_param_bytes(owned: list, rank_of, r: int) -> float:
+    """Bytes of the parameters pipeline rank ``r``'s stages hold (``owned``: per stage), a tied
+    parameter held by two of its stages counted once."""
+    held = {p.fqn: p for s, params in enumerate(owned) if rank_of[s] == r for p in params}
+    return sum(p.bytes_per_device for p in held.values())
+
+
 def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, produced: list[float],
                     fed: dict[str, set[int]] | None = None) -> list[float]:
     """Per stage, its share of the activations kept for backward: of the bytes alive at the end
@@ -176,8 +183,13 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     total_produced = sum(produced) or 1.0
     with_rc = _memory_parts(dict(inner.predicted.memory_bytes), inner.predicted.peak_memory_bytes)
     without_rc = with_rc
-    fed = {n.name: {stage_of(u.name) for u in n.users if u.op != "output"} for n in traced.graph.nodes
-           if n.op == "placeholder" and n.meta.get("autopar.kind") not in ("param", "buffer")}
+    # per placeholder, the stages using it: a batch input is fed to each; a parameter is held by
+    # each (tied weights: a copy each, their gradients summed between their ranks after the
+    # schedule, runtime.pipeline)
+    using = {n.name: {stage_of(u.name) for u in n.users if u.op != "output"}
+             for n in traced.graph.nodes if n.op == "placeholder"}
+    kind = {n.name: n.meta.get("autopar.kind") for n in traced.graph.nodes if n.op == "placeholder"}
+    fed = {n: stages for n, stages in using.items() if kind[n] not in ("param", "buffer")}
     kept_with = kept_without = _kept_per_stage(att.evaluation.memory.kept_by_node, stage_of, n_stages, produced, fed)
     if chosen and per_rank_recompute:
         from autopar.planner.evaluate import evaluate
@@ -186,10 +198,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         without_rc = _memory_parts(ev.memory.categories, ev.peak_bytes)
         kept_without = _kept_per_stage(ev.memory.kept_by_node, stage_of, n_stages, produced, fed)
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
-    # a parameter is held by every stage that uses it (tied weights: a copy each, their gradients
-    # summed between their ranks after the schedule, runtime.pipeline)
-    used_in = {n.name: {stage_of(u.name) for u in n.users if u.op != "output"} or {stage_of(n.name)}
-               for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
+    used_in = {n: stages or {stage_of(n)} for n, stages in using.items() if kind[n] == "param"}
     owned = [[p for p in inner.params.values() if s in used_in.get(p.node, {stage_of(p.node)})] for s in range(n_stages)]
     trainable = {n.name for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.requires_grad")}
     shared = [p for p in inner.params.values()
@@ -210,7 +219,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         """Rank ``r``'s stages' state, the activations of its microbatches in flight, p2p buffers."""
         state, kept, transient = with_rc if recomputes else without_rc
         mine = [s for s in range(n_stages) if rank_of[s] == r]
-        pshare = sum(p.bytes_per_device for p in {p.fqn: p for s in mine for p in owned[s]}.values()) / total_param
+        pshare = _rank_param_bytes(owned, rank_of, r) / total_param
         ashare = sum(produced[s] for s in mine) / total_produced
         shares = kept_with if recomputes else kept_without
         # the activations of the microbatches each stage holds; under torch's multi-stage
@@ -284,7 +293,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
 
     def after_schedule(r: int) -> float:
         mine = [s for s in range(n_stages) if rank_of[s] == r]
-        sync = ovl["overlap_last"] * sum(p.bytes_per_device for p in {p.fqn: p for s in mine for p in owned[s]}.values()) / total_param
+        sync = ovl["overlap_last"] * _rank_param_bytes(owned, rank_of, r) / total_param
         # torch's weight pass adds to the gradients past the hooks that start a bucket's
         # reduction: under a split-backward schedule only stage 0's buckets start early
         hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
@@ -327,7 +336,6 @@ def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str, grad_bytes: 
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return whole, after, per_micro
     axis = {name: i for i, (name, _) in enumerate(inner.mesh_axes)}
-    sizes = dict(inner.mesh_axes)
     for s, params in enumerate(owned):
         for p in params:
             if p.zero_stage != 2 or not p.zero_axes:
@@ -509,8 +517,7 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
                             send_layouts=priced.send_layouts[s]))
     worst = max(range(pp), key=lambda r: priced.peaks[r])
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
-    worst_params = sum(p.bytes_per_device for p in {p.fqn: p for s in range(n_stages) if priced.rank_of[s] == worst
-                                                     for p in priced.owned[s]}.values())
+    worst_params = _rank_param_bytes(priced.owned, priced.rank_of, worst)
     shown = dict(inner.predicted.memory_bytes)
     for k in ("params", "grads", "optimizer_state"):
         if k in shown:

@@ -30,6 +30,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import operator
@@ -175,29 +176,31 @@ class _StageModule(torch.nn.Module):
         # every received value takes a gradient back, zeros at least (see the module docstring):
         # one that has none of its own, or whose uses do not reach the outputs (a value passed on
         # detached), would otherwise leave torch without the gradient it sends
-        args, anchored, dense = [], [], []
+        args, anchored, own_grad = [], [], []  # own_grad: per anchored value, its _DenseGrad node (None: none)
         for i, t in enumerate(received):
             if isinstance(t, torch.Tensor) and i < len(self._received):
                 dtype, wants_grad = self._received[i]
-                if t.requires_grad:
+                anchor = t.requires_grad
+                if anchor:
                     anchored.append(t)
                     if not (wants_grad and t.dtype is dtype):
                         t = t.detach()
                 t = from_carrier(t, dtype)
                 if t.requires_grad:
                     t = _DenseGrad.apply(t)
-                if anchored and anchored[-1] is received[i]:
-                    dense.append(t.grad_fn if t.requires_grad else None)
+                if anchor:
+                    own_grad.append(t.grad_fn if t.requires_grad else None)
             args.append(t)
         for i in sorted(self._constants):
             args.insert(i, self._constants[i])
         args += [fed[FED_PREFIX + n] if FED_PREFIX + n in fed else self._fed_constants[n] for n in self._fed]
         out = self._run()(self._state() + args, self.prog)
         if anchored and self._flows is None and torch.is_grad_enabled():  # the same paths every microbatch
-            self._flows = _reached(out if isinstance(out, (tuple, list)) else (out,), dense)
+            self._flows = _reached(out if isinstance(out, (tuple, list)) else (out,), own_grad)
+        flows = self._flows or (False,) * len(anchored)  # not known yet: dense zeros
         if self._last:  # as (1,): the schedule concatenates the microbatches' outputs
             loss = (out[0] if isinstance(out, (tuple, list)) else out).reshape(1)
-            return _with_zero_grads_for(loss, anchored, self._flows or (False,) * len(anchored)) if anchored else loss
+            return _with_zero_grads_for(loss, anchored, flows) if anchored else loss
         # sent as is: a view (a transpose, a slice) must first be laid out densely. Zero-bubble
         # schedules detach the outputs in place after the input gradients, while the weight
         # gradients may still need them (a value the stage also saved): those get a copy
@@ -213,7 +216,6 @@ class _StageModule(torch.nn.Module):
         if anchored:
             # the first output's zeros are dense where no gradient of its own reaches a received
             # value (torch sends them); the other outputs' add nothing and cost nothing
-            flows = self._flows or (False,) * len(anchored)
             ks = [j for j, t in enumerate(outs) if t.requires_grad] or [0]
             for n, j in enumerate(ks):
                 outs[j] = _with_zero_grads_for(outs[j], anchored, flows if n == 0 else (True,) * len(anchored))
@@ -310,8 +312,8 @@ class PipelineRunner:
         self.programs = split_stages(program, planned, state_names, self.n_stages, shared)
         self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store, comm.stats)
         # a tied weight in two of this rank's stages (V schedules) accumulates twice per microbatch
-        counts = [n for i in self.mine for n in self.programs[i].state_names]
-        self.local_uses = {n: counts.count(n) for n in set(counts) if counts.count(n) > 1}
+        counts = collections.Counter(n for i in self.mine for n in self.programs[i].state_names)
+        self.local_uses = {n: k for n, k in counts.items() if k > 1}
         self.batch_names = list(self.programs[0].input_names)
         self._values: list[torch.Tensor] = []
         self.constants: dict[int, object] = {}  # stage 0: the batch's non-tensor inputs, by position
