@@ -13,10 +13,10 @@ import torch.fx as fx
 
 from autopar.layouts import Layout, Partial, Replicate, Shard, grad_layout, parse_layout
 from autopar.runtime.batch_norm import sharded_batch_norm
-from autopar.runtime.collectives import reshard
+from autopar.runtime.collectives import reshard, reshard_finish, reshard_start
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
+__all__ = ["reshard_start", "reshard_finish", "batch_only_values", "block_instance", "early_start_lead", "region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -115,6 +115,56 @@ def reshard_source(a: fx.Node) -> fx.Node:
     if a.op == "call_function" and a.target is reshard:
         return a.args[0]
     return a
+
+
+def block_instance(module: str, instances: tuple[str, ...]) -> str | None:
+    """The block instance among ``instances`` (module paths) that ``module`` lies in, if any."""
+    return next((p for p in instances if module == p or module.startswith(p + ".")), None)
+
+
+def batch_only_values(graph: fx.Graph) -> set[str]:
+    """The ops computed from the batch inputs (and constants) alone, that take no gradient, draw
+    no random numbers and neither write in place nor read a tensor written in place: each may run
+    as soon as the batch arrives. ``passes.start_batch_collectives_early`` starts the collectives
+    that move them there (a loss's count of valid targets, a mask), and the planner prices those
+    collectives overlapped with the forward ops before their first use (``early_start_lead``)."""
+    import torch
+
+    from autopar.functionalize import written_edges
+    from autopar.trace import tensor_inputs
+
+    writes = written_edges(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    written = {tensor_inputs(by_name[c])[i].name for c, positions in writes.items() for i in positions}
+    batch, const = set(), set()
+    for n in graph.nodes:
+        kind = n.meta.get("autopar.kind")
+        if n.op == "placeholder" and kind in ("input", "target"):
+            batch.add(n.name)
+        elif n.op == "get_attr":
+            const.add(n.name)
+        elif (n.op == "call_function" and kind == "op" and not n.meta.get("autopar.needs_grad")
+              and n.name not in writes and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())):
+            ins = n.all_input_nodes
+            if ins and all(a.name in batch or a.name in const for a in ins) and not any(a.name in written for a in ins) \
+                    and any(a.name in batch for a in ins):
+                batch.add(n.name)
+    return {n for n in batch if by_name[n].op == "call_function"}
+
+
+def early_start_lead(graph: fx.Graph, flops) -> dict[tuple[str, str], float]:
+    """Per (batch-only op, its consumer) (``batch_only_values``): the share of the forward's
+    FLOPs (``flops(node)``) that runs before the consumer, in program order: what can hide a
+    collective started as soon as the batch arrives and waited for just before the consumer."""
+    early = batch_only_values(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    before: dict[str, float] = {}
+    total = 0.0
+    for n in graph.nodes:
+        before[n.name] = total
+        total += flops(n)
+    total = total or 1.0
+    return {(u, v.name): before[v.name] / total for u in early for v in by_name[u].users if v.op != "output"}
 
 
 def pending_loss(layout: Layout) -> bool:

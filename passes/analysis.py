@@ -7,16 +7,16 @@ import torch.fx as fx
 
 from autopar.layouts import parse_layout
 from autopar.resharding import reshard_steps_for
-from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
+from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard, reshard_start
 
 __all__ = ["count_collectives", "collective_nodes"]
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes that communicate (reshards and prefetched parameter gathers), in this program
-    and in the submodules it calls (checkpointed blocks)."""
+    """The nodes that communicate (reshards, those started early, prefetched parameter gathers),
+    in this program and in the submodules it calls (checkpointed blocks)."""
     return [n for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes
-            if n.op == "call_function" and (n.target is reshard or n.target is gather_param_start)]
+            if n.op == "call_function" and n.target in (reshard, reshard_start, gather_param_start)]
 
 
 def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = None) -> Counter:

@@ -14,6 +14,7 @@ from autopar.passes.localize_shapes import localize_shapes_pass
 from autopar.passes.outline_recompute import outline_recompute_pass
 from autopar.passes.prefetch_param_gathers import prefetch_param_gathers_pass
 from autopar.passes.sink_gradient_sums import sink_gradient_sums_pass
+from autopar.passes.start_batch_collectives_early import start_batch_collectives_early_pass
 from autopar.passes.sync_batch_norm import sync_batch_norm_pass
 
 __all__ = ["PASSES", "run_passes", "PassError"]
@@ -26,6 +27,7 @@ PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     sink_gradient_sums_pass,
     defer_gradient_sync_pass,
     prefetch_param_gathers_pass,
+    start_batch_collectives_early_pass,
     eliminate_dead_code_pass,
     outline_recompute_pass,
 ]

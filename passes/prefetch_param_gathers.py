@@ -3,15 +3,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.ir import gather_param_finish, gather_param_start, prefetchable_gather, reshard
+from autopar.ir import block_instance, gather_param_finish, gather_param_start, prefetchable_gather, reshard
 from autopar.layouts import parse_layout
 from autopar.passes.context import PassContext
 
 __all__ = ["prefetch_param_gathers_pass"]
-
-
-def _instance(module: str, instances: tuple[str, ...]) -> str | None:
-    return next((p for p in instances if module == p or module.startswith(p + ".")), None)
 
 
 def prefetch_param_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -46,7 +42,7 @@ def prefetch_param_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
                   "grad": gsrc is not None, "site": node.kwargs.get("site")}
         module = node.meta.get("autopar.module", "")
         ahead = prev_finish is not None and (
-            _instance(prev_finish.meta.get("autopar.module", ""), instances) == _instance(module, instances))
+            block_instance(prev_finish.meta.get("autopar.module", ""), instances) == block_instance(module, instances))
         with graph.inserting_after(prev_finish) if ahead else graph.inserting_before(node):
             start = graph.call_function(gather_param_start, (x, axis, dim, size), kwargs)
         with graph.inserting_before(node):

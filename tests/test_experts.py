@@ -280,7 +280,8 @@ def test_routing_imbalance_prices_the_busiest_expert_rank():
     times = {}
     for imbalance in (1.0, 2.0):
         cluster = dataclasses.replace(autopar.Cluster.local(4), expert_imbalance=imbalance)
-        for name, c in (("ep", dict(dp=4, ep=4)), ("replicated", dict(dp=4, tp=1, zero=0))):
+        # ZeRO fixed: the same layouts at both imbalances (ZeRO on a small weight was a near tie)
+        for name, c in (("ep", dict(dp=4, ep=4, zero=0)), ("replicated", dict(dp=4, tp=1, zero=0))):
             plan = autopar.plan(model, cluster, x, loss_fn=loss, example_target=y, constraints=autopar.Constraints(**c))
             times[name, imbalance] = (plan.predicted.step_time_s, dict(plan.predicted.comm_bytes))
     assert times["ep", 2.0][0] > times["ep", 1.0][0] and times["ep", 2.0][1] == times["ep", 1.0][1]

@@ -138,3 +138,60 @@ def test_position_embedding_gradient_is_summed_with_its_parameter(zero):
         (start,) = [u for u in wpe.users if u.target is gather_param_start]
         assert start.kwargs["grad"] and counts[("backward", "reduce_scatter")] == len(plan.params)
     assert plan.placement(pos.name).outs == ("[R, R]",)  # replicated: the case this pass is for
+
+
+def _index(gm, pred) -> int:
+    return next(i for i, n in enumerate(gm.graph.nodes) if pred(n))
+
+
+def test_a_loss_count_of_valid_targets_is_gathered_as_soon_as_the_batch_arrives():
+    """GPT's cross-entropy divides by the count of targets != ignore_index over the whole batch:
+    under data parallelism that count moves between ranks; its collective starts before the
+    first forward op and is waited for only at the loss, and it is priced so."""
+    from autopar.ir import reshard, reshard_finish, reshard_start
+
+    cfg = GPTConfig()
+    idx, tgt = example_batch(cfg, 8)
+    plan, gm = _program(GPT(cfg), (idx,), tgt, gpt_loss, autopar.Constraints(dp=2, tp=1, zero=0))
+    starts = [n for n in gm.graph.nodes if n.target is reshard_start]
+    assert len(starts) == 1 and not any(n.target is reshard for n in gm.graph.nodes)
+    start, = starts
+    finish, = start.users
+    assert finish.target is reshard_finish
+    first_embedding = _index(gm, lambda n: n.op == "call_function" and "embedding" in str(n.target))
+    assert _index(gm, lambda n: n is start) < first_embedding < _index(gm, lambda n: n is finish)
+    # the moved chain reads the target only; counted like the reshard it replaced
+    assert {a.op for a in start.args[0].all_input_nodes} <= {"placeholder", "call_function"}
+    assert count_collectives(gm)[("forward", "all_gather")] + count_collectives(gm)[("forward", "all_reduce")] == 1
+
+    # the planner priced it in the forward window, hidden by the ops before the loss
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.problem import _early_leads
+
+    traced = trace_model(GPT(cfg), (idx,), loss_fn=gpt_loss, example_target=tgt)
+    leads = _early_leads(traced, find_repeated_blocks(traced.graph), recompute=False)
+    # (producer, consumer) -> the share of the forward before the consumer: the loss ends it
+    assert leads[(start.args[0].name, finish.users.__iter__().__next__().name)] > 0.99
+
+
+def test_batch_only_values_leave_out_random_and_gradient_taking_ops():
+    from autopar.ir import batch_only_values
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    def loss_fn(out, t):
+        valid = t.ne(0)  # batch-only
+        noisy = torch.nn.functional.dropout(t, 0.5)  # random: moving it would change the random stream
+        return ((out - noisy) ** 2 * valid).sum() / valid.sum()
+
+    x, t = torch.randn(8, 4), torch.randn(8, 4)
+    traced = trace_model(Net(), (x,), loss_fn=loss_fn, example_target=t)
+    early = batch_only_values(traced.graph)
+    ops = {n.name: str(n.target).split(".")[1] for n in traced.graph.nodes if n.op == "call_function"}
+    assert sorted(ops[n] for n in early) == ["ne", "sum"]  # valid and its count; not dropout, nor what needs a gradient

@@ -172,3 +172,59 @@ def test_state_dict_leaves_out_non_persistent_buffers(world1):
                          optimizer=_sgd)
     assert list(pm.state_dict()) == list(model.state_dict()) == list(pm.full_state_dict())
     assert "cos" not in pm.state_dict()  # registered with persistent=False
+
+
+def loss_rider_worker(constraints: dict):
+    """GPT (cross-entropy over a count of valid targets) trained 3 steps under ``constraints``:
+    per-step collective calls by kind, the losses, the plan's choice of riding."""
+    from autopar.planner.loss_rider import loss_rides  # noqa: F401 (the rule the plan priced by)
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    idx, tgt = example_batch(cfg, 8)
+    # ignored targets: the loss divides by a count that differs between ranks (rows 0 and 4: the
+    # same in both microbatches, which are weighted 1/m, see build_program's warning)
+    tgt[0, :5] = tgt[4, :5] = -100
+    pm = autopar.compile(GPT(cfg), autopar.Cluster.local(), (idx,), example_target=tgt, loss_fn=gpt_loss,
+                         optimizer=_sgd, constraints=autopar.Constraints(**constraints))
+    pm.train_step(idx, target=tgt)
+    pm.comm.stats.reset()
+    losses = [pm.train_step(idx, target=tgt) for _ in range(3)]
+    calls = {k: v / 3 for k, v in pm.comm.stats.calls.items()}
+    buckets = len(pm._grad_sync.buckets)
+    pm.close()
+    return {"losses": losses, "calls": calls, "buckets": buckets}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("constraints, rides", [(dict(dp=2, tp=1, zero=0), True), (dict(dp=2, tp=1, zero=0, microbatches=2), True),
+                                                 (dict(dp=2, tp=1, zero=2), False)])
+def test_the_loss_value_rides_the_last_gradient_bucket(constraints, rides):
+    """A step's loss value is reduced once, in the all-reduce of the last gradient bucket where
+    one syncs over the loss's axis (ZeRO-2 has none: one all-reduce of its own, whatever the
+    microbatches); the loss is the one-device loss either way, and the plan priced the same."""
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    results = autopar.launch(loss_rider_worker, 2, constraints)
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    idx, tgt = example_batch(cfg, 8)
+    tgt[0, :5] = tgt[4, :5] = -100
+    model = GPT(cfg)
+    opt = _sgd(model.parameters())
+    ref = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = gpt_loss(model(idx), tgt)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss.detach()))
+    for r in results:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref[1:])) < 1e-5, (r["losses"], ref)
+        # the early-started count of valid targets is the one all-gather or all-reduce outside the buckets
+        own = r["calls"].get("all_reduce", 0) - (r["buckets"] if rides else 0)
+        assert own == (0 if rides else 1) + (r["calls"].get("all_gather", 0) == 0), r
+    plan = autopar.plan(GPT(cfg), autopar.Cluster.local(2), (idx,), loss_fn=gpt_loss, example_target=tgt,
+                        constraints=autopar.Constraints(**constraints))
+    assert plan.mesh_axes[0] == ("dp", 2)

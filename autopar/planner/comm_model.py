@@ -13,7 +13,8 @@ The same walk as the passes and the runtime, on the plan's layouts:
   the updated shards after the step;
 * an op that only reads parameters hands a gradient sum pending at its output back to them
   (``ir.gradient_sink_params``): the sum joins theirs, and that edge moves nothing;
-* the loss value, a pending sum or mean over some axes, is all-reduced (4 bytes) per microbatch;
+* the loss value, a pending sum or mean over some axes, is all-reduced (4 bytes) once per step,
+  the microbatches' values summed first (alone, or riding a gradient bucket's all-reduce);
 * a batch norm over a split batch all-reduces its statistics (``ir.batch_norm_sync``).
 
 Bytes follow nccl-tests' size convention, as ``runtime.comm`` counts them (all-gather: output,
@@ -131,7 +132,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             continue
         if traced.has_loss and meta.numel == 1 and not any(isinstance(p, Shard) for p in lay):
             # a pending scalar loss: the runtime all-reduces its value off the graph
-            out["all_reduce"] += _LOSS_VALUE_BYTES * m * sum(
+            out["all_reduce"] += _LOSS_VALUE_BYTES * sum(
                 1 for p, k in zip(lay, mesh) if isinstance(p, Partial) and k > 1)
         else:
             add(reshard_step_bytes(meta.shape, meta.itemsize, lay, boundary_layout(out_node, a, len(lay)), mesh), m)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 
 from autopar.planner.costing import node_flops
+from autopar.planner.loss_rider import loss_rides
 from autopar.planner.overlap import exposed_floor, exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
@@ -42,10 +43,13 @@ def _edge_keys(e, choice):
     return ku, kv
 
 
-def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> tuple:
+def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None,
+               pipelined: bool = False) -> tuple:
     """(forward compute, backward compute (the optimizer's updates included), blocking
     communication, seconds per collective kind, overlappable seconds per window: "overlap",
-    "overlap_bwd", "overlap_last") of one step under ``choice`` (``evaluate``'s parts)."""
+    "overlap_bwd", "overlap_last") of one step under ``choice`` (``evaluate``'s parts). The loss
+    value's all-reduce costs no time where it rides the gradient sync (``loss_rider``; never
+    under a pipeline schedule, ``pipelined``)."""
     fwd = sum(v.fwd_s[choice[n]] for n, v in problem.nodes.items())
     bwd = sum(v.bwd_s[choice[n]] for n, v in problem.nodes.items())
     if problem.recompute and recompute is not None:
@@ -62,7 +66,10 @@ def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[st
                 kinds[k] += arr[choice[n]]
                 blocking += arr[choice[n]]
     ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
+    rides = not pipelined and loss_rides(problem, choice)
     for e in problem.edges:
+        if rides and e.loss_value:
+            continue
         ku, kv = _edge_keys(e, choice)
         blocking += e.blocking[ku, kv]
         for name in ovl:

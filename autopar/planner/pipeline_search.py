@@ -274,7 +274,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     from autopar.planner.evaluate import step_parts
     from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_seconds
 
-    fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks))
+    fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks), pipelined=True)
     bwd -= sum(update)
     # ZeRO-1/2's all-gathers of the updated parameters follow each rank's updates, after the schedule
     post_gather = [0.0] * n_stages

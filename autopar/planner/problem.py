@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
-from autopar.ir import (LOCAL_OUTPUTS_KEY, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
+from autopar.ir import (LOCAL_OUTPUTS_KEY, early_start_lead, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
                         pending_loss, prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
 from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
@@ -86,6 +86,7 @@ class EdgeTable:
     kinds: list[list[dict[str, float]]]
     overlap_bwd: np.ndarray | None = None
     overlap_last: np.ndarray | None = None
+    loss_value: bool = False  # hands the loss value back (reduced by the runtime, planner.loss_rider)
 
     def seconds(self, ku: int, kv: int) -> float:
         """All communication of the pair, hidden or not."""
@@ -303,6 +304,23 @@ def _is_alias_getitem(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is operator.getitem
 
 
+def _early_leads(traced, blocks, recompute: bool) -> dict[tuple[str, str], float]:
+    """Per (producer, consumer) edge of representatives whose reshard the passes start as soon as
+    the batch arrives (``passes.start_batch_collectives_early``): the share of the forward that
+    can hide it (``ir.early_start_lead``), the least over the instances an edge stands for. With
+    recompute, an edge made or used inside a block stays where it is."""
+    from autopar.planner.costing import node_flops
+
+    rep = blocks.rep
+    out: dict[tuple[str, str], float] = {}
+    for (u, v), lead in early_start_lead(traced.graph, lambda n: node_flops(n)[0]).items():
+        if recompute and (u in blocks.instance_of or v in blocks.instance_of):
+            continue
+        key = (rep[u], rep[v])
+        out[key] = min(out.get(key, 1.0), lead)
+    return out
+
+
 def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast) -> list[EdgeTable]:
     rep = blocks.rep
     grouped: dict[tuple, int] = defaultdict(int)
@@ -320,12 +338,14 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
         grouped[(rep[u.name], idx, None, int(a.name in out_node.meta.get(LOCAL_OUTPUTS_KEY, ())))] += 1
     edges = []
     writes = written_edges(traced.graph)
+    leads = _early_leads(traced, blocks, recompute)
     for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
         if u not in nodes or (v is not None and v not in nodes):
             continue
         table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
                             written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss,
-                            loss_value=v is None and traced.has_loss and len(out_node.args) == 1)
+                            loss_value=v is None and traced.has_loss and len(out_node.args) == 1,
+                            lead=leads.get((u, v)))
         if table is not None:
             edges.append(table)
     # identical (u, v) edges collapse: the ILP simply sums them
@@ -334,7 +354,7 @@ def _build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, aut
 
 def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int,
                 batch: set[str] = frozenset(), recompute: bool = False, autocast=None, written: bool = False,
-                traced_loss: bool = True, loss_value: bool = False):
+                traced_loss: bool = True, loss_value: bool = False, lead: float | None = None):
     """Price one edge for every pair of (producer layout, consumer layout): the ``reshard`` the
     passes will insert there (``ir.edge_reshard``), in the window the runtime runs it in.
 
@@ -354,8 +374,12 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     ``written``: the consumer writes this input in place, or through a view of it
     (``functionalize.written_edges``): every pair that moves it costs ``REFUSED_RESHARD_S``.
     ``loss_value``: the edge hands the program's only output, the loss, back: a scalar still
-    pending a sum or mean is reduced by the runtime asynchronously after each forward, while
-    backward runs (``ParallelModel._reduce_loss_async``): overlapped, in the backward window."""
+    pending a sum or mean is reduced by the runtime once per step (the microbatches' values
+    summed), with the last gradient bucket or asynchronously while the last backward runs
+    (``runtime.loss_value_methods``): overlapped, in the backward window.
+    ``lead``: the edge moves a batch-only value, started as soon as the batch arrives
+    (``_early_leads``): that share of its collectives' time is in the forward window, the rest
+    blocks."""
     meta = U.node.meta["autopar.outputs"][idx] if idx < len(U.node.meta["autopar.outputs"]) else None
     if meta is None:
         return None
@@ -400,9 +424,9 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         sink = tuple(p.meta["autopar.outputs"][0] for p in gradient_sink_params(U.node)) if needs_grad else ()
         loss_value = loss_value and meta.numel == 1
         if loss_value:
-            per_micro = m  # the runtime reduces each microbatch's loss value
+            per_micro = 1.0  # the runtime sums the step's microbatch values and reduces them once
         value = ("act", meta.shape, ctx.act_bytes(meta) / max(meta.numel, 1), needs_grad, per_micro,
-                 2.0 if in_recompute else 1.0, written, sink, loss_value)
+                 2.0 if in_recompute else 1.0, written, sink, loss_value, None if needs_grad else lead)
         u_ids = [intern.setdefault(k, len(intern)) for k in u_layouts]
     v_ids = [(intern.setdefault(lin, len(intern)), intern.setdefault(lgrad, len(intern))) for lin, lgrad in v_layouts]
     nu, nv = len(u_layouts), len(v_layouts)
@@ -420,7 +444,8 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
             row.append(cell)
         table.append(row)
     return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, arrays["blocking"],
-                     arrays["overlap"], _Kinds(table, count), arrays["overlap_bwd"], arrays["overlap_last"])
+                     arrays["overlap"], _Kinds(table, count), arrays["overlap_bwd"], arrays["overlap_last"],
+                     loss_value=bool(value[0] == "act" and value[-2]))
 
 
 _WINDOWS = ("blocking", "overlap", "overlap_bwd", "overlap_last")
@@ -468,7 +493,7 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
 
     lin, lgrad = vkey
     if value[0] == "act":
-        _, _, _, needs_grad, per_micro, fwd_times, written, sink, loss_value = value
+        _, _, _, needs_grad, per_micro, fwd_times, written, sink, loss_value, lead = value
         edge = edge_reshard(ukey, lin, lgrad, needs_grad) if ukey is not None else None
         if edge is not None and written:
             out.append(("blocking", REFUSED_RESHARD_S, ()))  # the op would write into a copy
@@ -476,6 +501,9 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
             src, dst, gsrc, gdst = edge
             if loss_value and pending_loss(src):  # the runtime reduces it while backward runs
                 add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap_bwd", per_micro)
+            elif lead is not None and src != dst:  # started as soon as the batch arrives
+                add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap", per_micro * fwd_times * lead)
+                add(reshard_time(meta, src, dst, ctx), "blocking", per_micro * fwd_times * (1.0 - lead))
             else:
                 add(reshard_time(meta, src, dst, ctx) if src != dst else {}, "blocking", per_micro * fwd_times)
             summed = pure_all_reduce_axes(src, dst, gsrc, gdst) if sink and gsrc is not None else None

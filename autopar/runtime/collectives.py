@@ -228,3 +228,63 @@ def shard_tensor(full: torch.Tensor, layout: Layout, comm: MeshComm) -> torch.Te
         if hasattr(p, "dim") and comm.sizes[a] > 1:
             out = slice_dim(out, p.dim, comm.sizes[a], comm.coords[a])
     return out
+
+
+class EarlyReshard:
+    """A ``reshard`` started ahead of its use (``reshard_start``): ``pending`` is its first
+    collective under way (None: it ran whole already), ``after`` the steps left for
+    ``reshard_finish``."""
+
+    __slots__ = ("value", "work", "post", "after", "comm", "shape", "site")
+
+    def __init__(self, value, work, post, after, comm, shape, site):
+        self.value, self.work, self.post, self.after = value, work, post, after
+        self.comm, self.shape, self.site = comm, shape, site
+
+
+def reshard_start(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, grad_dst: str | None = None,
+                  shape: tuple | None = None, site: str | None = None) -> EarlyReshard:
+    """Start ``reshard(x, src, dst)`` of a value that takes no gradient: the steps before its
+    first collective run here, that collective is issued asynchronously (an all-reduce, or an
+    even all-gather; any other runs here whole), and ``reshard_finish`` waits for it and runs the
+    rest. The passes put the start where ``x`` is ready and the finish before its first use
+    (``passes.start_batch_collectives_early``), so the collective runs while the ops between compute."""
+    if grad_src is not None or x.requires_grad:
+        raise RuntimeError("reshard_start takes values without a gradient only")
+    comm = current_mesh()
+    steps = _steps(comm, src, dst, shape)
+    first = next((i for i, s in enumerate(steps) if s.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+                  and comm.sizes[s.axis] > 1), None)
+    set_site(site)
+    try:
+        if first is None:
+            return EarlyReshard(apply_steps(x, steps, comm, shape), None, None, (), comm, shape, site)
+        x = apply_steps(x, steps[:first], comm, shape)
+        step, n = steps[first], comm.sizes[steps[first].axis]
+        if step.kind == "all_reduce":
+            out = x.contiguous().clone()
+            work = comm.all_reduce(out, step.axis, async_op=True)
+            post = (lambda t: t / n) if step.op == "avg" else None
+        elif step.kind == "all_gather" and (shape is None or shape[step.dim] % n == 0):
+            front = x.movedim(step.dim, 0).contiguous()
+            out = torch.empty((n * front.shape[0],) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
+            work = comm.all_gather(out, front, step.axis, async_op=True)
+            post = lambda t, d=step.dim: t.movedim(0, d)  # noqa: E731
+        else:
+            out, work, post = _one_step(x, step, comm, shape), None, None
+        return EarlyReshard(out, work, post, steps[first + 1:], comm, shape, site)
+    finally:
+        set_site(None)
+
+
+def reshard_finish(pending: EarlyReshard) -> torch.Tensor:
+    """Wait for ``reshard_start``'s collective and run the steps after it: the value ``reshard``
+    would have returned."""
+    set_site(pending.site)
+    try:
+        if pending.work is not None:
+            pending.work.wait()
+        out = pending.post(pending.value) if pending.post is not None else pending.value
+        return apply_steps(out, pending.after, pending.comm, pending.shape)
+    finally:
+        set_site(None)

@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import math
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -403,6 +404,12 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
     if plan.microbatches > 1:
         m = plan.microbatches
         loss_reduction = _loss_reduction(traced)
+        if any(n.meta.get(LOSS_REDUCTION_KEY) for n in traced.graph.nodes):
+            warnings.warn(
+                f"the loss is a mean over the targets not ignored (ignore_index); with microbatches={m} each "
+                f"microbatch's mean is weighted 1/{m}, which is one device's loss only where every microbatch holds "
+                "as many counted targets (a batch whose ignored targets or padding fall unevenly trains on a slightly "
+                "different loss); use microbatches=1, or a sum loss divided by a fixed count", stacklevel=3)
         for x in list(inputs) + ([target] if target is not None else []):
             if isinstance(x, torch.Tensor) and x.shape[0] % m:
                 raise ConstraintError(f"microbatches={m} does not divide the batch dim of an input of shape {tuple(x.shape)}")

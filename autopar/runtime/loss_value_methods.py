@@ -1,8 +1,10 @@
 """``ParallelModel``'s loss value: the program returns this rank's loss, a sum or mean still
-pending over the mesh axes of its layout (``ir.LOSS_LAYOUT_KEY``). It is all-reduced
-asynchronously after each forward, while backward runs, and waited for after the step; the
-planner prices it so (``planner.problem``: the backward window). Backward is seeded with
-d(global loss)/d(local loss), so gradients are the global loss's.
+pending over the mesh axes of its layout (``ir.LOSS_LAYOUT_KEY``). A step's microbatch values
+are summed on the rank and reduced once: riding the all-reduce of the last gradient bucket where
+one is still to come over the loss's first axis (``GradSync.carry``), else all-reduced
+asynchronously after the last forward, while backward runs; waited for after the step. The
+planner prices one reduction per step in the backward window (``planner.problem``). Backward is
+seeded with d(global loss)/d(local loss), so gradients are the global loss's.
 """
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ class LossValueMethods:
             if op == "avg":
                 scale /= self.comm.sizes[a]
         return scale
+
+    def _reduce_loss_riding(self, value: torch.Tensor):
+        """(``value``, works, whether it rides the gradient sync): a step's summed train loss
+        value, reduced over its first partial axis by the last gradient bucket's all-reduce
+        (read it back with ``GradSync.carried()`` after ``finish()``), else asynchronously."""
+        axes = self._partial_axes()
+        if axes and self._grad_sync.carry(value, axes[0][0]):
+            return value, [], True
+        value, works = self._reduce_loss_async(value)
+        return value, works, False
 
     def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
         value = loss.detach().clone().reshape(1).float()

@@ -420,7 +420,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         micro = self._microbatches(inputs, target)
         m = len(micro)
         weight = 1.0 / m if self._loss_reduction == "mean" else 1.0
-        values, pending = [], []
+        values, pending, riding = [], [], False
         with active_mesh(self.comm):
             for i, (x, t) in enumerate(micro):
                 self._grad_sync.arm(last_microbatch=i == m - 1)
@@ -428,16 +428,17 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                     loss = self._run(self._args(x, t))
                     if isinstance(loss, (tuple, list)):
                         loss = loss[0]
-                    value, works = self._reduce_loss_async(loss)
-                values.append(value)
-                pending += works
+                    values.append(loss.detach().reshape(1).float())
+                    if i == m - 1:  # the step's values, summed here, reduced once (loss_value_methods)
+                        value, pending, riding = self._reduce_loss_riding(torch.cat(values).sum().reshape(1))
                 with self._phase("backward"):
                     (loss * (self._loss_grad_scale() * weight)).backward()
                 del loss
-            self._sync_and_step()
+            carried = []
+            self._sync_and_step(lambda: carried.append(self._grad_sync.carried()) if riding else None)
             for w in pending:
                 w.wait()
-            return sum(float(self._finish_loss(v)) for v in values) * weight
+            return float(self._finish_loss(carried[0] if riding else value)) * weight
 
     def _sync_and_step(self, before_step=None) -> None:
         """After the step's last backward: finish the gradient reductions (then ``before_step``),
@@ -467,11 +468,12 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             with self._phase("forward"):
                 losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
             self._sync_and_step(self._pipeline.sum_tied_grads)
-            reduced = [self._reduce_loss_async(v) for v in losses]
-            for _, works in reduced:
-                for w in works:
-                    w.wait()
-            total = self._pipeline.broadcast_loss(torch.tensor([sum(float(self._finish_loss(v)) for v, _ in reduced)]))
+            # the last stage's microbatch values, summed here and reduced once
+            local = torch.cat([v.detach().reshape(1).float() for v in losses]).sum().reshape(1) if losses else None
+            value, works = self._reduce_loss_async(local) if local is not None else (None, [])
+            for w in works:
+                w.wait()
+            total = self._pipeline.broadcast_loss(torch.tensor([float(self._finish_loss(value)) if losses else 0.0]))
         weight = 1.0 / self.plan.microbatches if self._loss_reduction == "mean" else 1.0
         return float(total) * weight
 
@@ -563,7 +565,8 @@ def _stand_ins(ex: Example, inputs: tuple, target: Any) -> tuple[tuple, Any]:
 
 def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:
     """Parameter placeholders in the order backward produces their gradients (reverse of first
-    use), the data-parallel ones first so that their buckets are contiguous."""
+    use), the data-parallel ones last so that their buckets are contiguous and the last of them
+    ends the flat buffer, next to its rider element (``GradSync.carry``, ``planner.loss_rider``)."""
     first_use: dict[str, int] = {}
     for i, n in enumerate(program.graph.nodes):
         for a in n.all_input_nodes:
@@ -571,7 +574,7 @@ def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:
                 first_use.setdefault(a.name, i)
     params = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"]
     order = sorted(params, key=lambda p: -first_use.get(p, -1))
-    return [p for p in order if p in deferred] + [p for p in order if p not in deferred]
+    return [p for p in order if p not in deferred] + [p for p in order if p in deferred]
 
 
 def _tied_keys(model: torch.nn.Module) -> dict[str, str]:

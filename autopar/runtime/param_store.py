@@ -116,7 +116,9 @@ class ParamStore:
             else:
                 full_sizes[dt] = full_sizes.get(dt, 0) + s.local.numel()
         for dt, n in full_sizes.items():
-            self._grad_flat[dt] = torch.zeros(n, dtype=dt, device=self.device)
+            # one element past the gradients: a scalar the last gradient bucket carries along
+            # (``GradSync.carry``: the loss value rides that all-reduce rather than one of its own)
+            self._grad_flat[dt] = torch.zeros(n + 1, dtype=dt, device=self.device)
         for dt, n in shard_sizes.items():
             self._shard_flat[dt] = torch.zeros(n, dtype=dt, device=self.device)
         offsets = dict.fromkeys(list(full_sizes) + list(shard_sizes), 0)
@@ -154,7 +156,14 @@ class ParamStore:
         return torch.nn.Parameter(s.local.detach().narrow(s.state_dim, start, length))
 
     def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """The flat gradient buffer of ``dtype``: the gradients, then one rider element."""
         return self._grad_flat[dtype]
+
+    def rider(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The rider element of the flat gradient buffer of ``dtype`` (a one-element view), or
+        None where no parameter's gradient has that dtype."""
+        flat = self._grad_flat.get(dtype)
+        return None if flat is None else flat[-1:]
 
     def grad_range(self, ph: str) -> tuple[torch.dtype, int, int]:
         """(dtype, offset, numel) of a parameter's gradient in its flat buffer (not ZeRO-2)."""

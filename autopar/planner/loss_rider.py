@@ -1,0 +1,61 @@
+"""Whether the runtime's loss value rides the gradient sync (``GradSync.carry``) under a choice.
+
+The runtime sums a step's microbatch loss values on each rank and reduces them once: in the
+all-reduce of the gradient bucket that ends the float32 gradient buffer when that bucket syncs
+over exactly the loss's first partial axis, else in an all-reduce of its own. The buffer ends
+with the gradient of the first parameter the forward uses among those the buckets sync
+(``ParallelModel._backward_order``). This module applies the same rule to a plan's layouts, so
+the step time counts the loss's own all-reduce only where the runtime issues one.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.layouts import Partial, Replicate
+
+__all__ = ["loss_rides"]
+
+
+def loss_rides(problem, choice: dict[str, int]) -> bool:
+    """Whether the loss value rides the last gradient bucket (not under pipeline schedules, whose
+    buckets and loss the runtime reduces apart; callers pricing those do not ask)."""
+    traced = problem.traced
+    policy = problem.ctx.policy
+    mesh = problem.ctx.mesh_shape
+    if traced is None or not traced.has_loss or (policy.mixed and policy.torch_reduce_dtype != torch.float32):
+        return False
+    out = next(n for n in traced.graph.nodes if n.op == "output")
+    if len(out.args) != 1 or getattr(out.args[0], "op", None) is None:
+        return False
+    loss_layout = problem.strategy_of(out.args[0].name, choice).outs[0]
+    partial = [a for a, p in enumerate(loss_layout) if isinstance(p, Partial) and mesh[a] > 1]
+    if not partial:
+        return False
+    for name in _bucketable_params(problem):
+        strategy = problem.strategy_of(name, choice)
+        if strategy.zero_stage == 2:
+            continue  # its gradient is reduce-scattered into a shard buffer, not bucketed
+        # its gradient is summed over the axes it is whole on where the batch is split (the loss partial)
+        synced = {a for a in partial if isinstance(strategy.outs[0][a], Replicate)}
+        if synced:
+            return synced == {partial[0]}
+    return False
+
+
+def _bucketable_params(problem) -> list[str]:
+    """Trainable float32 parameter placeholders in the order the forward first uses them
+    (memoised per problem context)."""
+    memo = problem.ctx.reshard_memo
+    key = ("loss-rider-order", id(problem.traced))
+    if key not in memo:
+        first_use: dict[str, int] = {}
+        kept = set()
+        for i, n in enumerate(problem.traced.graph.nodes):
+            if n.op == "placeholder" and n.meta.get("autopar.kind") == "param" and n.meta.get("autopar.requires_grad") \
+                    and n.meta["autopar.outputs"][0].dtype == torch.float32:
+                kept.add(n.name)
+            for a in n.all_input_nodes:
+                if a.name in kept:
+                    first_use.setdefault(a.name, i)
+        memo[key] = sorted(first_use, key=first_use.get)
+    return memo[key]
