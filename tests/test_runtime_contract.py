@@ -177,7 +177,6 @@ def test_state_dict_leaves_out_non_persistent_buffers(world1):
 def loss_rider_worker(constraints: dict):
     """GPT (cross-entropy over a count of valid targets) trained 3 steps under ``constraints``:
     per-step collective calls by kind, the losses, the plan's choice of riding."""
-    from autopar.planner.loss_rider import loss_rides  # noqa: F401 (the rule the plan priced by)
     from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 
     torch.manual_seed(0)
