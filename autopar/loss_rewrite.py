@@ -11,14 +11,16 @@ the totals: the same number as on one device, whichever dims the plan splits.
 Applied at trace time, before planning (the planner prices what runs). Only the unweighted,
 unsmoothed form is rewritten (with class weights or label smoothing torch's mean divides by
 something else); the rewritten division carries ``LOSS_REDUCTION_KEY`` = "mean", so gradient
-accumulation combines microbatch losses as means.
+accumulation combines microbatch losses as means. Split into microbatches, the batch's mean is
+each microbatch's mean weighted by its share of the count, not by 1/m: ``token_count_program``
+hands the runtime the count as a program of the batch, which it evaluates per microbatch.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-__all__ = ["exact_token_mean", "LOSS_REDUCTION_KEY"]
+__all__ = ["exact_token_mean", "token_count_program", "LOSS_REDUCTION_KEY"]
 
 LOSS_REDUCTION_KEY = "autopar.loss_reduction"  # on a node that ends a loss: how it reduces over the batch
 
@@ -73,3 +75,33 @@ def exact_token_mean(gm: fx.GraphModule) -> int:
     if done:
         gm.recompile()
     return done
+
+
+def token_count_program(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """When ``gm``'s loss is a mean over a count of the batch alone (``exact_token_mean``'s sum /
+    count, the program's only output): the count as a program of the batch inputs it reads
+    (placeholders in ``gm``'s order, the rest of the batch not taken). Evaluated on a
+    microbatch's whole tensors it gives that microbatch's count; None for any other loss."""
+    from autopar.ir import batch_only_values
+
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    loss = out.args[0] if len(out.args) == 1 else None
+    if not isinstance(loss, fx.Node) or loss.meta.get(LOSS_REDUCTION_KEY) != "mean" or len(loss.args) != 2:
+        return None
+    count = loss.args[1]
+    if not isinstance(count, fx.Node) or count.name not in batch_only_values(graph):
+        return None
+    needed, todo = set(), [count]
+    while todo:
+        n = todo.pop()
+        if n.name not in needed:
+            needed.add(n.name)
+            todo.extend(n.all_input_nodes)
+    made = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for n in graph.nodes:
+        if n.name in needed:
+            env[n.name] = made.node_copy(n, lambda a: env[a.name])
+    made.output(env[count.name])
+    return fx.GraphModule(gm, made)

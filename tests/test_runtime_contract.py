@@ -182,9 +182,9 @@ def loss_rider_worker(constraints: dict):
     torch.manual_seed(0)
     cfg = GPTConfig()
     idx, tgt = example_batch(cfg, 8)
-    # ignored targets: the loss divides by a count that differs between ranks (rows 0 and 4: the
-    # same in both microbatches, which are weighted 1/m, see build_program's warning)
-    tgt[0, :5] = tgt[4, :5] = -100
+    # ignored targets in row 0 alone: the loss divides by a count that differs between ranks and
+    # between microbatches (each microbatch's mean weighs by its share of the count)
+    tgt[0, :5] = -100
     pm = autopar.compile(GPT(cfg), autopar.Cluster.local(), (idx,), example_target=tgt, loss_fn=gpt_loss,
                          optimizer=_sgd, constraints=autopar.Constraints(**constraints))
     pm.train_step(idx, target=tgt)
@@ -209,7 +209,7 @@ def test_the_loss_value_rides_the_last_gradient_bucket(constraints, rides):
     torch.manual_seed(0)
     cfg = GPTConfig()
     idx, tgt = example_batch(cfg, 8)
-    tgt[0, :5] = tgt[4, :5] = -100
+    tgt[0, :5] = -100
     model = GPT(cfg)
     opt = _sgd(model.parameters())
     ref = []

@@ -17,7 +17,7 @@ from autopar.cluster import Cluster
 from autopar.api import check_cluster_arg, check_fits_cluster, check_model_args, cyclic_gc_paused, trace_checked
 from autopar.constraints import Constraints, with_annotations
 from autopar.ir import is_local_batch, mark_local_batch
-from autopar.loss_rewrite import LOSS_REDUCTION_KEY
+from autopar.loss_rewrite import LOSS_REDUCTION_KEY, token_count_program
 from autopar.errors import AutoparError, ConstraintError, InputMismatchError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
@@ -404,9 +404,13 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
     if plan.microbatches > 1:
         m = plan.microbatches
         loss_reduction = _loss_reduction(traced)
-        if any(n.meta.get(LOSS_REDUCTION_KEY) for n in traced.graph.nodes):
+        weighed = not is_local_batch(traced.graph) and token_count_program(traced.gm) is not None
+        if any(n.meta.get(LOSS_REDUCTION_KEY) for n in traced.graph.nodes) and not weighed:
+            # the runtime weighs each microbatch's mean by its share of the count where it can
+            # compute the count per microbatch (``_Program.token_count``: from the global batch)
+            why = "with local batches" if is_local_batch(traced.graph) else "for a loss that is not the mean alone"
             warnings.warn(
-                f"the loss is a mean over the targets not ignored (ignore_index); with microbatches={m} each "
+                f"the loss is a mean over the targets not ignored (ignore_index); with microbatches={m} {why} each "
                 f"microbatch's mean is weighted 1/{m}, which is one device's loss only where every microbatch holds "
                 "as many counted targets (a batch whose ignored targets or padding fall unevenly trains on a slightly "
                 "different loss); use microbatches=1, or a sum loss divided by a fixed count", stacklevel=3)

@@ -33,6 +33,26 @@ class LossValueMethods:
                 scale /= self.comm.sizes[a]
         return scale
 
+    def _microbatch_weights(self, micro: list, prog) -> list[float]:
+        """Per microbatch, the weight of its loss in the step's: 1 for a sum; for a mean, its share
+        of the count a token mean divides by (``_Program.token_count``, evaluated on each
+        microbatch's whole tensors: the batch's mean whatever each holds), else 1/m."""
+        m = len(micro)
+        if prog.loss_reduction != "mean":
+            return [1.0] * m
+        counter = prog.token_count if not self._local else None
+        if counter is None:
+            return [1.0 / m] * m
+        names = [n.name for n in counter.graph.nodes if n.op == "placeholder"]
+        counts = []
+        for x, t in micro:
+            feed = dict(zip(prog.traced.input_names, x))
+            if prog.traced.target_name is not None:
+                feed[prog.traced.target_name] = t
+            counts.append(float(counter(*(feed[name] for name in names))))
+        total = sum(counts)
+        return [c / total for c in counts] if total > 0 else [1.0 / m] * m
+
     def _reduce_loss_riding(self, value: torch.Tensor):
         """(``value``, works, whether it rides the gradient sync): a step's summed train loss
         value, reduced over its first partial axis by the last gradient bucket's all-reduce

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ import torch.fx as fx
 from autopar.errors import AutoparError
 from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
 from autopar.layouts import Replicate, Shard, chunk_range, parse_layout
+from autopar.loss_rewrite import token_count_program
 from autopar.runtime.collectives import active_mesh, gather_dim, shard_tensor
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
@@ -87,6 +89,14 @@ class _Program:
     @property
     def placeholders(self) -> list[str]:
         return [n.name for n in self.program.graph.nodes if n.op == "placeholder"]
+
+    @functools.cached_property
+    def token_count(self) -> fx.GraphModule | None:
+        """The count the loss's token mean divides by, as a program of a microbatch's whole batch
+        tensors (``loss_rewrite.token_count_program``), where there are microbatches to weigh."""
+        if self.plan.microbatches == 1 or self.loss_reduction != "mean":
+            return None
+        return token_count_program(self.traced.gm)
 
     @property
     def rows_mask(self) -> list[bool]:
@@ -212,7 +222,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._pipeline = PipelineRunner(
                 plan=plan, traced=traced, program=program, pp_rank=self._stage, pp_group=self._pp_group, store=self.store,
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
-                loss_scale=self._loss_grad_scale() * (1.0 / plan.microbatches if loss_reduction == "mean" else 1.0),
+                loss_scale=self._loss_grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
                 stage_ranks=stage_ranks)
         self._note_zero_versions()
         if self._resume_from is not None:
@@ -419,7 +429,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             return self._pipelined_train_step(inputs, target)
         micro = self._microbatches(inputs, target)
         m = len(micro)
-        weight = 1.0 / m if self._loss_reduction == "mean" else 1.0
+        weights = self._microbatch_weights(micro, self._train)
         values, pending, riding = [], [], False
         with active_mesh(self.comm):
             for i, (x, t) in enumerate(micro):
@@ -428,17 +438,17 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                     loss = self._run(self._args(x, t))
                     if isinstance(loss, (tuple, list)):
                         loss = loss[0]
-                    values.append(loss.detach().reshape(1).float())
+                    values.append(loss.detach().reshape(1).float() * weights[i])
                     if i == m - 1:  # the step's values, summed here, reduced once (loss_value_methods)
                         value, pending, riding = self._reduce_loss_riding(torch.cat(values).sum().reshape(1))
                 with self._phase("backward"):
-                    (loss * (self._loss_grad_scale() * weight)).backward()
+                    (loss * (self._loss_grad_scale() * weights[i])).backward()
                 del loss
             carried = []
             self._sync_and_step(lambda: carried.append(self._grad_sync.carried()) if riding else None)
             for w in pending:
                 w.wait()
-            return float(self._finish_loss(carried[0] if riding else value)) * weight
+            return float(self._finish_loss(carried[0] if riding else value))
 
     def _sync_and_step(self, before_step=None) -> None:
         """After the step's last backward: finish the gradient reductions (then ``before_step``),
@@ -466,7 +476,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches,
                                  uses=self._pipeline.local_uses)
             with self._phase("forward"):
-                losses = self._pipeline.step(feed)  # the last stage's; empty on the other ranks
+                # the last stage's losses, each times its weight; empty on the other ranks
+                losses = self._pipeline.step(feed, self._microbatch_weights(self._microbatches(inputs, target), self._train))
             self._sync_and_step(self._pipeline.sum_tied_grads)
             # the last stage's microbatch values, summed here and reduced once
             local = torch.cat([v.detach().reshape(1).float() for v in losses]).sum().reshape(1) if losses else None
@@ -474,8 +485,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             for w in works:
                 w.wait()
             total = self._pipeline.broadcast_loss(torch.tensor([float(self._finish_loss(value)) if losses else 0.0]))
-        weight = 1.0 / self.plan.microbatches if self._loss_reduction == "mean" else 1.0
-        return float(total) * weight
+        return float(total)
 
     @torch.no_grad()
     def _gather_zero_params(self) -> None:
@@ -509,18 +519,18 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
 
     def _eval_step(self, inputs: tuple, target: Any, prog: "_Program") -> float:
         micro = self._microbatches(inputs, target)
-        weight = 1.0 / len(micro) if prog.loss_reduction == "mean" else 1.0
+        weights = self._microbatch_weights(micro, prog)
         total = 0.0
         with active_mesh(self.comm):
-            for x, t in micro:
+            for (x, t), weight in zip(micro, weights):
                 loss = self._run(self._args(x, t, prog), prog.program)
                 if isinstance(loss, (tuple, list)):
                     loss = loss[0]
                 value, pending = self._reduce_loss_async(loss, prog.loss_layout)
                 for w in pending:
                     w.wait()
-                total += float(self._finish_loss(value, prog.loss_layout))
-        return total * weight
+                total += float(self._finish_loss(value, prog.loss_layout)) * weight
+        return total
 
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()

@@ -49,6 +49,19 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
+    if name == "gpt_padded":  # rows padded to different lengths: ignored targets fall unevenly over ranks and microbatches
+        from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+        cfg = GPTConfig()
+        model = GPT(cfg)
+        batches = []
+        for s in range(8):
+            idx, tgt = example_batch(cfg, 8, seed=s)
+            g = torch.Generator().manual_seed(100 + s)
+            for row, length in enumerate(torch.randint(1, cfg.block_size + 1, (8,), generator=g).tolist()):
+                tgt[row, length:] = -100
+            batches.append((idx, tgt))
+        return model, batches, gpt_loss
     if name == "gpt_wide_vocab":  # 4 layers and a vocabulary 16x the default: the head outweighs a layer
         from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 

@@ -343,10 +343,13 @@ class PipelineRunner:
             options["scale_grads"] = False  # the loss is scaled here (``loss_scale``), as without pipelining
         me = weakref.ref(self)
 
-        def loss_fn(out, _target):
+        def loss_fn(out, weight):
+            # ``weight``: the microbatch's share of the step's loss, its piece of the schedule's
+            # target (``step``); the loss value kept is the weighted one
             runner = me()
-            runner._values.append(out.detach())
-            return (out * runner.loss_scale).sum()
+            weighted = out * weight.reshape(())
+            runner._values.append(weighted.detach())
+            return (weighted * runner.loss_scale).sum()
 
         single = len(self.pipe_stages) == 1 and plan.schedule in ("gpipe", "1f1b")
         self.schedule = cls(self.pipe_stages[0] if single else self.pipe_stages, self.microbatches, loss_fn=loss_fn,
@@ -392,14 +395,16 @@ class PipelineRunner:
                 self.fed_constants[name] = x.to(self.device) if isinstance(x, torch.Tensor) else x
         return kwargs
 
-    def step(self, feed: dict) -> list[torch.Tensor]:
+    def step(self, feed: dict, weights: list[float]) -> list[torch.Tensor]:
         """Forward and backward of every microbatch. ``feed``: batch placeholder name -> value
-        (used where stage 0 runs). Returns the last stage's per-microbatch local losses (empty on
-        the ranks that do not run it)."""
+        (used where stage 0 runs); ``weights``: per microbatch, its loss's weight in the step's
+        (``LossValueMethods._microbatch_weights``). Returns the last stage's per-microbatch local
+        losses, weighted (empty on the ranks that do not run it)."""
         self._values = []
         kwargs = self._fed_inputs(feed)
         if self.last:
-            kwargs["target"] = torch.zeros(self.microbatches, device=self.device)  # the program holds the real one
+            # the schedule splits its target by microbatch: here, the weights (the program holds the real target)
+            kwargs["target"] = torch.tensor(weights, dtype=torch.float32, device=self.device)
             kwargs["losses"] = []
         if self.first:
             self.schedule.step(*self._stage0_inputs(feed), **kwargs)
