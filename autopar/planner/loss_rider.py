@@ -5,7 +5,9 @@ all-reduce of the gradient bucket that ends the float32 gradient buffer when tha
 over exactly the loss's first partial axis, else in an all-reduce of its own. The buffer ends
 with the gradient of the first parameter the forward uses among those the buckets sync
 (``ParallelModel._backward_order``). This module applies the same rule to a plan's layouts, so
-the step time counts the loss's own all-reduce only where the runtime issues one.
+the step time counts the loss's own all-reduce only where the runtime issues one. The ILP's
+objective still charges it (whether it rides is decided by another node's layout); the step
+time a plan predicts (``evaluate``) does not.
 """
 from __future__ import annotations
 
