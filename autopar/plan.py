@@ -83,6 +83,9 @@ class Stage:
     # values this stage sends on in pieces of a layout other than their planned one, regathered
     # where they are received: ((node name, layout sent), ...)
     send_layouts: tuple[tuple[str, str], ...] = ()
+    # pipeline plans: bytes per collective kind per step on a rank of this stage's pipeline rank
+    # (its stages' collectives, its parameters' syncs, tied copies' sums; p2p sends not included)
+    comm_bytes: tuple[tuple[str, float], ...] = ()
 
     @property
     def span(self) -> str:
@@ -367,7 +370,7 @@ def _decode_plan(d: dict) -> Plan:
     stages = tuple(
         Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]),
               tuple(param(p) for p in s["params"]), s.get("predicted_time_s", 0.0), s.get("peak_memory_bytes", 0.0),
-              _tuplify(s.get("send_layouts", ())))
+              _tuplify(s.get("send_layouts", ())), _tuplify(s.get("comm_bytes", ())))
         for s in d["stages"]
     )
     k = build(Plan, d)

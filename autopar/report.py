@@ -113,8 +113,10 @@ def plan_summary(plan) -> str:
                      f"{_ms(p.blocking_comm_s)} + exposed overlappable comm {_ms(p.exposed_comm_s)}")
     lines.append(f"communication        {comm}")
     if p.comm_bytes:
+        whose = ("per device of the busiest pipeline rank; each stage's rank in Stage.comm_bytes" if len(plan.stages) > 1
+                 else "per device")
         lines.append("bytes per step       " + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.comm_bytes)
-                     + " (per device; measure with ParallelModel.measure_step)")
+                     + f" ({whose}; measure with ParallelModel.measure_step)")
     mem = dict(p.memory_bytes)
     kept = ("params", "grads", "optimizer_state")
     lines.append(f"peak memory / device {format_bytes(p.peak_memory_bytes)} of {format_bytes(cluster.device.memory_bytes)} "

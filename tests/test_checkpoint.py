@@ -189,6 +189,7 @@ def tied_pipeline_worker(root):
             if sum(any(q.fqn == p.fqn for q in s.params) for s in pm.plan.stages) > 1]
     saved = _state(pm)
     saved["tied"] = (summed, tied)
+    saved["predicted_all_reduce"] = dict(pm.plan.stages[pm._pipeline.mine[0]].comm_bytes).get("all_reduce", 0)
     path = pm.save(os.path.join(root, "tied"))
     pm.close()
     loaded = []
@@ -206,6 +207,7 @@ def test_tied_weights_across_pipeline_stages_save_and_reshard(tmp_path):
     assert saved["stages"] == 2
     summed, tied = saved["tied"]
     assert len(tied) == 1 and summed == 2 * tied[0], "the tied gradient sums are counted once per step"
+    assert summed == 2 * saved["predicted_all_reduce"], "the plan predicts this rank's tied sum (Stage.comm_bytes)"
     for state, label in zip(loaded, ("dp=2", "zbv")):
         _assert_equal_states(state, saved, True, f"saved at pp=2, loaded under {label}")
 

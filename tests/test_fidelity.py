@@ -141,13 +141,18 @@ def test_every_pipeline_rank_peaks_where_its_plan_says():
     """pp=2 x dp=2 (ZeRO-2 and -3 under zbv among them): each rank's measured peak within 15% of
     its pipeline rank's prediction (its stages' state, the activations each of its stages holds
     under the schedule's order, torch's receive buffers and, under the multi-stage schedules, the
-    sends held to the step's end)."""
+    sends held to the step's end); and the bytes of its collectives exactly its pipeline rank's
+    (``Stage.comm_bytes``: its stages' collectives, its parameters' syncs, the loss's on the last)."""
     results = autopar.launch(fidelity_suite, 4, PIPELINE_CASES)
     failures = []
     for i, (model, family) in enumerate(PIPELINE_CASES):
         assert results[0][i]["stages"] > 1
         for rank, per_rank in enumerate(results):
-            ratio = per_rank[i]["peak"] / per_rank[i]["predicted_peak"]
+            r = per_rank[i]
+            ratio = r["peak"] / r["predicted_peak"]
             if not 1 / 1.15 <= ratio <= 1.15:
                 failures.append(f"{model} {family} rank {rank}: measured / predicted {ratio:.2f}")
+            predicted = {k: int(v) for k, v in r["predicted_comm_bytes"].items() if v}
+            if r["comm_bytes"] != predicted:
+                failures.append(f"{model} {family} rank {rank}: collective bytes {r['comm_bytes']} vs predicted {predicted}")
     assert not failures, "\n".join(failures)

@@ -34,26 +34,46 @@ from autopar.planner.op_memory import op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
 from autopar.trace import tensor_inputs
 
-__all__ = ["predict_comm_bytes"]
+__all__ = ["predict_comm_bytes", "comm_bytes_by_owner"]
 
 _LOSS_VALUE_BYTES = 4  # the runtime reduces the loss value as one fp32 element
 
 
 def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None,
-                       autocast_dtype=None, zero2_reductions: int | None = None) -> dict[str, float]:
+                       autocast_dtype=None, zero2_reductions: int | None = None,
+                       split_backward: frozenset[str] = frozenset()) -> dict[str, float]:
     """Bytes per collective kind ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-    this rank moves in one training step under ``choice``. ``zero2_reductions``: how often a
-    ZeRO-2 gradient is reduce-scattered per step (default: every microbatch; once under the
-    split-backward pipeline schedules)."""
+    this rank moves in one training step under ``choice`` (``comm_bytes_by_owner``, summed)."""
+    out: dict[str, float] = defaultdict(float)
+    for kinds in comm_bytes_by_owner(problem, choice, recompute, autocast_dtype, zero2_reductions,
+                                     split_backward).values():
+        for kind, nbytes in kinds.items():
+            out[kind] += nbytes
+    return {k: v for k, v in out.items() if v}
+
+
+def comm_bytes_by_owner(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None,
+                        autocast_dtype=None, zero2_reductions: int | None = None,
+                        split_backward: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
+    """Bytes per collective kind of one training step under ``choice``, per owner: the node a
+    collective runs for (its consumer), a parameter for its gradient sync and post-step gather,
+    the loss's producer for the loss value's reduction. A pipeline rank moves the bytes of the
+    owners its stages run or hold (``pipeline_search._rank_comm_bytes``).
+
+    ``zero2_reductions``: how often a ZeRO-2 gradient is reduce-scattered per step (default:
+    every microbatch; once under the split-backward pipeline schedules). ``split_backward``: the
+    nodes whose backward runs as an input pass then a weight pass (the zero-bubble pipeline
+    schedules, past the first stage): a gathered parameter such a consumer keeps is gathered
+    again in each pass."""
     traced, blocks, mesh, m = problem.traced, problem.blocks, problem.ctx.mesh_shape, problem.microbatches
     if recompute is None:
         recompute = frozenset(p for ps in blocks.blocks.values() for p in ps) if problem.recompute else frozenset()
     batch = batch_derived(traced)
-    out: dict[str, float] = defaultdict(float)
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
-    def add(steps, times: float) -> None:
+    def add(owner: str, steps, times: float) -> None:
         for kind, _axis, nbytes in steps:
-            out[kind] += nbytes * times
+            out[owner][kind] += nbytes * times
 
     def layout_of(node):
         u, j = producer_of(node)
@@ -69,7 +89,7 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
         own = batch_norm_sync(v, s.ins[0] if s.ins else None, mesh)
         own += region_exchanges(v, list(s.ins), s.outs[0] if s.outs else None, mesh)
         for kind, _, nbytes, forward in own:
-            out[kind] += nbytes * m * (2.0 if in_region and forward else 1.0)
+            out[v.name][kind] += nbytes * m * (2.0 if in_region and forward else 1.0)
         for i, a in enumerate(tensor_inputs(v)):
             meta = (a.meta.get("autopar.outputs") or (None,))[0]
             if meta is None or i >= len(s.ins):
@@ -99,11 +119,11 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             fwd = reshard_step_bytes(meta.shape, itemsize, src, dst, mesh)
             runs = 2.0 if in_region else 1.0  # a checkpointed block runs its forward again
             if is_param and not in_region and any(k == "all_gather" for k, _, _ in fwd) and _saves_input(v, i, autocast_dtype):
-                runs = 2.0  # gathered again for backward
-            add(fwd, per_micro * runs)
+                runs = 3.0 if v.name in split_backward else 2.0  # gathered again for backward (each pass of a split one)
+            add(v.name, fwd, per_micro * runs)
             if gsrc is not None and gdst is not None:
                 grad_size = problem.ctx.policy.torch_reduce_dtype.itemsize if cast is not None else meta.itemsize
-                add(reshard_step_bytes(meta.shape, grad_size, gsrc, gdst, mesh), per_micro)
+                add(v.name, reshard_step_bytes(meta.shape, grad_size, gsrc, gdst, mesh), per_micro)
     for name, uses in param_uses.items():
         node = traced.node(name)
         meta = node.meta["autopar.outputs"][0]
@@ -114,29 +134,30 @@ def predict_comm_bytes(problem: Problem, choice: dict[str, int], recompute: froz
             (axes,) = axes
             local = local_numel(meta.shape, s.outs[0], mesh) * _reduce_itemsize(meta, problem)
             if s.zero_stage == 2:
-                out["all_reduce"] += sum(local for a in axes if a not in s.zero_axes)
-                out["reduce_scatter"] += _reduce_scatter_bytes(meta, s, mesh, axes) * (zero2_reductions or m)
+                out[name]["all_reduce"] += sum(local for a in axes if a not in s.zero_axes)
+                out[name]["reduce_scatter"] += _reduce_scatter_bytes(meta, s, mesh, axes) * (zero2_reductions or m)
             else:
-                out["all_reduce"] += local * len(axes)
+                out[name]["all_reduce"] += local * len(axes)
         elif any(e is not None and pure_all_reduce_axes(*e) is not None for _, e in uses):
             for v, e in uses:  # not deferred: each such use syncs in the graph, per microbatch
                 if e is not None and pure_all_reduce_axes(*e) is not None:
-                    add(reshard_step_bytes(meta.shape, meta.itemsize, e[2], e[3], mesh), m)
+                    add(v.name, reshard_step_bytes(meta.shape, meta.itemsize, e[2], e[3], mesh), m)
         if s.zero_axes and node.meta.get("autopar.requires_grad", True):
-            out["all_gather"] += _post_step_gather_bytes(meta, s, mesh)
+            out[name]["all_gather"] += _post_step_gather_bytes(meta, s, mesh)
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
     for a in tensor_inputs(out_node):  # the program's outputs end replicated (a loss, or the model's outputs)
+        owner = producer_of(a)[0].name
         lay = layout_of(a)
         meta = a.meta["autopar.outputs"][0]
         if meta is None:
             continue
         if traced.has_loss and meta.numel == 1 and not any(isinstance(p, Shard) for p in lay):
             # a pending scalar loss: the runtime all-reduces its value off the graph
-            out["all_reduce"] += _LOSS_VALUE_BYTES * sum(
+            out[owner]["all_reduce"] += _LOSS_VALUE_BYTES * sum(
                 1 for p, k in zip(lay, mesh) if isinstance(p, Partial) and k > 1)
         else:
-            add(reshard_step_bytes(meta.shape, meta.itemsize, lay, boundary_layout(out_node, a, len(lay)), mesh), m)
-    return {k: v for k, v in out.items() if v}
+            add(owner, reshard_step_bytes(meta.shape, meta.itemsize, lay, boundary_layout(out_node, a, len(lay)), mesh), m)
+    return {owner: dict(kinds) for owner, kinds in out.items()}
 
 
 def _sunk_sums(problem: Problem, choice: dict[str, int], layout_of) -> dict[str, tuple[int, ...]]:

@@ -97,8 +97,8 @@ class _Priced:
     step_s: float
     bubble: float
     recompute_blocks: tuple  # the block instances checkpointed (those of the ranks that recompute)
-    comm_bytes: tuple  # Predicted.comm_bytes with those instances checkpointed
     send_layouts: tuple  # per stage: ((value, layout it is sent in), ...) where not its planned one
+    attempt: object  # the search's attempt behind ``inner`` (its problem and choice): bytes per rank (_rank_comm_bytes)
 
 
 def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
@@ -307,17 +307,48 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
     stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
-    comm_bytes = inner.predicted.comm_bytes
-    # a recomputed block's ZeRO-3 gathers run again in backward; ZeRO-2 held whole reduces once
-    if kept_blocks != inner.recompute_blocks or any(whole_grads):
-        from autopar.planner.comm_model import predict_comm_bytes
-        from autopar.planner.evaluate import autocast_dtype
+    return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks,
+                   send_layouts(traced.graph, cut, n_stages), att)
 
-        comm_bytes = tuple((k, float(b)) for k, b in sorted(predict_comm_bytes(
-            problem, choice, frozenset(kept_blocks), autocast_dtype=autocast_dtype(problem),
-            zero2_reductions=1 if any(whole_grads) else None).items()))
-    return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks, comm_bytes,
-                   send_layouts(traced.graph, cut, n_stages))
+
+def _rank_comm_bytes(traced, priced: _Priced, pp: int, schedule: str) -> list[dict[str, float]]:
+    """Per pipeline rank, the bytes per collective kind it moves in one step: those of the
+    collectives its stages' nodes run, of the gradient syncs and post-step gathers of the
+    parameters it holds, of the loss's where the last stage runs (``comm_model.comm_bytes_by_owner``),
+    and the gradient sums of the tied parameters it holds a copy of (``PipelineRunner.sum_tied_grads``)."""
+    from autopar.planner.comm_model import comm_bytes_by_owner
+    from autopar.planner.evaluate import autocast_dtype
+
+    problem, choice = priced.attempt.problem, priced.attempt.solution.choice
+    n_stages = len(priced.rank_of)
+    stage_of = priced.stage_of
+    sizes = dict(priced.inner.mesh_axes)
+    grad_bytes = _whole_grad_bytes(traced, priced.inner)
+    holders: dict[str, set[int]] = {}
+    for s, params in enumerate(priced.owned):
+        for p in params:
+            holders.setdefault(p.node, set()).add(priced.rank_of[s])
+    trainable = {n.name for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.requires_grad")}
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
+    # torch splits a stage's backward into an input pass and a weight pass where the stage has
+    # inputs taking a gradient: every stage but the first (its input is the batch)
+    owners = comm_bytes_by_owner(problem, choice, frozenset(priced.recompute_blocks), autocast_dtype(problem),
+                                 zero2_reductions=1 if split else None,
+                                 split_backward=frozenset(n for n, s in stage_of.items() if s > 0) if split else frozenset())
+    out = []
+    for r in range(pp):
+        mine = {s for s in range(n_stages) if priced.rank_of[s] == r}
+        held = {p.node: p for s in mine for p in priced.owned[s]}
+        got: dict[str, float] = {}
+        for owner, kinds in owners.items():
+            if owner in held or (owner not in holders and stage_of.get(owner, n_stages - 1) in mine):
+                for kind, nbytes in kinds.items():
+                    got[kind] = got.get(kind, 0.0) + nbytes
+        for p in held.values():
+            if p.node in trainable and len(holders[p.node]) > 1:
+                got["all_reduce"] = got.get("all_reduce", 0.0) + _grad_bytes_after_sync(p, sizes, grad_bytes)
+        out.append({k: float(v) for k, v in sorted(got.items()) if v})
+    return out
 
 
 def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str, grad_bytes: dict[str, float]
@@ -515,6 +546,9 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
                             tuple(priced.owned[s]), predicted_time_s=_r(priced.stage_time_s[s] / m),
                             peak_memory_bytes=_r(priced.peaks[priced.rank_of[s]]),
                             send_layouts=priced.send_layouts[s]))
+    rank_bytes = _rank_comm_bytes(traced, priced, pp, schedule)
+    stages = [dataclasses.replace(st, comm_bytes=tuple((k, _r(v)) for k, v in rank_bytes[priced.rank_of[st.index]].items()))
+              for st in stages]
     worst = max(range(pp), key=lambda r: priced.peaks[r])
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     worst_params = _rank_param_bytes(priced.owned, priced.rank_of, worst)
@@ -527,7 +561,9 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
     mfu = inner.predicted.model_flops / (step * cluster.world_size * peak_flops) if step > 0 else 0.0
     predicted = dataclasses.replace(
         inner.predicted, step_time_s=_r(step), peak_memory_bytes=_r(priced.peaks[worst]),
-        memory_bytes=tuple((k, _r(val)) for k, val in shown.items()), mfu=_r(mfu), comm_bytes=priced.comm_bytes)
+        memory_bytes=tuple((k, _r(val)) for k, val in shown.items()), mfu=_r(mfu),
+        # the busiest pipeline rank's bytes (each stage lists its own rank's, Stage.comm_bytes)
+        comm_bytes=max((tuple((k, _r(v)) for k, v in b.items()) for b in rank_bytes), key=lambda t: sum(v for _, v in t)))
     cjson = json.dumps(c.to_dict(), sort_keys=True)
     notes = inner.notes + (
         "pipeline plans price every stage with the same per-operator decisions (one submesh plan for the whole "
