@@ -82,16 +82,22 @@ class MeasureMethods:
         if cuda:
             device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
         pred = self.plan.predicted
-        peak, comm_bytes = pred.peak_memory_bytes, dict(pred.comm_bytes)
-        if self._pipeline is not None:  # this rank's pipeline rank (the plan's figures are the worst rank's)
+        peak = pred.peak_memory_bytes
+        if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
             peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
-            comm_bytes = dict(self.plan.stages[self._pipeline.mine[0]].comm_bytes)
         return StepMeasurement(
             loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
             memory=tracker.report(device_peak), predicted_peak_bytes=peak,
             predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
-            predicted_comm_bytes=comm_bytes,
+            predicted_comm_bytes=self._predicted_comm_bytes(),
         )
+
+    def _predicted_comm_bytes(self) -> dict:
+        """The bytes per collective kind the plan predicts for this rank's step: its pipeline
+        rank's (``Stage.comm_bytes``) under a pipeline plan, whose own figure is the busiest rank's."""
+        if self._pipeline is not None:
+            return dict(self.plan.stages[self._pipeline.mine[0]].comm_bytes)
+        return dict(self.plan.predicted.comm_bytes)
 
     def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
         """``measure_step(...).memory``: this rank's memory during one training step, by category."""

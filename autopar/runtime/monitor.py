@@ -98,9 +98,11 @@ class StepMonitor:
         return bool(every) and step > 1 and step % every == 0
 
     def record(self, plan, world_size: int, step: int, wall_s: float, loss: float, inputs: tuple,
-               peak_bytes: int | None, comm: tuple[dict, dict] | None = None, memory: dict | None = None) -> None:
+               peak_bytes: int | None, comm: tuple[dict, dict] | None = None, memory: dict | None = None,
+               predicted_comm_bytes: dict | None = None) -> None:
         """``comm``: this step's (bytes, seconds blocked) per collective kind (``CommStats``);
-        ``memory``: its peak bytes by category where the storage tracker measured it."""
+        ``memory``: its peak bytes by category where the storage tracker measured it;
+        ``predicted_comm_bytes``: this rank's predicted bytes (default: the plan's)."""
         if self._plan is not plan:
             self._start(plan, world_size)
         predicted = plan.predicted.step_time_s
@@ -127,7 +129,8 @@ class StepMonitor:
                 "comm_s": blocked, "compute_s": max(wall_s - blocked, 0.0),
                 "predicted_comm_s": plan.predicted.blocking_comm_s + plan.predicted.exposed_comm_s,
                 "predicted_compute_s": plan.predicted.compute_s,
-                "comm_bytes": nbytes, "predicted_comm_bytes": {k: v for k, v in plan.predicted.comm_bytes if v},
+                "comm_bytes": nbytes, "predicted_comm_bytes": {k: v for k, v in (
+                    predicted_comm_bytes.items() if predicted_comm_bytes is not None else plan.predicted.comm_bytes) if v},
                 "comm_s_by_kind": seconds, "predicted_comm_s_by_kind": {k: v for k, v in plan.predicted.comm_s if v},
             })
         self._check_slow(step, ratio, line)

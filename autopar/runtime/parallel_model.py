@@ -418,7 +418,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else memory.peak_bytes if tracked else None
             self._monitor.record(self.plan, dist.get_world_size() if dist.is_initialized() else 1, self.step,
                                  wall, total, inputs, peak, self.comm.stats.since(before),
-                                 dict(memory.category_peaks) if tracked else None)
+                                 dict(memory.category_peaks) if tracked else None, self._predicted_comm_bytes())
         cfg = self._checkpointing
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)
