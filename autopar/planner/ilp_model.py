@@ -182,7 +182,11 @@ def add_edge_costs(md: IlpModel, problem: Problem) -> None:
     columns of the tables that coincide), share one indicator: exact, and fewer columns."""
     for ei, e in enumerate(problem.edges):
         nu, nv = e.blocking.shape
-        terms = [(getattr(e, name), out) for name, out in md.edge_terms() if getattr(e, name) is not None]
+        # the loss value's reduction rides the gradient sync where its first partial axis is a
+        # data axis and another node's layout allows (``planner.loss_rider``): the objective takes
+        # it as riding there (``EdgeTable.ilp_overlap_bwd``), the plan's evaluation decides
+        terms = [(e.ilp_overlap_bwd() if name == "overlap_bwd" else getattr(e, name), out) for name, out in md.edge_terms()
+                 if getattr(e, name) is not None]
 
         def add(lit, ku, kv):
             for arr, out in terms:

@@ -48,8 +48,9 @@ class AssignmentCosts:
         hit = self._cells.get(key)
         if hit is None:
             e = self.p.edges[i]
+            bwd = e.ilp_overlap_bwd()  # the loss value's reduction as the ILP's objective counts it
             hit = self._cells[key] = (float(e.blocking[ku, kv]),) + tuple(
-                0.0 if a is None else float(a[ku, kv]) for a in (e.overlap, e.overlap_bwd, e.overlap_last))
+                0.0 if a is None else float(a[ku, kv]) for a in (e.overlap, bwd, e.overlap_last))
         return hit
 
 

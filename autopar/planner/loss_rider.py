@@ -6,8 +6,9 @@ over exactly the loss's first partial axis, else in an all-reduce of its own. Th
 with the gradient of the first parameter the forward uses among those the buckets sync
 (``ParallelModel._backward_order``). This module applies the same rule to a plan's layouts, so
 the step time counts the loss's own all-reduce only where the runtime issues one. The ILP's
-objective still charges it (whether it rides is decided by another node's layout); the step
-time a plan predicts (``evaluate``) does not.
+objective and its local search take it as riding (whether it does is decided by another node's
+layout, which the objective cannot see): charging it there had the ILP gather the logits to
+avoid a reduction that costs nothing; the step time a plan predicts (``evaluate``) decides.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from autopar.ir import (LOCAL_OUTPUTS_KEY, early_start_lead, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
                         pending_loss, prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
-from autopar.layouts import local_numel, local_shape, replicated, split_factor
+from autopar.layouts import DATA_AXIS_NAMES, Partial, local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work,
@@ -87,6 +87,15 @@ class EdgeTable:
     overlap_bwd: np.ndarray | None = None
     overlap_last: np.ndarray | None = None
     loss_value: bool = False  # hands the loss value back (reduced by the runtime, planner.loss_rider)
+    # the loss edge: per producer key, whether its first partial axis is a data axis, where the
+    # value can ride a gradient bucket's all-reduce (the ILP's objective takes it as riding there)
+    may_ride: np.ndarray | None = None
+
+    def ilp_overlap_bwd(self) -> np.ndarray | None:
+        """``overlap_bwd`` as the ILP's objective and local search count it (``may_ride``)."""
+        if self.may_ride is None or self.overlap_bwd is None:
+            return self.overlap_bwd
+        return self.overlap_bwd * (~self.may_ride)[:, None]
 
     def seconds(self, ku: int, kv: int) -> float:
         """All communication of the pair, hidden or not."""
@@ -443,9 +452,16 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
                 arrays[where][a, b] += seconds * count
             row.append(cell)
         table.append(row)
+    loss_value = bool(value[0] == "act" and value[-2])
+    may_ride = None
+    if loss_value:  # the runtime's rule, as far as this edge can tell (``planner.loss_rider``)
+        data = {a for a, name in enumerate(ctx.axis_names) if name in DATA_AXIS_NAMES and ctx.mesh_shape[a] > 1}
+        firsts = [next((a for a, p in enumerate(lay) if isinstance(p, Partial) and ctx.mesh_shape[a] > 1), None)
+                  for lay in u_layouts]
+        may_ride = np.array([a is not None and a in data for a in firsts], dtype=bool)
     return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, arrays["blocking"],
                      arrays["overlap"], _Kinds(table, count), arrays["overlap_bwd"], arrays["overlap_last"],
-                     loss_value=bool(value[0] == "act" and value[-2]))
+                     loss_value=loss_value, may_ride=may_ride)
 
 
 _WINDOWS = ("blocking", "overlap", "overlap_bwd", "overlap_last")
