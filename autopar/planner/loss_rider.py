@@ -12,11 +12,22 @@ avoid a reduction that costs nothing; the step time a plan predicts (``evaluate`
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from autopar.layouts import Partial, Replicate
+from autopar.layouts import DATA_AXIS_NAMES, Partial, Replicate
 
-__all__ = ["loss_rides"]
+__all__ = ["loss_rides", "may_ride"]
+
+
+def may_ride(layouts, mesh_shape, axis_names) -> np.ndarray:
+    """Per layout of the loss value, whether its first partial axis (of more than one device) is
+    a data axis: where a gradient bucket may sync over it, so the ILP's objective takes the
+    loss's reduction as riding (``EdgeTable.ilp_overlap_bwd``); ``loss_rides`` decides per plan."""
+    data = {a for a, name in enumerate(axis_names) if name in DATA_AXIS_NAMES and mesh_shape[a] > 1}
+    firsts = [next((a for a, p in enumerate(lay) if isinstance(p, Partial) and mesh_shape[a] > 1), None)
+              for lay in layouts]
+    return np.array([a is not None and a in data for a in firsts], dtype=bool)
 
 
 def loss_rides(problem, choice: dict[str, int]) -> bool:

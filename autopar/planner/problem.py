@@ -21,9 +21,10 @@ import torch.fx as fx
 
 from autopar.ir import (LOCAL_OUTPUTS_KEY, early_start_lead, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
                         pending_loss, prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
-from autopar.layouts import DATA_AXIS_NAMES, Partial, local_numel, local_shape, replicated, split_factor
+from autopar.layouts import local_numel, local_shape, replicated, split_factor
 from autopar.functionalize import written_edges
 from autopar.planner.blocks import BlockInfo
+from autopar.planner.loss_rider import may_ride
 from autopar.planner.costing import (CostContext, VIEW_OPS, bucketed_time, node_compute_time, node_work,
                                      optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.op_memory import op_memory, warnings_silenced
@@ -452,16 +453,10 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
                 arrays[where][a, b] += seconds * count
             row.append(cell)
         table.append(row)
-    loss_value = bool(value[0] == "act" and value[-2])
-    may_ride = None
-    if loss_value:  # the runtime's rule, as far as this edge can tell (``planner.loss_rider``)
-        data = {a for a, name in enumerate(ctx.axis_names) if name in DATA_AXIS_NAMES and ctx.mesh_shape[a] > 1}
-        firsts = [next((a for a, p in enumerate(lay) if isinstance(p, Partial) and ctx.mesh_shape[a] > 1), None)
-                  for lay in u_layouts]
-        may_ride = np.array([a is not None and a in data for a in firsts], dtype=bool)
+    loss_value = loss_value and not is_param
     return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, arrays["blocking"],
                      arrays["overlap"], _Kinds(table, count), arrays["overlap_bwd"], arrays["overlap_last"],
-                     loss_value=loss_value, may_ride=may_ride)
+                     loss_value=loss_value, may_ride=may_ride(u_layouts, ctx.mesh_shape, ctx.axis_names) if loss_value else None)
 
 
 _WINDOWS = ("blocking", "overlap", "overlap_bwd", "overlap_last")

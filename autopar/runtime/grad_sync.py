@@ -89,6 +89,10 @@ class GradSync:
         self.reduce_dtype = reduce_dtype  # data-parallel sums in this dtype (None: the gradient's)
         self.buckets = plan_buckets(store, deferred)
         self._bucket_of = {ph: b for b in self.buckets for ph in b.members}
+        # the bucket that ends the float32 buffer, next to its rider element (``carry``)
+        flat = store.flat_grad(torch.float32) if store.rider(torch.float32) is not None else None
+        self._rider_bucket = next((b for b in self.buckets if flat is not None and b.dtype == torch.float32
+                                   and b.start + b.numel == flat.numel() - 1), None)
         self._zero2 = {ph: deferred.get(ph, ()) for ph in store.grad_order if store.slots[ph].zero_stage == 2}
         self._last = True  # whether the running backward is the last microbatch's
         self._defer_zero2 = False  # ZeRO-2 gradients accumulate whole until finish() (see hold)
@@ -203,21 +207,20 @@ class GradSync:
         of the bucket that ends the float32 buffer; False (nothing added) where no such bucket is
         still to be reduced this step over ``axis`` alone, in float32 on the wire. Call between a
         forward and its backward; read the sum with ``carried()`` after ``finish()``."""
-        rider = self.store.rider(torch.float32)
-        if rider is None or self._rounds or self.reduce_dtype not in (None, torch.float32):
+        b = self._rider_bucket
+        if b is None or self._rounds or self.reduce_dtype not in (None, torch.float32):
             return False
-        end = self.store.flat_grad(torch.float32).numel() - 1
-        b = next((b for b in self.buckets if b.dtype == torch.float32 and b.start + b.numel == end), None)
-        if b is None or b.axes != (axis,) or b.work is not None or b.ready == -1:
+        if b.axes != (axis,) or b.work is not None or b.ready == -1:
             return False
         b.rider = 1
+        rider = self.store.rider(torch.float32)
         rider += value.reshape(1).to(rider.dtype)
         return True
 
     def carried(self) -> torch.Tensor | None:
         """The rider's sum after ``finish()`` (None: nothing rode this step); the rider is cleared."""
-        b = next((b for b in self.buckets if b.rider), None)
-        if b is None:
+        b = self._rider_bucket
+        if b is None or not b.rider:
             return None
         b.rider = 0
         rider = self.store.rider(torch.float32)
