@@ -86,6 +86,9 @@ class Stage:
     # pipeline plans: bytes per collective kind per step on a rank of this stage's pipeline rank
     # (its stages' collectives, its parameters' syncs, tied copies' sums; p2p sends not included)
     comm_bytes: tuple[tuple[str, float], ...] = ()
+    # pipeline plans: how this stage's operators use each submesh axis of size > 1, read from its
+    # parameters' edges (``planner.axis_use``): ((axis, ("data", "tensor", "ZeRO-3") subset), ...)
+    axis_use: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def span(self) -> str:
@@ -297,7 +300,7 @@ _NOT_DECISIONS = {
            "notes", "bubble_fraction"},
     NodePlacement: {"compute_s", "alternatives", "excluded"},
     ParamPlacement: {"bytes_per_device"},
-    Stage: {"predicted_time_s", "peak_memory_bytes"},
+    Stage: {"predicted_time_s", "peak_memory_bytes", "axis_use"},
 }
 
 
@@ -370,7 +373,7 @@ def _decode_plan(d: dict) -> Plan:
     stages = tuple(
         Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]),
               tuple(param(p) for p in s["params"]), s.get("predicted_time_s", 0.0), s.get("peak_memory_bytes", 0.0),
-              _tuplify(s.get("send_layouts", ())), _tuplify(s.get("comm_bytes", ())))
+              _tuplify(s.get("send_layouts", ())), _tuplify(s.get("comm_bytes", ())), _tuplify(s.get("axis_use", ())))
         for s in d["stages"]
     )
     k = build(Plan, d)

@@ -40,16 +40,18 @@ def _pipeline_lines(plan) -> list[str]:
     per_rank = f" ({plan.virtual_stages} per rank)" if plan.virtual_stages > 1 else ""
     lines = [f"pipeline: {len(plan.stages)} stages{per_rank} x {size} device(s) | schedule {plan.schedule} | "
              f"{plan.microbatches} microbatches | predicted bubble {plan.bubble_fraction * 100:.1f}% of the step",
-             f"  {'stage':>5} {'ranks':>9}  {'fwd+bwd / microbatch':>20}  {'peak memory':>12}  layers"]
+             f"  {'stage':>5} {'ranks':>9}  {'fwd+bwd / microbatch':>20}  {'peak memory':>12}  {'submesh axes used for':<24}  layers"]
     for st in plan.stages:
         ranks = f"{st.first_rank}-{st.first_rank + size - 1}" if size > 1 else str(st.first_rank)
         mine = [b for b in plan.recompute_blocks if any(n.module.startswith(b + ".") for n in st.nodes)]
         rc = f" (recomputes {len(mine)} block(s))" if mine else ""
-        # ZeRO-1/2 (state sharded), ZeRO-3 (sharded on the first, data-parallel, axis)
-        zero = sorted({p.zero_stage for p in st.params if p.zero_axes} | {3 for p in st.params if p.layout.startswith("[S(")})
+        # ZeRO-1/2 (state sharded); ZeRO-3 (stored sharded, gathered for use: planner.axis_use)
+        zero = sorted({p.zero_stage for p in st.params if p.zero_axes}
+                      | {3 for _, roles in st.axis_use if "ZeRO-3" in roles})
         rc += f" (ZeRO-{'/'.join(map(str, zero))})" if zero else ""
+        use = ", ".join(f"{axis}: {'+'.join(r for r in roles if r != 'ZeRO-3') or '-'}" for axis, roles in st.axis_use) or "-"
         lines.append(f"  {st.index:>5} {ranks:>9}  {_ms(st.predicted_time_s):>20}  {format_bytes(st.peak_memory_bytes):>12}  "
-                     f"{st.span}{rc}")
+                     f"{use:<24}  {st.span}{rc}")
         for name, layout in st.send_layouts:
             placed = plan.nodes.get(name)
             whole = placed.outs[0] if placed is not None and placed.outs else "?"

@@ -107,6 +107,20 @@ def test_pipeline_plan_stages_and_summary():
     assert max(s.peak_memory_bytes for s in gpipe.stages) >= max(s.peak_memory_bytes for s in plan.stages)
 
 
+def test_stages_use_the_submesh_axes_each_their_own_way():
+    """A table worth splitting, then layers worth data parallelism: the stage holding the
+    embedding splits it over the axis the next stage splits its batch over (the per-operator
+    layouts choose, not the axis's name), and the summary says so per stage."""
+    plan, *_ = _plan("wide_embedding", 4, pp=2)
+    first, last = (dict(s.axis_use) for s in plan.stages)
+    assert [p.fqn for p in plan.stages[0].params] == ["emb.weight"]
+    split_table = [a for a, roles in first.items() if "tensor" in roles]
+    assert split_table and all("data" in last[a] and "tensor" not in last[a] for a in split_table)
+    stage_rows = plan.summary().split("parameters:")[0].splitlines()[-2:]
+    assert f"{split_table[0]}: tensor" in stage_rows[0] and f"{split_table[0]}: data" in stage_rows[1]
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
 def test_stage_programs_chain():
     """Stage s receives exactly what stage s - 1 sends; every parameter runs in one stage; the
     last stage returns the loss; every op of the program runs in exactly one stage."""
@@ -376,6 +390,9 @@ CASES_4 = [
     ("gpt", {"pp": 2, "dp": 2}),
     ("gpt", {"pp": 2, "tp": 2}),
     ("gpt_wide_vocab", {"pp": 2, "dp": 2, "schedule": "gpipe"}, "sgd"),
+    # stage 0 splits the embedding over the axis stage 1 splits the batch over
+    ("wide_embedding", {"pp": 2}, "sgd"),
+    ("wide_embedding", {"pp": 2, "schedule": "interleaved-1f1b"}, "adamw"),
     ("gpt", {"pp": 4, "schedule": "interleaved-1f1b"}, "adamw"),
     ("gpt", {"pp": 2, "dp": 2, "schedule": "zero-bubble"}, "sgd"),
     ("gpt", {"pp": 2, "tp": 2, "schedule": "zbv"}, "adamw"),

@@ -7,8 +7,13 @@ The search, in order:
    inter-node link exactly when they sit on different nodes.
 2. The per-operator plan of the whole graph on that submesh at ``m`` microbatches
    (``search.search_plan``: mesh shape, layouts, ZeRO, recompute), with the memory of ``p``
-   devices: a stage holds about ``1/p`` of the model. Every stage runs the same per-operator
-   decisions (uniform stages, as Megatron's and torchtitan's pipelines).
+   devices: a stage holds about ``1/p`` of the model. The submesh's axes are not data or tensor
+   axes in themselves: each operator's layout chooses, so one stage may split a large embedding
+   over the axis the next splits its batch over (``Stage.axis_use``, the summary's "submesh axes
+   used for"). Every stage has the same device count and axis sizes: torch.distributed.pipelining
+   pairs one rank of each stage per pipeline group, position for position, so a boundary value
+   crosses between the same submesh coordinates; stages of different sizes (Alpa's) would need a
+   many-to-many exchange at every boundary, which it has no schedule for.
 3. The cut (``stages.cut_stages``): contiguous stages minimising the slowest one, compute plus
    boundary sends.
 4. The schedule's time and memory (``stages``): bubble, microbatches in flight per stage; a stage
@@ -32,6 +37,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
+from autopar.planner.axis_use import axis_use
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
                                     V_SCHEDULES, cut_model, cut_stages, held_per_stage, in_flight, local_bytes, message_seconds,
@@ -540,12 +546,14 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
     mesh_sizes = tuple(s for _, s in inner.mesh_axes)
     stages = []
     listed = _listed_stage(traced.graph, priced.stage_of, n_stages)
+    placements = inner.nodes
     for s in range(n_stages):
         nodes = tuple(n for n in inner.stages[0].nodes if listed(n.name) == s)
         stages.append(Stage(s, inner.stages[0].mesh, priced.rank_of[s] * math.prod(mesh_sizes), nodes,
                             tuple(priced.owned[s]), predicted_time_s=_r(priced.stage_time_s[s] / m),
                             peak_memory_bytes=_r(priced.peaks[priced.rank_of[s]]),
-                            send_layouts=priced.send_layouts[s]))
+                            send_layouts=priced.send_layouts[s],
+                            axis_use=axis_use(traced.graph, placements, [n.name for n in nodes], inner.mesh_axes)))
     rank_bytes = _rank_comm_bytes(traced, priced, pp, schedule)
     stages = [dataclasses.replace(st, comm_bytes=tuple((k, _r(v)) for k, v in rank_bytes[priced.rank_of[st.index]].items()))
               for st in stages]
@@ -566,8 +574,9 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
         comm_bytes=max((tuple((k, _r(v)) for k, v in b.items()) for b in rank_bytes), key=lambda t: sum(v for _, v in t)))
     cjson = json.dumps(c.to_dict(), sort_keys=True)
     notes = inner.notes + (
-        "pipeline plans price every stage with the same per-operator decisions (one submesh plan for the whole "
-        "graph, then cut), but for ZeRO: where only some ranks overflow, their stages' parameters alone may take it",
+        "pipeline plans solve one per-operator plan of a stage's submesh for the whole graph, then cut it: each "
+        "stage's operators choose their own use of the submesh's axes (the stage table's \"submesh axes used for\"); "
+        "where only some ranks overflow, their stages' parameters alone may take ZeRO",
     )
     return dataclasses.replace(
         inner, stages=tuple(stages), schedule=schedule, microbatches=m, predicted=predicted,

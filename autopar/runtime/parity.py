@@ -129,6 +129,13 @@ def build_case(name: str, seed: int = 0):
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(8)]
         return RoutedResidualMLP(), batches, torch.nn.functional.cross_entropy
+    if name == "wide_embedding":  # a table worth splitting, then layers worth data parallelism
+        from autopar.runtime.zoo import WideEmbeddingMLP
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randint(0, 8192, (64, 32), generator=g), torch.randint(0, 5, (64,), generator=g))
+                   for _ in range(8)]
+        return WideEmbeddingMLP(), batches, torch.nn.functional.cross_entropy
     if name == "mlp":
         from examples.mlp import MLP, example_batch, mlp_loss
 

@@ -7,6 +7,9 @@ convolutions, BatchNorm (its running statistics are buffers updated in place), p
 ``OddMLP``: no parameter dim divisible by 2 or 4, one smaller than 4 (ZeRO-3 must shard unevenly).
 ``ResidualMLP``: parameter-dominated pre-norm residual MLP blocks over [batch, sequence, dim]
 (a transformer without attention: sequence parallelism has a norm output to split).
+``WideEmbeddingMLP``: a token embedding far larger than the rest, mean-pooled, then small residual
+MLP layers (a recommendation-style model): splitting the table and splitting the batch each win in
+one part of it, so a pipeline's stages use one submesh axis differently.
 ``RoutedResidualMLP``: residual layers whose first one also picks, per token, an integer index and
 a boolean mask (routing-like values, no gradient) that the last layer reads: a pipeline cut between
 them sends an integer, a boolean and a detached float across.
@@ -19,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "WideEmbeddingMLP", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -237,4 +240,20 @@ class RoutedResidualMLP(nn.Module):
         for layer in self.layers[1:]:
             h = layer(h)
         h = torch.where(positive, h, 0.5 * h) / scale + 0.1 * h.gather(-1, pick)
+        return self.head(h)
+
+
+class WideEmbeddingMLP(nn.Module):
+    """Embedding [vocab, d] (most of the parameters), mean over the sequence, residual MLP layers, a head."""
+
+    def __init__(self, vocab: int = 8192, d: int = 32, hidden: int = 64, layers: int = 3, classes: int = 5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_MLPBlock(d, hidden) for _ in range(layers))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx):
+        h = self.emb(idx).mean(1)
+        for layer in self.layers:
+            h = layer(h)
         return self.head(h)
