@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -72,7 +72,10 @@ class TracedGraph:
     """A traced training graph. ``gm`` computes the loss (or the model output when no loss).
 
     Placeholders come in this order: parameters, buffers, model inputs, then the target (if any).
-    ``param_fqns``/``buffer_fqns`` map placeholder node names to ``state_dict`` keys.
+    ``param_fqns``/``buffer_fqns`` map placeholder node names to ``state_dict`` keys, but for
+    experts written as a list of modules (``autopar.stack_experts``): their weights are one
+    placeholder per weight position, of fqn ``P.*.suffix``, and ``stacked`` maps that fqn to the
+    member fqns (``P.0.suffix`` ..., stacked on dim 0 in that order).
     """
 
     gm: fx.GraphModule
@@ -86,6 +89,7 @@ class TracedGraph:
     # without a loss: the model output's structure; ``gm`` returns its tensor leaves as a flat list
     # (``pytree.tree_unflatten(program(*args), out_spec)`` rebuilds what the model returned)
     out_spec: Any = None
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:
@@ -397,6 +401,12 @@ def trace_model(
     exact_token_mean(gm)  # mean losses over non-ignored targets: sum / count, exact under any split
     functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
     _annotate_nodes(gm.graph, module_prefix)
+    from autopar.stack_experts import stack_expert_modules  # (it reads this module's TensorMeta)
+
+    stacked = stack_expert_modules(gm, fake_mode)  # expert lists called in a loop: one chain over stacked weights
+    if stacked:
+        param_fqns = {n.name: n.meta["autopar.fqn"] for n in gm.graph.nodes
+                      if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
     outline_token_regions(gm, model, tracker.call_args, tracker.calls)  # dropless MoE layers: one node each
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
@@ -415,6 +425,7 @@ def trace_model(
         model_class=type(model).__name__,
         num_params=sum(p.numel() for p in params.values()),
         out_spec=None if (has_target or own_loss) else finish.spec,
+        stacked=stacked,
     )
 
 

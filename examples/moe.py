@@ -18,8 +18,9 @@ Every block's MLP is a layer of ``n_experts`` experts stored as stacked weights
 
 ``MoEConfig(expert_modules=True)``: the static form with its experts written as an
 ``nn.ModuleList`` of MLPs called in a loop over the expert dimension (as many models are written);
-autopar runs it data and tensor parallel (each expert a pair of linear layers), not yet expert
-parallel (that needs the experts' weights stacked, as above).
+the trace merges the loop into one computation over the experts' weights stacked
+(``autopar.stack_experts``), so it plans and splits experts as the stacked form does, while
+checkpoints and ``full_state_dict`` keep each expert's own keys.
 
 Nothing here names a parallel strategy: the planner sees einsums over a stacked expert dimension.
 """

@@ -251,6 +251,39 @@ def test_uneven_shards_reshard_both_ways(tmp_path, world1):
     pm.close()
 
 
+def expert_worker(folder_in, root_out):
+    """moe_modules (experts as an nn.ModuleList, merged over stacked weights) with its experts split
+    over 2 ranks (ep=2): load a 1-process checkpoint, train a step, save."""
+    pm, batches = _compile({"dp": 2, "ep": 2}, case="moe_modules", optimizer=_adamw)
+    pm.load(folder_in)
+    loaded = _state(pm)
+    _train_to(pm, batches, pm.step + 1)
+    folder = pm.save(root_out)
+    out = _state(pm)
+    pm.close()
+    return loaded, out, folder
+
+
+@pytest.mark.slow
+def test_stacked_experts_reshard_between_ep_and_one_process(tmp_path, world1):
+    """Experts written as modules: saved by one process (every expert whole), loaded with the
+    experts split over 2 ranks, trained, saved, loaded by one process again; the full state (per
+    expert, under the model's own keys, model and AdamW state) equal at each hand-over."""
+    pm, batches = _compile({}, case="moe_modules")
+    _train_to(pm, batches, 2)
+    folder = pm.save(str(tmp_path / "one"))
+    saved = _state(pm)
+    pm.close()
+    assert "blocks.0.moe.experts.3.2.weight" in saved["model"] and "blocks.0.moe.experts.3.2.weight/exp_avg" in saved["optim"]
+    loaded, trained, folder2 = autopar.launch(expert_worker, 2, folder, str(tmp_path / "two"), timeout_s=300)[0]
+    assert loaded["plan"].params["blocks.0.moe.experts.*.0.weight"].layout.startswith("[S(0)"), "experts not split"
+    _assert_equal_states(loaded, saved, exact=True, label="1 -> ep=2")
+    pm, _ = _compile({}, case="moe_modules")
+    pm.load(folder2)
+    _assert_equal_states(_state(pm), trained, exact=True, label="ep=2 -> 1")
+    pm.close()
+
+
 def crash_in_save_worker(root):
     """Save every 2 steps; rank 1 dies while writing step 4's shards."""
     from torch.distributed.checkpoint import FileSystemWriter

@@ -129,14 +129,76 @@ def test_ep_smaller_than_dp_nests_the_batch_over_a_dp_ep_mesh():
         _plan(dp=2, tp=2, placements={"blocks.*.moe.w_in": {"ep": "S(0)"}})
 
 
-def test_ep_on_experts_written_as_modules_is_refused_saying_what_would_split_them():
-    """Experts as an nn.ModuleList of MLPs called in a loop: trained data and tensor parallel
-    (CASES_4), and ep= says they run so and that stacked expert weights are what it splits."""
-    with pytest.raises(ConstraintError, match=r"ep=2: the experts of this model are separate modules "
-                                              r"\(blocks.0.moe.experts.0 .. .*Stack the experts' weights"):
-        _plan("moe_modules", ep=2)
-    plan = _plan("moe_modules", dp=2, tp=2)
-    assert "all_to_all" not in dict(plan.predicted.comm_bytes)
+def test_experts_written_as_modules_are_stacked_and_split_by_ep():
+    """Experts as an nn.ModuleList of MLPs called in a loop (``expert(expert_in[i])``, stacked):
+    the trace merges the E chains into one over stacked weights ``experts.*.<suffix>`` (the
+    members' fqns kept in ``TracedGraph.stacked``), computing what the loop computes, and ep= splits
+    the stacked weights' expert dim as it does the stacked form's."""
+    model, batches, loss = build_case("moe_modules")
+    x, y = batches[0]
+    traced = trace_model(model, (x,), loss_fn=loss, example_target=y)
+    names = [f"blocks.{i}.moe.experts.*.{j}.weight" for i in range(2) for j in (0, 2)]
+    assert sorted(traced.stacked) == names
+    assert traced.stacked[names[0]] == tuple(f"blocks.0.moe.experts.{e}.0.weight" for e in range(4))
+    assert not any(".experts." in f and "*" not in f for f in traced.param_fqns.values())
+    assert sorted(expert_params(traced.graph).values()) == names
+    # the merged program computes the loop's loss, from the members' weights stacked
+    params, args = dict(model.named_parameters()), []
+    for n in traced.graph.nodes:
+        if n.op == "placeholder":
+            kind, fqn = n.meta["autopar.kind"], n.meta.get("autopar.fqn")
+            args.append({"input": x, "target": y}.get(kind) if fqn is None else
+                        torch.stack([params[f] for f in traced.stacked[fqn]]) if fqn in traced.stacked else params[fqn])
+    torch.testing.assert_close(traced.gm(*args), loss(model(x), y), rtol=1e-6, atol=0)
+    plan = _plan("moe_modules", dp=4, ep=2, zero=0)
+    assert plan.mesh_axes == (("dp", 2), ("ep", 2))
+    assert all(plan.params[f].layout.split(", ")[1].startswith("S(0)") for f in names), [plan.params[f].layout for f in names]
+    assert dict(plan.predicted.comm_bytes).get("all_to_all", 0) > 0
+    assert "all_to_all" not in dict(_plan("moe_modules", dp=2, tp=2).predicted.comm_bytes)
+
+
+def test_experts_that_differ_stay_modules_and_ep_says_why():
+    """Experts whose chains differ (one with ReLU, the others GELU) are not merged: that layer's
+    experts stay separate modules, trained data and tensor parallel, and ep= names them and what
+    merging needs; the other layer's identical experts are still merged."""
+    model, batches, loss = build_case("moe_modules")
+    model.blocks[0].moe.experts[1][1] = torch.nn.ReLU()
+    x, y = batches[0]
+    traced = trace_model(model, (x,), loss_fn=loss, example_target=y)
+    assert sorted(traced.stacked) == [f"blocks.1.moe.experts.*.{j}.weight" for j in (0, 2)]
+    with pytest.raises(ConstraintError, match=r"ep=2: the experts blocks.0.moe.experts.0 .. are separate modules .*"
+                                              r"differ from one another"):
+        autopar.plan(model, autopar.Cluster.local(4), x, loss_fn=loss, example_target=y,
+                     constraints=autopar.Constraints(ep=2))
+
+
+def test_an_optimizer_over_the_per_expert_placeholders_is_refused(world1):
+    """compile without example inputs plans at the first call: an optimizer built over
+    pm.parameters() before it holds the per-expert parameters the plan merged, which no step would
+    update; the first call says so. Built after the plan, it trains the merged parameters as one
+    device trains the experts."""
+    import copy
+
+    model, batches, loss = build_case("moe_modules")
+    ref = copy.deepcopy(model)
+    x, y = batches[0]
+    pm = autopar.compile(model, world1)
+    early = torch.optim.SGD(pm.parameters(), lr=0.1)  # held, as a training loop holds it
+    with pytest.raises(autopar.AutoparError, match=r"stacks the experts blocks.0.moe.experts.0.0.weight .*build the optimizer "
+                                                   r"after the first call"):
+        pm(x)
+    assert early.param_groups[0]["params"]
+    pm.close()
+    pm = autopar.compile(copy.deepcopy(ref), world1, x)
+    assert "blocks.0.moe.experts.*.0.weight" in dict(pm.named_parameters())
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for o, m in ((opt, pm), (ref_opt, ref)):
+        loss(m(x), y).backward()
+        o.step()
+    full = pm.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-7)
+    pm.close()
 
 
 def test_ep_must_divide_the_experts():
@@ -302,8 +364,13 @@ CASES_4 = [
     ("moe_dropless", {"dp": 2, "tp": 2, "ep": 2}, "sgd"),
     ("moe_dropless", {}, "adamw"),
     ("moe_dropless", {"dp": 4, "ep": 2}, "adamw"),
-    # experts as an nn.ModuleList called in a loop: data and tensor parallel (not expert parallel yet)
+    # experts as an nn.ModuleList called in a loop, merged by the trace over stacked weights
     ("moe_modules", {"dp": 2, "tp": 2}, "sgd"),
+    ("moe_modules", {"dp": 4, "ep": 4}, "adamw"),
+    ("moe_modules", {"dp": 4, "ep": 2, "zero": 0}, "sgd"),
+    ("moe_modules", {"dp": 2, "tp": 2, "ep": 2}, "adamw"),
+    ("moe_modules", {}, "sgd"),
+    ("moe_modules_ce", {"pp": 2, "dp": 2, "ep": 2}, "adamw"),
 ]
 
 
@@ -325,7 +392,7 @@ def _expert_parallel_suite():
     """Parity for CASES_4, then one measured step of dp=4 with ep=4 and with ep=2: collectives by
     kind, calls and bytes."""
     return {"parity": parity_suite(CASES_4), **_measured_step("moe", dp=4, ep=4),
-            "ep2": _measured_step("moe", dp=4, ep=2, zero=0)}
+            "ep2": _measured_step("moe", dp=4, ep=2, zero=0), "modules": _measured_step("moe_modules", dp=4, ep=4)}
 
 
 @pytest.mark.slow
@@ -337,7 +404,7 @@ def test_expert_parallel_parity_and_all_to_alls():
     for r in results:
         # per MoE layer: dispatch and combine, forward and backward; 2 layers (with ep=2 inside
         # dp=4 the same, among the 2 ranks of each expert group)
-        for step in (r, r["ep2"]):
+        for step in (r, r["ep2"], r["modules"]):
             assert step["calls"].get("all_to_all") == 8, step["calls"]
             assert step["bytes"] == step["predicted"], (step["bytes"], step["predicted"])
 

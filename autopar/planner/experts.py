@@ -101,13 +101,15 @@ def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]
     if not c.ep or c.ep == 1:
         return meshes
     experts = expert_params(graph)
-    listed = expert_module_lists(graph) if not experts else []
+    listed = expert_module_lists(graph)
     if listed:
         raise ConstraintError(
-            f"ep={c.ep}: the experts of this model are separate modules ({listed[0]}.0 .. {listed[0]}.N, an nn.ModuleList "
-            "called in a loop); autopar runs them data and tensor parallel but splits only experts whose weights are "
-            "stacked over an expert dim ([experts, ...], contracted by an einsum/bmm or grouped matmuls; see "
-            "examples/moe.py). Stack the experts' weights, or leave ep unset.")
+            f"ep={c.ep}: the experts {listed[0]}.0 .. are separate modules (an nn.ModuleList called in a loop) that "
+            "autopar could not merge into one computation over stacked weights: it merges them where every expert "
+            "runs the same linear and elementwise ops on its slice expert_in[e] of one tensor and the outputs are "
+            "torch.stack-ed, and these differ from one another or read something else (autopar.stack_experts). "
+            "They run data and tensor parallel; write them alike, or stack their weights ([experts, ...], see "
+            "examples/moe.py), or leave ep unset.")
     if not experts:
         raise ConstraintError(
             f"ep={c.ep}: the model has no expert layers (weights stacked over experts, [experts, ...], used as the "

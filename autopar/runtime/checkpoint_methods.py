@@ -16,6 +16,7 @@ from autopar.runtime.checkpoint import Resumed
 from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.collectives import active_mesh, apply_steps
+from autopar.stack_experts import unstack_entries
 
 __all__ = ["CheckpointMethods"]
 
@@ -113,7 +114,7 @@ class CheckpointMethods:
         tensors, _ = optimizer_entries(self, self.optimizer)
         full = {k[len("optim/"):]: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True)
                 for k, t in sorted(tensors.items())}
-        return self._merged_over_stages(full)
+        return unstack_entries(self._merged_over_stages(full), self._traced.stacked)
 
     def _local_state(self, ph: str) -> torch.Tensor:
         return self.store.slots[ph].local.detach() if ph in self.store.slots else self.store.buffers[ph]
@@ -133,7 +134,7 @@ class CheckpointMethods:
             steps = reshard_steps_for(shape, self._layouts[ph], replicated(ndim), self.comm.sizes)
             # a copy: for a replicated tensor no step runs, and the live parameter would be returned
             full[fqn] = apply_steps(self._local_state(ph), steps, self.comm, shape).to("cpu", copy=True)
-        full = self._merged_over_stages(full)
+        full = unstack_entries(self._merged_over_stages(full), self._traced.stacked)
         return {k: full[self._param_of_key.get(k, k)] for k in self._model_keys if self._param_of_key.get(k, k) in full}
 
     def _merged_over_stages(self, mine: dict) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["make_dtensor", "register_tree", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView"]
+__all__ = ["make_dtensor", "register_tree", "register_at", "held_by_lists", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView"]
 
 
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, requires_grad: bool) -> DTensor:
@@ -56,6 +56,34 @@ class _Holder(torch.nn.Module):
         raise RuntimeError("this module is part of a ParallelModel: call the ParallelModel itself")
 
 
+def _holder(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The module at ``path`` under ``root``, made (a ``_Holder``) where missing."""
+    node = root
+    for part in path.split(".") if path else []:
+        if part not in node._modules:
+            node._modules[part] = _Holder()
+        node = node._modules[part]
+    return node
+
+
+def register_at(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    """Register ``param`` under the dotted ``name`` in ``root``'s tree (modules made as needed)."""
+    path, _, leaf = name.rpartition(".")
+    _holder(root, path)._parameters[leaf] = param
+
+
+def held_by_lists(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``tensors`` that some list still holds (an optimizer's ``param_groups``), besides
+    ``tensors`` itself: a tensor object has no other way to tell who keeps it."""
+    import gc
+
+    held = []
+    for t in tensors:
+        if any(isinstance(r, list) and r is not tensors for r in gc.get_referrers(t)):
+            held.append(t)
+    return held
+
+
 def register_tree(root: torch.nn.Module, model: torch.nn.Module, make) -> dict[str, torch.Tensor]:
     """Register ``make(name, tensor, is_param)`` under every ``model.state_dict()``-style name of
     ``model`` on ``root`` (tied parameters: one object under each name, as in the model; buffers
@@ -63,16 +91,8 @@ def register_tree(root: torch.nn.Module, model: torch.nn.Module, make) -> dict[s
     made: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
 
-    def holder(path: str) -> torch.nn.Module:
-        node = root
-        for part in path.split(".") if path else []:
-            if part not in node._modules:
-                node._modules[part] = _Holder()
-            node = node._modules[part]
-        return node
-
     for mod_name, mod in model.named_modules(remove_duplicate=False):
-        target = holder(mod_name)
+        target = _holder(root, mod_name)
         for is_param, own, into in ((True, mod._parameters, target._parameters), (False, mod._buffers, target._buffers)):
             for leaf, t in own.items():
                 if t is None:

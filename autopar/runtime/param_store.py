@@ -78,11 +78,15 @@ class ParamStore:
         for ph, fqn in traced.param_fqns.items():
             pp = placed[fqn]
             layout = parse_layout(layouts[ph])
-            full = _replicate_from_rank0(_materialize(model, fqn, params[fqn]).detach().to(device))
+            members = traced.stacked.get(fqn, (fqn,))  # experts stacked on dim 0 (autopar.stack_experts)
+            whole = [_materialize(model, f, params[f]).detach().to(device) for f in members]
+            full = _replicate_from_rank0(torch.stack(whole) if fqn in traced.stacked else whole[0])
+            del whole
             if only is not None and ph not in only:
                 continue
             self.layouts[ph] = layout
-            local = torch.nn.Parameter(shard_tensor(full, layout, comm).clone(), requires_grad=params[fqn].requires_grad)
+            trainable = params[members[0]].requires_grad
+            local = torch.nn.Parameter(shard_tensor(full, layout, comm).clone(), requires_grad=trainable)
             del full
             zero_axes = tuple(a for a in (plan.mesh_axes_index(n) for n in pp.zero_axes) if comm.sizes[a] > 1)
             stage = pp.zero_stage if zero_axes else 0

@@ -69,11 +69,11 @@ def build_case(name: str, seed: int = 0):
         model = GPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, gpt_loss
-    if name == "moe_modules":  # examples.moe, static form, experts as an nn.ModuleList called in a loop
+    if name in ("moe_modules", "moe_modules_ce"):  # examples.moe, static form, experts as an nn.ModuleList called in a loop
         from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
         cfg = MoEConfig(expert_modules=True)
-        return MoEGPT(cfg), [example_batch(cfg, 8, seed=s) for s in range(8)], moe_loss
+        return MoEGPT(cfg), [example_batch(cfg, 8, seed=s) for s in range(8)], (moe_loss if name == "moe_modules" else _moe_ce)
     if name == "moe_dropless":  # examples.moe with GroupedExperts: sorted tokens, grouped matmuls
         from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
@@ -275,8 +275,11 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
             ill[k] = (noise, off)
             errs[k] = min(errs[k], tol * off / (100 * noise))
     # the sharded state (DTensors, what a checkpoint saves) holds the same values
+    stacked = pm._traced.stacked  # experts stacked by the trace: their DTensor holds the members' rows
+    whole = {**full, **{k: torch.stack([full[m] for m in members]) for k, members in stacked.items()
+                        if all(m in full for m in members)}}
     dtensor_mismatch = sorted(k for k, t in pm.state_dict().items()
-                              if k in full and not torch.equal(t.full_tensor().cpu(), full[k]))
+                              if k in whole and not torch.equal(t.full_tensor().cpu(), whole[k]))
     param_err = max(errs.values())
     missing = sorted(set(ref_sd) - set(full))
     sharded = sorted(k for k, p in pm.plan.params.items() if "S(" in p.layout)
