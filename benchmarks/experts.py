@@ -10,6 +10,10 @@ processes, trained with AdamW under
   parallelism);
 * the free plan.
 
+``--model moe_modules``: the same MoE GPT with each layer's experts written as an ``nn.ModuleList``
+of MLPs called in a loop (``MoEConfig(expert_modules=True)``), which the trace merges over stacked
+weights (``autopar.stack_experts``); same three plans.
+
 ``--model mixtral``: the tiny Hugging Face Mixtral of ``examples/real_models.py`` (dropless, 4
 experts, grouped matmuls; expert parallel by all-to-alls of variable sizes), same three plans.
 
@@ -25,7 +29,7 @@ replaced by static-capacity MoE layers (full attention, LayerNorm, GELU experts)
 published architectures (SwiGLU experts, GQA or MLA, shared experts): the expert and attention
 shapes, which planning time depends on, are theirs.
 
-    python benchmarks/experts.py [--nproc 4] [--steps 20] [--model moe|mixtral]
+    python benchmarks/experts.py [--nproc 4] [--steps 20] [--model moe|moe_modules|mixtral]
     python benchmarks/experts.py --plan-speed
 """
 from __future__ import annotations
@@ -62,7 +66,7 @@ def _model(which: str):
         return model, batches[0][0], batches[0][1], loss
     from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
-    cfg = MoEConfig(**BENCH)
+    cfg = MoEConfig(**BENCH, expert_modules=which == "moe_modules")
     x, y = example_batch(cfg, 16)
     return MoEGPT(cfg), x, y, moe_loss
 
@@ -105,7 +109,9 @@ def run(nproc: int, steps: int, which: str) -> None:
     res = autopar.launch(_worker, nproc, steps, which)[0]
     base = res["replicated experts"]["measured_s"]
     base_pred = res["replicated experts"]["predicted_s"]
-    what = f"MoE GPT {BENCH}, global batch 16" if which == "moe" else "Hugging Face Mixtral (examples/real_models.py)"
+    what = {"moe": f"MoE GPT {BENCH}, global batch 16",
+            "moe_modules": f"MoE GPT {BENCH}, experts as an nn.ModuleList, global batch 16"}.get(
+        which, "Hugging Face Mixtral (examples/real_models.py)")
     print(f"{nproc} gloo processes, {what}, AdamW; median of {steps} steps")
     print(f"{'plan':<20} {'mesh':<14} {'experts':<10} {'measured ms':>12} {'predicted ms':>13} {'meas/pred':>10} "
           f"{'speedup (meas)':>15} {'speedup (pred)':>15}  all-to-all bytes")
@@ -162,8 +168,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--model", choices=("moe", "mixtral"), default="moe",
-                    help="moe: examples/moe.py (static capacity); mixtral: Hugging Face's dropless Mixtral, tiny")
+    ap.add_argument("--model", choices=("moe", "moe_modules", "mixtral"), default="moe",
+                    help="moe: examples/moe.py (static capacity); moe_modules: the same, experts as an nn.ModuleList "
+                         "called in a loop; mixtral: Hugging Face's dropless Mixtral, tiny")
     ap.add_argument("--plan-speed", action="store_true")
     ap.add_argument("--plan-one", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -240,3 +240,52 @@ def test_every_real_architecture_trains_in_the_native_loop():
         if not (all(v <= TOL for v in errs.values()) and r["dcp_keys_match"] and r["eval_no_grad"]):
             failures.append(f"{r['case']} on {r['mesh']}: {errs} (worst {r['worst'][:1]})")
     assert not failures, "\n".join(failures)
+
+
+def local_microbatches_worker(optimizer: str) -> dict:
+    """train_step on local batches (each rank passes rows r, r + 2, ...) over 2 microbatches, a
+    token-mean loss with targets padded unevenly (``gpt_padded``), against one device on the
+    global batch: each microbatch weighs by its share of the count summed over the ranks."""
+    import copy
+
+    import torch
+
+    from autopar.runtime.parity import build_case, relative_error
+
+    model, batches, loss_fn = build_case("gpt_padded")
+    ref = copy.deepcopy(model)
+    make = ((lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if optimizer == "sgd"
+            else (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)))
+    x, t = batches[0]
+    pm = autopar.compile(model, autopar.Cluster.local(), (x,), example_target=t, loss_fn=loss_fn, optimizer=make,
+                         constraints=autopar.Constraints(dp=2, microbatches=2), batch="local")
+    r, n = pm.data_parallel_rank, pm.data_parallel_size
+    ref_opt = make(list(ref.parameters()))
+    loss_err = 0.0
+    for x, t in batches[:5]:
+        got = pm.train_step(x[r::n], target=t[r::n])
+        ref_opt.zero_grad()
+        want = loss_fn(ref(x), t)
+        want.backward()
+        ref_opt.step()
+        loss_err = max(loss_err, abs(got - float(want)) / abs(float(want)))
+    full = pm.full_state_dict()
+    param_err = max(relative_error(full[k], v) for k, v in ref.state_dict().items())
+    x, t = batches[5]
+    m = pm.measure_step(x[r::n], target=t[r::n])
+    out = {"loss_err": loss_err, "param_err": param_err, "mesh": pm.plan.mesh, "microbatches": pm.plan.microbatches,
+           "bytes": m.comm_bytes, "predicted": {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}}
+    pm.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_local_batches_weigh_microbatches_by_the_count_over_ranks(optimizer):
+    """Padded rows put different numbers of counted targets on each rank and microbatch: the
+    step's loss and parameters still equal one device's, and the counts' all-reduce is the plan's
+    (its bytes predicted)."""
+    for out in autopar.launch(local_microbatches_worker, 2, optimizer):
+        assert out["mesh"] == {"dp": 2, "tp": 1} and out["microbatches"] == 2
+        assert out["loss_err"] <= TOL and out["param_err"] <= TOL, out
+        assert out["bytes"] == out["predicted"], (out["bytes"], out["predicted"])

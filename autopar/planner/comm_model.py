@@ -30,6 +30,7 @@ from autopar.ir import (batch_norm_sync, boundary_layout, edge_reshard, gradient
                         pure_all_reduce_axes, region_exchanges, sunk_param_grad)
 from autopar.layouts import Partial, Shard, grad_layout, local_numel, local_shape, state_dim
 from autopar.planner.costing import reshard_step_bytes
+from autopar.planner.loss_rider import local_counts_reduction
 from autopar.planner.op_memory import op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
 from autopar.trace import tensor_inputs
@@ -155,6 +156,9 @@ def comm_bytes_by_owner(problem: Problem, choice: dict[str, int], recompute: fro
             # a pending scalar loss: the runtime all-reduces its value off the graph
             out[owner]["all_reduce"] += _LOSS_VALUE_BYTES * sum(
                 1 for p, k in zip(lay, mesh) if isinstance(p, Partial) and k > 1)
+            counts = local_counts_reduction(problem)
+            if counts is not None:  # local batches: the microbatches' target counts, summed over 'dp'
+                out[owner]["all_reduce"] += counts[1]
         else:
             add(owner, reshard_step_bytes(meta.shape, meta.itemsize, lay, boundary_layout(out_node, a, len(lay)), mesh), m)
     return {owner: dict(kinds) for owner, kinds in out.items()}

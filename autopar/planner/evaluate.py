@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 
 from autopar.planner.costing import node_flops
-from autopar.planner.loss_rider import loss_rides
+from autopar.cost_models.communication import blocking_collective_time
+from autopar.planner.loss_rider import local_counts_reduction, loss_rides
 from autopar.planner.overlap import exposed_floor, exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
@@ -65,6 +66,11 @@ def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[st
             if arr[choice[n]]:
                 kinds[k] += arr[choice[n]]
                 blocking += arr[choice[n]]
+    counts = local_counts_reduction(problem)
+    if counts is not None:  # local batches: the microbatches' target counts summed over the dp ranks, before the step
+        t = blocking_collective_time("all_reduce", counts[1], problem.ctx.groups[counts[0]], problem.ctx.cluster)
+        kinds["all_reduce"] += t
+        blocking += t
     ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
     rides = not pipelined and loss_rides(problem, choice)
     for e in problem.edges:

@@ -17,7 +17,9 @@ import torch
 
 from autopar.layouts import DATA_AXIS_NAMES, Partial, Replicate
 
-__all__ = ["loss_rides", "may_ride"]
+__all__ = ["loss_rides", "may_ride", "local_counts_reduction", "LOCAL_COUNT_BYTES"]
+
+LOCAL_COUNT_BYTES = 8  # one float64 count per microbatch (exact past 2**24 tokens)
 
 
 def may_ride(layouts, mesh_shape, axis_names) -> np.ndarray:
@@ -73,3 +75,24 @@ def _bucketable_params(problem) -> list[str]:
                     first_use.setdefault(a.name, i)
         memo[key] = sorted(first_use, key=first_use.get)
     return memo[key]
+
+
+def local_counts_reduction(problem) -> tuple[int, float] | None:
+    """(the 'dp' axis, bytes) of the all-reduce that sums the microbatches' target counts over the
+    data-parallel ranks, or None where the runtime runs none: with local batches (each rank reads
+    its own rows) and microbatches, a token-mean loss weighs each microbatch by its share of the
+    count (``LossValueMethods._microbatch_weights``), and each rank counts only its own rows."""
+    from autopar.ir import is_local_batch
+    from autopar.loss_rewrite import token_count_program
+    from autopar.planner.meshes import axis_names
+
+    traced = problem.traced
+    if traced is None or problem.microbatches < 2 or not is_local_batch(traced.graph):
+        return None
+    names = axis_names(problem.ctx.mesh_shape)
+    if "dp" not in names or problem.ctx.mesh_shape[names.index("dp")] < 2:
+        return None
+    cached = problem.__dict__.get("_local_counts")
+    if cached is None:
+        cached = problem.__dict__["_local_counts"] = (token_count_program(traced.gm) is not None,)
+    return (names.index("dp"), float(LOCAL_COUNT_BYTES * problem.microbatches)) if cached[0] else None

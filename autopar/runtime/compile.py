@@ -404,14 +404,13 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
     if plan.microbatches > 1:
         m = plan.microbatches
         loss_reduction = _loss_reduction(traced)
-        weighed = not is_local_batch(traced.graph) and token_count_program(traced.gm) is not None
+        weighed = token_count_program(traced.gm) is not None
         if any(n.meta.get(LOSS_REDUCTION_KEY) for n in traced.graph.nodes) and not weighed:
             # the runtime weighs each microbatch's mean by its share of the count where it can
-            # compute the count per microbatch (``_Program.token_count``: from the global batch)
-            why = "with local batches" if is_local_batch(traced.graph) else "for a loss that is not the mean alone"
+            # compute the count per microbatch (``_Program.token_count``; local batches: summed over 'dp')
             warnings.warn(
-                f"the loss is a mean over the targets not ignored (ignore_index); with microbatches={m} {why} each "
-                f"microbatch's mean is weighted 1/{m}, which is one device's loss only where every microbatch holds "
+                f"the loss is a mean over the targets not ignored (ignore_index) beside other terms; with "
+                f"microbatches={m} each microbatch's mean is weighted 1/{m}, which is one device's loss only where every microbatch holds "
                 "as many counted targets (a batch whose ignored targets or padding fall unevenly trains on a slightly "
                 "different loss); use microbatches=1, or a sum loss divided by a fixed count", stacklevel=3)
         for x in list(inputs) + ([target] if target is not None else []):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["make_dtensor", "register_tree", "register_at", "held_by_lists", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView"]
+__all__ = ["make_dtensor", "register_tree", "register_stacked", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView"]
 
 
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, requires_grad: bool) -> DTensor:
@@ -66,22 +66,33 @@ def _holder(root: torch.nn.Module, path: str) -> torch.nn.Module:
     return node
 
 
-def register_at(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    """Register ``param`` under the dotted ``name`` in ``root``'s tree (modules made as needed)."""
-    path, _, leaf = name.rpartition(".")
-    _holder(root, path)._parameters[leaf] = param
-
-
-def held_by_lists(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Those of ``tensors`` that some list still holds (an optimizer's ``param_groups``), besides
-    ``tensors`` itself: a tensor object has no other way to tell who keeps it."""
+def register_stacked(root: torch.nn.Module, tensors: dict, param_of_key: dict, state: "StateView",
+                     stacked: dict[str, tuple[str, ...]]) -> None:
+    """Experts the trace merged (``autopar.stack_experts``): the per-expert placeholders leave
+    ``tensors`` (name -> registered tensor; the module tree dropped them already, as no rank holds
+    them), and the stacked DTensors this rank holds take the names ``P.*.suffix`` in the tree.
+    An optimizer built over ``parameters()`` before the plan (compile without example_inputs)
+    holds the per-expert placeholders, which no step would update: refused, naming them."""
     import gc
 
-    held = []
-    for t in tensors:
-        if any(isinstance(r, list) and r is not tensors for r in gc.get_referrers(t)):
-            held.append(t)
-    return held
+    from autopar.errors import AutoparError
+
+    members = {m for group in stacked.values() for m in group}
+    gone = {n: tensors.pop(n) for n in list(tensors) if param_of_key.get(n, n) in members}
+    values = list(gone.values())
+    # a tensor object cannot tell who keeps it: a list still holding one is an optimizer's param group
+    held = [n for n, t in gone.items() if any(isinstance(r, list) and r is not values for r in gc.get_referrers(t))]
+    if held:
+        raise AutoparError(
+            f"the plan stacks the experts {held[0]} .. (an nn.ModuleList called in a loop) into one parameter per weight "
+            f"({next(iter(stacked))} ...), but an optimizer built over pm.parameters() before the first call holds the "
+            "per-expert ones, which no step would update; build the optimizer after the first call, or compile with "
+            "example_inputs= (it plans at once), or pass optimizer= to compile")
+    for fqn in stacked:
+        if state.holds(fqn):
+            tensors[fqn] = state.params[fqn]
+            path, _, leaf = fqn.rpartition(".")
+            _holder(root, path)._parameters[leaf] = state.params[fqn]
 
 
 def register_tree(root: torch.nn.Module, model: torch.nn.Module, make) -> dict[str, torch.Tensor]:

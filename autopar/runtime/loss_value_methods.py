@@ -36,11 +36,12 @@ class LossValueMethods:
     def _microbatch_weights(self, micro: list, prog) -> list[float]:
         """Per microbatch, the weight of its loss in the step's: 1 for a sum; for a mean, its share
         of the count a token mean divides by (``_Program.token_count``, evaluated on each
-        microbatch's whole tensors: the batch's mean whatever each holds), else 1/m."""
+        microbatch's whole tensors: the batch's mean whatever each holds; with local batches
+        each rank's counts summed over 'dp'), else 1/m."""
         m = len(micro)
         if prog.loss_reduction != "mean":
             return [1.0] * m
-        counter = prog.token_count if not self._local else None
+        counter = prog.token_count
         if counter is None:
             return [1.0 / m] * m
         names = [n.name for n in counter.graph.nodes if n.op == "placeholder"]
@@ -50,8 +51,23 @@ class LossValueMethods:
             if prog.traced.target_name is not None:
                 feed[prog.traced.target_name] = t
             counts.append(float(counter(*(feed[name] for name in names))))
+        if self._local and m > 1:
+            counts = self._summed_over_data_ranks(counts)
         total = sum(counts)
         return [c / total for c in counts] if total > 0 else [1.0 / m] * m
+
+    def _summed_over_data_ranks(self, counts: list[float]) -> list[float]:
+        """Local batches: each rank counted its own rows of every microbatch; a microbatch's count
+        is their sum over the 'dp' axis (one all-reduce of m float64 values, priced by the plan:
+        ``planner.loss_rider.local_counts_reduction``)."""
+        names = [name for name, _ in self.plan.mesh_axes]
+        a = names.index("dp") if "dp" in names else None
+        if a is None or self.comm.sizes[a] == 1:
+            return counts
+        summed = torch.tensor(counts, dtype=torch.float64, device=self._device)
+        with collective_site("the microbatches' target counts"):
+            self.comm.all_reduce(summed, a)
+        return summed.tolist()
 
     def _reduce_loss_riding(self, value: torch.Tensor):
         """(``value``, works, whether it rides the gradient sync): a step's summed train loss

@@ -57,7 +57,7 @@ from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.dtensor_params import StateView, drop_registered, held_by_lists, placeholder, register_at, register_tree
+from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
 from autopar.runtime.input_check_methods import InputCheckMethods
 from autopar.runtime.loss_value_methods import LossValueMethods
@@ -216,8 +216,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             else:  # another pipeline stage's: not this rank's parameter (nor under a tied name)
                 for alias in [name] + [k for k, v in self._param_of_key.items() if v == name]:
                     drop_registered(self, alias)
-        if traced.stacked:
-            self._register_stacked(traced)
+        if traced.stacked:  # experts the trace merged: the stacked DTensors take the per-expert ones' place
+            register_stacked(self, self._tensors, self._param_of_key, self._state, traced.stacked)
         self._programs[kind] = prog
         self._pipeline = None
         if pipelined:
@@ -230,26 +230,6 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if self._resume_from is not None:
             folder, self._resume_from = self._resume_from, None
             self.resumed = self._checkpointer.load(folder)
-
-    def _register_stacked(self, traced) -> None:
-        """Experts the trace stacked (``autopar.stack_experts``): their per-expert placeholders left
-        the module tree above; the stacked DTensors this rank holds take their names ``P.*.suffix``.
-        An optimizer built over ``parameters()`` before the plan (compile without example_inputs)
-        holds the per-expert placeholders, which no step would update: refused, naming them."""
-        members = {m for group in traced.stacked.values() for m in group}
-        gone = {n: self._tensors.pop(n) for n in list(self._tensors) if self._param_of_key.get(n, n) in members}
-        held = held_by_lists(list(gone.values()))
-        if held:
-            names = [n for n, t in gone.items() if any(t is h for h in held)]
-            raise AutoparError(
-                f"the plan stacks the experts {names[0]} .. (an nn.ModuleList called in a loop) into one parameter per "
-                f"weight ({next(iter(traced.stacked))} ...), but an optimizer built over pm.parameters() before the "
-                "first call holds the per-expert ones, which no step would update; build the optimizer after the first "
-                "call, or compile with example_inputs= (it plans at once), or pass optimizer= to compile")
-        for fqn in traced.stacked:
-            if self._state.holds(fqn):
-                self._tensors[fqn] = self._state.params[fqn]
-                register_at(self, fqn, self._state.params[fqn])
 
     @property
     def program(self) -> fx.GraphModule:
