@@ -95,7 +95,7 @@ def _worker(steps: int, which: str) -> dict:
     out = {}
     for name, pm in models.items():
         plan = pm.plan
-        expert = next(p for p in plan.params.values() if p.fqn.endswith(("moe.w_in", "experts.gate_up_proj")))
+        expert = next(p for p in plan.params.values() if p.fqn.endswith(("moe.w_in", "experts.gate_up_proj", "experts.*.0.weight")))
         out[name] = {"measured_s": statistics.median(times[name]), "predicted_s": plan.predicted.step_time_s,
                      "mesh": dict(plan.mesh_axes), "experts": expert.layout,
                      "comm_bytes": dict(plan.predicted.comm_bytes)}
