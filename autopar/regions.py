@@ -82,11 +82,20 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
     (a module called more than once is not outlined)."""
     from autopar.planner.costing import node_flops
 
+    from autopar.data_dependent import DATA_DEPENDENT_KEY
+
     modules = dict(model.named_modules())
     paths = []
     for n in gm.graph.nodes:
         p = n.meta.get("autopar.module", "")
         if _is_grouped_mm(n) and p in modules and p not in paths:
+            paths.append(p)
+    # a module whose own ops have sizes that depend on values (``autopar.data_dependent``: experts
+    # on the rows torch.where picks), where its submodules' ops are not all that do
+    for n in gm.graph.nodes:
+        p = n.meta.get("autopar.module", "")
+        if n.meta.get(DATA_DEPENDENT_KEY) and n.op == "call_function" and p and p in modules and p not in paths and not any(
+                p.startswith(q + ".") for q in paths):
             paths.append(p)
     done = []
     for path in paths:

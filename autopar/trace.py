@@ -26,6 +26,7 @@ import torch._dynamo.config  # noqa: F401  (see below)
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.data_dependent import DATA_DEPENDENT_KEY, mark_data_dependent, size_hints
 from autopar.errors import TraceError
 from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
@@ -128,8 +129,13 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _meta_of(value: Any) -> TensorMeta | None:
+def _meta_of(value: Any, hints: dict | None = None) -> TensorMeta | None:
+    """``hints``: planning estimates of data-dependent sizes (``data_dependent.size_hints``)."""
     if isinstance(value, torch.Tensor):
+        if hints is not None:
+            from autopar.data_dependent import dim_value
+
+            return TensorMeta(tuple(dim_value(s, hints) for s in value.shape), value.dtype)
         return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
     return None
 
@@ -322,13 +328,17 @@ def trace_model(
     n_in = len(inputs)
     has_target = loss_fn is not None
 
+    def fakes(mode) -> list[Any]:
+        with mode:
+            flat: list[Any] = [_fake_like(p, device_type, p.requires_grad) for p in params.values()]
+            flat += [_fake_like(b, device_type, False) for b in buffers.values()]
+            flat += [_fake_like(x, device_type, False) if isinstance(x, torch.Tensor) else x for x in inputs]
+            if has_target:
+                flat.append(_fake_like(example_target, device_type, False))
+        return flat
+
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake_mode:
-        flat: list[Any] = [_fake_like(p, device_type, p.requires_grad) for p in params.values()]
-        flat += [_fake_like(b, device_type, False) for b in buffers.values()]
-        flat += [_fake_like(x, device_type, False) if isinstance(x, torch.Tensor) else x for x in inputs]
-        if has_target:
-            flat.append(_fake_like(example_target, device_type, False))
+    flat = fakes(fake_mode)
 
     n_p, n_b = len(p_names), len(b_names)
     finish = _OwnLoss(type(model).__name__) if own_loss else _FlatOutputs(scalar_as_is=not to_user)
@@ -343,26 +353,46 @@ def trace_model(
         return finish(out)
 
     train_fn._orig_mod = model  # lets make_fx record nn_module_stack against this model
+
+    def capture_make_fx(mode, flat, tracker):
+        with mode, tracker.active(), warnings.catch_warnings(), _no_fx_stack_traces(), \
+                _autocast(device_type, autocast_dtype), redirect_grouped_mm():
+            warnings.simplefilter("ignore")
+            return make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
+
     tracker = _ModuleTracker(model)
     module_prefix = ""
+    sized_by_values = None  # (the static trace's error, its tracker) where sizes depend on values
     try:
         if capture == "export":
             raise _UseExport()
-        with fake_mode, tracker.active(), warnings.catch_warnings(), _no_fx_stack_traces(), \
-                _autocast(device_type, autocast_dtype), redirect_grouped_mm():
-            warnings.simplefilter("ignore")
-            gm = make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
+        gm = capture_make_fx(fake_mode, flat, tracker)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure becomes one clear error
-        if capture == "make_fx" or (not isinstance(exc, _UseExport) and _is_data_dependent(exc)):
+        if not isinstance(exc, _UseExport) and _is_data_dependent(exc):
+            # sizes that depend on values (experts computing on their tokens): traced with unbacked
+            # sizes, for the token-wise module holding them to be outlined (``autopar.data_dependent``)
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            sized_by_values, tracker = (exc, tracker), _ModuleTracker(model)
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+            flat = fakes(fake_mode)
+            try:
+                gm = capture_make_fx(fake_mode, flat, tracker)
+            except Exception:  # noqa: BLE001 - the static trace's error says what is wrong
+                _raise_trace_error(*sized_by_values)
+        elif capture == "make_fx":
             _raise_trace_error(exc, tracker)
+        else:
+            gm, static_error = None, exc
+    if gm is None:
         try:
             with _autocast(device_type, autocast_dtype):
                 gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker, finish)
             module_prefix = "model."
         except Exception as exc2:  # noqa: BLE001
-            _raise_trace_error(exc if not isinstance(exc, _UseExport) else exc2, tracker)
+            _raise_trace_error(static_error if not isinstance(static_error, _UseExport) else exc2, tracker)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
@@ -400,7 +430,10 @@ def trace_model(
     finish.warn()
     exact_token_mean(gm)  # mean losses over non-ignored targets: sum / count, exact under any split
     functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
-    _annotate_nodes(gm.graph, module_prefix)
+    hints = None
+    if sized_by_values is not None and mark_data_dependent(gm.graph):
+        hints = size_hints(gm.graph, lambda n: _module_path(n, module_prefix))
+    _annotate_nodes(gm.graph, module_prefix, hints)
     from autopar.stack_experts import stack_expert_modules  # (it reads this module's TensorMeta)
 
     stacked = stack_expert_modules(gm, fake_mode)  # expert lists called in a loop: one chain over stacked weights
@@ -408,6 +441,8 @@ def trace_model(
         param_fqns = {n.name: n.meta["autopar.fqn"] for n in gm.graph.nodes
                       if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
     outline_token_regions(gm, model, tracker.call_args, tracker.calls)  # dropless MoE layers: one node each
+    if hints is not None and any(n.meta.get(DATA_DEPENDENT_KEY) for n in gm.graph.nodes):
+        _raise_trace_error(*sized_by_values)  # sizes that depend on values outside any token-wise module
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     out_leaves = [x for x in pytree.tree_leaves(output_val) if isinstance(x, fx.Node)]
@@ -513,7 +548,7 @@ def _module_path(node: fx.Node, prefix: str = "") -> str:
     return fqn
 
 
-def _annotate_nodes(graph: fx.Graph, module_prefix: str = "") -> None:
+def _annotate_nodes(graph: fx.Graph, module_prefix: str = "", hints: dict | None = None) -> None:
     needs_grad: dict[fx.Node, bool] = {}
     for node in graph.nodes:
         if node.op == "output":
@@ -523,9 +558,9 @@ def _annotate_nodes(graph: fx.Graph, module_prefix: str = "") -> None:
             continue
         val = node.meta.get("val")
         if isinstance(val, (list, tuple)):
-            outs = tuple(_meta_of(v) for v in val)
+            outs = tuple(_meta_of(v, hints) for v in val)
         else:
-            outs = (_meta_of(val),)
+            outs = (_meta_of(val, hints),)
         node.meta["autopar.outputs"] = outs
         if node.op == "placeholder":
             ng = bool(node.meta.get("autopar.requires_grad", False))

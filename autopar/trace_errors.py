@@ -61,10 +61,14 @@ def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
         )
         if any(_looks_like_experts(tracker.modules[m]) for m in tracker.stack):
             msg += (" It looks like a mixture-of-experts layer computing each expert on the tokens routed to it "
-                    "(sizes that depend on the routing). autopar plans the two forms that keep sizes known: "
-                    "grouped matmuls over the tokens sorted by expert (torch.nn.functional.grouped_mm; Hugging Face "
-                    "models: config._experts_implementation = 'grouped_mm'), or a fixed capacity per expert "
-                    "(einsums over [experts, capacity, d]); see the README's 'Mixture of experts'.")
+                    "(sizes that depend on the routing), in a way autopar cannot follow: a Python loop or branch "
+                    "over tensor values (such as the experts that were hit), or outside one module whose output is "
+                    "per token. "
+                    "autopar plans such loops inside a module that takes the tokens and returns one row per token "
+                    "(run whole on each device's tokens), and the two forms that keep sizes known: grouped matmuls "
+                    "over the tokens sorted by expert (torch.nn.functional.grouped_mm; Hugging Face models: "
+                    "config._experts_implementation = 'grouped_mm'), or a fixed capacity per expert (einsums over "
+                    "[experts, capacity, d]); see the README's 'Mixture of experts'.")
     else:
         msg = (
             f"autopar could not trace {module}{where}. The failure was: {text.splitlines()[0][:400]}. "

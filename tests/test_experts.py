@@ -47,13 +47,41 @@ class _LoopMoE(torch.nn.Module):
         return out
 
 
-def test_a_loop_over_experts_is_refused_with_the_forms_that_plan():
-    """Not yet planned: a loop over an nn.ModuleList of experts with routing-dependent sizes. The
-    error names the module and the two forms autopar plans (grouped matmuls, fixed capacity)."""
+def test_experts_on_the_rows_torch_where_picks_run_as_one_token_wise_region():
+    """A loop over an nn.ModuleList of experts, each on the rows torch.where picks (sizes that
+    depend on the routing): traced with unbacked sizes, its module becomes one token-wise node
+    (each device runs it on its own tokens; parity in CASES_4, "where_moe"), priced by estimated
+    sizes; ep= says why it cannot split those experts."""
+    from autopar.data_dependent import DATA_DEPENDENT_KEY
+    from autopar.regions import REGION_FLOPS_KEY, TokenRegion
+
+    model = torch.nn.Sequential(OrderedDict(moe=_LoopMoE()))
+    traced = trace_model(model, (torch.randn(8, 16),))
+    regions = [n for n in traced.graph.nodes if n.op == "call_function" and isinstance(n.target, TokenRegion)]
+    assert [n.target.path for n in regions] == ["moe"]
+    assert not any(n.meta.get(DATA_DEPENDENT_KEY) for n in traced.graph.nodes)
+    # router 8 x 16 x 4, and 8 rows through the 16 x 16 experts in all (2 of 8 per expert, estimated)
+    assert regions[0].meta[REGION_FLOPS_KEY] >= 2 * 8 * 16 * 4 + 2 * 8 * 16 * 16
+    assert autopar.plan(model, autopar.Cluster.local(2), torch.randn(8, 16)).predicted.step_time_s > 0
+    with pytest.raises(ConstraintError, match=r"ep=2: the experts moe.experts.0 .. compute on the rows torch.where"):
+        autopar.plan(model, autopar.Cluster.local(2), torch.randn(8, 16), constraints=autopar.Constraints(ep=2))
+
+
+class _LoopSummary(_LoopMoE):
+    """The same loop, but the module returns one row for the whole batch: not token-wise."""
+
+    def forward(self, x):
+        return super().forward(x).sum(0, keepdim=True)
+
+
+def test_a_loop_whose_module_is_not_token_wise_is_refused_with_the_forms_that_plan():
+    """Sizes that depend on values in a module whose output is not one row per token: no device
+    could run it on its own tokens. The error names the module and the forms that plan."""
     from autopar.errors import TraceError
 
-    with pytest.raises(TraceError, match=r"module 'moe' \(_LoopMoE\).*mixture-of-experts.*grouped_mm.*fixed capacity"):
-        autopar.plan(torch.nn.Sequential(OrderedDict(moe=_LoopMoE())), autopar.Cluster.local(2), torch.randn(8, 16))
+    with pytest.raises(TraceError, match=r"module 'moe' \(_LoopSummary\).*mixture-of-experts.*one row per token.*"
+                                         r"grouped_mm.*fixed capacity"):
+        autopar.plan(torch.nn.Sequential(OrderedDict(moe=_LoopSummary())), autopar.Cluster.local(2), torch.randn(8, 16))
 
 
 def test_expert_weights_are_recognised_from_the_graph():
@@ -371,6 +399,10 @@ CASES_4 = [
     ("moe_modules", {"dp": 2, "tp": 2, "ep": 2}, "adamw"),
     ("moe_modules", {}, "sgd"),
     ("moe_modules_ce", {"pp": 2, "dp": 2, "ep": 2}, "adamw"),
+    # experts on the rows torch.where picks (routing-dependent sizes): one token-wise region
+    ("where_moe", {"dp": 4}, "sgd"),
+    ("where_moe", {"dp": 2, "tp": 2}, "adamw"),
+    ("where_moe", {}, "adamw"),
 ]
 
 

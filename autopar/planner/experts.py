@@ -66,8 +66,12 @@ def expert_params(graph: fx.Graph) -> dict[str, str]:
 
 def expert_module_lists(graph: fx.Graph) -> list[str]:
     """Module paths of lists of experts written as modules (``experts.0``, ``experts.1``, ... with
-    equally shaped weights) inside a module that routes tokens (a ``topk`` there)."""
-    routers = {n.meta.get("autopar.module", "") for n in graph.nodes if n.op == "call_function" and _op_name(n) == "topk"}
+    equally shaped weights) inside a module that routes tokens (a ``topk`` there, or an outlined
+    token region: ``autopar.data_dependent``)."""
+    from autopar.regions import TokenRegion
+
+    routers = {n.meta.get("autopar.module", "") for n in graph.nodes if n.op == "call_function" and (
+        isinstance(n.target, TokenRegion) or _op_name(n) == "topk")}
     members: dict[tuple[str, str], dict[int, tuple]] = {}
     for n in graph.nodes:
         if n.meta.get("autopar.kind") != "param":
@@ -79,6 +83,15 @@ def expert_module_lists(graph: fx.Graph) -> list[str]:
                 key = (prefix, ".".join(parts[i + 1:]))
                 members.setdefault(key, {})[int(part)] = tuple(n.meta["autopar.outputs"][0].shape)
     return sorted({prefix for (prefix, _), shapes in members.items() if len(shapes) >= 2 and len(set(shapes.values())) == 1})
+
+
+def _computed_in_region(graph: fx.Graph, prefix: str) -> bool:
+    """Whether the parameters of the experts under ``prefix`` feed an outlined token region."""
+    from autopar.regions import TokenRegion
+
+    return any(n.op == "call_function" and isinstance(n.target, TokenRegion)
+               and any(a.meta.get("autopar.fqn", "").startswith(prefix + ".") for a in n.all_input_nodes)
+               for n in graph.nodes)
 
 
 def expert_axis(mesh: tuple[int, ...], ep: int | None) -> int | None:
@@ -102,6 +115,15 @@ def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]
         return meshes
     experts = expert_params(graph)
     listed = expert_module_lists(graph)
+    in_region = [p for p in listed if _computed_in_region(graph, p)]
+    if in_region:
+        raise ConstraintError(
+            f"ep={c.ep}: the experts {in_region[0]}.0 .. compute on the rows torch.where (or nonzero) picks, sizes that "
+            "depend on the routing: autopar runs their module as one token-wise region (each device its own tokens, "
+            "every expert whole; autopar.data_dependent), which it cannot split by expert. Expert parallelism needs "
+            "the experts' weights stacked ([experts, ...]) and the tokens sorted by expert into grouped matmuls "
+            "(torch.nn.functional.grouped_mm; Hugging Face: config._experts_implementation = 'grouped_mm'), or a "
+            "fixed capacity (see examples/moe.py); or leave ep unset.")
     if listed:
         raise ConstraintError(
             f"ep={c.ep}: the experts {listed[0]}.0 .. are separate modules (an nn.ModuleList called in a loop) that "

@@ -129,6 +129,12 @@ def build_case(name: str, seed: int = 0):
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(8)]
         return RoutedResidualMLP(), batches, torch.nn.functional.cross_entropy
+    if name == "where_moe":  # experts on the rows torch.where picks: one token-wise region
+        from autopar.runtime.zoo import WhereLoopMoE
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 16, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(8)]
+        return WhereLoopMoE(), batches, torch.nn.functional.cross_entropy
     if name == "wide_embedding":  # a table worth splitting, then layers worth data parallelism
         from autopar.runtime.zoo import WideEmbeddingMLP
 

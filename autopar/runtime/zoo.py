@@ -10,6 +10,9 @@ convolutions, BatchNorm (its running statistics are buffers updated in place), p
 ``WideEmbeddingMLP``: a token embedding far larger than the rest, mean-pooled, then small residual
 MLP layers (a recommendation-style model): splitting the table and splitting the batch each win in
 one part of it, so a pipeline's stages use one submesh axis differently.
+``WhereLoopMoE``: a mixture-of-experts layer written as many tutorials write it: top-2 routing,
+each expert (an ``nn.ModuleList`` of MLPs) computing on the rows ``torch.where`` picks, its gated
+output ``index_add``-ed back (sizes that depend on the routing; ``autopar.data_dependent``).
 ``RoutedResidualMLP``: residual layers whose first one also picks, per token, an integer index and
 a boolean mask (routing-like values, no gradient) that the last layer reads: a pipeline cut between
 them sends an integer, a boolean and a detached float across.
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "WideEmbeddingMLP", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "WideEmbeddingMLP", "WhereLoopMoE", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -257,3 +260,34 @@ class WideEmbeddingMLP(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.head(h)
+
+
+class _WhereMoE(nn.Module):
+    def __init__(self, d: int, hidden: int, experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        gate, choice = self.router(x).softmax(-1).topk(self.top_k, dim=-1)  # [tokens, k]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(choice == e)
+            out = out.index_add(0, token, expert(x[token]) * gate[token, slot, None])
+        return out
+
+
+class WhereLoopMoE(nn.Module):
+    """[batch, d] -> a linear layer, a residual top-2 MoE layer of ``torch.where`` loops, a head."""
+
+    def __init__(self, d: int = 16, hidden: int = 32, experts: int = 4, top_k: int = 2, classes: int = 5):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.moe = _WhereMoE(d, hidden, experts, top_k)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(h + self.moe(h))
