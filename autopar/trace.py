@@ -440,7 +440,12 @@ def trace_model(
     if stacked:
         param_fqns = {n.name: n.meta["autopar.fqn"] for n in gm.graph.nodes
                       if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
-    outline_token_regions(gm, model, tracker.call_args, tracker.calls)  # dropless MoE layers: one node each
+    try:
+        outline_token_regions(gm, model, tracker.call_args, tracker.calls)  # dropless MoE layers: one node each
+    except Exception:  # noqa: BLE001 - with data-dependent sizes, the static trace's error says what is wrong
+        if hints is None:
+            raise
+        _raise_trace_error(*sized_by_values)
     if hints is not None and any(n.meta.get(DATA_DEPENDENT_KEY) for n in gm.graph.nodes):
         _raise_trace_error(*sized_by_values)  # sizes that depend on values outside any token-wise module
     gm.recompile()

@@ -222,10 +222,10 @@ def test_reshard_into_one_process(uninterrupted, world1):
     pm.close()
 
 
-def uneven_worker(folder_in, root_out):
-    """odd_mlp (21 features) under ZeRO-3 over 2 ranks: shards of 11 and 10 rows. Load a 1-process checkpoint into
-    it, then save its own."""
-    pm, batches = _compile({"dp": 2, "zero": 3}, case="odd_mlp", optimizer=_sgd)
+def reshard_worker(constraints: dict, case: str, optimizer, folder_in, root_out):
+    """Compile ``case`` under ``constraints``, load a checkpoint saved by 1 process, train one step,
+    save its own: (state loaded, state after the step, the folder saved)."""
+    pm, batches = _compile(constraints, case=case, optimizer=optimizer)
     pm.load(folder_in)
     loaded = _state(pm)
     _train_to(pm, batches, pm.step + 1)
@@ -242,26 +242,15 @@ def test_uneven_shards_reshard_both_ways(tmp_path, world1):
     folder = pm.save(str(tmp_path / "one"))
     saved = _state(pm)
     pm.close()
-    loaded, trained, folder2 = autopar.launch(uneven_worker, 2, folder, str(tmp_path / "two"), timeout_s=300)[0]
+    # odd_mlp (21 features) under ZeRO-3 over 2 ranks: shards of 11 and 10 rows
+    loaded, trained, folder2 = autopar.launch(reshard_worker, 2, {"dp": 2, "zero": 3}, "odd_mlp", _sgd, folder,
+                                              str(tmp_path / "two"), timeout_s=300)[0]
     assert any("S(" in p.layout and p.shape[0] % 2 for p in loaded["plan"].params.values()), "no uneven shard"
     _assert_equal_states(loaded, saved, exact=True, label="1 -> zero-3 uneven")
     pm, _ = _compile({}, case="odd_mlp", optimizer=_sgd)
     pm.load(folder2)
     _assert_equal_states(_state(pm), trained, exact=True, label="zero-3 uneven -> 1")
     pm.close()
-
-
-def expert_worker(folder_in, root_out):
-    """moe_modules (experts as an nn.ModuleList, merged over stacked weights) with its experts split
-    over 2 ranks (ep=2): load a 1-process checkpoint, train a step, save."""
-    pm, batches = _compile({"dp": 2, "ep": 2}, case="moe_modules", optimizer=_adamw)
-    pm.load(folder_in)
-    loaded = _state(pm)
-    _train_to(pm, batches, pm.step + 1)
-    folder = pm.save(root_out)
-    out = _state(pm)
-    pm.close()
-    return loaded, out, folder
 
 
 @pytest.mark.slow
@@ -275,7 +264,9 @@ def test_stacked_experts_reshard_between_ep_and_one_process(tmp_path, world1):
     saved = _state(pm)
     pm.close()
     assert "blocks.0.moe.experts.3.2.weight" in saved["model"] and "blocks.0.moe.experts.3.2.weight/exp_avg" in saved["optim"]
-    loaded, trained, folder2 = autopar.launch(expert_worker, 2, folder, str(tmp_path / "two"), timeout_s=300)[0]
+    # the experts split over the 2 ranks (ep=2)
+    loaded, trained, folder2 = autopar.launch(reshard_worker, 2, {"dp": 2, "ep": 2}, "moe_modules", _adamw, folder,
+                                              str(tmp_path / "two"), timeout_s=300)[0]
     assert loaded["plan"].params["blocks.0.moe.experts.*.0.weight"].layout.startswith("[S(0)"), "experts not split"
     _assert_equal_states(loaded, saved, exact=True, label="1 -> ep=2")
     pm, _ = _compile({}, case="moe_modules")

@@ -150,8 +150,10 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         link = LinkSpec(bandwidth=ar[2], latency=ar[1], collectives=tuple(rows), collective_table=table)
         ov = measured["overlap"]
         share = exposed_share(ov["compute_s"], ov["comm_s"], ov["together_s"])
+        rounds = ", ".join(f"{x:.2f}" for x in ov.get("shares", ()))
         sources.append(f"exposed share of overlapped communication {share:.2f} (compute {ov['compute_s'] * 1e3:.2f} ms, "
-                       f"all-reduce {ov['comm_s'] * 1e3:.2f} ms, together {ov['together_s'] * 1e3:.2f} ms)")
+                       f"all-reduce {ov['comm_s'] * 1e3:.2f} ms, together {ov['together_s'] * 1e3:.2f} ms"
+                       + (f"; the median round of {rounds})" if rounds else ")"))
         skew = 0.0
         if "skew" in measured:
             sk = measured["skew"]
