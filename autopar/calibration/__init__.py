@@ -65,7 +65,8 @@ def combine_ranks(per_rank: list[dict]) -> dict:
                  "ops": {name: _over_ranks([r["ops"][name] for r in per_rank], 1, median) for name in first.get("ops", {})}}
     if "collectives" in first:
         out["collectives"] = {k: _over_ranks([r["collectives"][k] for r in per_rank], 2, mean) for k in first["collectives"]}
-        out["overlap"] = {k: mean(r["overlap"][k] for r in per_rank) for k in first["overlap"]}
+        out["overlap"] = {k: ([mean(col) for col in zip(*(r["overlap"][k] for r in per_rank))] if isinstance(v, list)
+                              else mean(r["overlap"][k] for r in per_rank)) for k, v in first["overlap"].items()}
         if "skew" in first:
             out["skew"] = {k: mean(r["skew"][k] for r in per_rank) for k in first["skew"]}
         if "pipeline" in first:

@@ -413,11 +413,11 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
 
     # processes sharing cores overlap by chance: one round's share has read 0.2 and 1.0 on the same
     # machine; the round with the median share of OVERLAP_ROUNDS, each timing all three anew
-    rounds = []
+    rounds, repeats = [], min(spec.repeats, 3)  # (the rounds' median is the estimate: fewer runs each)
     for r in range(OVERLAP_ROUNDS):
-        alone = t_comm if r == 0 else _per_op(comm, device, spec.repeats, barrier=barrier)
-        rounds.append({"comm_s": alone, "compute_s": _per_op(compute, device, spec.repeats, barrier=barrier),
-                       "together_s": _per_op(both, device, spec.repeats, barrier=barrier)})
+        alone = t_comm if r == 0 else _per_op(comm, device, repeats, barrier=barrier)
+        rounds.append({"comm_s": alone, "compute_s": _per_op(compute, device, repeats, barrier=barrier),
+                       "together_s": _per_op(both, device, repeats, barrier=barrier)})
     shares = [exposed_share(x["compute_s"], x["comm_s"], x["together_s"]) for x in rounds]
     middle = sorted(range(len(rounds)), key=shares.__getitem__)[len(rounds) // 2]
     return {**rounds[middle], "shares": shares}
