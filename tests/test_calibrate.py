@@ -151,7 +151,8 @@ def _synthetic_measurements(world: int = 4) -> dict:
         # a stage-to-stage message: 100 us + bytes / 1 GB/s (pairs only)
         coll["send_recv"] = [(2, n, 100e-6 + n / 1e9) for n in (64.0, 1e4, 1e6)]
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
-                      "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029},
+                      # the overlap probe's median round (share 0.9) beside every round's share
+                      "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029, "shares": [0.3, 0.9, 1.0]},
                       "skew": {"compute_s": 1e-3, "alone_s": 2e-4, "together_s": 1.5e-3},
                       # 1F1B of tiny stages: 1 ms + 0.5 ms per microbatch, of which 0.1 ms compute
                       "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4}})
@@ -172,6 +173,7 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert d.attention_efficiency == pytest.approx(8e9 / 4e10, rel=1e-3)
     assert c.intra_node.collective("all_to_all") == pytest.approx((50e-6, 2e9), rel=1e-6)
     assert c.exposed_comm_share == pytest.approx(0.9)
+    assert any("the median round of 0.30, 0.90, 1.00" in s for s in c.sources), c.sources
     assert c.collective_skew_s == pytest.approx(3e-4)
     # per microbatch: 0.5 ms less its compute (0.1) and two 64-byte messages (2 x 100.064 us)
     assert c.pipeline_microbatch_s == pytest.approx(0.5e-3 - 1e-4 - 2 * (100e-6 + 64 / 1e9), rel=1e-6)
