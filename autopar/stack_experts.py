@@ -19,7 +19,8 @@ rewrite replaces the E chains by one:
 
 The rewrite applies only where it is exact: the E chains are isomorphic op for op (same targets,
 same non-tensor arguments, same shapes), read nothing expert-specific but ``X[e]`` and their own
-parameters, are used only by the ``stack`` on dim 0, and hold only linear and elementwise
+parameters (each used by its expert alone, alike in shape, dtype and trainability across the
+experts), are used only by the ``stack`` on dim 0, and hold only linear and elementwise
 (``torch.Tag.pointwise``, not random) ops. Anything else is left as written (the experts then run
 data and tensor parallel, and ``ep=`` says why it cannot split them).
 
@@ -103,8 +104,8 @@ def _expert_chains(stack: fx.Node):
                 return None  # an expert's intermediate used outside it
         for a in dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in inside):
             if _is_param(a):
-                if not a.meta.get("autopar.fqn", "").startswith(member + "."):
-                    return None
+                if not a.meta.get("autopar.fqn", "").startswith(member + ".") or any(u not in inside for u in a.users):
+                    return None  # another module's weight, or one this expert shares
             elif a.op == "call_function" and a.target is aten.select.int and a.args[1:] == (0, e):
                 if routed not in (None, a.args[0]):
                     return None
@@ -112,9 +113,20 @@ def _expert_chains(stack: fx.Node):
             elif _module(a).startswith(prefix + "."):
                 return None
         chains.append(sorted(inside, key=_order(stack.graph)))
-    if routed is None or not _isomorphic(chains, prefix):
+    if routed is None or not _isomorphic(chains, prefix) or not _alike_weights(chains, prefix):
         return None
     return prefix, chains, routed
+
+
+def _alike_weights(chains: list, prefix: str) -> bool:
+    """Whether each weight position holds weights of one shape, dtype and trainability in every expert."""
+    seen: dict[str, set] = {}
+    for e, chain in enumerate(chains):
+        for a in {a for n in chain for a in n.all_input_nodes if _is_param(a)}:
+            meta = a.meta["autopar.outputs"][0]
+            seen.setdefault(a.meta["autopar.fqn"][len(f"{prefix}.{e}."):], set()).add(
+                (tuple(meta.shape), meta.dtype, bool(a.meta.get("autopar.requires_grad"))))
+    return all(len(v) == 1 for v in seen.values())
 
 
 def _order(graph: fx.Graph):

@@ -182,6 +182,18 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert Cluster.from_json(c.to_json()) == c
 
 
+def test_no_spare_cpu_core_means_no_overlap():
+    """On CPU, with a process on every core, gloo's threads find no idle core to move bytes while
+    the ranks compute: the exposed share is 1 whatever the short overlap probe caught; with cores
+    to spare the probe's share stands."""
+    measured = _synthetic_measurements()
+    crowded = fit_cluster(dict(measured, cores=2, local_world=4), Cluster.local(4, calibrated=False))
+    assert crowded.exposed_comm_share == 1.0
+    assert any("4 processes on 2 CPU core(s)" in s for s in crowded.sources), crowded.sources
+    roomy = fit_cluster(dict(measured, cores=16, local_world=4), Cluster.local(4, calibrated=False))
+    assert roomy.exposed_comm_share == pytest.approx(0.9)
+
+
 def test_the_planner_prices_the_training_probe_as_measured():
     """The probe's ops, counted as the calibration counts them (``probe_units``), are the ops the
     planner charges: planning the probe itself on the fitted spec predicts its measured forward,

@@ -502,7 +502,10 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     barrier = _agreed_barrier(world)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
+           # the CPU cores this rank may run on, and the processes on its node that share them
+           "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
            "training": _training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
     if world > 1:
         out["collectives"] = _collectives(spec, device, barrier, world)
