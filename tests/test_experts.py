@@ -185,6 +185,12 @@ def test_experts_written_as_modules_are_stacked_and_split_by_ep():
     assert "all_to_all" not in dict(_plan("moe_modules", dp=2, tp=2).predicted.comm_bytes)
 
 
+def test_a_pin_on_one_merged_expert_names_the_stacked_parameter():
+    with pytest.raises(ConstraintError, match=r"placement pin 'blocks.0.moe.experts.1.0.weight' names one expert's "
+                                              r"weight.*pin 'blocks.0.moe.experts.\*.0.weight'"):
+        _plan("moe_modules", placements={"blocks.0.moe.experts.1.0.weight": {"tp": "S(0)"}})
+
+
 def test_experts_that_differ_stay_modules_and_ep_says_why():
     """Experts whose chains differ (one with ReLU, the others GELU) are not merged: that layer's
     experts stay separate modules, trained data and tensor parallel, and ep= names them and what

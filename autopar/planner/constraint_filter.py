@@ -54,6 +54,12 @@ def validate_pins(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...]) ->
                                       f"({describe(mesh)}) does not have{hint}")
     for pattern, axes in c.placements:
         if not any(_matches(f, pattern) for f in fqns):
+            merged = next((f for f, members in traced.stacked.items() if any(_matches(m, pattern) for m in members)), None)
+            if merged is not None:  # one expert's weight: the trace merged the experts (autopar.stack_experts)
+                raise ConstraintError(
+                    f"placement pin {pattern!r} names one expert's weight, but the experts written as modules were "
+                    f"merged into one parameter per weight position, stacked over the experts (dim 0): pin "
+                    f"{merged!r} (and its dims one higher), or use Constraints(ep=) to split the experts")
             raise ConstraintError(f"placement pin {pattern!r} matches no parameter; parameters look like {fqns[:4]}")
         for axis_name, text in axes:
             p = parse_placement(text)
