@@ -64,9 +64,11 @@ def stack_expert_modules(gm: fx.GraphModule, fake_mode) -> dict[str, tuple[str, 
     set) into one chain over stacked parameters; returns stacked fqn -> member fqns. The new
     placeholders take ``autopar.kind`` "param" and their fqn; the members' placeholders are removed."""
     stacked: dict[str, tuple[str, ...]] = {}
+    # graph order, once: rewrites insert nodes, but no chain found later holds one of them
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.stack.default:
-            found = _expert_chains(node)
+            found = _expert_chains(node, position)
             if found is not None:
                 stacked.update(_rewrite(gm.graph, node, *found, fake_mode))
     if stacked:
@@ -79,7 +81,7 @@ def _module(n: fx.Node) -> str:
     return n.meta.get("autopar.module", "")
 
 
-def _expert_chains(stack: fx.Node):
+def _expert_chains(stack: fx.Node, position: dict):
     """(prefix P, chains: per expert its nodes in graph order, routed input X) where ``stack``
     stacks on dim 0 the outputs of E isomorphic chains of modules ``P.0 .. P.{E-1}``; else None."""
     outs = stack.args[0]
@@ -112,7 +114,7 @@ def _expert_chains(stack: fx.Node):
                 routed = a.args[0]
             elif _module(a).startswith(prefix + "."):
                 return None
-        chains.append(sorted(inside, key=_order(stack.graph)))
+        chains.append(sorted(inside, key=position.__getitem__))
     if routed is None or not _isomorphic(chains, prefix) or not _alike_weights(chains, prefix):
         return None
     return prefix, chains, routed
@@ -127,11 +129,6 @@ def _alike_weights(chains: list, prefix: str) -> bool:
             seen.setdefault(a.meta["autopar.fqn"][len(f"{prefix}.{e}."):], set()).add(
                 (tuple(meta.shape), meta.dtype, bool(a.meta.get("autopar.requires_grad"))))
     return all(len(v) == 1 for v in seen.values())
-
-
-def _order(graph: fx.Graph):
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    return position.__getitem__
 
 
 def _is_param(n: fx.Node) -> bool:
@@ -201,7 +198,11 @@ def _rewrite(graph: fx.Graph, stack: fx.Node, prefix: str, chains: list, routed:
                     suffix = a.meta["autopar.fqn"][len(f"{prefix}.{e}."):]
                     if a not in members.setdefault(suffix, []):
                         members[suffix].append(a)
-    last_param = max((n for n in graph.nodes if _is_param(n)), key=_order(graph))
+    last_param = None  # placeholders come first, parameters before the rest (TracedGraph)
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            break
+        last_param = n if _is_param(n) else last_param
     new_params: dict[str, fx.Node] = {}
     with graph.inserting_after(last_param):
         for suffix, phs in reversed(list(members.items())):
@@ -248,8 +249,8 @@ def _rewrite(graph: fx.Graph, stack: fx.Node, prefix: str, chains: list, routed:
     out = batched[template[-1]]
     stack.replace_all_uses_with(out)
     dead = [stack] + [n for chain in chains for n in reversed(chain)]
-    dead += [n for chain in chains for n in chain for n in n.all_input_nodes
-             if n.op == "call_function" and n.target is aten.select.int and n.args[0] is routed]
+    dead += [a for chain in chains for n in chain for a in n.all_input_nodes  # the selects X[e]
+             if a.op == "call_function" and a.target is aten.select.int and a.args[0] is routed]
     for n in dict.fromkeys(dead):
         if not n.users:
             graph.erase_node(n)

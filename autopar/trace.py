@@ -26,7 +26,7 @@ import torch._dynamo.config  # noqa: F401  (see below)
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.data_dependent import DATA_DEPENDENT_KEY, mark_data_dependent, size_hints
+from autopar.data_dependent import DATA_DEPENDENT_KEY, dim_value, mark_data_dependent, size_hints
 from autopar.errors import TraceError
 from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
@@ -133,8 +133,6 @@ def _meta_of(value: Any, hints: dict | None = None) -> TensorMeta | None:
     """``hints``: planning estimates of data-dependent sizes (``data_dependent.size_hints``)."""
     if isinstance(value, torch.Tensor):
         if hints is not None:
-            from autopar.data_dependent import dim_value
-
             return TensorMeta(tuple(dim_value(s, hints) for s in value.shape), value.dtype)
         return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
     return None

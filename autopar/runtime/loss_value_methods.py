@@ -60,10 +60,9 @@ class LossValueMethods:
         """Local batches: each rank counted its own rows of every microbatch; a microbatch's count
         is their sum over the 'dp' axis (one all-reduce of m float64 values, priced by the plan:
         ``planner.loss_rider.local_counts_reduction``)."""
-        names = [name for name, _ in self.plan.mesh_axes]
-        a = names.index("dp") if "dp" in names else None
-        if a is None or self.comm.sizes[a] == 1:
+        if self.plan.mesh.get("dp", 1) == 1:
             return counts
+        a = self.plan.mesh_axes_index("dp")
         summed = torch.tensor(counts, dtype=torch.float64, device=self._device)
         with collective_site("the microbatches' target counts"):
             self.comm.all_reduce(summed, a)
