@@ -412,7 +412,7 @@ def test_split_backward_schedules_reduce_zero2_gradients_once():
     once after the schedule (runtime.pipeline): priced as each stage's whole gradients beyond its
     shard and one exposed reduce-scatter, where 1F1B reduce-scatters every microbatch."""
     from autopar.plan import ParamPlacement
-    from autopar.planner.pipeline_search import _zero2_held_whole
+    from autopar.planner.pipeline_rank_bytes import zero2_held_whole
 
     rs = {}
     for schedule in ("zbv", "1f1b"):
@@ -433,9 +433,9 @@ def test_split_backward_schedules_reduce_zero2_gradients_once():
     from autopar.planner.costing import CostContext
     ctx = CostContext((2,), ("dp",), autopar.Cluster.local(2), None, None)
     grads = {"p_w": 4000.0, "p_b": 40.0}  # whole local gradient bytes
-    whole, after, per_micro = _zero2_held_whole(inner, ctx, [params, []], "zbv", grads)
+    whole, after, per_micro = zero2_held_whole(inner, ctx, [params, []], "zbv", grads)
     assert whole == [4000.0, 0.0] and after[0] > 0 == after[1] and 0 < per_micro[0] <= after[0]
-    assert _zero2_held_whole(inner, ctx, [params, []], "1f1b", grads) == ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
+    assert zero2_held_whole(inner, ctx, [params, []], "1f1b", grads) == ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
 
 
 def _check(results):

@@ -59,7 +59,7 @@ def comm_bytes_by_owner(problem: Problem, choice: dict[str, int], recompute: fro
     """Bytes per collective kind of one training step under ``choice``, per owner: the node a
     collective runs for (its consumer), a parameter for its gradient sync and post-step gather,
     the loss's producer for the loss value's reduction. A pipeline rank moves the bytes of the
-    owners its stages run or hold (``pipeline_search._rank_comm_bytes``).
+    owners its stages run or hold (``pipeline_rank_bytes.rank_comm_bytes``).
 
     ``zero2_reductions``: how often a ZeRO-2 gradient is reduce-scattered per step (default:
     every microbatch; once under the split-backward pipeline schedules). ``split_backward``: the

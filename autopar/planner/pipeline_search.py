@@ -39,6 +39,7 @@ from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
 from autopar.planner.axis_use import axis_use
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
+from autopar.planner.pipeline_rank_bytes import grad_bytes_after_sync, rank_comm_bytes, whole_grad_bytes, zero2_held_whole
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
                                     V_SCHEDULES, cut_model, cut_stages, held_per_stage, in_flight, local_bytes, message_seconds,
                                     messages_seconds, schedule_step_time, stage_rank)
@@ -104,7 +105,7 @@ class _Priced:
     bubble: float
     recompute_blocks: tuple  # the block instances checkpointed (those of the ranks that recompute)
     send_layouts: tuple  # per stage: ((value, layout it is sent in), ...) where not its planned one
-    attempt: object  # the search's attempt behind ``inner`` (its problem and choice): bytes per rank (_rank_comm_bytes)
+    attempt: object  # the search's attempt behind ``inner`` (its problem and choice): bytes per rank (pipeline_rank_bytes.rank_comm_bytes)
 
 
 def _memory_parts(categories: dict, peak: float) -> tuple[float, float, float]:
@@ -249,8 +250,8 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
 
     # split-backward schedules hold ZeRO-2 gradients whole until one reduce-scatter after the
     # schedule (runtime.pipeline): their whole bytes per stage, and that reduction's time
-    grad_bytes = _whole_grad_bytes(traced, inner)
-    whole_grads, zero2_after, zero2_per_micro = _zero2_held_whole(inner, att.problem.ctx, owned, schedule, grad_bytes)
+    grad_bytes = whole_grad_bytes(traced, inner)
+    whole_grads, zero2_after, zero2_per_micro = zero2_held_whole(inner, att.problem.ctx, owned, schedule, grad_bytes)
 
     def peak(r: int, recomputes: bool) -> float:
         return peak_of(r, recomputes) + sum(whole_grads[s] for s in range(n_stages) if rank_of[s] == r)
@@ -305,7 +306,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
         # a tied weight's copies: their gradients (ZeRO-2: each rank's reduced shard of them)
         # summed between the ranks holding them
-        tied = sum((len(ranks) - 1) * send_s(_grad_bytes_after_sync(p, dict(inner.mesh_axes), grad_bytes)) for p in shared
+        tied = sum((len(ranks) - 1) * send_s(grad_bytes_after_sync(p, dict(inner.mesh_axes), grad_bytes)) for p in shared
                    if r in (ranks := {rank_of[s] for s in used_in[p.node]}))
         return (max(sync - hiding, floor * sync, 0.0) + tied
                 + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine))
@@ -315,101 +316,6 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
     return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks,
                    send_layouts(traced.graph, cut, n_stages), att)
-
-
-def _rank_comm_bytes(traced, priced: _Priced, pp: int, schedule: str) -> list[dict[str, float]]:
-    """Per pipeline rank, the bytes per collective kind it moves in one step: those of the
-    collectives its stages' nodes run, of the gradient syncs and post-step gathers of the
-    parameters it holds, of the loss's where the last stage runs (``comm_model.comm_bytes_by_owner``),
-    and the gradient sums of the tied parameters it holds a copy of (``PipelineRunner.sum_tied_grads``)."""
-    from autopar.planner.comm_model import comm_bytes_by_owner
-    from autopar.planner.evaluate import autocast_dtype
-
-    problem, choice = priced.attempt.problem, priced.attempt.solution.choice
-    n_stages = len(priced.rank_of)
-    stage_of = priced.stage_of
-    sizes = dict(priced.inner.mesh_axes)
-    grad_bytes = _whole_grad_bytes(traced, priced.inner)
-    holders: dict[str, set[int]] = {}
-    for s, params in enumerate(priced.owned):
-        for p in params:
-            holders.setdefault(p.node, set()).add(priced.rank_of[s])
-    trainable = {n.name for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.requires_grad")}
-    split = schedule in SPLIT_BACKWARD_SCHEDULES
-    # torch splits a stage's backward into an input pass and a weight pass where the stage has
-    # inputs taking a gradient: every stage but the first (its input is the batch)
-    owners = comm_bytes_by_owner(problem, choice, frozenset(priced.recompute_blocks), autocast_dtype(problem),
-                                 zero2_reductions=1 if split else None,
-                                 split_backward=frozenset(n for n, s in stage_of.items() if s > 0) if split else frozenset())
-    out = []
-    for r in range(pp):
-        mine = {s for s in range(n_stages) if priced.rank_of[s] == r}
-        held = {p.node: p for s in mine for p in priced.owned[s]}
-        got: dict[str, float] = {}
-        for owner, kinds in owners.items():
-            if owner in held or (owner not in holders and stage_of.get(owner, n_stages - 1) in mine):
-                for kind, nbytes in kinds.items():
-                    got[kind] = got.get(kind, 0.0) + nbytes
-        for p in held.values():
-            if p.node in trainable and len(holders[p.node]) > 1:
-                got["all_reduce"] = got.get("all_reduce", 0.0) + _grad_bytes_after_sync(p, sizes, grad_bytes)
-        out.append({k: float(v) for k, v in sorted(got.items()) if v})
-    return out
-
-
-def _zero2_held_whole(inner: Plan, ctx, owned: list, schedule: str, grad_bytes: dict[str, float]
-                      ) -> tuple[list[float], list[float], list[float]]:
-    """Per stage, under a split-backward schedule (``grad_bytes``: a parameter node's whole local
-    gradient, ``_whole_grad_bytes``): (the bytes its ZeRO-2 gradients hold whole beside
-    their shards while they accumulate whole, the time of their one reduce-scatter after the
-    schedule, exposed, and the time of one microbatch's overlapped reduce-scatters that the
-    submesh plan priced instead); zeros under any other schedule (those reduce-scatter per
-    microbatch, overlapped, as the submesh plan priced)."""
-    from autopar.cost_models.communication import blocking_collective_time, collective_time
-
-    whole = [0.0] * len(owned)
-    after = [0.0] * len(owned)
-    per_micro = [0.0] * len(owned)
-    if schedule not in SPLIT_BACKWARD_SCHEDULES:
-        return whole, after, per_micro
-    axis = {name: i for i, (name, _) in enumerate(inner.mesh_axes)}
-    for s, params in enumerate(owned):
-        for p in params:
-            if p.zero_stage != 2 or not p.zero_axes:
-                continue
-            g = grad_bytes.get(p.node, 0.0)
-            whole[s] += g  # beside the shard buffer (runtime.param_store), until the reduce-scatter
-            after[s] += sum(blocking_collective_time("reduce_scatter", g, ctx.groups[axis[a]], ctx.cluster)
-                            for a in p.zero_axes)
-            per_micro[s] += sum(collective_time("reduce_scatter", g, ctx.groups[axis[a]], ctx.cluster)
-                                for a in p.zero_axes)
-    return whole, after, per_micro
-
-
-def _whole_grad_bytes(traced, inner: Plan) -> dict[str, float]:
-    """Per trainable parameter node: its gradient's bytes on one device under its layout (in the
-    parameter's dtype; ZeRO-3's shard), before any ZeRO-2 reduce-scatter."""
-    from autopar.layouts import local_numel, parse_layout
-
-    sizes = tuple(s for _, s in inner.mesh_axes)
-    nodes = {n.name: n for n in traced.graph.nodes if n.op == "placeholder"}
-    out = {}
-    for p in inner.params.values():
-        node = nodes.get(p.node)
-        if node is None or not node.meta.get("autopar.requires_grad"):
-            continue
-        meta = node.meta["autopar.outputs"][0]
-        out[p.node] = float(local_numel(meta.shape, parse_layout(p.layout), sizes) * meta.itemsize)
-    return out
-
-
-def _grad_bytes_after_sync(p, sizes: dict[str, int], grad_bytes: dict[str, float]) -> float:
-    """A parameter's gradient bytes on one rank once synchronised over its submesh: ZeRO-2 keeps
-    only its shard on the zero axes."""
-    g = grad_bytes.get(p.node, 0.0)
-    if p.zero_stage == 2 and p.zero_axes:
-        return g / math.prod(sizes[a] for a in p.zero_axes)
-    return g
 
 
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
@@ -554,7 +460,7 @@ def _assemble(traced, cluster: Cluster, c: Constraints, priced: _Priced, pp: int
                             peak_memory_bytes=_r(priced.peaks[priced.rank_of[s]]),
                             send_layouts=priced.send_layouts[s],
                             axis_use=axis_use(traced.graph, placements, [n.name for n in nodes], inner.mesh_axes)))
-    rank_bytes = _rank_comm_bytes(traced, priced, pp, schedule)
+    rank_bytes = rank_comm_bytes(traced, priced, pp, schedule)
     stages = [dataclasses.replace(st, comm_bytes=tuple((k, _r(v)) for k, v in rank_bytes[priced.rank_of[st.index]].items()))
               for st in stages]
     worst = max(range(pp), key=lambda r: priced.peaks[r])
