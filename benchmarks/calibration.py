@@ -39,8 +39,9 @@ def _label(model: str, constraints: dict) -> str:
     return f"{model} " + (",".join(f"{k}={v}" for k, v in constraints.items()) or "free")
 
 
-def worker(steps: int) -> list[dict]:
-    """One rank: compile every configuration for this world size, time them interleaved."""
+def worker(steps: int, configs: list | None = None) -> list[dict]:
+    """One rank: compile each of ``configs`` (default: every configuration for this world size),
+    time them interleaved (one configuration: its steps back to back, as a training run)."""
     import torch
     import torch.distributed as dist
 
@@ -54,7 +55,7 @@ def worker(steps: int) -> list[dict]:
     cluster = autopar.Cluster.local(world)
     made = {}
     models, timed = {}, {}
-    for name, constraints in CONFIGS[world]:
+    for name, constraints in configs or CONFIGS[world]:
         if name not in made:
             torch.manual_seed(0)
             made[name] = load_bench_model(name)
@@ -66,7 +67,7 @@ def worker(steps: int) -> list[dict]:
                              constraints=autopar.Constraints(**constraints))
         models[label] = pm
         timed[label] = (functools.partial(pm.train_step, *inputs, target=target), None)
-    walls, _ = time_interleaved(timed, steps, rounds=3, warmup=3)
+    walls, _ = time_interleaved(timed, steps, rounds=3 if len(timed) > 1 else 1, warmup=3)
     mine = {k: statistics.median(v) for k, v in walls.items()}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -113,8 +114,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrate", action="store_true", help="run autopar calibrate for each process count first")
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--shared", action="store_true",
+                    help="compile every plan of a process count in the same processes and time them interleaved "
+                         "(default: each plan in its own processes, as a training run has it)")
     args = ap.parse_args()
     from autopar.calibration import calibrate
     from autopar.runtime.launch import launch
@@ -124,7 +128,11 @@ def main() -> None:
         if args.calibrate:
             cluster, path = calibrate(n)
             print(f"calibrated {n} processes -> {path}", flush=True)
-        rows += launch(worker, n, args.steps, timeout_s=3600)[0]
+        if args.shared:
+            rows += launch(worker, n, args.steps, timeout_s=3600)[0]
+        else:
+            for config in CONFIGS[n]:
+                rows += launch(worker, n, args.steps, [config], timeout_s=900)[0]
         print(summarise(rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -153,7 +153,9 @@ def _synthetic_measurements(world: int = 4) -> dict:
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
                       # the overlap probe's median round (share 0.9) beside every round's share
                       "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029, "shares": [0.3, 0.9, 1.0]},
-                      "skew": {"compute_s": 1e-3, "alone_s": 2e-4, "together_s": 1.5e-3},
+                      # per kind (alone, after 1 ms of compute): waits of 0.3, 0.5 and 0.1 ms, median 0.3
+                      "skew": {"compute_s": 1e-3, "kinds": {"all_reduce": [2e-4, 1.5e-3], "all_gather": [1e-4, 1.6e-3],
+                                                            "all_to_all": [1e-4, 1.2e-3]}},
                       # 1F1B of tiny stages: 1 ms + 0.5 ms per microbatch, of which 0.1 ms compute
                       "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4}})
     return combine_ranks(ranks)

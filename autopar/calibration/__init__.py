@@ -35,7 +35,8 @@ import pathlib
 import platform
 import statistics
 
-from autopar.calibration.fit import collective_skew, exposed_share, fit_collective, fit_compute, fit_op_cost
+from autopar.calibration.fit import (collective_skew, exposed_share, fit_collective, fit_compute, fit_op_cost,
+                                     monotone_table)
 from autopar.calibration.microbench import PROBE_LAYERS, MicrobenchSpec, measure_rank, probe_units
 from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import AutoparError
@@ -69,7 +70,9 @@ def combine_ranks(per_rank: list[dict]) -> dict:
         out["overlap"] = {k: ([mean(col) for col in zip(*(r["overlap"][k] for r in per_rank))] if isinstance(v, list)
                               else mean(r["overlap"][k] for r in per_rank)) for k, v in first["overlap"].items()}
         if "skew" in first:
-            out["skew"] = {k: mean(r["skew"][k] for r in per_rank) for k in first["skew"]}
+            out["skew"] = {"compute_s": mean(r["skew"]["compute_s"] for r in per_rank),
+                           "kinds": {k: [mean(r["skew"]["kinds"][k][i] for r in per_rank) for i in range(2)]
+                                     for k in first["skew"]["kinds"]}}
         if "pipeline" in first:
             pl = first["pipeline"]
             out["pipeline"] = {"m": pl["m"], "compute_s": mean(r["pipeline"]["compute_s"] for r in per_rank),
@@ -147,8 +150,8 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             rows.append((kind, r.latency, r.bandwidth))
             sources.append(f"{kind}: {r.latency * 1e6:.1f} us per hop, bus bandwidth {r.bandwidth / 1e9:.2f} GB/s")
         ar = next(r for r in rows if r[0] == "all_reduce")
-        table = tuple((kind, int(p), float(b), float(t)) for kind, points in measured["collectives"].items()
-                      for p, b, t in points)
+        table = monotone_table([(kind, int(p), float(b), float(t)) for kind, points in measured["collectives"].items()
+                                for p, b, t in points])
         link = LinkSpec(bandwidth=ar[2], latency=ar[1], collectives=tuple(rows), collective_table=table)
         ov = measured["overlap"]
         share = exposed_share(ov["compute_s"], ov["comm_s"], ov["together_s"])
@@ -167,10 +170,12 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         skew = 0.0
         if "skew" in measured:
             sk = measured["skew"]
-            skew = collective_skew(sk["compute_s"], sk["alone_s"], sk["together_s"])
-            sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us (after "
-                           f"{sk['compute_s'] * 1e3:.2f} ms of compute, a tiny all-reduce takes "
-                           f"{(sk['together_s'] - sk['compute_s']) * 1e6:.1f} us against {sk['alone_s'] * 1e6:.1f} alone)")
+            skew = statistics.median(collective_skew(sk["compute_s"], alone, together)
+                                     for alone, together in sk["kinds"].values())
+            sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us, the median over "
+                           f"kinds (after {sk['compute_s'] * 1e3:.2f} ms of compute, a tiny " + ", ".join(
+                               f"{kind} takes {(together - sk['compute_s']) * 1e6:.0f} us against {alone * 1e6:.0f}"
+                               for kind, (alone, together) in sk["kinds"].items()) + " alone)")
         per_micro, message_s = 0.0, link.measured_time("send_recv", 2, 64.0)
         if "pipeline" in measured and message_s is not None:
             pl = measured["pipeline"]

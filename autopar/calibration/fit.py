@@ -13,6 +13,8 @@ resolve is 0, not a negative latency).
 * ``fit_collective``: per collective kind, ``t = latency * hops(p) + bytes * factor(p) / bandwidth``,
   the ring model of ``cost_models.communication`` with the kind's own latency and *bus bandwidth*
   (nccl-tests' definition: the algorithm bandwidth ``bytes / t`` times ``factor(p)``).
+* ``monotone_table``: per collective kind and group size, the measured times made non-decreasing
+  in the message size (a larger message never takes less time; a dip is noise).
 * ``exposed_share``: how much of a collective stays on the critical path when compute runs
   beside it.
 """
@@ -26,7 +28,7 @@ import numpy as np
 from autopar.errors import AutoparError
 
 __all__ = ["ComputeFit", "CollectiveFitResult", "fit_compute", "fit_collective", "fit_op_cost", "ring_terms",
-           "exposed_share", "collective_skew", "relative_errors"]
+           "exposed_share", "collective_skew", "relative_errors", "monotone_table", "non_decreasing"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,39 @@ def fit_collective(kind: str, points: Sequence[tuple[int, float, float]]) -> Col
     if inv_bw <= 0:
         raise AutoparError(f"fitting {kind}: its time does not grow with its size; measure larger messages")
     return CollectiveFitResult(kind, float(latency), float(1.0 / inv_bw))
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in least squares (pool adjacent violators:
+    a run that decreases is replaced by its mean). Written here because the one library routine,
+    ``scipy.optimize.isotonic_regression``, would make scipy a dependency for eight lines.
+
+    >>> non_decreasing([1.8, 1.8, 2.7, 1.0, 2.8, 6.7])
+    [1.8, 1.8, 1.85, 1.85, 2.8, 6.7]
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [round(m, 15) for m, n in blocks for _ in range(int(n))]
+
+
+def monotone_table(rows: Sequence[tuple[str, int, float, float]]) -> tuple[tuple[str, int, float, float], ...]:
+    """``(kind, group size, bytes, seconds)`` rows with each (kind, group size)'s seconds made
+    non-decreasing in bytes (``non_decreasing``), in (kind, group size, bytes) order. On a shared
+    machine one small size can read half its neighbours' time (a 2-rank all-reduce: 1.8 ms at
+    32 KiB, 1.0 at 256 KiB, 2.8 at 2 MiB); interpolated as measured, it made mid-size messages
+    look cheap enough to change a plan, which then ran at twice its predicted time."""
+    series: dict = {}
+    for kind, p, nbytes, t in rows:
+        series.setdefault((kind, int(p)), []).append((float(nbytes), float(t)))
+    out = []
+    for (kind, p), pts in sorted(series.items()):
+        pts.sort()
+        out += [(kind, p, b, t) for (b, _), t in zip(pts, non_decreasing([t for _, t in pts]))]
+    return tuple(out)
 
 
 def fit_op_cost(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:

@@ -18,7 +18,8 @@ measured, per rank (``measure_rank``):
   nccl-tests' convention, seconds); and on pairs (the world, with 2 ranks), one message from one
   rank to the other (``send_recv``: a pipeline stage's send);
 * overlap: a collective alone, a block of matmuls alone, then both with the collective in flight.
-* skew: a block of matmuls, then a tiny blocking all-reduce: what it waits beyond its own time;
+* skew: a block of matmuls, then a tiny blocking collective of each kind: what it waits beyond
+  its own time;
 * a two-stage 1F1B pipeline of tiny stages on every pair at two microbatch counts: what the
   schedule costs per microbatch beyond compute and messages.
 
@@ -140,6 +141,9 @@ def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
     return [(m, k, n) for m in dims for k in dims for n in dims if m * k * n <= _GEMM_MAX_MKN]
 
 
+# windows per shape: a matmul's time moves 7-12% between calibrations, a collective's ~30%; the
+# grid's 60 shapes at 5 windows each took a third of `autopar calibrate`'s minute on 4 processes
+GEMM_REPEATS = 3
 COLD_BYTES = 64 * 2**20  # operands cycled through per shape: more than a CPU's last-level cache
 
 
@@ -164,7 +168,7 @@ def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> list:
             turn[0] += 1
             return torch.mm(a, b)
 
-        rows.append((m, k, n, _per_op(call, device, spec.repeats, barrier)))
+        rows.append((m, k, n, _per_op(call, device, min(spec.repeats, GEMM_REPEATS), barrier)))
     return rows
 
 
@@ -427,14 +431,14 @@ OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
 SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
 
 
-def _skew(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
-    """Seconds of a block of matmuls (about ``SKEW_WORK_S``), of a one-element all-reduce, and of
-    the block followed by the all-reduce: ranks that arrive from compute arrive apart (processes
-    sharing cores time-slice), and the collective waits for the last one."""
-    import torch.distributed as dist
-
+def _skew(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+    """Seconds of a block of matmuls (about ``SKEW_WORK_S``), and per collective kind the runtime
+    issues, of one call of the smallest size alone (back to back) and after the block: ranks that
+    arrive from compute arrive apart (processes sharing cores time-slice), and the collective
+    waits for the last one. Back-to-back calls also overlap one call's tail with the next one's
+    start, which a call after compute cannot. Four kinds, not one: one kind's excess has read
+    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier."""
     _progress("what a collective waits for ranks arriving from compute")
-    one = torch.zeros(1, device=device)
     a = torch.randn(128, 128, device=device)
     t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
     n_mm = barrier(max(1, int(SKEW_WORK_S / t_mm)))  # every rank the same count
@@ -443,13 +447,17 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
         for _ in range(n_mm):
             torch.mm(a, a)
 
-    def both():
-        compute()
-        dist.all_reduce(one)
+    _, comm, axis = _meshes(world, device)[0]
+    kinds = {}
+    for kind in _COMM_KINDS:
+        call = _collective_call(comm, kind, 4 * world, axis, device)
 
-    return {"compute_s": _per_op(compute, device, spec.repeats, barrier=barrier),
-            "alone_s": _per_op(lambda: dist.all_reduce(one), device, spec.repeats, barrier=barrier),
-            "together_s": _per_op(both, device, spec.repeats, barrier=barrier)}
+        def both(call=call):
+            compute()
+            call()
+        kinds[kind] = [_per_op(call, device, spec.repeats, barrier=barrier),
+                       _per_op(both, device, spec.repeats, barrier=barrier)]
+    return {"compute_s": _per_op(compute, device, spec.repeats, barrier=barrier), "kinds": kinds}
 
 
 PIPELINE_MICROBATCHES = (2, 8)  # the two microbatch counts of the pipeline probe
@@ -510,7 +518,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     if world > 1:
         out["collectives"] = _collectives(spec, device, barrier, world)
         out["overlap"] = _overlap(spec, device, barrier, world)
-        out["skew"] = _skew(spec, device, barrier)
+        out["skew"] = _skew(spec, device, barrier, world)
         if world % 2 == 0:
             out["pipeline"] = _pipeline(spec, device, barrier, world)
     return out
