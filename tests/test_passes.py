@@ -166,10 +166,10 @@ def test_a_loss_count_of_valid_targets_is_gathered_as_soon_as_the_batch_arrives(
 
     # the planner priced it in the forward window, hidden by the ops before the loss
     from autopar.planner.blocks import find_repeated_blocks
-    from autopar.planner.problem import _early_leads
+    from autopar.planner.edge_tables import early_leads
 
     traced = trace_model(GPT(cfg), (idx,), loss_fn=gpt_loss, example_target=tgt)
-    leads = _early_leads(traced, find_repeated_blocks(traced.graph), recompute=False)
+    leads = early_leads(traced, find_repeated_blocks(traced.graph), recompute=False)
     # (producer, consumer) -> the share of the forward before the consumer: the loss ends it
     assert leads[(start.args[0].name, finish.users.__iter__().__next__().name)] > 0.99
 

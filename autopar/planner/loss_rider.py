@@ -92,7 +92,6 @@ def local_counts_reduction(problem) -> tuple[int, float] | None:
     names = axis_names(problem.ctx.mesh_shape)
     if "dp" not in names or problem.ctx.mesh_shape[names.index("dp")] < 2:
         return None
-    cached = problem.__dict__.get("_local_counts")
-    if cached is None:
-        cached = problem.__dict__["_local_counts"] = (token_count_program(traced.gm) is not None,)
-    return (names.index("dp"), float(LOCAL_COUNT_BYTES * problem.microbatches)) if cached[0] else None
+    if problem.token_count_found is None:
+        problem.token_count_found = token_count_program(traced.gm) is not None
+    return (names.index("dp"), float(LOCAL_COUNT_BYTES * problem.microbatches)) if problem.token_count_found else None
