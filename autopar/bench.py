@@ -1,6 +1,6 @@
 """``autopar bench``: autopar's plan beside the baselines, in one run, one table.
 
-    autopar bench [--model gpt|mlp|MODULE:FACTORY] [--nproc 4] [--steps 20] [--memory-limited [--memory MIB]]
+    autopar bench [--model gpt|mlp|MODULE:FACTORY] [--nproc 4] [--steps 60] [--memory-limited [--memory MIB]]
                   [--also dp=4,tp=1,zero=0 ...]
 
 On ``nproc`` local gloo processes, from the same weights and the same global batch, with AdamW:
@@ -110,7 +110,7 @@ class BenchSpec:
     an extra autopar row with its plan forced, to tell the plan's choice from the runtime."""
 
     model: str = "gpt"
-    steps: int = 20
+    steps: int = 60  # on a shared CPU machine 20 steps spread 0.91-1.32x between runs, 60 0.90-1.05x
     rounds: int = 4
     warmup: int = 2
     memory_limited: bool = False

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model", default=None, help="gpt (the example GPT, default), mlp (parameter-heavy) or "
                                                  "MODULE:FACTORY returning (model, example_inputs, loss_fn, example_target)")
     b.add_argument("--nproc", type=int, default=4)
-    b.add_argument("--steps", type=int, default=20, help="timed steps per setup (default %(default)s)")
+    b.add_argument("--steps", type=int, default=60, help="timed steps per setup (default %(default)s)")
     b.add_argument("--memory-limited", action="store_true",
                    help="give each device too little memory for a whole replica (default model: mlp): naive data "
                         "parallelism is refused, autopar plans under the limit")
