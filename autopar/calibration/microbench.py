@@ -502,6 +502,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
 
     import torch.distributed as dist
 
+    from autopar.runtime.cpu_affinity import node_cores
     from autopar.runtime.launch import init_distributed
 
     if spec.backend == "nccl":
@@ -510,9 +511,9 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     barrier = _agreed_barrier(world)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = node_cores()  # the node's, before init_distributed pinned this rank to its share
     out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
-           # the CPU cores this rank may run on, and the processes on its node that share them
+           # the CPU cores this node's ranks share, and the processes on the node
            "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
            "training": _training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
     if world > 1:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.errors import AutoparError, WorkerFailedError
+from autopar.runtime.cpu_affinity import pin_local_rank
 from autopar.runtime.cpu_malloc import tune_cpu_malloc
 
 __all__ = ["init_distributed", "launch", "free_port", "run_script", "collective_timeout_s",
@@ -71,10 +72,12 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
     The cluster's world size must match the launch; a mismatch is a clear error, not a hang.
     Collectives time out after ``timeout_s`` (default: ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else
     ``DEFAULT_COLLECTIVE_TIMEOUT_S`` = 300 s). A group that is already initialised keeps its own.
-    On gloo (CPU processes), glibc's malloc is first set for training (``runtime.cpu_malloc``).
+    On gloo (CPU processes), glibc's malloc is first set for training (``runtime.cpu_malloc``) and
+    each local rank pinned to its own cores (``runtime.cpu_affinity``).
     """
     if backend == "gloo":
         tune_cpu_malloc()
+        pin_local_rank()
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise AutoparError(

@@ -1,4 +1,5 @@
-"""glibc's malloc set for CPU training (``runtime.cpu_malloc``): large tensors stop page-faulting."""
+"""CPU processes set up for training: glibc's malloc (``runtime.cpu_malloc``: large tensors stop
+page-faulting) and each local rank on its own cores (``runtime.cpu_affinity``)."""
 import os
 import subprocess
 import sys
@@ -52,3 +53,43 @@ def test_user_choices_leave_malloc_alone():
     assert why_untuned({"MALLOC_TRIM_THRESHOLD_": "0"}) == "MALLOC_TRIM_THRESHOLD_ is set"
     assert why_untuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"}) == "GLIBC_TUNABLES sets malloc"
     assert why_untuned({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == "jemalloc is preloaded"
+
+
+def _thread_cores() -> list[set[int]]:
+    """Every thread's allowed cores (this process)."""
+    return [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")]
+
+
+def _affinity_worker():
+    from autopar.runtime.cpu_affinity import node_cores, pin_local_rank
+    from autopar.runtime.launch import init_distributed
+
+    before = sorted(os.sched_getaffinity(0))
+    init_distributed("gloo", int(os.environ["WORLD_SIZE"]))  # pins, then starts gloo's threads
+    return before, pin_local_rank(), _thread_cores(), node_cores()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="sched_setaffinity: Linux only")
+def test_local_ranks_are_pinned_to_their_own_cores(monkeypatch):
+    from autopar.runtime.cpu_affinity import container_cpus, rank_cores
+    from autopar.runtime.launch import launch
+
+    if not container_cpus() <= os.sched_getaffinity(0):
+        pytest.skip("this test process is already restricted to fewer cores than its container")
+    ranks = launch(_affinity_worker, 2, timeout_s=120)
+    for rank, (before, pinned, threads, cores) in enumerate(ranks):
+        assert pinned == rank_cores(before, rank, 2) and cores == len(before)
+        assert all(t == pinned for t in threads) and len(threads) > 1  # gloo's threads too
+    if len(ranks[0][0]) >= 2:
+        assert not ranks[0][1] & ranks[1][1]  # two ranks, two cores: one each
+    monkeypatch.setenv("AUTOPAR_CPU_AFFINITY", "none")  # the user's choice: left alone
+    for before, pinned, threads, _ in launch(_affinity_worker, 2, timeout_s=120):
+        assert pinned is None and all(sorted(t) == before for t in threads)
+
+
+def test_cores_per_local_rank():
+    from autopar.runtime.cpu_affinity import parse_cpu_list, rank_cores
+
+    assert [rank_cores(range(8), r, 4) for r in range(4)] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
+    assert [rank_cores([0, 1], r, 4) for r in range(4)] == [{0}, {1}, {0}, {1}]  # more ranks than cores
+    assert parse_cpu_list("0-1,4\n") == {0, 1, 4}
