@@ -1,16 +1,17 @@
 """How well the calibrated cost model predicts step time: plans measured beside their prediction.
 
-    python benchmarks/calibration.py [--calibrate] [--nproc 2 4] [--steps 12] [--json OUT]
+    python benchmarks/calibration.py [--calibrate] [--nproc 2 4] [--steps 16] [--shared] [--json OUT]
 
 ``--calibrate`` first runs ``autopar calibrate`` for each process count (its spec is what
-``Cluster.local(n)`` then plans with). For each process count, one launch compiles every
-configuration below (the example GPT and the parameter-heavy MLP of ``autopar bench``: the free
-plan and forced alternatives: data, tensor, 2-D, ZeRO and pipeline plans), warms each up, and
-times them in interleaved rounds (``bench.time_interleaved``: the plans share the machine's
-drift). Printed: per plan, predicted and measured step time (the slowest rank's median) and the
-relative error; then the median relative error and Kendall's tau of predicted vs measured order,
-over all plans and within each (model, process count) group. Issue 13's goals: median error at
-most 10%, tau at least 0.8.
+``Cluster.local(n)`` then plans with). Each configuration below (the example GPT and the
+parameter-heavy MLP of ``autopar bench``: the free plan and forced alternatives: data, tensor,
+2-D, ZeRO and pipeline plans) is compiled in its own processes, warmed up, and timed for
+``--steps`` steps back to back, as a training run has it. ``--shared``: one launch per process
+count compiles every configuration and times them in interleaved rounds (``bench.time_interleaved``;
+collective-heavy plans measured 20-30% faster there than alone). Printed: per plan, predicted and
+measured step time (the slowest rank's median) and the relative error; then the median relative
+error and Kendall's tau of predicted vs measured order, over all plans and within each (model,
+process count) group. Issue 13's goals: median error at most 10%, tau at least 0.8.
 """
 from __future__ import annotations
 
