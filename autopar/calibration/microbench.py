@@ -50,6 +50,9 @@ _STREAM_NUMELS = (256, 4096, 65536, 1 << 20, 1 << 22)
 _COMM_BYTES = (64, 4 << 10, 32 << 10, 256 << 10, 1 << 21, 1 << 23)
 _QUICK_BYTES = (64, 256 << 10, 1 << 23)
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# calls per timed window of a collective, at least: a 20 ms window held two 8 MiB all-gathers on 2
+# ranks, and one calibration read 10.6 ms for them against 6.3 for an 8 MiB all-reduce
+COLLECTIVE_MIN_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, barrier, min_s: float = 0.02) -> float:
+def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, barrier, min_s: float = 0.02,
+            min_calls: int = 1) -> float:
     """Median over ``repeats`` of the seconds per call of ``fn`` on the slowest rank: each run
-    calls it back to back for about ``min_s`` (every rank the same count) between two barriers,
-    less what the barriers alone take. The window is long enough for the processes that share
-    a core to take turns inside it, so what they share is in the figure."""
+    calls it back to back for about ``min_s``, and at least ``min_calls`` times (every rank the
+    same count), between two barriers, less what the barriers alone take. The window is long
+    enough for the processes that share a core to take turns inside it, so what they share is
+    in the figure."""
     fn()
     _sync(device)
     singles = []
@@ -83,7 +88,7 @@ def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, barrie
         _sync(device)
         singles.append(time.perf_counter() - t0)
     one = max(statistics.median(singles), 1e-7)
-    calls = barrier(max(1, min(100_000, int(min_s / one))))  # every rank runs the largest count
+    calls = barrier(max(min_calls, min(100_000, int(min_s / one))))  # every rank runs the largest count
     idle = statistics.median(_window(lambda: None, 0, device, barrier) for _ in range(3))
     # the barriers' own time is taken off each window, at most half of it: on a shared machine
     # their jitter can exceed a short window's work, and a run is never priced at nothing
@@ -381,11 +386,12 @@ def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, world: int
         for kind in _COMM_KINDS:
             for nbytes in sizes:
                 call = _collective_call(comm, kind, nbytes, axis, device)
-                seconds = _per_op(call, device, spec.repeats, barrier=barrier)
+                seconds = _per_op(call, device, spec.repeats, barrier=barrier, min_calls=COLLECTIVE_MIN_CALLS)
                 out[kind].append((p, float(max(p, nbytes // 4 // p * p) * 4), seconds))
         if p == 2:  # a pipeline's stage-to-stage message, every pair sending at once as stages do
             for nbytes in sizes:
-                seconds = _per_op(_send_recv_call(comm, nbytes, axis, device), device, spec.repeats, barrier=barrier)
+                seconds = _per_op(_send_recv_call(comm, nbytes, axis, device), device, spec.repeats, barrier=barrier,
+                                  min_calls=COLLECTIVE_MIN_CALLS)
                 out["send_recv"].append((2, float(max(1, nbytes // 4) * 4), seconds))
     return {k: v for k, v in out.items() if v}
 
