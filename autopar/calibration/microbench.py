@@ -376,13 +376,13 @@ def _meshes(world: int, device: torch.device):
     return meshes
 
 
-def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     # quick: the smallest, a middle and the largest size: the largest is what resolves bandwidth
     # from latency (with small sizes only, the noise can outweigh the bandwidth term)
     sizes = _QUICK_BYTES if spec.quick else _COMM_BYTES
-    _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {world} ranks" + (" and pairs" if world >= 4 else ""))
+    _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {meshes[0][0]} ranks" + (" and pairs" if len(meshes) > 1 else ""))
     out: dict = {k: [] for k in _COMM_KINDS + ("send_recv",)}
-    for p, comm, axis in _meshes(world, device):
+    for p, comm, axis in meshes:
         for kind in _COMM_KINDS:
             for nbytes in sizes:
                 call = _collective_call(comm, kind, nbytes, axis, device)
@@ -437,7 +437,7 @@ OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
 SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
 
 
-def _skew(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     """Seconds of a block of matmuls (about ``SKEW_WORK_S``), and per collective kind the runtime
     issues, of one call of the smallest size alone (back to back) and after the block: ranks that
     arrive from compute arrive apart (processes sharing cores time-slice), and the collective
@@ -453,7 +453,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> di
         for _ in range(n_mm):
             torch.mm(a, a)
 
-    _, comm, axis = _meshes(world, device)[0]
+    world, comm, axis = meshes[0]
     kinds = {}
     for kind in _COMM_KINDS:
         call = _collective_call(comm, kind, 4 * world, axis, device)
@@ -469,7 +469,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> di
 PIPELINE_MICROBATCHES = (2, 8)  # the two microbatch counts of the pipeline probe
 
 
-def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     """A two-stage ``torch.distributed.pipelining`` 1F1B step of tiny stages (one ``Linear`` each)
     on every pair of ranks at once, at ``PIPELINE_MICROBATCHES``; and one stage's forward +
     backward of one microbatch alone. The slope over the microbatch count, less that compute and
@@ -478,7 +478,7 @@ def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -
     from torch.distributed import pipelining
 
     _progress("a two-stage pipeline schedule's work per microbatch")
-    _, comm, axis = _meshes(world, device)[-1]
+    _, comm, axis = meshes[-1]
     group, stage = comm._group(axis), comm.coords[axis]
     width, rows = 16, 2
     mod = torch.nn.Linear(width, width).to(device)
@@ -523,9 +523,10 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
            "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
            "training": _training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
     if world > 1:
-        out["collectives"] = _collectives(spec, device, barrier, world)
+        meshes = _meshes(world, device)  # built once: each mesh of pairs is a new set of process groups
+        out["collectives"] = _collectives(spec, device, barrier, meshes)
         out["overlap"] = _overlap(spec, device, barrier, world)
-        out["skew"] = _skew(spec, device, barrier, world)
+        out["skew"] = _skew(spec, device, barrier, meshes)
         if world % 2 == 0:
-            out["pipeline"] = _pipeline(spec, device, barrier, world)
+            out["pipeline"] = _pipeline(spec, device, barrier, meshes)
     return out

@@ -22,7 +22,7 @@ __all__ = ["pin_local_rank", "rank_cores", "node_cores", "container_cpus", "pars
 _state: dict = {}
 
 
-def rank_cores(cores: list[int], local_rank: int, local_world: int) -> set[int]:
+def rank_cores(cores, local_rank: int, local_world: int) -> set[int]:
     """The cores local rank ``local_rank`` of ``local_world`` gets out of ``cores`` (pure).
 
     >>> rank_cores([0, 1, 2, 3], 1, 2), rank_cores([0, 1], 3, 4)
@@ -80,11 +80,11 @@ def pin_local_rank(environ=os.environ) -> set[int] | None:
     _state["pinned"] = None
     if not hasattr(os, "sched_setaffinity") or environ.get("AUTOPAR_CPU_AFFINITY", "").lower() == "none":
         return None
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
     _state["node_cores"] = len(allowed)
     local_world = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(environ.get("LOCAL_RANK", "0"))
-    if local_world <= 1 or not 0 <= local_rank < local_world or not container_cpus() <= set(allowed):
+    if local_world <= 1 or not 0 <= local_rank < local_world or not container_cpus() <= allowed:
         return None
     cores = rank_cores(allowed, local_rank, local_world)
     try:

@@ -19,6 +19,7 @@ malloc setting, an ``LD_PRELOAD``-ed allocator, or a C library other than glibc.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_cpu_malloc", "why_untuned"]
@@ -28,8 +29,6 @@ TRIM_THRESHOLD = 2**30  # freed heap kept up to this before it is returned to th
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 _USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-
-_state: dict = {}
 
 
 def why_untuned(environ=os.environ) -> str | None:
@@ -48,19 +47,16 @@ def why_untuned(environ=os.environ) -> str | None:
     return None
 
 
+@functools.cache
 def tune_cpu_malloc() -> bool:
     """Set glibc's mmap and trim thresholds in this process once (see the module doc); True where
     they are set, False where left alone (``why_untuned``, or not glibc)."""
-    if "tuned" in _state:
-        return _state["tuned"]
-    tuned = False
-    if why_untuned() is None:
-        try:
-            libc = ctypes.CDLL(None)
-            libc.gnu_get_libc_version  # glibc only: musl and macOS have their own allocators
-            tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-                libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-        except (OSError, AttributeError):
-            tuned = False
-    _state["tuned"] = tuned
-    return tuned
+    if why_untuned() is not None:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only: musl and macOS have their own allocators
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
