@@ -108,6 +108,10 @@ class DeviceSpec:
     # measured fp32 matmuls: (m, k, n, seconds) over a grid of shapes (``autopar calibrate``); a
     # matmul is then priced at the efficiency interpolated from its shape (cost_models.compute)
     matmul_table: tuple[tuple[int, int, int, float], ...] = ()
+    # the same grid in nn.Linear's forward layout, ``x @ W.T`` with the weight stored [n, k]: a
+    # library's GEMM can run a transposed operand at another speed (on a CPU, a few rows against
+    # a 4 MiB weight ran 2x slower so); empty: linears are priced by ``matmul_table``
+    linear_table: tuple[tuple[int, int, int, float], ...] = ()
 
     def op_cost(self, name: str) -> tuple[float, float] | None:
         """(forward, backward) seconds per element measured for op ``name``; None: not measured."""
@@ -135,11 +139,12 @@ class DeviceSpec:
             lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(is_real(v) for v in r[1:]),
             lambda r: (r[0], float(r[1]), float(r[2])),
             "(op name, forward s per element >= 0, backward s per element >= 0)"))
-        object.__setattr__(self, "matmul_table", check_rows(
-            "DeviceSpec", "matmul_table", self.matmul_table,
-            lambda r: len(r) == 4 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
-                                          for v in r[:3]) and is_real(r[3], strict=True),
-            lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3])), "(m, k, n, seconds > 0)", unique=False))
+        for table in ("matmul_table", "linear_table"):
+            object.__setattr__(self, table, check_rows(
+                "DeviceSpec", table, getattr(self, table),
+                lambda r: len(r) == 4 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                                              for v in r[:3]) and is_real(r[3], strict=True),
+                lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3])), "(m, k, n, seconds > 0)", unique=False))
         for attr in ("op_overhead", "update_op_overhead"):
             ovh = getattr(self, attr)
             if ovh is not None and not is_real(ovh, high=1.0):
@@ -481,11 +486,12 @@ class Cluster:
                 top["device"].setdefault(key, None)  # specs written before they existed
             top["device"].setdefault("op_costs", [])
             top["device"].setdefault("matmul_table", [])
+            top["device"].setdefault("linear_table", [])
         dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
                                                  "update_op_overhead", "update_element_s", "op_costs",
-                                                 "matmul_table"])
-        for key in ("op_costs", "matmul_table", "update_element_s"):
+                                                 "matmul_table", "linear_table"])
+        for key in ("op_costs", "matmul_table", "linear_table", "update_element_s"):
             dev[key] = json_rows(dev[key])
         flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = json_build(PeakFlops, flops, "device.peak_flops")

@@ -143,9 +143,12 @@ def op_time(
     return max(compute, memory)
 
 
-def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: int = 1) -> float:
+def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: int = 1,
+                linear: bool = False) -> float:
     """Seconds of ``batch`` matmuls of [m, k] x [k, n] on a device with a measured shape table
-    (``DeviceSpec.matmul_table``, fp32, from ``autopar calibrate``): at the efficiency
+    (``DeviceSpec.matmul_table``, fp32, from ``autopar calibrate``; with ``linear``, the right
+    operand a weight stored [n, k] as nn.Linear's forward has it: ``DeviceSpec.linear_table``
+    where measured): at the efficiency
     interpolated from the table (linearly in log efficiency over log m, log k, log n; a shape
     beyond the grid's largest takes its edge's), at ``dtype``'s peak; below the grid's smallest,
     the edge's time scaled by the elements the op reads and writes. A matmul's efficiency depends on its
@@ -155,7 +158,8 @@ def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: i
     if not device.matmul_table:
         raise AutoparError(f"matmul_time: device {device.name!r} has no measured matmul table; "
                            "run `autopar calibrate` or price with op_time")
-    dims, log_eff = _efficiency_grid(device.matmul_table, device.peak_flops.fp32)
+    table = device.linear_table if linear and device.linear_table else device.matmul_table
+    dims, log_eff = _efficiency_grid(table, device.peak_flops.fp32)
     # a dim below the grid's smallest: priced at that smallest, scaled by the elements moved (so
     # tiny a dim leaves the op bound by its other operands, as it runs: a weight gradient over 4
     # rows takes about the time of one over 8, not half of it)

@@ -138,7 +138,10 @@ def _synthetic_measurements(world: int = 4) -> dict:
         comp = {"matmul": {"float32": [(f, slow * (overhead + f / rate)) for f in (1e5, 1e6, 1e7, 1e8)],
                            "bfloat16": [(f, slow * (overhead + f / bf16)) for f in (1e5, 1e6, 1e7, 1e8)]},
                 "attention": [(f, slow * (overhead + f / att)) for f in (1e6, 1e7)],
-                "stream": [(b, slow * (overhead + b / bw)) for b in (1e4, 1e6, 1e8)]}
+                "stream": [(b, slow * (overhead + b / bw)) for b in (1e4, 1e6, 1e8)],
+                # the shape grid as torch.mm and as nn.Linear's forward (here twice as slow)
+                "gemm": [(m, 64, 64, slow * 2.0 * m * 64 * 64 / rate) for m in (8, 64)],
+                "gemm_linear": [(m, 64, 64, slow * 4.0 * m * 64 * 64 / rate) for m in (8, 64)]}
         coll = {k: [(p, n, ring_terms(k, p)[0] * 50e-6 + ring_terms(k, p)[1] * n / 2e9)
                     for p in (2, world) for n in (1e4, 1e6, 1e7)] for k in KINDS}
         fb_units, up_units = probe_units()
@@ -181,6 +184,8 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert c.pipeline_microbatch_s == pytest.approx(0.5e-3 - 1e-4 - 2 * (100e-6 + 64 / 1e9), rel=1e-6)
     assert c.intra_node.measured_time("send_recv", 2, 1e4) == pytest.approx(100e-6 + 1e4 / 1e9, rel=1e-3)
     assert any("all_reduce" in s for s in c.sources) and c.device.memory_bytes == base.device.memory_bytes
+    assert [r[:3] for r in d.matmul_table] == [r[:3] for r in d.linear_table] == [(8, 64, 64), (64, 64, 64)]
+    assert [b[3] / a[3] for a, b in zip(d.matmul_table, d.linear_table)] == pytest.approx([2.0, 2.0])
     assert Cluster.from_json(c.to_json()) == c
 
 
@@ -255,7 +260,7 @@ def test_device_overhead_and_attention_efficiency_are_validated():
 
 def test_specs_written_before_the_calibrated_fields_still_load():
     d = json.loads(Cluster.preset("dgx-h100").to_json())
-    for key in ("attention_efficiency", "op_overhead"):
+    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table"):
         del d["device"][key]
     for link in ("intra_node", "inter_node"):
         del d[link]["collectives"]
@@ -360,3 +365,42 @@ def test_a_calibrated_shape_table_prices_a_linear_by_its_local_shapes():
     d = one.device
     expected = matmul_time(8, 512, 512, d, "fp32") + matmul_time(8, 512, 512, d, "fp32") + matmul_time(512, 8, 512, d, "fp32")
     assert node.compute_s == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_linear_forward_and_a_transposed_right_operand_are_priced_by_the_linear_table():
+    """nn.Linear's forward (``x @ W.T``) and a matmul whose right operand is a transposed view are
+    priced from ``DeviceSpec.linear_table``; their backward GEMMs and a plain ``a @ b`` from
+    ``matmul_table``; a bias adds two passes over the output forward and one backward."""
+    from autopar.cost_models.compute import matmul_time, op_time
+
+    dims = (8, 64, 512)
+    table = tuple((m, k, n, 2.0 * m * k * n / 4e10) for m in dims for k in dims for n in dims)
+    slow = tuple((m, k, n, 3 * t) for m, k, n, t in table)
+    base = Cluster.local(1, calibrated=False)
+    one = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, matmul_table=table, linear_table=slow, op_overhead=0.0,
+        peak_flops=autopar.cluster.PeakFlops(fp32=1e11, tf32=1e11, bf16=1e11, fp16=1e11)))
+    d = one.device
+    backward = matmul_time(8, 64, 512, d, "fp32") + matmul_time(512, 8, 64, d, "fp32")
+    assert matmul_time(8, 512, 64, d, "fp32", linear=True) == pytest.approx(3 * matmul_time(8, 512, 64, d, "fp32"))
+
+    def priced(model):
+        plan = autopar.plan(model, one, torch.randn(8, 512), optimizer="sgd")
+        return [n.compute_s for n in plan.nodes.values() if n.op in ("aten.linear.default", "aten.matmul.default")]
+
+    forward = matmul_time(8, 512, 64, d, "fp32", linear=True)
+    assert priced(torch.nn.Linear(512, 64, bias=False)) == [pytest.approx(forward + backward, rel=1e-6)]
+    out_pass = op_time(0.0, 8 * 64 * 4, d, "fp32", "pointwise")
+    assert priced(torch.nn.Linear(512, 64)) == [pytest.approx(forward + backward + 3 * out_pass, rel=1e-6)]
+
+    class Product(torch.nn.Module):
+        def __init__(self, transposed):
+            super().__init__()
+            self.transposed = transposed
+            self.w = torch.nn.Parameter(torch.randn(64, 512) if transposed else torch.randn(512, 64))
+
+        def forward(self, x):
+            return x @ (self.w.transpose(-2, -1) if self.transposed else self.w)
+
+    assert priced(Product(True)) == [pytest.approx(forward + backward, rel=1e-6)]
+    assert priced(Product(False)) == [pytest.approx(matmul_time(8, 512, 64, d, "fp32") + backward, rel=1e-6)]

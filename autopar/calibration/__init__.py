@@ -11,6 +11,8 @@ local model:
 * ``device.peak_flops``: the measured large-matmul rate per dtype (a CPU has no datasheet peak:
   ``matmul_efficiency`` is 1 and a small matmul's lower efficiency comes from ``op_overhead``);
   on a GPU the preset's datasheet peaks stay and ``matmul_efficiency`` is the measured share;
+* ``device.matmul_table`` and ``device.linear_table``: fp32 matmul times over a grid of shapes,
+  as ``torch.mm`` and as nn.Linear's forward (``x @ W.T``), with operands cold in cache;
 * ``device.attention_efficiency`` and ``device.memory_bandwidth`` (stated so that the cost
   model's ``MEMORY_EFFICIENCY`` gives back the measured rate);
 * ``device.op_overhead`` and ``update_op_overhead``: what one op of a training step costs beyond
@@ -58,7 +60,7 @@ def combine_ranks(per_rank: list[dict]) -> dict:
     median, mean = statistics.median, statistics.fmean
     first = per_rank[0]
     comp = first["compute"]
-    compute = {key: _over_ranks([r["compute"][key] for r in per_rank], 3 if key == "gemm" else 1, median)
+    compute = {key: _over_ranks([r["compute"][key] for r in per_rank], 3 if key.startswith("gemm") else 1, median)
                for key in comp if key != "matmul"}
     compute["matmul"] = {d: _over_ranks([r["compute"]["matmul"][d] for r in per_rank], 1, median) for d in comp["matmul"]}
     out: dict = {"world": first["world"], "device_type": first["device_type"], "compute": compute,
@@ -134,11 +136,16 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         effs = [2.0 * m * k * n / t / peaks.fp32 for m, k, n, t in comp["gemm"]]
         sources.append(f"{len(effs)} fp32 matmul shapes (m, k, n in {sorted({r[0] for r in comp['gemm']})}): "
                        f"efficiency {min(effs):.2f} to {max(effs):.2f} of {peaks.fp32 / 1e9:.1f} GFLOP/s")
+    if comp.get("gemm_linear") and comp.get("gemm"):
+        ratios = sorted(b[3] / a[3] for a, b in zip(comp["gemm"], comp["gemm_linear"]))
+        sources.append(f"the same shapes as nn.Linear's forward (x @ W.T): {ratios[0]:.2f} to {ratios[-1]:.2f}x "
+                       f"torch.mm's time (median {ratios[len(ratios) // 2]:.2f}x)")
     if op_costs:
         sources.append("per element, forward / backward: " + ", ".join(
             f"{name} {f * 1e9:.2f} / {b * 1e9:.2f} ns" for name, f, b in op_costs))
     device = dataclasses.replace(dev, peak_flops=peaks, matmul_efficiency=matmul_eff, attention_efficiency=att_eff,
                                  op_costs=op_costs, matmul_table=tuple(tuple(r) for r in comp.get("gemm", [])),
+                                 linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
                                  update_element_s=per_element,
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)

@@ -4,7 +4,8 @@ Every rank measures at the same time, so the figures include what the ranks of a
 share (on a CPU machine: its cores and memory bandwidth; on a node: its PCIe and NICs). What is
 measured, per rank (``measure_rank``):
 
-* fp32 matmuls (``torch.mm``) over a grid of (m, k, n) shapes (``gemm_grid``), and a few square
+* fp32 matmuls (``torch.mm``, and ``F.linear`` with its weight stored [n, k]) over a grid of
+  (m, k, n) shapes (``gemm_grid``), and a few square
   ones per dtype for each dtype's rate: (flops, seconds);
 * attention (``scaled_dot_product_attention``, causal) over a few shapes: (flops, seconds);
 * a streaming op (``torch.add(a, b, out=c)``) over sizes: (bytes read + written, seconds);
@@ -146,41 +147,46 @@ def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
     return [(m, k, n) for m in dims for k in dims for n in dims if m * k * n <= _GEMM_MAX_MKN]
 
 
-# windows per shape: a matmul's time moves 7-12% between calibrations, a collective's ~30%; the
-# grid's 60 shapes at 5 windows each took a third of `autopar calibrate`'s minute on 4 processes
-GEMM_REPEATS = 3
+# windows per shape and layout: a matmul's time moves 7-12% between calibrations, a collective's
+# ~30%; the grid's 60 shapes at 5 windows each took a third of `autopar calibrate`'s minute on 4
+# processes, its 120 (both layouts) at 3 windows 16 s, at 2 windows 12 s
+GEMM_REPEATS = 2
 COLD_BYTES = 64 * 2**20  # operands cycled through per shape: more than a CPU's last-level cache
 
 
-def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> list:
-    """[(m, k, n, seconds)] of fp32 ``torch.mm`` over ``gemm_grid``, with cold operands: each call
+def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str, list]:
+    """{"gemm": [(m, k, n, seconds)] of fp32 ``torch.mm`` over ``gemm_grid``, "gemm_linear": the
+    same of ``F.linear`` (no bias) with its [n, k] weight: nn.Linear's forward, ``x @ W.T``; on a
+    CPU a few rows against a 4 MiB weight ran half as fast so as with ``torch.mm``}, with cold operands: each call
     takes the next of as many (a, b) pairs as fill ``COLD_BYTES`` (views into one random pool), as
     a training step meets each weight once per pass, long evicted from cache. With the same
     operands every call, a skinny matmul (a microbatch's few rows against a 4 MiB weight) reads
     its weight from cache and runs at twice the speed it has in training."""
-    _progress(f"{len(gemm_grid(spec.quick))} matmul shapes")
+    _progress(f"{len(gemm_grid(spec.quick))} matmul shapes, as torch.mm and as nn.Linear's forward")
     pool = torch.randn(COLD_BYTES // 4 + (2048 * 2048 * 2), device=device)
-    rows = []
+    rows: dict[str, list] = {"gemm": [], "gemm_linear": []}
     for m, k, n in gemm_grid(spec.quick):
         pair = m * k + k * n
         copies = max(1, min(64, COLD_BYTES // 4 // pair))
-        operands = [(pool[i * pair: i * pair + m * k].view(m, k), pool[i * pair + m * k: (i + 1) * pair].view(k, n))
+        operands = [(pool[i * pair: i * pair + m * k].view(m, k), pool[i * pair + m * k: (i + 1) * pair])
                     for i in range(copies)]
-        turn = [0]
+        for key, op in (("gemm", lambda a, b: torch.mm(a, b.view(k, n))),  # noqa: B023 - called in this turn
+                        ("gemm_linear", lambda a, w: torch.nn.functional.linear(a, w.view(n, k)))):  # noqa: B023
+            turn = [0]
 
-        def call(operands=operands, turn=turn):
-            a, b = operands[turn[0] % len(operands)]
-            turn[0] += 1
-            return torch.mm(a, b)
+            def call(op=op, turn=turn, operands=operands):
+                a, b = operands[turn[0] % len(operands)]
+                turn[0] += 1
+                return op(a, b)
 
-        rows.append((m, k, n, _per_op(call, device, min(spec.repeats, GEMM_REPEATS), barrier)))
+            rows[key].append((m, k, n, _per_op(call, device, min(spec.repeats, GEMM_REPEATS), barrier)))
     return rows
 
 
 def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     _progress("matmuls, attention and streaming ops")
     shapes = MATMUL_SHAPES[:4] if spec.quick else MATMUL_SHAPES
-    out: dict = {"matmul": {}, "attention": [], "stream": [], "gemm": _gemm_table(spec, device, barrier)}
+    out: dict = {"matmul": {}, "attention": [], "stream": [], **_gemm_table(spec, device, barrier)}
     for dtype_name in ("float32",) + tuple(spec.dtypes):
         dtype = getattr(torch, dtype_name)
         rows = []
@@ -205,7 +211,11 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
 # The probe of what one op costs in a training step beyond its arithmetic: a chain of small
 # linear + GELU + reshape layers, forward and backward with autograd, then AdamW's update.
 PROBE_LAYERS, PROBE_WIDTH, PROBE_ROWS = 24, 16, 8
-UPDATE_NUMEL = 1 << 20  # the large parameter whose update is timed per element (4 MiB)
+# the large parameter whose update is timed per element (32 MiB; with its gradient and AdamW's two
+# states 128 MiB, twice COLD_BYTES: a training step's optimizer streams its state from memory, not
+# from cache; at 4 MiB the update timed 2.8-4.3 ns per element on 4 processes sharing 2 cores,
+# at 32 MiB 7.7, what an 8.4M-parameter MLP's AdamW step took per element)
+UPDATE_NUMEL = 1 << 23
 
 
 def probe_units() -> tuple[int, int]:

@@ -23,6 +23,7 @@ from autopar.regions import REGION_FLOPS_KEY, REGION_GROUPED_KEY
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.strategies import Strategy
+from autopar.strategies.op_view import _single_meta
 from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
@@ -171,11 +172,14 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
         batch, m, k, n = gemm
         if runs > 1:
             batch, m = (-(-batch // runs), m) if batch > 1 else (batch, -(-m // runs))
-        fwd = overhead + runs * matmul_time(m, k, n, device, dtype, batch)
+        # a bias costs two passes over the output forward (broadcast into it, then read back by
+        # the GEMM accumulating onto it) and one backward (its gradient: a sum over the rows)
+        bias = _bias_pass_s(node, batch * m * n, device, dtype)
+        fwd = overhead + runs * (matmul_time(m, k, n, device, dtype, batch, linear=_right_transposed(node)) + 2 * bias)
         if not node.meta.get("autopar.needs_grad", False):
             return fwd, 0.0
         # the input's gradient [m, n] x [n, k]; the weight's [k, m] x [m, n] (inner dim: the rows)
-        grads = matmul_time(m, n, k, device, dtype, batch) + matmul_time(k, m, n, device, dtype, batch)
+        grads = matmul_time(m, n, k, device, dtype, batch) + matmul_time(k, m, n, device, dtype, batch) + bias
         return fwd, overhead * BWD_OPS["matmul"] + runs * grads
     fwd = overhead + op_time(flops / split, nbytes / split, device, dtype, kind, efficiency=eff)
     if not node.meta.get("autopar.needs_grad", False):
@@ -213,6 +217,37 @@ def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int
     if name == "linear":
         return 1, math.prod(lo[:-1]), la[-1], lo[-1]
     return math.prod(lo[:-2]), lo[-2], la[-1], lo[-1]
+
+
+def _right_transposed(node: fx.Node) -> bool:
+    """Whether a matmul's right operand is a transposed view ([m, k] x [n, k].T): nn.Linear's
+    weight, or an explicit ``t`` / ``transpose`` of the last two dims (``q @ k.transpose(-2, -1)``)."""
+    name = _op_name(node)
+    if name == "linear":
+        return True
+    ins = OpView(node).inputs
+    right = ins[_GEMM_OPS[name] + 1] if name in _GEMM_OPS and len(ins) > _GEMM_OPS[name] + 1 else None
+    if right is None or right.op != "call_function":
+        return False
+    op = _op_name(right)
+    if op == "t":
+        return True
+    if op in ("transpose", "swapaxes"):
+        meta = _single_meta(right)
+        dims = [a for a in right.args[1:3] if isinstance(a, int)]
+        return meta is not None and len(dims) == 2 and {d % len(meta.shape) for d in dims} == \
+            {len(meta.shape) - 1, len(meta.shape) - 2}
+    return False
+
+
+def _bias_pass_s(node: fx.Node, out_elements: int, device, dtype) -> float:
+    """Seconds of one read of a linear's local output, for its bias (0 without a bias)."""
+    if _op_name(node) != "linear":
+        return 0.0
+    metas = OpView(node).in_metas
+    if len(metas) < 3 or metas[2] is None:
+        return 0.0
+    return op_time(0.0, out_elements * dtype_bytes(dtype), device, dtype, "pointwise")
 
 
 def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
