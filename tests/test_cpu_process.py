@@ -91,5 +91,7 @@ def test_cores_per_local_rank():
     from autopar.runtime.cpu_affinity import parse_cpu_list, rank_cores
 
     assert [rank_cores(range(8), r, 4) for r in range(4)] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
-    assert [rank_cores([0, 1], r, 4) for r in range(4)] == [{0}, {1}, {0}, {1}]  # more ranks than cores
+    # more ranks than cores: consecutive ranks share one (a mesh's inner axes stay on a core)
+    assert [rank_cores([0, 1], r, 4) for r in range(4)] == [{0}, {0}, {1}, {1}]
+    assert [rank_cores([0, 1, 2], r, 4) for r in range(4)] == [{0}, {0}, {1}, {2}]
     assert parse_cpu_list("0-1,4\n") == {0, 1, 4}

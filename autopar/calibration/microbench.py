@@ -54,6 +54,10 @@ _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # calls per timed window of a collective, at least: a 20 ms window held two 8 MiB all-gathers on 2
 # ranks, and one calibration read 10.6 ms for them against 6.3 for an 8 MiB all-reduce
 COLLECTIVE_MIN_CALLS = 4
+# windows per collective and size: what moves a collective's time (~30%) is the machine between
+# calibrations, not a fifth window; at 5 windows the 54 collectives took 22 s of the minute on 4
+# processes, at 4 windows 18 s
+COLLECTIVE_REPEATS = 4
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,10 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
 # The probe of what one op costs in a training step beyond its arithmetic: a chain of small
 # linear + GELU + reshape layers, forward and backward with autograd, then AdamW's update.
 PROBE_LAYERS, PROBE_WIDTH, PROBE_ROWS = 24, 16, 8
+# windows of the probe: its op cost prices every op of a dispatch-bound model, and over 20 ms
+# windows on 4 processes sharing 2 cores its forward + backward read 2.8-5.6 ms within one launch
+# (100 ms windows: 3.0-4.0)
+PROBE_WINDOW_S, PROBE_REPEATS = 0.1, 3
 # the large parameter whose update is timed per element (32 MiB; with its gradient and AdamW's two
 # states 128 MiB, twice COLD_BYTES: a training step's optimizer streams its state from memory, not
 # from cache; at 4 MiB the update timed 2.8-4.3 ns per element on 4 processes sharing 2 cores,
@@ -254,7 +262,8 @@ def _training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     fwd_bwd()
     opt.step()  # the state exists from here on
     flops = 2.0 * PROBE_ROWS * PROBE_WIDTH * PROBE_WIDTH * PROBE_LAYERS * 3  # forward and both backward GEMMs
-    out = {"fwd_bwd_s": _per_op(fwd_bwd, device, spec.repeats, barrier), "step_s": _per_op(opt.step, device, spec.repeats, barrier),
+    window = dict(repeats=min(spec.repeats, PROBE_REPEATS), barrier=barrier, min_s=PROBE_WINDOW_S)
+    out = {"fwd_bwd_s": _per_op(fwd_bwd, device, **window), "step_s": _per_op(opt.step, device, **window),
            "matmul_flops": flops, "params": sum(p.numel() for p in model.parameters()), "update_numel": UPDATE_NUMEL}
     # per element: SGD (no state) and AdamW (two) updating one large parameter
     big = torch.nn.Parameter(torch.zeros(UPDATE_NUMEL, device=device))
@@ -374,15 +383,20 @@ def _send_recv_call(comm, nbytes: int, axis: int, device: torch.device) -> Calla
 
 
 def _meshes(world: int, device: torch.device):
-    """(group size, MeshComm, axis): the whole world and, with 4 or more ranks, pairs."""
+    """(group size, MeshComm, axis): the whole world and, with 4 or more ranks (an even count),
+    pairs of rank r and r + world / 2: the pairs a two-stage pipeline's stages form (the
+    outermost mesh axis), and, where ranks outnumber cores, ranks on different cores
+    (``runtime.cpu_affinity`` puts consecutive ranks on one core). Pairs on one core differ: on 4
+    processes pinned 2 per core, a 4 KiB all-reduce took 0.17 ms on one core against 1.4 across
+    cores, one stage's 4 KiB message 3.1 ms against 0.29."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.comm import MeshComm
 
     meshes = [(world, MeshComm.from_device_mesh(init_device_mesh(device.type, (world,), mesh_dim_names=("w",))), 0)]
     if world >= 4 and world % 2 == 0:
-        pairs = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("outer", "pair"))
-        meshes.append((2, MeshComm.from_device_mesh(pairs), 1))
+        pairs = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pair", "inner"))
+        meshes.append((2, MeshComm.from_device_mesh(pairs), 0))
     return meshes
 
 
@@ -396,12 +410,13 @@ def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: li
         for kind in _COMM_KINDS:
             for nbytes in sizes:
                 call = _collective_call(comm, kind, nbytes, axis, device)
-                seconds = _per_op(call, device, spec.repeats, barrier=barrier, min_calls=COLLECTIVE_MIN_CALLS)
+                seconds = _per_op(call, device, min(spec.repeats, COLLECTIVE_REPEATS), barrier=barrier,
+                                  min_calls=COLLECTIVE_MIN_CALLS)
                 out[kind].append((p, float(max(p, nbytes // 4 // p * p) * 4), seconds))
         if p == 2:  # a pipeline's stage-to-stage message, every pair sending at once as stages do
             for nbytes in sizes:
-                seconds = _per_op(_send_recv_call(comm, nbytes, axis, device), device, spec.repeats, barrier=barrier,
-                                  min_calls=COLLECTIVE_MIN_CALLS)
+                seconds = _per_op(_send_recv_call(comm, nbytes, axis, device), device,
+                                  min(spec.repeats, COLLECTIVE_REPEATS), barrier=barrier, min_calls=COLLECTIVE_MIN_CALLS)
                 out["send_recv"].append((2, float(max(1, nbytes // 4) * 4), seconds))
     return {k: v for k, v in out.items() if v}
 
