@@ -161,7 +161,7 @@ COLD_BYTES = 64 * 2**20  # operands cycled through per shape: more than a CPU's 
 def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str, list]:
     """{"gemm": [(m, k, n, seconds)] of fp32 ``torch.mm`` over ``gemm_grid``, "gemm_linear": the
     same of ``F.linear`` (no bias) with its [n, k] weight: nn.Linear's forward, ``x @ W.T``; on a
-    CPU a few rows against a 4 MiB weight ran half as fast so as with ``torch.mm``}, with cold operands: each call
+    CPU a few rows against a 4 MiB weight ran at half the speed of ``torch.mm``}, with cold operands: each call
     takes the next of as many (a, b) pairs as fill ``COLD_BYTES`` (views into one random pool), as
     a training step meets each weight once per pass, long evicted from cache. With the same
     operands every call, a skinny matmul (a microbatch's few rows against a 4 MiB weight) reads
@@ -174,8 +174,8 @@ def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str
         copies = max(1, min(64, COLD_BYTES // 4 // pair))
         operands = [(pool[i * pair: i * pair + m * k].view(m, k), pool[i * pair + m * k: (i + 1) * pair])
                     for i in range(copies)]
-        for key, op in (("gemm", lambda a, b: torch.mm(a, b.view(k, n))),  # noqa: B023 - called in this turn
-                        ("gemm_linear", lambda a, w: torch.nn.functional.linear(a, w.view(n, k)))):  # noqa: B023
+        for key, op in (("gemm", lambda a, b, k=k, n=n: torch.mm(a, b.view(k, n))),
+                        ("gemm_linear", lambda a, w, k=k, n=n: torch.nn.functional.linear(a, w.view(n, k)))):
             turn = [0]
 
             def call(op=op, turn=turn, operands=operands):

@@ -128,11 +128,13 @@ def node_bytes(node: fx.Node, ctx: CostContext) -> float:
     return total
 
 
-def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple | None]:
-    """(global forward flops, kind, global bytes, measured): what ``node_compute_time`` divides by
-    a split. ``measured``: (forward s per element, backward s per element, global elements) where
-    the device has the op's cost measured (``DeviceSpec.op_costs``; not for matmuls and
-    attention, whose cost follows their FLOPs), else None."""
+def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple | None, tuple[bool, bool]]:
+    """(global forward flops, kind, global bytes, measured, gemm form): what ``node_compute_time``
+    divides by a split, and what it needs of the node whatever the strategy. ``measured``:
+    (forward s per element, backward s per element, global elements) where the device has the
+    op's cost measured (``DeviceSpec.op_costs``; not for matmuls and attention, whose cost
+    follows their FLOPs), else None. ``gemm form``: (right operand transposed, has a bias) of a
+    matmul priced by the device's shape tables (``_right_transposed``, ``_has_bias``)."""
     flops, kind = node_flops(node)
     measured = None
     if kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
@@ -141,16 +143,18 @@ def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple
             metas = [m for m in OpView(node).in_metas if m is not None] + [m for m in node.meta["autopar.outputs"]
                                                                               if m is not None]
             measured = per + (float(max((m.numel for m in metas), default=0)),)
-    return flops, kind, node_bytes(node, ctx), measured
+    tabled = kind == "matmul" and node.op == "call_function" and bool(ctx.cluster.device.matmul_table)
+    form = (_right_transposed(node), _has_bias(node)) if tabled else (False, False)
+    return flops, kind, node_bytes(node, ctx), measured, form
 
 
 def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
-                      work: tuple[float, str, float, tuple | None] | None = None,
+                      work: tuple[float, str, float, tuple | None, tuple[bool, bool]] | None = None,
                       runs: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of the node's local work under ``strategy`` (``work``: the
     node's ``node_work``, when the caller prices many strategies of one node), run ``runs``
     times on ``1 / runs`` of the work each (microbatches): each run pays ``DeviceSpec.op_overhead``."""
-    flops, kind, nbytes, measured = work if work is not None else node_work(node, ctx)
+    flops, kind, nbytes, measured, (transposed, has_bias) = work if work is not None else node_work(node, ctx)
     if flops == 0.0 and nbytes == 0.0:
         return 0.0, 0.0
     if REGION_GROUPED_KEY in node.meta and ctx.cluster.expert_imbalance != 1.0:
@@ -174,8 +178,8 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
             batch, m = (-(-batch // runs), m) if batch > 1 else (batch, -(-m // runs))
         # a bias costs two passes over the output forward (broadcast into it, then read back by
         # the GEMM accumulating onto it) and one backward (its gradient: a sum over the rows)
-        bias = _bias_pass_s(node, batch * m * n, device, dtype)
-        fwd = overhead + runs * (matmul_time(m, k, n, device, dtype, batch, linear=_right_transposed(node)) + 2 * bias)
+        bias = op_time(0.0, batch * m * n * dtype_bytes(dtype), device, dtype, "pointwise") if has_bias else 0.0
+        fwd = overhead + runs * (matmul_time(m, k, n, device, dtype, batch, linear=transposed) + 2 * bias)
         if not node.meta.get("autopar.needs_grad", False):
             return fwd, 0.0
         # the input's gradient [m, n] x [n, k]; the weight's [k, m] x [m, n] (inner dim: the rows)
@@ -240,14 +244,12 @@ def _right_transposed(node: fx.Node) -> bool:
     return False
 
 
-def _bias_pass_s(node: fx.Node, out_elements: int, device, dtype) -> float:
-    """Seconds of one read of a linear's local output, for its bias (0 without a bias)."""
+def _has_bias(node: fx.Node) -> bool:
+    """Whether a linear adds a bias (its third input)."""
     if _op_name(node) != "linear":
-        return 0.0
+        return False
     metas = OpView(node).in_metas
-    if len(metas) < 3 or metas[2] is None:
-        return 0.0
-    return op_time(0.0, out_elements * dtype_bytes(dtype), device, dtype, "pointwise")
+    return len(metas) >= 3 and metas[2] is not None
 
 
 def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> float:
