@@ -112,6 +112,12 @@ class DeviceSpec:
     # library's GEMM can run a transposed operand at another speed (on a CPU, a few rows against
     # a 4 MiB weight ran 2x slower so); empty: linears are priced by ``matmul_table``
     linear_table: tuple[tuple[int, int, int, float], ...] = ()
+    # host seconds per collective the runtime issues, besides the collective: its reshard's
+    # autograd node, buffers and layout copies (``autopar calibrate``, on CPU processes only, where
+    # host and device are one and this time is on the critical path; a GPU's host runs ahead).
+    # Priced with each collective; the monitor, which times the host blocked in collectives,
+    # counts it in the step's compute
+    collective_host_s: float = 0.0
 
     def op_cost(self, name: str) -> tuple[float, float] | None:
         """(forward, backward) seconds per element measured for op ``name``; None: not measured."""
@@ -145,6 +151,10 @@ class DeviceSpec:
                 lambda r: len(r) == 4 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
                                               for v in r[:3]) and is_real(r[3], strict=True),
                 lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3])), "(m, k, n, seconds > 0)", unique=False))
+        if not is_real(self.collective_host_s, high=1.0):
+            raise ClusterSpecError(f"DeviceSpec.collective_host_s must be seconds in [0, 1), got "
+                                   f"{self.collective_host_s!r}; it is the host's time per collective")
+        object.__setattr__(self, "collective_host_s", float(self.collective_host_s))
         for attr in ("op_overhead", "update_op_overhead"):
             ovh = getattr(self, attr)
             if ovh is not None and not is_real(ovh, high=1.0):
@@ -487,10 +497,11 @@ class Cluster:
             top["device"].setdefault("op_costs", [])
             top["device"].setdefault("matmul_table", [])
             top["device"].setdefault("linear_table", [])
+            top["device"].setdefault("collective_host_s", 0.0)
         dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
                                                  "update_op_overhead", "update_element_s", "op_costs",
-                                                 "matmul_table", "linear_table"])
+                                                 "matmul_table", "linear_table", "collective_host_s"])
         for key in ("op_costs", "matmul_table", "linear_table", "update_element_s"):
             dev[key] = json_rows(dev[key])
         flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])

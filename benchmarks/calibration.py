@@ -1,6 +1,6 @@
 """How well the calibrated cost model predicts step time: plans measured beside their prediction.
 
-    python benchmarks/calibration.py [--calibrate] [--nproc 2 4] [--steps 16] [--shared] [--json OUT]
+    python benchmarks/calibration.py [--calibrate] [--nproc 2 4] [--steps 16] [--seconds 3] [--shared] [--only PLAN ...] [--json OUT]
 
 ``--calibrate`` first runs ``autopar calibrate`` for each process count (its spec is what
 ``Cluster.local(n)`` then plans with). Each configuration below (the example GPT and the
@@ -40,9 +40,28 @@ def _label(model: str, constraints: dict) -> str:
     return f"{model} " + (",".join(f"{k}={v}" for k, v in constraints.items()) or "free")
 
 
-def worker(steps: int, configs: list | None = None) -> list[dict]:
+def _steps_for(step, steps: int, min_seconds: float) -> int:
+    """How many steps to time: ``steps``, or as many as fill ``min_seconds`` at the speed of three
+    trial steps (after a warm-up one), the most any rank asks for."""
+    import math
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    want = torch.tensor([max(steps, math.ceil(min_seconds / ((time.perf_counter() - t0) / 3)))])
+    dist.all_reduce(want, op=dist.ReduceOp.MAX)
+    return int(want)
+
+
+def worker(steps: int, configs: list | None = None, min_seconds: float = 0.0) -> list[dict]:
     """One rank: compile each of ``configs`` (default: every configuration for this world size),
-    time them interleaved (one configuration: its steps back to back, as a training run)."""
+    time them interleaved (one configuration: its steps back to back, as a training run, for at
+    least ``steps`` steps and ``min_seconds``)."""
     import torch
     import torch.distributed as dist
 
@@ -68,6 +87,8 @@ def worker(steps: int, configs: list | None = None) -> list[dict]:
                              constraints=autopar.Constraints(**constraints))
         models[label] = pm
         timed[label] = (functools.partial(pm.train_step, *inputs, target=target), None)
+    if len(timed) == 1 and min_seconds > 0:  # alone: at least min_seconds of steps (every rank the same count)
+        steps = _steps_for(next(iter(timed.values()))[0], steps, min_seconds)
     walls, _ = time_interleaved(timed, steps, rounds=3 if len(timed) > 1 else 1, warmup=3)
     mine = {k: statistics.median(v) for k, v in walls.items()}
     gathered: list = [None] * world
@@ -115,8 +136,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrate", action="store_true", help="run autopar calibrate for each process count first")
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per plan, at least")
+    ap.add_argument("--seconds", type=float, default=3.0,
+                    help="time each plan for at least this long (alone; not --shared): this machine's speed "
+                         "moves from second to second, and 16 steps of a 10 ms plan sample a tenth of one")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PLAN",
+                    help='time only these plans, as the table names them ("gpt dp=2,tp=2", "mlp free")')
     ap.add_argument("--shared", action="store_true",
                     help="compile every plan of a process count in the same processes and time them interleaved "
                          "(default: each plan in its own processes, as a training run has it)")
@@ -124,16 +150,24 @@ def main() -> None:
     from autopar.calibration import calibrate
     from autopar.runtime.launch import launch
 
+    if args.only:
+        known = {_label(*c) for n in args.nproc for c in CONFIGS[n]}
+        unknown = sorted(set(args.only) - known)
+        if unknown:
+            ap.error(f"--only: no plan named {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
     rows = []
     for n in args.nproc:
         if args.calibrate:
             cluster, path = calibrate(n)
             print(f"calibrated {n} processes -> {path}", flush=True)
         if args.shared:
-            rows += launch(worker, n, args.steps, timeout_s=3600)[0]
+            configs = [c for c in CONFIGS[n] if not args.only or _label(*c) in args.only]
+            rows += launch(worker, n, args.steps, configs, timeout_s=3600)[0]
         else:
             for config in CONFIGS[n]:
-                rows += launch(worker, n, args.steps, [config], timeout_s=900)[0]
+                if args.only and _label(*config) not in args.only:
+                    continue
+                rows += launch(worker, n, args.steps, [config], args.seconds, timeout_s=900)[0]
         print(summarise(rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:

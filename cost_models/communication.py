@@ -157,7 +157,8 @@ def _ring(kind: str, n: float, p: int, link: LinkSpec) -> float:
 
 
 def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster) -> float:
-    """Seconds for one collective of ``kind`` over ``group`` on ``cluster`` (see module doc)."""
+    """Seconds for one collective of ``kind`` over ``group`` on ``cluster`` (see module doc), with
+    the host's own time per collective (``DeviceSpec.collective_host_s``)."""
     if kind not in COLLECTIVE_KINDS:
         raise AutoparError(
             f"unknown collective kind {kind!r}; known kinds: {list(COLLECTIVE_KINDS)}"
@@ -174,7 +175,7 @@ def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
         )
     if p == 1 or nbytes == 0:
         return 0.0
-    return _time(kind, float(nbytes), p, r, m, cluster)
+    return _time(kind, float(nbytes), p, r, m, cluster) + cluster.device.collective_host_s
 
 
 def blocking_collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster) -> float:

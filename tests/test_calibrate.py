@@ -160,7 +160,9 @@ def _synthetic_measurements(world: int = 4) -> dict:
                       "skew": {"compute_s": 1e-3, "kinds": {"all_reduce": [2e-4, 1.5e-3], "all_gather": [1e-4, 1.6e-3],
                                                             "all_to_all": [1e-4, 1.2e-3]}},
                       # 1F1B of tiny stages: 1 ms + 0.5 ms per microbatch, of which 0.1 ms compute
-                      "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4}})
+                      "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4},
+                      # the host's time per collective: 0.1 and 0.2 ms on the two ranks, median 0.15
+                      "collective_host_s": 1e-4 * (1 + len(ranks))})
     return combine_ranks(ranks)
 
 
@@ -186,7 +188,25 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert any("all_reduce" in s for s in c.sources) and c.device.memory_bytes == base.device.memory_bytes
     assert [r[:3] for r in d.matmul_table] == [r[:3] for r in d.linear_table] == [(8, 64, 64), (64, 64, 64)]
     assert [b[3] / a[3] for a, b in zip(d.matmul_table, d.linear_table)] == pytest.approx([2.0, 2.0])
+    assert d.collective_host_s == pytest.approx(1.5e-4)
     assert Cluster.from_json(c.to_json()) == c
+
+
+def test_every_collective_pays_the_hosts_own_time_once():
+    """``DeviceSpec.collective_host_s``: added once to every collective that moves bytes between
+    ranks (blocking or not), not to a group of one or to zero bytes; validated; kept in JSON."""
+    base = Cluster.local(4, calibrated=False)
+    hosted = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_host_s=2e-4))
+    for kind in KINDS:
+        for nbytes in (4.0, 1e6):
+            for price in (collective_time, blocking_collective_time):
+                assert price(kind, nbytes, CommGroup(4, 4), hosted) == pytest.approx(
+                    price(kind, nbytes, CommGroup(4, 4), base) + 2e-4)
+        assert collective_time(kind, 0, CommGroup(4, 4), hosted) == 0.0
+        assert collective_time(kind, 1e6, CommGroup(1, 1), hosted) == 0.0
+    with pytest.raises(ClusterSpecError, match="collective_host_s"):
+        dataclasses.replace(base.device, collective_host_s=-1e-4)
+    assert Cluster.from_json(hosted.to_json()) == hosted
 
 
 def test_no_spare_cpu_core_means_no_overlap():
@@ -260,7 +280,7 @@ def test_device_overhead_and_attention_efficiency_are_validated():
 
 def test_specs_written_before_the_calibrated_fields_still_load():
     d = json.loads(Cluster.preset("dgx-h100").to_json())
-    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table"):
+    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table", "collective_host_s"):
         del d["device"][key]
     for link in ("intra_node", "inter_node"):
         del d[link]["collectives"]
@@ -313,6 +333,8 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
+    # a reshard's autograd node and buffers cost the host something per collective
+    assert 0.0 < d.collective_host_s < 0.01
     # a pipeline stage's message and its schedule's work per microbatch, measured on the pair
     assert spec.intra_node.measured_time("send_recv", 2, 1e4) is not None and spec.pipeline_microbatch_s >= 0.0
     assert "all_to_all" in printed and "pipeline schedule" in printed and str(out) in printed

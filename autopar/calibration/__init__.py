@@ -25,7 +25,9 @@ local model:
 * ``exposed_comm_share``: the share of a collective left on the critical path with compute
   beside it (1.0 where processes share cores: the collective's threads take compute's time);
 * ``collective_skew_s``: what a collective waits, beyond its own time, for ranks that arrive
-  from compute at different times (each collective call pays it).
+  from compute at different times (each collective call pays it);
+* ``device.collective_host_s``: on CPU processes, the host's own time per collective the runtime
+  issues (a reshard's autograd node, buffers, layout copies), timed with the network left out.
 
 Every figure and where it came from is listed in the spec's ``sources``.
 """
@@ -71,6 +73,8 @@ def combine_ranks(per_rank: list[dict]) -> dict:
         out["collectives"] = {k: _over_ranks([r["collectives"][k] for r in per_rank], 2, mean) for k in first["collectives"]}
         out["overlap"] = {k: ([mean(col) for col in zip(*(r["overlap"][k] for r in per_rank))] if isinstance(v, list)
                               else mean(r["overlap"][k] for r in per_rank)) for k, v in first["overlap"].items()}
+        if "collective_host_s" in first:
+            out["collective_host_s"] = median(r["collective_host_s"] for r in per_rank)
         if "skew" in first:
             out["skew"] = {"compute_s": mean(r["skew"]["compute_s"] for r in per_rank),
                            "kinds": {k: [mean(r["skew"]["kinds"][k][i] for r in per_rank) for i in range(2)]
@@ -190,7 +194,12 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             sources.append(f"a pipeline schedule's work per microbatch and stage: {per_micro * 1e6:.1f} us (1F1B over "
                            f"{pl['m'][0]} and {pl['m'][-1]} microbatches: {pl['step_s'][0] * 1e3:.2f} and "
                            f"{pl['step_s'][-1] * 1e3:.2f} ms)")
-        cluster = dataclasses.replace(cluster, intra_node=link,
+        host = measured.get("collective_host_s", 0.0)
+        if host:
+            sources.append(f"the host's own time per collective (a reshard's autograd node, buffers, layout copies): "
+                           f"{host * 1e6:.1f} us")
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, collective_host_s=host),
+                                      intra_node=link,
                                       inter_node=link if base.nodes == 1 else base.inter_node,
                                       exposed_comm_share=share, collective_skew_s=skew,
                                       pipeline_microbatch_s=per_micro)
