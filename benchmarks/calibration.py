@@ -160,13 +160,11 @@ def main() -> None:
         if args.calibrate:
             cluster, path = calibrate(n)
             print(f"calibrated {n} processes -> {path}", flush=True)
+        configs = [c for c in CONFIGS[n] if not args.only or _label(*c) in args.only]
         if args.shared:
-            configs = [c for c in CONFIGS[n] if not args.only or _label(*c) in args.only]
             rows += launch(worker, n, args.steps, configs, timeout_s=3600)[0]
         else:
-            for config in CONFIGS[n]:
-                if args.only and _label(*config) not in args.only:
-                    continue
+            for config in configs:
                 rows += launch(worker, n, args.steps, [config], args.seconds, timeout_s=900)[0]
         print(summarise(rows), flush=True)
     if args.json:

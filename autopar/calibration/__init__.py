@@ -151,7 +151,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                  op_costs=op_costs, matmul_table=tuple(tuple(r) for r in comp.get("gemm", [])),
                                  linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
-                                 update_element_s=per_element,
+                                 update_element_s=per_element, collective_host_s=measured.get("collective_host_s", 0.0),
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)
     cluster = dataclasses.replace(base, device=device)
     if "collectives" in measured:
@@ -194,12 +194,10 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             sources.append(f"a pipeline schedule's work per microbatch and stage: {per_micro * 1e6:.1f} us (1F1B over "
                            f"{pl['m'][0]} and {pl['m'][-1]} microbatches: {pl['step_s'][0] * 1e3:.2f} and "
                            f"{pl['step_s'][-1] * 1e3:.2f} ms)")
-        host = measured.get("collective_host_s", 0.0)
-        if host:
+        if device.collective_host_s:
             sources.append(f"the host's own time per collective (a reshard's autograd node, buffers, layout copies): "
-                           f"{host * 1e6:.1f} us")
-        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, collective_host_s=host),
-                                      intra_node=link,
+                           f"{device.collective_host_s * 1e6:.1f} us")
+        cluster = dataclasses.replace(cluster, intra_node=link,
                                       inter_node=link if base.nodes == 1 else base.inter_node,
                                       exposed_comm_share=share, collective_skew_s=skew,
                                       pipeline_microbatch_s=per_micro)

@@ -21,12 +21,15 @@ measured, per rank (``measure_rank``):
 * overlap: a collective alone, a block of matmuls alone, then both with the collective in flight.
 * skew: a block of matmuls, then a tiny blocking collective of each kind: what it waits beyond
   its own time;
+* on CPU processes, the host's own time per collective: the runtime's reshards with the network
+  left out (``calibration.host_probe``);
 * a two-stage 1F1B pipeline of tiny stages on every pair at two microbatch counts: what the
   schedule costs per microbatch beyond compute and messages.
 
 Times are per call on the slowest rank: back-to-back calls between two barriers for at least
 20 ms, less what the barriers alone take (``_per_op``); each measurement is the median of
-``repeats`` such windows.
+``repeats`` such windows (for a table of points, taken in passes over all of them:
+``_per_op_spread``).
 """
 from __future__ import annotations
 
@@ -482,58 +485,6 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
     return {**rounds[middle], "shares": shares}
 
 
-# the reshards timed for the host's time per collective: (src, dst, grad src, grad dst, the
-# local input's shape as a function of the group size p, collectives per forward + backward)
-_HOST_RESHARDS = (("[S(2)]", "[R]", "[R]", "[S(2)]", lambda p: (8, 16, 16), 1),  # gather; backward slices
-                  ("[P(sum)]", "[R]", "[R]", "[R]", lambda p: (8, 16, 16 * p), 1),  # a row-parallel output
-                  ("[R]", "[R]", "[P(sum)]", "[R]", lambda p: (8, 16, 16 * p), 1),  # a column-parallel input
-                  ("[S(0)]", "[S(2)]", "[S(2)]", "[S(0)]", lambda p: (8, 16, 16 * p), 2))  # all-to-all both ways
-
-
-class _NullNetwork:
-    """A one-axis ``MeshComm`` stand-in whose collectives move nothing: each fills its output
-    from its input on this rank, so a reshard through it costs only what the host does."""
-
-    def __init__(self, size: int, coord: int):
-        from autopar.runtime.comm import CommStats
-
-        self.sizes, self.coords, self.stats = (size,), (coord,), CommStats()
-        self.step_cache: dict = {}
-
-    def all_reduce(self, t, axis, *, async_op=False):
-        return None  # the sum stays this rank's
-
-    def all_gather(self, out, inp, axis, *, async_op=False):
-        n = min(out.numel(), inp.numel())  # as much of the output as this rank's input fills
-        out.view(-1)[:n].copy_(inp.reshape(-1)[:n])
-
-    reduce_scatter = all_to_all = all_gather
-
-
-def _collective_host(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> float:
-    """Seconds the host spends per collective the runtime issues, besides the collective: a
-    reshard's autograd node, its buffers and layout copies (``runtime.collectives``), the median
-    over ``_HOST_RESHARDS``, each timed forward and backward with the network left out
-    (``_NullNetwork``) less the same loss on its input alone. Every rank at once, as ranks that
-    share cores run. On 4 processes on 2 cores it read 84-118 us (38 us on 2), against 2-4 ms of
-    the collectives themselves; the GPT's tensor-parallel step, its collectives left out, ran
-    0.25-0.3 ms per collective above its predicted compute (the rest is not traced)."""
-    import torch.distributed as dist
-
-    from autopar.runtime.collectives import active_mesh, reshard
-
-    _progress("the host's own time per collective")
-    comm = _NullNetwork(world, dist.get_rank())
-    per = []
-    with active_mesh(comm):
-        for src, dst, gsrc, gdst, shape, count in _HOST_RESHARDS:
-            x = torch.randn(shape(world), device=device, requires_grad=True)
-            t_reshard = _per_op(lambda: reshard(x, src, dst, gsrc, gdst).sum().backward(), device, spec.repeats, barrier)
-            t_alone = _per_op(lambda: x.sum().backward(), device, spec.repeats, barrier)
-            per.append(max(t_reshard - t_alone, 0.0) / count)
-    return statistics.median(per)
-
-
 OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
 SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
 
@@ -609,6 +560,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
 
     import torch.distributed as dist
 
+    from autopar.calibration.host_probe import collective_host_s
     from autopar.runtime.cpu_affinity import node_cores
     from autopar.runtime.launch import init_distributed
 
@@ -629,7 +581,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
         out["overlap"] = _overlap(spec, device, barrier, world)
         out["skew"] = _skew(spec, device, barrier, meshes)
         # a GPU's host runs ahead of its streams: its time per collective is hidden, not priced
-        out["collective_host_s"] = _collective_host(spec, device, barrier, world) if device.type == "cpu" else 0.0
+        out["collective_host_s"] = collective_host_s(spec, device, barrier, world) if device.type == "cpu" else 0.0
         if world % 2 == 0:
             out["pipeline"] = _pipeline(spec, device, barrier, meshes)
     return out
