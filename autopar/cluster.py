@@ -80,6 +80,15 @@ class PeakFlops:
         return getattr(self, _FLOPS_DTYPES[key])
 
 
+def _per_element_pair(name: str, value, meaning: str) -> tuple[float, float] | None:
+    """A ``DeviceSpec`` field of two seconds-per-element figures, as floats (None stays None)."""
+    if value is None:
+        return None
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(v) for v in value)):
+        raise ClusterSpecError(f"DeviceSpec.{name} must be ({meaning}), both >= 0, or None; got {value!r}")
+    return float(value[0]), float(value[1])
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or CPU process): compute peaks, memory capacity and bandwidth."""
@@ -101,6 +110,9 @@ class DeviceSpec:
     # the optimizer's update per parameter element: (seconds, more seconds per state tensor), e.g.
     # SGD's time per element and Adam's = first + 2 * second; None: streamed at memory bandwidth
     update_element_s: tuple[float, float] | None = None
+    # a parameter's gradient buffer per element: (seconds to zero it, seconds to add a gradient
+    # into it in place), once per step and once per microbatch; None: streamed at memory bandwidth
+    grad_buffer_element_s: tuple[float, float] | None = None
     # measured per op name (the traced graph's, e.g. "gelu", "layer_norm"): (name, forward seconds
     # per element, backward seconds per element), sorted by name; such an op is priced by its
     # elements (the largest of its inputs and outputs) instead of the roofline
@@ -133,13 +145,11 @@ class DeviceSpec:
                 f"DeviceSpec.attention_efficiency must be in (0, 1] or None, got {self.attention_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in attention"
             )
-        upd = self.update_element_s
-        if upd is not None:
-            if not (isinstance(upd, (tuple, list)) and len(upd) == 2 and all(is_real(v) for v in upd)):
-                raise ClusterSpecError(
-                    f"DeviceSpec.update_element_s must be (seconds per element, seconds per element per optimizer "
-                    f"state), both >= 0, or None; got {upd!r}")
-            object.__setattr__(self, "update_element_s", (float(upd[0]), float(upd[1])))
+        object.__setattr__(self, "update_element_s", _per_element_pair(
+            "update_element_s", self.update_element_s, "seconds per element, seconds per element per optimizer state"))
+        object.__setattr__(self, "grad_buffer_element_s", _per_element_pair(
+            "grad_buffer_element_s", self.grad_buffer_element_s,
+            "seconds per element to zero a gradient, seconds per element to add one into it"))
         object.__setattr__(self, "op_costs", check_rows(
             "DeviceSpec", "op_costs", self.op_costs,
             lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(is_real(v) for v in r[1:]),
@@ -492,7 +502,7 @@ class Cluster:
             )
         if isinstance(top["device"], dict):
             for key in ("matmul_efficiency", "attention_efficiency", "op_overhead", "update_op_overhead",
-                        "update_element_s"):
+                        "update_element_s", "grad_buffer_element_s"):
                 top["device"].setdefault(key, None)  # specs written before they existed
             top["device"].setdefault("op_costs", [])
             top["device"].setdefault("matmul_table", [])
@@ -500,9 +510,9 @@ class Cluster:
             top["device"].setdefault("collective_host_s", 0.0)
         dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
-                                                 "update_op_overhead", "update_element_s", "op_costs",
-                                                 "matmul_table", "linear_table", "collective_host_s"])
-        for key in ("op_costs", "matmul_table", "linear_table", "update_element_s"):
+                                                 "update_op_overhead", "update_element_s", "grad_buffer_element_s",
+                                                 "op_costs", "matmul_table", "linear_table", "collective_host_s"])
+        for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s"):
             dev[key] = json_rows(dev[key])
         flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = json_build(PeakFlops, flops, "device.peak_flops")

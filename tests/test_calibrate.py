@@ -150,7 +150,9 @@ def _synthetic_measurements(world: int = 4) -> dict:
         training = {"fwd_bwd_s": slow * (fb_units * 30e-6 + flops / rate), "step_s": slow * up_units * 5e-6,
                     "matmul_flops": flops, "params": 100, "update_numel": numel,
                     "sgd_update_s": slow * (2 * 5e-6 + numel * 0.2e-9),
-                    "adamw_update_s": slow * (8 * 5e-6 + numel * 3.2e-9)}
+                    "adamw_update_s": slow * (8 * 5e-6 + numel * 3.2e-9),
+                    # its gradient buffer: zeroed at 0.4 ns per element, a gradient added at 0.6
+                    "grad_zero_s": slow * numel * 0.4e-9, "grad_add_s": slow * numel * 0.6e-9}
         # a stage-to-stage message: 100 us + bytes / 1 GB/s (pairs only)
         coll["send_recv"] = [(2, n, 100e-6 + n / 1e9) for n in (64.0, 1e4, 1e6)]
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
@@ -174,6 +176,7 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert d.op_overhead == pytest.approx(30e-6 * 1.05, rel=1e-3)
     assert d.update_op_overhead == pytest.approx(5e-6 * 1.05, rel=1e-3)
     assert d.update_element_s == pytest.approx((0.2e-9 * 1.05, 1.5e-9 * 1.05), rel=1e-3)
+    assert d.grad_buffer_element_s == pytest.approx((0.4e-9 * 1.05, 0.6e-9 * 1.05), rel=1e-3)
     assert d.peak_flops.fp32 == pytest.approx(4e10 / 1.05, rel=1e-3) and d.matmul_efficiency == 1.0
     assert d.peak_flops.bf16 == pytest.approx(1e10 / 1.05, rel=1e-3)
     assert d.memory_bandwidth * MEMORY_EFFICIENCY == pytest.approx(6e9 / 1.05, rel=1e-3)
@@ -319,6 +322,49 @@ def test_the_optimizer_update_is_priced_and_sharded_with_its_state():
     assert compute_s("adam", 1) < compute_s("adam", 0)
 
 
+def test_a_gradient_buffer_is_zeroed_once_and_accumulated_each_microbatch():
+    """``gradient_buffer_time``: per step, one pass zeroing the parameter's gradient and one adding
+    each microbatch's gradient into it, over what the rank holds of it (a ZeRO-2 shard, a
+    tensor-parallel slice), at the device's calibrated ``grad_buffer_element_s``; the plan
+    prices it in the step's compute."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext, gradient_buffer_time
+    from autopar.strategies import Strategy
+    from autopar.trace import TensorMeta
+
+    base = Cluster.local(4, calibrated=False)
+    zero, add = 1e-9, 2e-9
+
+    def with_buffer(z, a):
+        return dataclasses.replace(base, device=dataclasses.replace(base.device, grad_buffer_element_s=(z, a)))
+
+    ctx = CostContext((4,), ("dp",), with_buffer(zero, add), precision_policy("fp32"), optimizer_spec("adam"))
+    meta = TensorMeta((1024, 256), torch.float32)
+    n = 1024 * 256
+    replicated = Strategy(ins=(), outs=((Replicate(),),), grad_ins=())
+    sliced = dataclasses.replace(replicated, outs=((Shard(0),),))
+    zero1 = dataclasses.replace(replicated, zero_axes=(0,), zero_stage=1)
+    zero2 = dataclasses.replace(replicated, zero_axes=(0,), zero_stage=2)
+    for m in (1, 4):
+        assert gradient_buffer_time(meta, replicated, ctx, m) == pytest.approx(n * (zero + m * add))
+        assert gradient_buffer_time(meta, zero1, ctx, m) == pytest.approx(n * (zero + m * add))
+        assert gradient_buffer_time(meta, sliced, ctx, m) == pytest.approx(n / 4 * (zero + m * add))
+        assert gradient_buffer_time(meta, zero2, ctx, m) == pytest.approx(n / 4 * (zero + m * add))
+    # uncalibrated: streamed at memory bandwidth, still growing with the microbatches
+    plain = CostContext((4,), ("dp",), base, precision_policy("fp32"), optimizer_spec("adam"))
+    assert 0 < gradient_buffer_time(meta, replicated, plain, 1) < gradient_buffer_time(meta, replicated, plain, 4)
+    # in the plan: the same replicated model, its gradients' accumulation twice as slow, predicted
+    # slower by one more add per parameter element
+    x = torch.randn(64, 256)
+    c = autopar.Constraints(dp=4, tp=1, zero=0)
+    fast_s, slow_s = (autopar.plan(_mlp(), cl, x, constraints=c).predicted.compute_s
+                      for cl in (with_buffer(zero, add), with_buffer(zero, 2 * add)))
+    params = sum(p.numel() for p in _mlp().parameters())
+    assert slow_s - fast_s == pytest.approx(add * params, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     from autopar.cli import main
@@ -331,6 +377,7 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     d = spec.device
     assert d.op_overhead is not None and d.matmul_efficiency == 1.0 and d.peak_flops.fp32 > 1e8
     assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
+    assert all(0.0 < t < 1e-7 for t in d.grad_buffer_element_s)  # per element: under 100 ns
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
     # a reshard's autograd node and buffers cost the host something per collective

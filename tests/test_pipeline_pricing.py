@@ -111,19 +111,30 @@ def test_microbatches_held_per_stage_follow_torchs_order(schedule, cls_name, p, 
             assert ours == theirs, (schedule, r, weights, ours, theirs)
 
 
-def test_zero_per_stage_shards_only_the_ranks_that_need_it():
-    """Where only one pipeline rank overflows, its stage's parameters take ZeRO and the other
-    stage's stay as in the roomy plan, whole with their optimizer state
-    (``pipeline_search._zero_per_stage``), and every rank's predicted peak fits."""
+def test_zero_per_stage_shards_only_the_ranks_that_need_it(monkeypatch):
+    """Where only one pipeline rank overflows, ZeRO is asked of its stage's parameters alone
+    (``pipeline_search._zero_per_stage``; the others stay free: the solver may still choose a
+    sharded layout for one where that is as fast), it takes ZeRO there, and every rank's
+    predicted peak fits."""
+    from autopar.planner import pipeline_search
+
+    forced: list[dict] = []
+    real = pipeline_search._zero_per_stage
+
+    def spy(unshrunk, budget, pp, price):
+        def recording(inner_c):
+            forced.append(dict(inner_c.zero_params))
+            return price(inner_c)
+        return real(unshrunk, budget, pp, recording)
+
+    monkeypatch.setattr(pipeline_search, "_zero_per_stage", spy)
     plan, free, usable = _per_stage_zero_plan()
     over = max(range(2), key=lambda i: free.stages[i].peak_memory_bytes)
-    placed = [{p.fqn: (p.layout, p.zero_axes) for p in s.params} for s in plan.stages]
-    roomy = [{p.fqn: (p.layout, p.zero_axes) for p in s.params} for s in free.stages]
-    assert placed[1 - over] == roomy[1 - over]
-    assert any(p.zero_axes for p in plan.stages[over].params) and not any(p.zero_axes for p in free.stages[over].params)
+    assert forced and all(set(f) <= {p.fqn for p in free.stages[over].params} for f in forced)
+    assert sum(bool(p.zero_axes) for p in plan.stages[over].params) > sum(bool(p.zero_axes) for p in free.stages[over].params)
     assert all(s.peak_memory_bytes <= usable for s in plan.stages)
     assert plan.stages[over].peak_memory_bytes < free.stages[over].peak_memory_bytes
-    assert plan.stages[1 - over].peak_memory_bytes == pytest.approx(free.stages[1 - over].peak_memory_bytes)
+    assert plan.stages[1 - over].peak_memory_bytes <= free.stages[1 - over].peak_memory_bytes * (1 + 1e-9)
 
 
 def test_zero_per_stage_in_the_free_plans_pipeline_search():
@@ -150,7 +161,6 @@ def test_zero_per_stage_in_the_free_plans_pipeline_search():
 
     weighed = search(None)
     over = max(range(2), key=lambda i: free.stages[i].peak_memory_bytes)
-    assert [p.zero_axes for p in weighed.stages[1 - over].params] == [p.zero_axes for p in free.stages[1 - over].params]
     assert any(p.zero_axes for p in weighed.stages[over].params)
     assert weighed.fingerprint == plan.fingerprint
     # a plan to beat that the pipeline before ZeRO does not beat: not tried (the shrunk plan, or none)

@@ -135,6 +135,12 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                    f"{update_overhead * 1e6:.1f} us (optimizer update); from a {PROBE_LAYERS}-layer probe")
     sources.append(f"optimizer update per element: {per_element[0] * 1e9:.2f} ns + {per_element[1] * 1e9:.2f} ns per "
                    "state (SGD and AdamW measured)")
+    grad_buffer = None
+    if "grad_add_s" in measured["training"]:
+        numel = measured["training"]["update_numel"]
+        grad_buffer = (measured["training"]["grad_zero_s"] / numel, measured["training"]["grad_add_s"] / numel)
+        sources.append(f"a gradient buffer per element: zeroed {grad_buffer[0] * 1e9:.2f} ns, a gradient added into it "
+                       f"{grad_buffer[1] * 1e9:.2f} ns ({numel * 4 / 2**20:.0f} MiB buffers in turn, cold)")
     op_costs = tuple((name, *fit_op_cost(rows)) for name, rows in sorted(measured.get("ops", {}).items()))
     if comp.get("gemm"):
         effs = [2.0 * m * k * n / t / peaks.fp32 for m, k, n, t in comp["gemm"]]
@@ -151,7 +157,8 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                  op_costs=op_costs, matmul_table=tuple(tuple(r) for r in comp.get("gemm", [])),
                                  linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
-                                 update_element_s=per_element, collective_host_s=measured.get("collective_host_s", 0.0),
+                                 update_element_s=per_element, grad_buffer_element_s=grad_buffer,
+                                 collective_host_s=measured.get("collective_host_s", 0.0),
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)
     cluster = dataclasses.replace(base, device=device)
     if "collectives" in measured:

@@ -33,6 +33,7 @@ Times are per call on the slowest rank: back-to-back calls between two barriers 
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -249,6 +250,8 @@ PROBE_WINDOW_S, PROBE_REPEATS = 0.1, 3
 # from cache; at 4 MiB the update timed 2.8-4.3 ns per element on 4 processes sharing 2 cores,
 # at 32 MiB 7.7, what an 8.4M-parameter MLP's AdamW step took per element)
 UPDATE_NUMEL = 1 << 23
+UPDATE_REPEATS = 3  # windows per spec.repeats of the per-element update and gradient buffer costs
+GRAD_BUFFERS = 4  # gradient buffers of UPDATE_NUMEL the zeroing and accumulation rotate over (128 MiB)
 
 
 def probe_units() -> tuple[int, int]:
@@ -290,13 +293,31 @@ def _training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     window = dict(repeats=min(spec.repeats, PROBE_REPEATS), barrier=barrier, min_s=PROBE_WINDOW_S)
     out = {"fwd_bwd_s": _per_op(fwd_bwd, device, **window), "step_s": _per_op(opt.step, device, **window),
            "matmul_flops": flops, "params": sum(p.numel() for p in model.parameters()), "update_numel": UPDATE_NUMEL}
-    # per element: SGD (no state) and AdamW (two) updating one large parameter
+    # per element: SGD (no state) and AdamW (two) updating one large parameter; and a gradient
+    # buffer of its size, zeroed once a step, each microbatch's gradient added into it in place:
+    # cold, each call on the next of GRAD_BUFFERS (one buffer back to back stays in a large
+    # last-level cache: 0.14 / 0.27 ns per element on 2 processes, against 0.39 / 0.49 rotating
+    # over 128 MiB and 0.45 / ~0.6 in the MLP's steps). The largest costs of a parameter-heavy
+    # step, so their windows are many and in passes (one call each; two calibrations minutes
+    # apart had read AdamW 3.7 and 4.5 ns per element from 5 windows back to back)
     big = torch.nn.Parameter(torch.zeros(UPDATE_NUMEL, device=device))
     big.grad = torch.randn_like(big)
-    for name, make in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)):
-        o = make([big], lr=1e-6)
+    pool = [big.grad] + [torch.randn_like(big) for _ in range(GRAD_BUFFERS - 1)]
+    turn = itertools.count()
+
+    def zero():
+        pool[next(turn) % GRAD_BUFFERS].zero_()
+
+    def accumulate():
+        i = next(turn)
+        pool[i % GRAD_BUFFERS].add_(pool[(i + 1) % GRAD_BUFFERS])
+
+    updates = [torch.optim.SGD([big], lr=1e-6), torch.optim.AdamW([big], lr=1e-6)]
+    for o in updates:
         o.step()
-        out[f"{name}_update_s"] = _per_op(o.step, device, spec.repeats, barrier)
+    names = ("sgd_update_s", "adamw_update_s", "grad_zero_s", "grad_add_s")
+    out.update(zip(names, _per_op_spread([o.step for o in updates] + [zero, accumulate], device,
+                                         UPDATE_REPEATS * spec.repeats, barrier)))
     return out
 
 

@@ -38,6 +38,7 @@ from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
 from autopar.planner.axis_use import axis_use
+from autopar.planner.costing import gradient_buffer_time
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
 from autopar.planner.pipeline_rank_bytes import grad_bytes_after_sync, rank_comm_bytes, whole_grad_bytes, zero2_held_whole
 from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
@@ -142,6 +143,16 @@ def _kept_per_stage(kept_by_node: dict[str, float], stage_of, n_stages: int, pro
     return [x / total for x in per]
 
 
+def _gradient_buffer_s(problem, choice: dict, name: str, microbatches: int) -> float:
+    """One instance's ``costing.gradient_buffer_time`` of parameter ``name`` under its chosen
+    strategy (what its planned compute holds beside the optimizer's update)."""
+    var = problem.nodes[name]
+    if not var.node.meta.get("autopar.requires_grad", True):
+        return 0.0
+    return gradient_buffer_time(var.node.meta["autopar.outputs"][0], var.strategies[choice[name]], problem.ctx,
+                                microbatches)
+
+
 def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: str, link_bw: float,
            send_s, budget: float, per_rank_recompute: bool) -> _Priced:
     """Cut ``inner``'s graph into ``pp * v`` stages; the schedule's step time and each rank's peak.
@@ -167,9 +178,10 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # built with recompute; evaluation takes that back per instance, as here)
     problem, choice = att.problem, att.solution.choice
     plain, again, as_cut, update = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
+    param_s: dict[str, tuple[float, float]] = {}  # per parameter: (its planned compute, its gradient buffer's share)
     for n in placements.values():
-        if n.op == "param":  # its optimizer update: once per step, after the schedule
-            update[stage_of(n.name)] += n.compute_s
+        if n.op == "param":  # priced below, on every stage holding it
+            param_s[n.name] = (n.compute_s, _gradient_buffer_s(problem, choice, n.rep or n.name, m))
             continue
         as_cut[stage_of(n.name)] += n.compute_s
         extra = 0.0
@@ -207,6 +219,12 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     total_param = sum(p.bytes_per_device for p in inner.params.values()) or 1.0
     used_in = {n: stages or {stage_of(n)} for n, stages in using.items() if kind[n] == "param"}
     owned = [[p for p in inner.params.values() if s in used_in.get(p.node, {stage_of(p.node)})] for s in range(n_stages)]
+    # each stage holding a parameter (a tied weight: every one) zeroes and accumulates its copy's
+    # gradient in each microbatch's backward, inside the schedule, and updates it once per step after it
+    for name, (compute_s, buffer) in param_s.items():
+        for s in used_in.get(name, {stage_of(name)}):
+            plain[s] += buffer
+            update[s] += compute_s - buffer
     trainable = {n.name for n in traced.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.requires_grad")}
     shared = [p for p in inner.params.values()
               if p.node in trainable and len({rank_of[s] for s in used_in.get(p.node, ())}) > 1]
@@ -282,7 +300,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_seconds
 
     fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks), pipelined=True)
-    bwd -= sum(update)
+    bwd -= sum(compute_s - buffer for compute_s, buffer in param_s.values())  # the updates, each parameter's once
     # ZeRO-1/2's all-gathers of the updated parameters follow each rank's updates, after the schedule
     post_gather = [0.0] * n_stages
     for name, var in problem.nodes.items():

@@ -20,8 +20,8 @@ import torch.fx as fx
 
 from autopar.layouts import local_numel, local_shape, split_factor
 from autopar.planner.blocks import BlockInfo
-from autopar.planner.costing import (CostContext, VIEW_OPS, node_compute_time, node_work, optimizer_update_time,
-                                     param_memory, reshard_time)
+from autopar.planner.costing import (CostContext, VIEW_OPS, gradient_buffer_time, node_compute_time, node_work,
+                                     optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.edge_tables import REFUSED_RESHARD_S, EdgeTable, build_edges, is_alias_getitem, producer_of
 from autopar.planner.op_memory import op_memory, warnings_silenced
 from autopar.planner.sync_pricing import own_sync_time, post_step_gather_time
@@ -162,8 +162,9 @@ def build_problem(
             if kind == "param":
                 trainable = n.meta.get("autopar.requires_grad", True)
                 static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
-                if trainable:  # the optimizer's update, after backward (priced as backward compute)
-                    bwd[i] = optimizer_update_time(n.meta["autopar.outputs"][0], s, ctx) * c
+                if trainable:  # the gradient's buffer in backward and the optimizer's update after it
+                    meta = n.meta["autopar.outputs"][0]
+                    bwd[i] = (gradient_buffer_time(meta, s, ctx, microbatches) + optimizer_update_time(meta, s, ctx)) * c
                 if trainable and s.zero_axes:
                     seconds = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx)
                     kinds.setdefault("all_gather", np.zeros(k))[i] = seconds * c
