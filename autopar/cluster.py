@@ -130,6 +130,9 @@ class DeviceSpec:
     # Priced with each collective; the monitor, which times the host blocked in collectives,
     # counts it in the step's compute
     collective_host_s: float = 0.0
+    # and per byte of a reshard's collective (nccl-tests' size): its layout copies on the host
+    # (``planner.costing``; a gradient bucket's all-reduce in place has none)
+    collective_host_byte_s: float = 0.0
 
     def op_cost(self, name: str) -> tuple[float, float] | None:
         """(forward, backward) seconds per element measured for op ``name``; None: not measured."""
@@ -165,6 +168,10 @@ class DeviceSpec:
             raise ClusterSpecError(f"DeviceSpec.collective_host_s must be seconds in [0, 1), got "
                                    f"{self.collective_host_s!r}; it is the host's time per collective")
         object.__setattr__(self, "collective_host_s", float(self.collective_host_s))
+        if not is_real(self.collective_host_byte_s, high=1e-6):
+            raise ClusterSpecError(f"DeviceSpec.collective_host_byte_s must be seconds per byte in [0, 1e-6), got "
+                                   f"{self.collective_host_byte_s!r}; it is the host's time per byte of a collective")
+        object.__setattr__(self, "collective_host_byte_s", float(self.collective_host_byte_s))
         for attr in ("op_overhead", "update_op_overhead"):
             ovh = getattr(self, attr)
             if ovh is not None and not is_real(ovh, high=1.0):
@@ -508,10 +515,12 @@ class Cluster:
             top["device"].setdefault("matmul_table", [])
             top["device"].setdefault("linear_table", [])
             top["device"].setdefault("collective_host_s", 0.0)
+            top["device"].setdefault("collective_host_byte_s", 0.0)
         dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
                                                  "update_op_overhead", "update_element_s", "grad_buffer_element_s",
-                                                 "op_costs", "matmul_table", "linear_table", "collective_host_s"])
+                                                 "op_costs", "matmul_table", "linear_table", "collective_host_s",
+                                                 "collective_host_byte_s"])
         for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s"):
             dev[key] = json_rows(dev[key])
         flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])

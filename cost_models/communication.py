@@ -158,7 +158,8 @@ def _ring(kind: str, n: float, p: int, link: LinkSpec) -> float:
 
 def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: Cluster) -> float:
     """Seconds for one collective of ``kind`` over ``group`` on ``cluster`` (see module doc), with
-    the host's own time per collective (``DeviceSpec.collective_host_s``)."""
+    the host's own time per collective (``DeviceSpec.collective_host_s``; a reshard's layout
+    copies per byte are ``planner.costing``'s)."""
     if kind not in COLLECTIVE_KINDS:
         raise AutoparError(
             f"unknown collective kind {kind!r}; known kinds: {list(COLLECTIVE_KINDS)}"

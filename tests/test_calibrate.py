@@ -164,7 +164,9 @@ def _synthetic_measurements(world: int = 4) -> dict:
                       # 1F1B of tiny stages: 1 ms + 0.5 ms per microbatch, of which 0.1 ms compute
                       "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4},
                       # the host's time per collective: 0.1 and 0.2 ms on the two ranks, median 0.15
-                      "collective_host_s": 1e-4 * (1 + len(ranks))})
+                      "collective_host_s": 1e-4 * (1 + len(ranks)),
+                      # and per byte: 0.2 and 0.4 ns, median 0.3
+                      "collective_host_byte_s": 2e-10 * (1 + len(ranks))})
     return combine_ranks(ranks)
 
 
@@ -191,13 +193,21 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert any("all_reduce" in s for s in c.sources) and c.device.memory_bytes == base.device.memory_bytes
     assert [r[:3] for r in d.matmul_table] == [r[:3] for r in d.linear_table] == [(8, 64, 64), (64, 64, 64)]
     assert [b[3] / a[3] for a, b in zip(d.matmul_table, d.linear_table)] == pytest.approx([2.0, 2.0])
-    assert d.collective_host_s == pytest.approx(1.5e-4)
+    assert d.collective_host_s == pytest.approx(1.5e-4) and d.collective_host_byte_s == pytest.approx(3e-10)
     assert Cluster.from_json(c.to_json()) == c
 
 
 def test_every_collective_pays_the_hosts_own_time_once():
     """``DeviceSpec.collective_host_s``: added once to every collective that moves bytes between
-    ranks (blocking or not), not to a group of one or to zero bytes; validated; kept in JSON."""
+    ranks (blocking or not), not to a group of one or to zero bytes; ``collective_host_byte_s``
+    per byte of a reshard's collectives (its layout copies), not of a gradient bucket's; both
+    validated and kept in JSON."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext, bucketed_time, reshard_time
+    from autopar.trace import TensorMeta
+
     base = Cluster.local(4, calibrated=False)
     hosted = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_host_s=2e-4))
     for kind in KINDS:
@@ -207,9 +217,32 @@ def test_every_collective_pays_the_hosts_own_time_once():
                     price(kind, nbytes, CommGroup(4, 4), base) + 2e-4)
         assert collective_time(kind, 0, CommGroup(4, 4), hosted) == 0.0
         assert collective_time(kind, 1e6, CommGroup(1, 1), hosted) == 0.0
+    copying = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_host_byte_s=3e-10))
+    meta = TensorMeta((64, 1024), torch.float32)
+    ctx = {c: CostContext((4,), ("tp",), c, precision_policy("fp32"), optimizer_spec("adam")) for c in (base, copying)}
+    gather = {c: reshard_time(meta, (Shard(1),), (Replicate(),), ctx[c]) for c in (base, copying)}
+    assert gather[copying]["all_gather"] == pytest.approx(gather[base]["all_gather"] + 3e-10 * meta.nbytes)
+    summed = {c: bucketed_time(meta, (Partial(),), (Replicate(),), ctx[c]) for c in (base, copying)}
+    assert summed[base]["all_reduce"] > 0 and summed[copying] == summed[base]
     with pytest.raises(ClusterSpecError, match="collective_host_s"):
         dataclasses.replace(base.device, collective_host_s=-1e-4)
+    with pytest.raises(ClusterSpecError, match="collective_host_byte_s"):
+        dataclasses.replace(base.device, collective_host_byte_s=1e-3)
     assert Cluster.from_json(hosted.to_json()) == hosted
+
+
+def test_the_hosts_time_per_collective_is_fitted_per_byte_and_per_call():
+    """``host_time_fit``: per reshard, the slope over its two sizes is the time per byte, what is
+    left at the smaller size the time per call; the median of each over the reshards, and a
+    reshard faster at its larger size gives a slope of 0, not a negative price."""
+    from autopar.calibration.host_probe import host_time_fit
+
+    fixed, per_byte = 50e-6, 2e-10
+    exact = [(fixed + per_byte * b, fixed + per_byte * 32 * b, b, 32 * b) for b in (8e3, 16e3, 32e3)]
+    fit = host_time_fit(exact)
+    assert fit["collective_host_s"] == pytest.approx(fixed) and fit["collective_host_byte_s"] == pytest.approx(per_byte)
+    noisy = host_time_fit([(2e-4, 1e-4, 1e3, 1e5)])
+    assert noisy == {"collective_host_s": 2e-4, "collective_host_byte_s": 0.0}
 
 
 def test_no_spare_cpu_core_means_no_overlap():
@@ -283,7 +316,8 @@ def test_device_overhead_and_attention_efficiency_are_validated():
 
 def test_specs_written_before_the_calibrated_fields_still_load():
     d = json.loads(Cluster.preset("dgx-h100").to_json())
-    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table", "collective_host_s"):
+    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table", "collective_host_s",
+                "collective_host_byte_s", "grad_buffer_element_s", "update_element_s"):
         del d["device"][key]
     for link in ("intra_node", "inter_node"):
         del d[link]["collectives"]
@@ -381,7 +415,7 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
     # a reshard's autograd node and buffers cost the host something per collective
-    assert 0.0 < d.collective_host_s < 0.01
+    assert 0.0 < d.collective_host_s < 0.01 and 0.0 <= d.collective_host_byte_s < 1e-6
     # a pipeline stage's message and its schedule's work per microbatch, measured on the pair
     assert spec.intra_node.measured_time("send_recv", 2, 1e4) is not None and spec.pipeline_microbatch_s >= 0.0
     assert "all_to_all" in printed and "pipeline schedule" in printed and str(out) in printed

@@ -26,8 +26,9 @@ local model:
   beside it (1.0 where processes share cores: the collective's threads take compute's time);
 * ``collective_skew_s``: what a collective waits, beyond its own time, for ranks that arrive
   from compute at different times (each collective call pays it);
-* ``device.collective_host_s``: on CPU processes, the host's own time per collective the runtime
-  issues (a reshard's autograd node, buffers, layout copies), timed with the network left out.
+* ``device.collective_host_s`` and ``collective_host_byte_s``: on CPU processes, the host's own
+  time per collective the runtime issues (a reshard's autograd node, buffers) and per byte of it
+  (layout copies), timed with the network left out.
 
 Every figure and where it came from is listed in the spec's ``sources``.
 """
@@ -73,8 +74,9 @@ def combine_ranks(per_rank: list[dict]) -> dict:
         out["collectives"] = {k: _over_ranks([r["collectives"][k] for r in per_rank], 2, mean) for k in first["collectives"]}
         out["overlap"] = {k: ([mean(col) for col in zip(*(r["overlap"][k] for r in per_rank))] if isinstance(v, list)
                               else mean(r["overlap"][k] for r in per_rank)) for k, v in first["overlap"].items()}
-        if "collective_host_s" in first:
-            out["collective_host_s"] = median(r["collective_host_s"] for r in per_rank)
+        for key in ("collective_host_s", "collective_host_byte_s"):
+            if key in first:
+                out[key] = median(r[key] for r in per_rank)
         if "skew" in first:
             out["skew"] = {"compute_s": mean(r["skew"]["compute_s"] for r in per_rank),
                            "kinds": {k: [mean(r["skew"]["kinds"][k][i] for r in per_rank) for i in range(2)]
@@ -159,6 +161,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
                                  update_element_s=per_element, grad_buffer_element_s=grad_buffer,
                                  collective_host_s=measured.get("collective_host_s", 0.0),
+                                 collective_host_byte_s=measured.get("collective_host_byte_s", 0.0),
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)
     cluster = dataclasses.replace(base, device=device)
     if "collectives" in measured:
@@ -201,9 +204,10 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             sources.append(f"a pipeline schedule's work per microbatch and stage: {per_micro * 1e6:.1f} us (1F1B over "
                            f"{pl['m'][0]} and {pl['m'][-1]} microbatches: {pl['step_s'][0] * 1e3:.2f} and "
                            f"{pl['step_s'][-1] * 1e3:.2f} ms)")
-        if device.collective_host_s:
+        if device.collective_host_s or device.collective_host_byte_s:
             sources.append(f"the host's own time per collective (a reshard's autograd node, buffers, layout copies): "
-                           f"{device.collective_host_s * 1e6:.1f} us")
+                           f"{device.collective_host_s * 1e6:.1f} us + {device.collective_host_byte_s * 1e6 * 2**10:.2f} "
+                           "us per KiB")
         cluster = dataclasses.replace(cluster, intra_node=link,
                                       inter_node=link if base.nodes == 1 else base.inter_node,
                                       exposed_comm_share=share, collective_skew_s=skew,

@@ -250,7 +250,7 @@ PROBE_WINDOW_S, PROBE_REPEATS = 0.1, 3
 # from cache; at 4 MiB the update timed 2.8-4.3 ns per element on 4 processes sharing 2 cores,
 # at 32 MiB 7.7, what an 8.4M-parameter MLP's AdamW step took per element)
 UPDATE_NUMEL = 1 << 23
-UPDATE_REPEATS = 3  # windows per spec.repeats of the per-element update and gradient buffer costs
+UPDATE_REPEATS = 2  # windows per spec.repeats of the per-element update and gradient buffer costs
 GRAD_BUFFERS = 4  # gradient buffers of UPDATE_NUMEL the zeroing and accumulation rotate over (128 MiB)
 
 
@@ -382,7 +382,7 @@ def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     out = {}
     pool = torch.randn(COLD_BYTES // 4, device=device)
     for name in names:
-        rows = []
+        fns, sizes = [], []
         for r, w in OP_SIZES:
             fwd, elements = _op_probe(name, r, w, device, pool)
             grad = torch.ones_like(fwd())
@@ -390,9 +390,12 @@ def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
             def both(fwd=fwd, grad=grad):
                 fwd().backward(grad)
 
-            repeats = min(spec.repeats, OP_REPEATS)
-            rows.append((elements, _per_op(fwd, device, repeats, barrier), _per_op(both, device, repeats, barrier)))
-        out[name] = rows
+            fns += [fwd, both]
+            sizes.append(elements)
+        # an op's four timings in passes: one set of idle windows per pass, not per timing (on 4
+        # processes a barrier takes milliseconds)
+        times = _per_op_spread(fns, device, min(spec.repeats, OP_REPEATS), barrier)
+        out[name] = [(e, times[2 * i], times[2 * i + 1]) for i, e in enumerate(sizes)]
     return out
 
 
@@ -602,7 +605,8 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
         out["overlap"] = _overlap(spec, device, barrier, world)
         out["skew"] = _skew(spec, device, barrier, meshes)
         # a GPU's host runs ahead of its streams: its time per collective is hidden, not priced
-        out["collective_host_s"] = collective_host_s(spec, device, barrier, world) if device.type == "cpu" else 0.0
+        if device.type == "cpu":
+            out.update(collective_host_s(spec, device, barrier, world))
         if world % 2 == 0:
             out["pipeline"] = _pipeline(spec, device, barrier, meshes)
     return out

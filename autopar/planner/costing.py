@@ -333,11 +333,17 @@ def reshard_time(
 
 
 def _reshard_time(shape, per_elem, src, dst, ctx, blocking: bool) -> dict[str, float]:
+    """Each step's collective and the host's layout copies around it (``runtime.collectives``:
+    a moved dim made contiguous, a clone to reduce in place, the gathered blocks' concatenation),
+    per byte of the collective (``DeviceSpec.collective_host_byte_s``; a gradient bucket's
+    all-reduce in place has none)."""
     out: dict[str, float] = {}
     groups = ctx.groups
     price = blocking_collective_time if blocking else collective_time
+    copies = ctx.cluster.device.collective_host_byte_s
     for kind, axis, nbytes in reshard_step_bytes(shape, per_elem, src, dst, ctx.mesh_shape):
-        out[kind] = out.get(kind, 0.0) + price(kind, nbytes, groups[axis], ctx.cluster)
+        seconds = price(kind, nbytes, groups[axis], ctx.cluster)
+        out[kind] = out.get(kind, 0.0) + seconds + (copies * nbytes if seconds > 0.0 else 0.0)
     return out
 
 
