@@ -200,8 +200,8 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
 def test_every_collective_pays_the_hosts_own_time_once():
     """``DeviceSpec.collective_host_s``: added once to every collective that moves bytes between
     ranks (blocking or not), not to a group of one or to zero bytes; ``collective_host_byte_s``
-    per byte of a reshard's collectives (its layout copies), not of a gradient bucket's; both
-    validated and kept in JSON."""
+    per byte a reshard copies around its collectives (``reshard_copy_bytes``), not to a gradient
+    bucket's all-reduce in place; both validated and kept in JSON."""
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     from autopar.cost_models.memory import optimizer_spec, precision_policy
@@ -220,8 +220,14 @@ def test_every_collective_pays_the_hosts_own_time_once():
     copying = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_host_byte_s=3e-10))
     meta = TensorMeta((64, 1024), torch.float32)
     ctx = {c: CostContext((4,), ("tp",), c, precision_policy("fp32"), optimizer_spec("adam")) for c in (base, copying)}
+    # a gather of dim 1 copies its input to the front (a quarter of the output); of dim 0, nothing
     gather = {c: reshard_time(meta, (Shard(1),), (Replicate(),), ctx[c]) for c in (base, copying)}
-    assert gather[copying]["all_gather"] == pytest.approx(gather[base]["all_gather"] + 3e-10 * meta.nbytes)
+    assert gather[copying]["all_gather"] == pytest.approx(gather[base]["all_gather"] + 3e-10 * meta.nbytes / 4)
+    front = {c: reshard_time(meta, (Shard(0),), (Replicate(),), ctx[c]) for c in (base, copying)}
+    assert front[copying] == front[base]
+    # an all-reduce clones its buffer to reduce it in place
+    reduced = {c: reshard_time(meta, (Partial(),), (Replicate(),), ctx[c]) for c in (base, copying)}
+    assert reduced[copying]["all_reduce"] == pytest.approx(reduced[base]["all_reduce"] + 3e-10 * meta.nbytes)
     summed = {c: bucketed_time(meta, (Partial(),), (Replicate(),), ctx[c]) for c in (base, copying)}
     assert summed[base]["all_reduce"] > 0 and summed[copying] == summed[base]
     with pytest.raises(ClusterSpecError, match="collective_host_s"):

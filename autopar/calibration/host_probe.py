@@ -27,30 +27,21 @@ HOST_ROWS = (8, 256)
 class _NullNetwork:
     """A one-axis ``MeshComm`` stand-in whose collectives move nothing (an output keeps what its
     buffer held: the collective's own copy is in its measured time), so a reshard through it
-    costs only what the host does. Counts each collective's bytes as ``MeshComm`` does."""
+    costs only what the host does."""
 
     def __init__(self, size: int, coord: int):
         from autopar.runtime.comm import CommStats
 
         self.sizes, self.coords, self.stats = (size,), (coord,), CommStats()
         self.step_cache: dict = {}
-        self.calls, self.nbytes = 0, 0
-
-    def _count(self, t: torch.Tensor) -> None:
-        self.calls += 1
-        self.nbytes += t.numel() * t.element_size()
 
     def all_reduce(self, t, axis, *, async_op=False):
-        self._count(t)
+        return None
 
     def all_gather(self, out, inp, axis, *, async_op=False):
-        self._count(out)
+        return None
 
-    def reduce_scatter(self, out, inp, axis, *, async_op=False):
-        self._count(inp)
-
-    def all_to_all(self, out, inp, axis, *, async_op=False):
-        self._count(inp)
+    reduce_scatter = all_to_all = all_gather
 
 
 def collective_host_s(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
@@ -76,17 +67,28 @@ def collective_host_s(spec: MicrobenchSpec, device: torch.device, barrier, world
     reshards = [lambda x=inputs[shape(world, rows)], src=src, dst=dst, gsrc=gsrc, gdst=gdst:
                 reshard(x, src, dst, gsrc, gdst).sum().backward()
                 for (src, dst, gsrc, gdst, shape, _), rows in cases]
+    per_call = [_copied_bytes(r, rows, world) / r[5] for r, rows in cases]  # bytes copied per collective
     with active_mesh(comm):
-        per_call = []
-        for fn in reshards:
-            comm.calls = comm.nbytes = 0
-            fn()
-            per_call.append(comm.nbytes / max(comm.calls, 1))  # bytes per collective
         seconds = _per_op_spread(alone + reshards, device, spec.repeats, barrier)
     base = dict(zip(inputs, seconds[:len(alone)]))
     host = [max(t - base[r[4](world, rows)], 0.0) / r[5] for (r, rows), t in zip(cases, seconds[len(alone):])]
     n = len(HOST_ROWS)  # per reshard: its smaller and larger size
     return host_time_fit([(host[i], host[i + 1], per_call[i], per_call[i + 1]) for i in range(0, len(cases), n)])
+
+
+def _copied_bytes(reshard, rows: int, world: int) -> float:
+    """The layout copies (``planner.costing.reshard_copy_bytes``) of one of ``_HOST_RESHARDS``,
+    forward and backward, on one axis of ``world`` ranks: what the cost model will price."""
+    from autopar.layouts import Shard, parse_layout
+    from autopar.planner.costing import reshard_copy_bytes
+
+    src, dst, gsrc, gdst, shape, _ = reshard
+    full = list(shape(world, rows))
+    for placement in parse_layout(src):  # the input's global shape
+        if isinstance(placement, Shard):
+            full[placement.dim] *= world
+    return sum(sum(reshard_copy_bytes(tuple(full), 4.0, parse_layout(a), parse_layout(b), (world,)))
+               for a, b in ((src, dst), (gsrc, gdst)))
 
 
 def host_time_fit(points: list[tuple[float, float, float, float]]) -> dict:
@@ -100,7 +102,7 @@ def host_time_fit(points: list[tuple[float, float, float, float]]) -> dict:
     """
     slopes, fixed = [], []
     for t_small, t_large, b_small, b_large in points:
-        slope = max((t_large - t_small) / max(b_large - b_small, 1.0), 0.0)
+        slope = max((t_large - t_small) / (b_large - b_small), 0.0) if b_large > b_small else 0.0
         slopes.append(slope)
         fixed.append(max(t_small - slope * b_small, 0.0))
     return {"collective_host_s": statistics.median(fixed), "collective_host_byte_s": statistics.median(slopes)}

@@ -29,7 +29,7 @@ from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "gradient_buffer_time",
            "update_ops", "BWD_OPS",
-           "reshard_time", "reshard_step_bytes", "bucketed_time",
+           "reshard_time", "reshard_step_bytes", "reshard_copy_bytes", "bucketed_time",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
 
@@ -333,17 +333,16 @@ def reshard_time(
 
 
 def _reshard_time(shape, per_elem, src, dst, ctx, blocking: bool) -> dict[str, float]:
-    """Each step's collective and the host's layout copies around it (``runtime.collectives``:
-    a moved dim made contiguous, a clone to reduce in place, the gathered blocks' concatenation),
-    per byte of the collective (``DeviceSpec.collective_host_byte_s``; a gradient bucket's
-    all-reduce in place has none)."""
+    """Each step's collective and the host's layout copies around it (``reshard_copy_bytes``, at
+    ``DeviceSpec.collective_host_byte_s`` per byte; a gradient bucket's all-reduce in place, or a
+    ZeRO-3 gather along dim 0, copies nothing)."""
     out: dict[str, float] = {}
     groups = ctx.groups
     price = blocking_collective_time if blocking else collective_time
-    copies = ctx.cluster.device.collective_host_byte_s
-    for kind, axis, nbytes in reshard_step_bytes(shape, per_elem, src, dst, ctx.mesh_shape):
-        seconds = price(kind, nbytes, groups[axis], ctx.cluster)
-        out[kind] = out.get(kind, 0.0) + seconds + (copies * nbytes if seconds > 0.0 else 0.0)
+    per_copied = ctx.cluster.device.collective_host_byte_s
+    for step, nbytes, copies in _collective_steps(shape, per_elem, src, dst, ctx.mesh_shape):
+        seconds = price(step.kind, nbytes, groups[step.axis], ctx.cluster)
+        out[step.kind] = out.get(step.kind, 0.0) + seconds + (per_copied * copies if seconds > 0.0 else 0.0)
     return out
 
 
@@ -376,6 +375,20 @@ def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
     ``(kind, axis, bytes)`` with bytes in nccl-tests' size convention and the runtime's padding
     (``runtime.collectives``): an all-gather's output, a reduce-scatter's input padded to a
     multiple of the group size, an all-reduce's or all-to-all's buffer."""
+    return [(step.kind, step.axis, nbytes) for step, nbytes, _ in _collective_steps(shape, per_elem, src, dst, mesh_shape)]
+
+
+def reshard_copy_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> list[float]:
+    """Per collective of ``reshard_step_bytes``, the bytes the host copies around it
+    (``runtime.collectives``): an all-reduce's clone to reduce in place; an all-gather's input
+    made contiguous from a dim other than 0; a reduce-scatter's the same, and its output moved
+    back; an all-to-all's send copy unless it splits dim 0, and its result's concatenation
+    unless it gathers dim 0."""
+    return [copies for _, _, copies in _collective_steps(shape, per_elem, src, dst, mesh_shape)]
+
+
+def _collective_steps(shape, per_elem, src, dst, mesh_shape):
+    """(step, collective bytes, copied bytes) of each collective step of the reshard."""
     out = []
     cur = src
     for step in reshard_steps_for(shape, src, dst, mesh_shape):
@@ -386,7 +399,16 @@ def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
                 local[step.dim] *= n
             elif step.kind == "reduce_scatter":
                 local[step.dim] = -(-local[step.dim] // n) * n
-            out.append((step.kind, step.axis, math.prod(local) * per_elem))
+            nbytes = math.prod(local) * per_elem
+            if step.kind == "all_reduce":
+                copies = nbytes
+            elif step.kind == "all_gather":
+                copies = nbytes / n if step.dim != 0 else 0.0
+            elif step.kind == "reduce_scatter":
+                copies = nbytes + nbytes / n if step.dim != 0 else 0.0
+            else:  # all_to_all
+                copies = (nbytes if step.dim != 0 else 0.0) + (nbytes if step.src_dim != 0 else 0.0)
+            out.append((step, nbytes, copies))
         cur = layout_after(cur, step)
     return out
 
