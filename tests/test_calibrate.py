@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.calibration import combine_ranks, fit_cluster
-from autopar.calibration.microbench import probe_units
+from autopar.calibration.training_probe import probe_units
 from autopar.calibration.fit import collective_skew, exposed_share, fit_collective, fit_compute, ring_terms
 from autopar.cluster import Cluster, LinkSpec, calibration_path
 from autopar.cost_models.communication import CommGroup, blocking_collective_time, collective_time
@@ -267,7 +267,7 @@ def test_the_planner_prices_the_training_probe_as_measured():
     """The probe's ops, counted as the calibration counts them (``probe_units``), are the ops the
     planner charges: planning the probe itself on the fitted spec predicts its measured forward,
     backward and AdamW update (arithmetic and the streaming of its tiny tensors aside)."""
-    from autopar.calibration.microbench import PROBE_ROWS, PROBE_WIDTH, _probe_model
+    from autopar.calibration.training_probe import PROBE_ROWS, PROBE_WIDTH, _probe_model
 
     measured = _synthetic_measurements()
     measured.pop("collectives"), measured.pop("overlap")

@@ -42,7 +42,8 @@ import statistics
 
 from autopar.calibration.fit import (collective_skew, exposed_share, fit_collective, fit_compute, fit_op_cost,
                                      monotone_table)
-from autopar.calibration.microbench import PROBE_LAYERS, MicrobenchSpec, measure_rank, probe_units
+from autopar.calibration.microbench import MicrobenchSpec, measure_rank
+from autopar.calibration.training_probe import PROBE_LAYERS, probe_units
 from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import AutoparError
 
@@ -90,9 +91,9 @@ def combine_ranks(per_rank: list[dict]) -> dict:
 
 def training_overheads(training: dict, matmul_rate: float) -> tuple[float, float, tuple[float, float]]:
     """(seconds per forward/backward op, seconds per optimizer-update op, the update's (seconds
-    per element, more per state)) from the probe's measured times (``microbench._training_ops``):
+    per element, more per state)) from the probe's measured times (``training_probe.training_ops``):
     its matmuls' arithmetic taken out, over the ops the cost model counts in it
-    (``microbench.probe_units``); SGD's (no state) and AdamW's (two) update of a large parameter,
+    (``training_probe.probe_units``); SGD's (no state) and AdamW's (two) update of a large parameter,
     their ops' fixed cost taken out, per element."""
     from autopar.planner.costing import update_ops
 

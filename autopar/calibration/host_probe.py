@@ -19,8 +19,9 @@ _HOST_RESHARDS = (("[S(2)]", "[R]", "[R]", "[S(2)]", lambda p, rows: (rows, 16, 
                   ("[P(sum)]", "[R]", "[R]", "[R]", lambda p, rows: (rows, 16, 16 * p), 1),  # a row-parallel output
                   ("[R]", "[R]", "[P(sum)]", "[R]", lambda p, rows: (rows, 16, 16 * p), 1),  # a column-parallel input
                   ("[S(0)]", "[S(2)]", "[S(2)]", "[S(0)]", lambda p, rows: (rows, 16, 16 * p), 2))  # all-to-all both ways
-# each reshard at two sizes: 8 KiB and 256 KiB of input per group member (a layout copy costs its
-# bytes: on 2 processes, a gather of 256 KiB per rank took 145 us of the host, of 16 KiB 80 us)
+# each reshard at two sizes: 8 and 256 rows (8 KiB and 256 KiB of input per group member; a layout
+# copy costs its bytes: on 2 processes, a gather of 8 KiB per rank took 80 us of the host, of
+# 128 KiB 145 us, of 512 KiB 474 us)
 HOST_ROWS = (8, 256)
 
 
@@ -50,8 +51,9 @@ def collective_host_s(spec: MicrobenchSpec, device: torch.device, barrier, world
     each of ``HOST_ROWS`` is timed forward and backward through ``_NullNetwork``, less the same
     loss on an input of its shape alone, all in passes over every one of them
     (``microbench._per_op_spread``), every rank at once as ranks that share cores run. Per
-    reshard, the slope over its two sizes is its time per byte of its collectives, what is left
-    at the smaller its time per collective; each figure is the median over the reshards. On 4
+    reshard, the slope over its two sizes is its time per byte it copies
+    (``planner.costing.reshard_copy_bytes``, ``_copied_bytes``), what is left at the smaller its
+    time per collective; each figure is the median over the reshards. On 4
     processes on 2 cores the per-collective time read 84-118 us (38 us on 2), against 2-4 ms of
     the collectives themselves."""
     import torch.distributed as dist
@@ -92,7 +94,7 @@ def _copied_bytes(reshard, rows: int, world: int) -> float:
 
 
 def host_time_fit(points: list[tuple[float, float, float, float]]) -> dict:
-    """Per reshard, (seconds per collective at the smaller size, at the larger, bytes per
+    """Per reshard, (seconds per collective at the smaller size, at the larger, bytes copied per
     collective at each): its slope per byte (never below 0) and what is left at the smaller size
     (never below 0); the median of each over the reshards (pure).
 

@@ -12,8 +12,9 @@ measured, per rank (``measure_rank``):
 * the common non-matmul ops of training graphs (``MEASURED_OPS``), forward and forward +
   backward, at two sizes: their cost per element;
 * a training probe (small linears, GELUs and views, forward + backward with autograd, then
-  AdamW's update), and SGD's and AdamW's update of one large parameter: what a training step's
-  op costs beyond its arithmetic, and the update per element;
+  AdamW's update), SGD's and AdamW's update of one large parameter, and a gradient buffer's
+  zeroing and accumulation: what a training step's op costs beyond its arithmetic, and the update
+  and the gradient buffer per element (``calibration.training_probe``);
 * each collective the runtime issues (through ``runtime.comm.MeshComm``, as the program does) over
   message sizes, on the whole world and, with 4 or more ranks, on pairs: (group size, bytes in
   nccl-tests' convention, seconds); and on pairs (the world, with 2 ranks), one message from one
@@ -33,7 +34,6 @@ Times are per call on the slowest rank: back-to-back calls between two barriers 
 """
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -235,89 +235,6 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
         x, y, z = (torch.randn(numel, device=device) for _ in range(3))
         out["stream"].append((3.0 * numel * 4, _per_op(lambda: torch.add(x, y, out=z), device, spec.repeats,
                                                        barrier=barrier)))
-    return out
-
-
-# The probe of what one op costs in a training step beyond its arithmetic: a chain of small
-# linear + GELU + reshape layers, forward and backward with autograd, then AdamW's update.
-PROBE_LAYERS, PROBE_WIDTH, PROBE_ROWS = 24, 16, 8
-# windows of the probe: its op cost prices every op of a dispatch-bound model, and over 20 ms
-# windows on 4 processes sharing 2 cores its forward + backward read 2.8-5.6 ms within one launch
-# (100 ms windows: 3.0-4.0)
-PROBE_WINDOW_S, PROBE_REPEATS = 0.1, 3
-# the large parameter whose update is timed per element (32 MiB; with its gradient and AdamW's two
-# states 128 MiB, twice COLD_BYTES: a training step's optimizer streams its state from memory, not
-# from cache; at 4 MiB the update timed 2.8-4.3 ns per element on 4 processes sharing 2 cores,
-# at 32 MiB 7.7, what an 8.4M-parameter MLP's AdamW step took per element)
-UPDATE_NUMEL = 1 << 23
-UPDATE_REPEATS = 2  # windows per spec.repeats of the per-element update and gradient buffer costs
-GRAD_BUFFERS = 4  # gradient buffers of UPDATE_NUMEL the zeroing and accumulation rotate over (128 MiB)
-
-
-def probe_units() -> tuple[int, int]:
-    """(ops the cost model charges ``op_overhead`` for in the probe's forward and backward, ops
-    it charges ``update_op_overhead`` for in its AdamW update), counted by ``planner.costing``'s
-    rules: a linear is one op forward and ``BWD_OPS["matmul"]`` backward, a GELU one and one, a
-    reshape none (a view); the loss's sum one and one; ``update_ops(2)`` per parameter."""
-    from autopar.planner.costing import BWD_OPS, update_ops
-
-    per_layer = (1 + BWD_OPS["matmul"]) + (1 + BWD_OPS["pointwise"])
-    return PROBE_LAYERS * per_layer + 2, update_ops(2) * 2 * PROBE_LAYERS
-
-
-def _probe_model(device: torch.device) -> torch.nn.Module:
-    class Reshaped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(PROBE_WIDTH, PROBE_WIDTH)
-
-        def forward(self, x):
-            return torch.nn.functional.gelu(self.linear(x)).reshape(PROBE_ROWS, PROBE_WIDTH)
-
-    return torch.nn.Sequential(*[Reshaped() for _ in range(PROBE_LAYERS)]).to(device)
-
-
-def _training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
-    """Seconds of the probe's forward + backward, and of its optimizer step, on the slowest rank."""
-    _progress("a training step's per-op costs (autograd, optimizer)")
-    model = _probe_model(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
-
-    def fwd_bwd():
-        model(x).sum().backward()
-
-    fwd_bwd()
-    opt.step()  # the state exists from here on
-    flops = 2.0 * PROBE_ROWS * PROBE_WIDTH * PROBE_WIDTH * PROBE_LAYERS * 3  # forward and both backward GEMMs
-    window = dict(repeats=min(spec.repeats, PROBE_REPEATS), barrier=barrier, min_s=PROBE_WINDOW_S)
-    out = {"fwd_bwd_s": _per_op(fwd_bwd, device, **window), "step_s": _per_op(opt.step, device, **window),
-           "matmul_flops": flops, "params": sum(p.numel() for p in model.parameters()), "update_numel": UPDATE_NUMEL}
-    # per element: SGD (no state) and AdamW (two) updating one large parameter; and a gradient
-    # buffer of its size, zeroed once a step, each microbatch's gradient added into it in place:
-    # cold, each call on the next of GRAD_BUFFERS (one buffer back to back stays in a large
-    # last-level cache: 0.14 / 0.27 ns per element on 2 processes, against 0.39 / 0.49 rotating
-    # over 128 MiB and 0.45 / ~0.6 in the MLP's steps). The largest costs of a parameter-heavy
-    # step, so their windows are many and in passes (one call each; two calibrations minutes
-    # apart had read AdamW 3.7 and 4.5 ns per element from 5 windows back to back)
-    big = torch.nn.Parameter(torch.zeros(UPDATE_NUMEL, device=device))
-    big.grad = torch.randn_like(big)
-    pool = [big.grad] + [torch.randn_like(big) for _ in range(GRAD_BUFFERS - 1)]
-    turn = itertools.count()
-
-    def zero():
-        pool[next(turn) % GRAD_BUFFERS].zero_()
-
-    def accumulate():
-        i = next(turn)
-        pool[i % GRAD_BUFFERS].add_(pool[(i + 1) % GRAD_BUFFERS])
-
-    updates = [torch.optim.SGD([big], lr=1e-6), torch.optim.AdamW([big], lr=1e-6)]
-    for o in updates:
-        o.step()
-    names = ("sgd_update_s", "adamw_update_s", "grad_zero_s", "grad_add_s")
-    out.update(zip(names, _per_op_spread([o.step for o in updates] + [zero, accumulate], device,
-                                         UPDATE_REPEATS * spec.repeats, barrier)))
     return out
 
 
@@ -585,6 +502,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     import torch.distributed as dist
 
     from autopar.calibration.host_probe import collective_host_s
+    from autopar.calibration.training_probe import training_ops
     from autopar.runtime.cpu_affinity import node_cores
     from autopar.runtime.launch import init_distributed
 
@@ -598,7 +516,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
            # the CPU cores this node's ranks share, and the processes on the node
            "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-           "training": _training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
+           "training": training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
     if world > 1:
         meshes = _meshes(world, device)  # built once: each mesh of pairs is a new set of process groups
         out["collectives"] = _collectives(spec, device, barrier, meshes)
