@@ -66,7 +66,8 @@ from autopar.errors import AutoparError
 if TYPE_CHECKING:  # only for annotations: keeps autopar.cluster -> cost_models acyclic
     from autopar.cluster import Cluster, LinkSpec
 
-__all__ = ["COLLECTIVE_KINDS", "CommGroup", "axis_group", "blocking_collective_time", "collective_time"]
+__all__ = ["COLLECTIVE_KINDS", "CommGroup", "axis_group", "blocking_collective_time", "collective_latency",
+           "collective_time"]
 
 COLLECTIVE_KINDS = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv",
@@ -185,6 +186,16 @@ def blocking_collective_time(kind: str, nbytes: float, group: CommGroup, cluster
     asynchronous one, issued ahead and waited later, hides that wait behind compute."""
     t = collective_time(kind, nbytes, group, cluster)
     return t + cluster.collective_skew_s if t > 0 else 0.0
+
+
+def collective_latency(kind: str, group: CommGroup, cluster: Cluster) -> float:
+    """The part of ``collective_time`` that is waiting, not moving bytes: the fabric's time for
+    a collective of one byte (the latency terms; the smallest calibrated size where measured),
+    without the host's own time. Behind compute it can hide even where the bytes cannot (a
+    CPU rank's collective moves them with the cores compute uses: ``planner.overlap``)."""
+    if group.size == 1:
+        return 0.0
+    return _time(kind, 1.0, group.size, group.ranks_per_node, group.nodes, cluster)
 
 
 def _time(kind: str, n: float, p: int, r: int, m: int, cluster: Cluster) -> float:

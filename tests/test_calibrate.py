@@ -130,6 +130,46 @@ def test_measured_collective_times_are_interpolated_where_the_group_size_was_mea
         LinkSpec(bandwidth=1e9, latency=1e-4, collective_table=(("all_reduce", 1, 64.0, 1e-3),))
 
 
+def test_only_a_collectives_waiting_hides_where_ranks_share_cores_with_it():
+    """``collective_latency`` is the fabric's time for one byte (the smallest measured size where
+    a table is calibrated; the latency terms of alpha-beta elsewhere), without the host's time.
+    ``exposed_seconds``: the calibrated share (1.0 where CPU ranks fill the cores) stays exposed
+    of what is not waiting, and the waiting hides behind compute up to the window's efficiency.
+    ``bucketed_latency``: a model that fills one bucket hides none of it (the last bucket starts
+    when backward ends), one of n buckets hides (n - 1) / n."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    from autopar.cost_models.communication import collective_latency
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext, bucketed_latency, bucketed_time
+    from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_seconds
+    from autopar.runtime.grad_sync import BUCKET_BYTES
+    from autopar.trace import TensorMeta
+
+    table = (("all_reduce", 2, 64.0, 5e-4), ("all_reduce", 2, 4e6, 5e-3))
+    link = LinkSpec(bandwidth=1e9, latency=1e-4, collectives=(("all_reduce", 1e-4, 1e9),), collective_table=table)
+    base = Cluster.local(4, calibrated=False)
+    c = dataclasses.replace(base, intra_node=link, device=dataclasses.replace(base.device, collective_host_s=2e-4))
+    assert collective_latency("all_reduce", CommGroup(2, 2), c) == pytest.approx(5e-4)
+    assert collective_latency("all_reduce", CommGroup(4, 4), c) == pytest.approx(2 * 3 * 1e-4, rel=1e-4)  # alpha-beta
+    assert collective_latency("all_reduce", CommGroup(1, 1), c) == 0.0
+    # 10 ms overlappable, 3 ms of it waiting, 20 ms of compute to hide behind
+    f, b = exposed_seconds(20e-3, 20e-3, 10e-3, 10e-3, 0.0, 1, 1.0, 3e-3, 3e-3, 0.0)
+    assert f == pytest.approx(7e-3) and b == pytest.approx(7e-3)
+    assert exposed_seconds(2e-3, 0.0, 10e-3, 0.0, 0.0, 1, 1.0, 3e-3)[0] == pytest.approx(10e-3 - OVERLAP_EFFICIENCY * 2e-3)
+    assert exposed_seconds(20e-3, 0.0, 10e-3, 0.0, 0.0, 1, 0.05, 3e-3)[0] == pytest.approx(0.05 * 7e-3)
+    assert exposed_seconds(20e-3, 0.0, 10e-3, 0.0, 0.0, 1, 1.0)[0] == pytest.approx(10e-3)  # nothing waits
+    meta = TensorMeta((256, 1024), torch.float32)  # 1 MiB
+    summed = ((Partial(),), (Replicate(),))
+    for buckets in (1, 4):
+        ctx = CostContext((4,), ("dp",), c, precision_policy("fp32"), optimizer_spec("adam"),
+                          grad_bytes=float(buckets * BUCKET_BYTES))
+        share = meta.nbytes / BUCKET_BYTES  # of one bucket's collective
+        assert bucketed_latency(meta, *summed, ctx) == pytest.approx(
+            (1 - 1 / buckets) * share * collective_latency("all_reduce", CommGroup(4, 4), c))
+        assert bucketed_time(meta, *summed, ctx)["all_reduce"] > bucketed_latency(meta, *summed, ctx)
+
+
 def _synthetic_measurements(world: int = 4) -> dict:
     """Two ranks' measurements made by known parameters (rank 1 slower by 10% on compute)."""
     overhead, rate, bf16, bw, att = 3e-6, 4e10, 1e10, 6e9, 8e9

@@ -380,7 +380,10 @@ def test_routing_imbalance_prices_the_busiest_expert_rank():
         for name, c in (("ep", dict(dp=4, ep=4, zero=0)), ("replicated", dict(dp=4, tp=1, zero=0))):
             plan = autopar.plan(model, cluster, x, loss_fn=loss, example_target=y, constraints=autopar.Constraints(**c))
             times[name, imbalance] = (plan.predicted.step_time_s, dict(plan.predicted.comm_bytes))
-    assert times["ep", 2.0][0] > times["ep", 1.0][0] and times["ep", 2.0][1] == times["ep", 1.0][1]
+    # the experts' exchanges move the balanced bytes at any imbalance (a tiny sum's layout, a near
+    # tie, may differ between the two plans)
+    assert times["ep", 2.0][0] > times["ep", 1.0][0]
+    assert times["ep", 2.0][1]["all_to_all"] == times["ep", 1.0][1]["all_to_all"] > 0
     assert times["replicated", 2.0] == times["replicated", 1.0]
     assert autopar.Cluster.from_json(cluster.to_json()).expert_imbalance == 2.0
     with pytest.raises(ClusterSpecError, match="expert_imbalance must be a number >= 1"):

@@ -30,9 +30,16 @@ def test_pure_tensor_parallel_mlp_collectives_by_kind():
     x, t = mlp_batch()
     plan, gm = _program(MLP(64, 256, layers), (x,), t, mlp_loss, autopar.Constraints(tp=2, placements=MEGATRON_MLP))
     counts = count_collectives(gm)
-    # Megatron: one all-reduce after each row-parallel layer in forward; in backward one all-reduce
-    # of the gradient entering each column-parallel layer whose input needs a gradient (not layer 0)
-    assert counts == {("forward", "all_reduce"): layers, ("backward", "all_reduce"): layers - 1}
+    assert set(kind for _, kind in counts) <= {"all_reduce", "reduce_scatter", "all_gather"}, counts
+    # Megatron: one reduction after each row-parallel layer in forward (an all-reduce; with the
+    # residual stream sharded by rows, sequence parallelism, a reduce-scatter, and an all-gather
+    # before each later column-parallel layer); in backward one reduction of the gradient entering
+    # each column-parallel layer whose input needs a gradient (not layer 0), the gathers' mirror
+    c = lambda phase, kind: counts.get((phase, kind), 0)  # noqa: E731
+    assert c("forward", "all_reduce") + c("forward", "reduce_scatter") == layers, counts
+    assert c("backward", "all_reduce") + c("backward", "reduce_scatter") == layers - 1, counts
+    assert c("forward", "all_gather") == c("backward", "reduce_scatter"), counts
+    assert c("backward", "all_gather") == c("forward", "reduce_scatter"), counts
     params = plan.params
     assert params["layers.0.up.weight"].layout == "[R, S(0)]"
     assert params["layers.0.down.weight"].layout == "[R, S(1)]"

@@ -597,3 +597,34 @@ def test_zero_params_sets_zero_per_parameter():
         Constraints(zero_params={"a": 4})
     with pytest.raises(ConstraintError, match="zero_params must be a dict"):
         Constraints(zero_params=["a", 3])
+
+
+def test_a_zero3_weight_is_gathered_again_only_where_its_consumer_saves_it():
+    """Under ZeRO-3 a gathered weight is freed after forward and gathered again for the backward
+    of an op that saves it. The first layer of a stack saves no weight (its input needs no
+    gradient) while the layers after it do: the edge that stands for all of them prices one
+    forward gather each and a backward one for each consumer that saves it."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard as DShard
+
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.blocks import find_repeated_blocks
+    from autopar.planner.costing import reshard_time
+    from autopar.planner.problem import build_problem
+    from autopar.planner.search import cost_context
+    from autopar.trace import trace_model
+    from examples.mlp import MLP, example_batch as mlp_batch, mlp_loss
+
+    layers = 4
+    x, t = mlp_batch()
+    traced = trace_model(MLP(64, 256, layers), (x,), loss_fn=mlp_loss, example_target=t)
+    ctx = cost_context((2,), Cluster.local(2), precision_policy("fp32"), optimizer_spec("adam"))
+    problem = build_problem(traced, find_repeated_blocks(traced.graph), ctx, recompute=False, microbatches=1)
+    edge = next(e for e in problem.edges if e.u.endswith("up_weight"))
+    assert edge.count == layers
+    U = problem.nodes[edge.u]
+    s = next(i for i, st in enumerate(U.strategies) if st.outs[0] == (DShard(0),) and not st.zero_axes)
+    kv = next(kv for kv in range(edge.blocking.shape[1]) if edge.overlap[edge.u_key[s], kv] > 0)
+    meta = U.node.meta["autopar.outputs"][0]
+    gather = reshard_time(meta, (DShard(0),), (Replicate(),), ctx, blocking=False)["all_gather"]
+    assert edge.overlap[edge.u_key[s], kv] == pytest.approx(layers * gather)
+    assert edge.kinds[edge.u_key[s]][kv]["all_gather"] == pytest.approx((2 * layers - 1) * gather)

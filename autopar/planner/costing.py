@@ -15,7 +15,8 @@ from functools import lru_cache
 import torch.fx as fx
 
 from autopar.cluster import Cluster
-from autopar.cost_models.communication import CommGroup, axis_group, blocking_collective_time, collective_time
+from autopar.cost_models.communication import (CommGroup, axis_group, blocking_collective_time, collective_latency,
+                                               collective_time)
 from autopar.cost_models.compute import matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
@@ -29,7 +30,8 @@ from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "gradient_buffer_time",
            "update_ops", "BWD_OPS",
-           "reshard_time", "reshard_step_bytes", "reshard_copy_bytes", "bucketed_time",
+           "reshard_time", "reshard_step_bytes", "reshard_copy_bytes", "bucketed_time", "reshard_latency",
+           "bucketed_latency",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
 
@@ -368,6 +370,32 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
             t = collective_time(kind, bucket, ctx.groups[axis], ctx.cluster) * nbytes / bucket
         out[kind] = out.get(kind, 0.0) + t
     return out
+
+
+def reshard_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext) -> float:
+    """The waiting part of ``reshard_time`` (``collective_latency`` of each collective step): what
+    can hide behind compute where the bytes cannot (``planner.overlap``)."""
+    if src == dst or meta is None:
+        return 0.0
+    return sum(collective_latency(step.kind, ctx.groups[step.axis], ctx.cluster)
+               for step in reshard_steps_for(meta.shape, tuple(src), tuple(dst), ctx.mesh_shape) if step.is_collective)
+
+
+def bucketed_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> float:
+    """The waiting part of ``bucketed_time`` that compute can hide: a bucket's latency, shared as
+    its time is, less the last bucket's (the runtime starts it when backward ends): of the
+    model's ``ctx.grad_bytes / BUCKET_BYTES`` buckets, all but one (counted over the whole
+    model's gradients: a rank's share, under tensor parallelism, fills fewer)."""
+    from autopar.runtime.grad_sync import BUCKET_BYTES
+
+    if src == dst:
+        return 0.0
+    per = per_elem if per_elem is not None else meta.itemsize
+    full = min(BUCKET_BYTES, ctx.grad_bytes)
+    hidden_share = 1.0 - full / ctx.grad_bytes if math.isfinite(ctx.grad_bytes) else 1.0
+    bucket = full * per / meta.itemsize
+    return hidden_share * sum(collective_latency(kind, ctx.groups[axis], ctx.cluster) * min(1.0, nbytes / bucket)
+                              for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape))
 
 
 def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> list[tuple[str, int, float]]:

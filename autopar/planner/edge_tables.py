@@ -20,10 +20,10 @@ from autopar.functionalize import written_edges
 from autopar.ir import (LOCAL_OUTPUTS_KEY, early_start_lead, edge_reshard, gradient_sink_params, local_rows, param_cast_dtype,
                         pending_loss, prefetchable_gather, pure_all_reduce_axes, sunk_param_grad)
 from autopar.layouts import replicated
-from autopar.planner.costing import CostContext, bucketed_time, reshard_time
+from autopar.planner.costing import CostContext, bucketed_latency, bucketed_time, reshard_latency, reshard_time
 from autopar.planner.loss_rider import may_ride
 from autopar.planner.op_memory import op_memory
-from autopar.planner.sync_pricing import _zero2_reduce_time
+from autopar.planner.sync_pricing import _zero2_reduce_latency, _zero2_reduce_time
 from autopar.trace import tensor_inputs
 
 if TYPE_CHECKING:  # annotations only: planner.problem imports this module
@@ -46,7 +46,9 @@ class EdgeTable:
     ``u_key[s]`` / ``v_key[s]``: key index of strategy s of the producer / consumer.
     ``blocking[ku, kv]``: seconds on the critical path; ``overlap`` / ``overlap_bwd`` /
     ``overlap_last``: seconds that can hide behind forward compute / backward compute / the last
-    microbatch's backward (``planner.ilp``), all already x count (None: nothing).
+    microbatch's backward (``planner.ilp``), all already x count (None: nothing); ``overlap_lat``
+    / ``overlap_bwd_lat`` / ``overlap_last_lat``: the waiting part of each window's seconds
+    (``costing.reshard_latency``), which can hide where the bytes cannot (``planner.overlap``).
     ``kinds[ku][kv]``: seconds per collective kind (x count), for reports.
     """
 
@@ -66,12 +68,21 @@ class EdgeTable:
     # the loss edge: per producer key, whether its first partial axis is a data axis, where the
     # value can ride a gradient bucket's all-reduce (the ILP's objective takes it as riding there)
     may_ride: np.ndarray | None = None
+    overlap_lat: np.ndarray | None = None
+    overlap_bwd_lat: np.ndarray | None = None
+    overlap_last_lat: np.ndarray | None = None
 
     def ilp_overlap_bwd(self) -> np.ndarray | None:
         """``overlap_bwd`` as the ILP's objective and local search count it (``may_ride``)."""
-        if self.may_ride is None or self.overlap_bwd is None:
-            return self.overlap_bwd
-        return self.overlap_bwd * (~self.may_ride)[:, None]
+        return self.ilp_window("overlap_bwd")
+
+    def ilp_window(self, name: str) -> np.ndarray | None:
+        """The array ``name`` as the ILP's objective and local search count it: the loss value's
+        backward-window reduction as riding the gradient sync where it may (``may_ride``)."""
+        arr = getattr(self, name)
+        if self.may_ride is None or arr is None or name not in ("overlap_bwd", "overlap_bwd_lat"):
+            return arr
+        return arr * (~self.may_ride)[:, None]
 
     def seconds(self, ku: int, kv: int) -> float:
         """All communication of the pair, hidden or not."""
@@ -104,12 +115,18 @@ def early_leads(traced, blocks, recompute: bool) -> dict[tuple[str, str], float]
 def build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast) -> list[EdgeTable]:
     rep = blocks.rep
     grouped: dict[tuple, int] = defaultdict(int)
+    # per parameter edge: how many of the consumers it stands for save the parameter for their
+    # backward (under ZeRO-3, gathered again there): block instances differ (the first layer's
+    # input may need no gradient, and its weight is then not saved)
+    saving: dict[tuple, int] = defaultdict(int)
     for v in traced.graph.nodes:
         if v.op == "output" or is_alias_getitem(v):
             continue
         for i, a in enumerate(tensor_inputs(v)):
             u, idx = producer_of(a)
             grouped[(rep[u.name], idx, rep[v.name], i)] += 1
+            if u.meta.get("autopar.kind") == "param" and _saves_input(v, i, autocast):
+                saving[(rep[u.name], idx, rep[v.name], i)] += 1
     # the program's outputs end replicated on every rank: a scalar loss, or (without a loss) the
     # model's outputs handed to the user's loss, whose gradient comes back the same on every rank
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
@@ -125,16 +142,22 @@ def build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, auto
         table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
                             written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss,
                             loss_value=v is None and traced.has_loss and len(out_node.args) == 1,
-                            lead=leads.get((u, v)))
+                            lead=leads.get((u, v)), saved_share=saving.get((u, idx, v, i), 0) / c)
         if table is not None:
             edges.append(table)
     # identical (u, v) edges collapse: the ILP simply sums them
     return edges
 
 
+def _saves_input(v: fx.Node, i: int, autocast) -> bool:
+    """Whether op ``v`` saves its tensor input ``i`` (or a copy of it) for its backward."""
+    return any(e[0] in ("in", "cast") and e[1] == i for e in op_memory(v, autocast).saved)
+
+
 def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx: CostContext, microbatches: int,
                 batch: set[str] = frozenset(), recompute: bool = False, autocast=None, written: bool = False,
-                traced_loss: bool = True, loss_value: bool = False, lead: float | None = None):
+                traced_loss: bool = True, loss_value: bool = False, lead: float | None = None,
+                saved_share: float | None = None):
     """Price one edge for every pair of (producer layout, consumer layout): the ``reshard`` the
     passes will insert there (``ir.edge_reshard``), in the window the runtime runs it in.
 
@@ -194,9 +217,10 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         cast = param_cast_dtype(U.node, V.node) if V is not None else None
         fwd_per_elem = float(cast.itemsize if cast is not None else meta.itemsize)
         bwd_per_elem = float(ctx.policy.torch_reduce_dtype.itemsize if cast is not None else meta.itemsize)
-        saves = V is not None and any(e[0] in ("in", "cast") and e[1] == i for e in op_memory(V.node, autocast).saved)
+        if saved_share is None:  # the representative consumer stands for itself
+            saved_share = float(V is not None and _saves_input(V.node, i, autocast))
         value = ("param", meta.shape, meta.itemsize, needs_grad, fwd_per_elem, bwd_per_elem, m,
-                 bool(in_recompute or saves))
+                 1.0 if in_recompute else saved_share)
         u_ids = [(intern.setdefault(k[0], len(intern)), k[1], k[2]) for k in u_layouts]
     else:
         per_micro = 1.0 if U.name in batch else m  # how many times the traced-size bytes move
@@ -210,7 +234,7 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
         u_ids = [intern.setdefault(k, len(intern)) for k in u_layouts]
     v_ids = [(intern.setdefault(lin, len(intern)), intern.setdefault(lgrad, len(intern))) for lin, lgrad in v_layouts]
     nu, nv = len(u_layouts), len(v_layouts)
-    arrays = {k: np.zeros((nu, nv)) for k in _WINDOWS}
+    arrays = {k: np.zeros((nu, nv)) for k in _WINDOWS + _LATENCIES}
     table: list[list[tuple]] = []
     for a, uid in enumerate(u_ids):
         row = []
@@ -219,17 +243,21 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
             cell = cells.get(key)
             if cell is None:
                 cell = cells[key] = _cell(value, u_layouts[a], v_layouts[b], meta, ctx)
-            for where, seconds, _ in cell:
+            for where, seconds, _, waiting in cell:
                 arrays[where][a, b] += seconds * count
+                if waiting:
+                    arrays[where + "_lat"][a, b] += waiting * count
             row.append(cell)
         table.append(row)
     loss_value = loss_value and not is_param
     return EdgeTable(U.name, V.name if V else None, idx, i, count, u_key, v_key, arrays["blocking"],
                      arrays["overlap"], _Kinds(table, count), arrays["overlap_bwd"], arrays["overlap_last"],
-                     loss_value=loss_value, may_ride=may_ride(u_layouts, ctx.mesh_shape, ctx.axis_names) if loss_value else None)
+                     loss_value=loss_value, may_ride=may_ride(u_layouts, ctx.mesh_shape, ctx.axis_names) if loss_value else None,
+                     **{k: arrays[k] for k in _LATENCIES})
 
 
 _WINDOWS = ("blocking", "overlap", "overlap_bwd", "overlap_last")
+_LATENCIES = ("overlap_lat", "overlap_bwd_lat", "overlap_last_lat")  # the waiting part of each overlap window
 
 
 class _Kinds:
@@ -257,7 +285,7 @@ class _KindsRow:
 
     def __getitem__(self, b):
         out: dict[str, float] = {}
-        for _, _, times in self.row[b]:
+        for _, _, times, _ in self.row[b]:
             for k, t in times:
                 out[k] = out.get(k, 0.0) + t * self.count
         return out
@@ -265,25 +293,29 @@ class _KindsRow:
 
 def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
     """The collectives of one (producer layout, consumer layout) pair of a value (``_edge_table``):
-    ``((window, seconds, ((kind, seconds), ...)), ...)`` per traced-size step, before x count."""
+    ``((window, seconds, ((kind, seconds), ...), waiting seconds), ...)`` per traced-size step,
+    before x count (waiting: the latency part of an overlap window's seconds)."""
     out = []
 
-    def add(times: dict, where: str, repeat: float):
+    def add(times: dict, where: str, repeat: float, waiting: float = 0.0):
         if times:
-            out.append((where, sum(times.values()) * repeat, tuple((k, t * repeat) for k, t in times.items())))
+            out.append((where, sum(times.values()) * repeat, tuple((k, t * repeat) for k, t in times.items()),
+                        waiting * repeat))
 
     lin, lgrad = vkey
     if value[0] == "act":
         _, _, _, needs_grad, per_micro, fwd_times, written, sink, loss_value, lead = value
         edge = edge_reshard(ukey, lin, lgrad, needs_grad) if ukey is not None else None
         if edge is not None and written:
-            out.append(("blocking", REFUSED_RESHARD_S, ()))  # the op would write into a copy
+            out.append(("blocking", REFUSED_RESHARD_S, (), 0.0))  # the op would write into a copy
         if edge is not None:
             src, dst, gsrc, gdst = edge
             if loss_value and pending_loss(src):  # the runtime reduces it while backward runs
-                add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap_bwd", per_micro)
+                add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap_bwd", per_micro,
+                    reshard_latency(meta, src, dst, ctx))
             elif lead is not None and src != dst:  # started as soon as the batch arrives
-                add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap", per_micro * fwd_times * lead)
+                add(reshard_time(meta, src, dst, ctx, blocking=False), "overlap", per_micro * fwd_times * lead,
+                    reshard_latency(meta, src, dst, ctx))
                 add(reshard_time(meta, src, dst, ctx), "blocking", per_micro * fwd_times * (1.0 - lead))
             else:
                 add(reshard_time(meta, src, dst, ctx) if src != dst else {}, "blocking", per_micro * fwd_times)
@@ -293,7 +325,8 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
                 whole = replicated(len(ctx.mesh_shape))
                 for pmeta in sink:
                     wire = float(ctx.policy.torch_reduce_dtype.itemsize if ctx.policy.mixed else pmeta.itemsize)
-                    add(bucketed_time(pmeta, sunk_param_grad(whole, summed), whole, ctx, wire), "overlap_last", 1.0)
+                    add(bucketed_time(pmeta, sunk_param_grad(whole, summed), whole, ctx, wire), "overlap_last", 1.0,
+                        bucketed_latency(pmeta, sunk_param_grad(whole, summed), whole, ctx, wire))
             elif gsrc is not None:
                 add(reshard_time(meta, gsrc, gdst, ctx), "blocking", per_micro)
         return tuple(out)
@@ -304,19 +337,22 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
         src, dst, gsrc, gdst = edge
         ahead = prefetchable_gather(meta.shape, src, dst, gsrc, gdst, ctx.mesh_shape) is not None
         fwd = reshard_time(meta, src, dst, ctx, fwd_per_elem, blocking=not ahead) if src != dst else {}
-        add(fwd, "overlap" if ahead else "blocking", m)
-        if fwd and again:  # gathered again in backward
-            add(fwd, "overlap_bwd" if ahead else "blocking", m)
+        waiting = reshard_latency(meta, src, dst, ctx) if ahead else 0.0
+        add(fwd, "overlap" if ahead else "blocking", m, waiting)
+        if fwd and again:  # gathered again in backward, by the consumers that save it (a share of them)
+            add(fwd, "overlap_bwd" if ahead else "blocking", m * again, waiting)
         if gsrc is not None:
             summed = pure_all_reduce_axes(src, dst, gsrc, gdst)
             if summed is not None and zero_stage == 2:
-                add(_zero2_reduce_time(meta, lu, summed, zero_axes, ctx), "overlap_bwd", m)
+                add(_zero2_reduce_time(meta, lu, summed, zero_axes, ctx), "overlap_bwd", m,
+                    _zero2_reduce_latency(summed, zero_axes, ctx))
             elif summed is not None:  # GradSync sums in the policy's reduce dtype
                 wire = float(ctx.policy.torch_reduce_dtype.itemsize if ctx.policy.mixed else meta.itemsize)
-                add(bucketed_time(meta, gsrc, gdst, ctx, wire), "overlap_last", 1.0)
+                add(bucketed_time(meta, gsrc, gdst, ctx, wire), "overlap_last", 1.0,
+                    bucketed_latency(meta, gsrc, gdst, ctx, wire))
             else:
                 add(reshard_time(meta, gsrc, gdst, ctx, bwd_per_elem, blocking=not ahead),
-                    "overlap_bwd" if ahead else "blocking", m)
+                    "overlap_bwd" if ahead else "blocking", m, reshard_latency(meta, gsrc, gdst, ctx) if ahead else 0.0)
     return tuple(out)
 
 

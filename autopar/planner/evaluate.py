@@ -18,6 +18,9 @@ from autopar.planner.overlap import exposed_floor, exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
+# the overlap windows' seconds and their waiting parts (``EdgeTable``)
+OVERLAP_WINDOWS = ("overlap", "overlap_bwd", "overlap_last", "overlap_lat", "overlap_bwd_lat", "overlap_last_lat")
+
 __all__ = ["Evaluation", "evaluate", "step_parts", "node_alternatives", "model_flops", "autocast_dtype"]
 
 
@@ -48,7 +51,7 @@ def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[st
                pipelined: bool = False) -> tuple:
     """(forward compute, backward compute (the optimizer's updates included), blocking
     communication, seconds per collective kind, overlappable seconds per window: "overlap",
-    "overlap_bwd", "overlap_last") of one step under ``choice`` (``evaluate``'s parts). The loss
+    "overlap_bwd", "overlap_last", and the waiting part of each: "overlap_lat", ...) of one step under ``choice`` (``evaluate``'s parts). The loss
     value's all-reduce costs no time where it rides the gradient sync (``loss_rider``; never
     under a pipeline schedule, ``pipelined``)."""
     fwd = sum(v.fwd_s[choice[n]] for n, v in problem.nodes.items())
@@ -71,7 +74,7 @@ def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[st
         t = blocking_collective_time("all_reduce", counts[1], problem.ctx.groups[counts[0]], problem.ctx.cluster)
         kinds["all_reduce"] += t
         blocking += t
-    ovl = {"overlap": 0.0, "overlap_bwd": 0.0, "overlap_last": 0.0}
+    ovl = dict.fromkeys(OVERLAP_WINDOWS, 0.0)
     rides = not pipelined and loss_rides(problem, choice)
     for e in problem.edges:
         if rides and e.loss_value:
@@ -95,13 +98,14 @@ def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str]
     ilp_memory += max((v.transient_bytes[choice[n]] for n, v in problem.nodes.items() if v.transient_bytes is not None),
                       default=0.0)
     exposed_f, exposed_b = exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], ovl["overlap_last"],
-                                           problem.microbatches, exposed_floor(problem.ctx.cluster))
+                                           problem.microbatches, exposed_floor(problem.ctx.cluster),
+                                           ovl["overlap_lat"], ovl["overlap_bwd_lat"], ovl["overlap_last_lat"])
     compute = fwd + bwd
     return Evaluation(
         step_time_s=compute + blocking + exposed_f + exposed_b,
         compute_s=compute,
         blocking_s=blocking,
-        overlap_s=sum(ovl.values()),
+        overlap_s=ovl["overlap"] + ovl["overlap_bwd"] + ovl["overlap_last"],
         exposed_s=exposed_f + exposed_b,
         comm_by_kind=dict(sorted(kinds.items())),
         memory=(simulate_step_memory(problem, choice, recompute, autocast_dtype=autocast_dtype(problem))

@@ -54,6 +54,9 @@ class IlpModel:
     ovl_f: list = field(default_factory=list)  # the windows of the module docstring
     ovl_b: list = field(default_factory=list)
     ovl_l: list = field(default_factory=list)
+    lat_f: list = field(default_factory=list)  # the waiting part of each window (``EdgeTable.overlap_lat``, ...)
+    lat_b: list = field(default_factory=list)
+    lat_l: list = field(default_factory=list)
     memory: list = field(default_factory=list)  # (MiB, column|None)
     working_sets: list = field(default_factory=list)  # per node: [(MiB, column|None)]
 
@@ -84,7 +87,8 @@ class IlpModel:
     def edge_terms(self):
         """(edge array name, the list its costs go to)."""
         return (("blocking", self.blocking), ("overlap", self.ovl_f), ("overlap_bwd", self.ovl_b),
-                ("overlap_last", self.ovl_l))
+                ("overlap_last", self.ovl_l), ("overlap_lat", self.lat_f), ("overlap_bwd_lat", self.lat_b),
+                ("overlap_last_lat", self.lat_l))
 
 
 @dataclass
@@ -185,8 +189,7 @@ def add_edge_costs(md: IlpModel, problem: Problem) -> None:
         # the loss value's reduction rides the gradient sync where its first partial axis is a
         # data axis and another node's layout allows (``planner.loss_rider``): the objective takes
         # it as riding there (``EdgeTable.ilp_overlap_bwd``), the plan's evaluation decides
-        terms = [(e.ilp_overlap_bwd() if name == "overlap_bwd" else getattr(e, name), out) for name, out in md.edge_terms()
-                 if getattr(e, name) is not None]
+        terms = [(e.ilp_window(name), out) for name, out in md.edge_terms() if getattr(e, name) is not None]
 
         def add(lit, ku, kv):
             for arr, out in terms:
@@ -285,26 +288,27 @@ def add_overlap_objective(md: IlpModel, microbatches: int = 1, floor: float = EX
     """Family *overlap*: exposed communication per the module's overlap model; minimise time."""
     fwd, bwd = Expr(md.fwd), Expr(md.bwd)
     ovl_f, ovl_b, ovl_l = Expr(md.ovl_f), Expr(md.ovl_b), Expr(md.ovl_l)
+    lat_f, lat_b, lat_l = Expr(md.lat_f), Expr(md.lat_b), Expr(md.lat_l)
     exposed_f = md.col(COL_AUX, 0.0, np.inf, "exposed_f")
     exposed_b = md.col(COL_AUX, 0.0, np.inf, "exposed_b")
     ef, eb = Expr([(1.0, exposed_f)]), Expr([(1.0, exposed_b)])
-    for piece in _pieces_f(ovl_f, fwd, floor):
+    for piece in _pieces_f(ovl_f, fwd, floor, lat_f):
         md.row(0.0, np.inf, Expr().add(ef).add(piece, -1.0), "overlap")
-    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor):
+    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor, lat_b, lat_l):
         md.row(0.0, np.inf, Expr().add(eb).add(piece, -1.0), "overlap")
     obj = Expr().add(fwd).add(bwd).add(Expr(md.blocking)).add(ef).add(eb)
     md.objective, md.offset = obj.coefs, obj.const
 
 
-def _pieces_f(ovl_f, fwd, floor):
+def _pieces_f(ovl_f, fwd, floor, lat_f=None):
     """exposed_f >= each of these (``exposed_seconds``)."""
-    return [Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY), Expr().add(ovl_f, floor)]
+    return [Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY), Expr().add(ovl_f, floor).add(lat_f or Expr(), -floor)]
 
 
-def _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor):
+def _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor, lat_b=None, lat_l=None):
     return [Expr().add(ovl_b).add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY),
             Expr().add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY / microbatches),
-            Expr().add(ovl_b, floor).add(ovl_l, floor)]
+            Expr().add(ovl_b, floor).add(ovl_l, floor).add(lat_b or Expr(), -floor).add(lat_l or Expr(), -floor)]
 
 
 def build_model(problem: Problem, budget_bytes: float | None, objective: str) -> IlpModel:

@@ -14,6 +14,9 @@ from autopar.planner.problem import Problem
 
 __all__ = ["AssignmentCosts", "Assignment", "improve"]
 
+_EDGE_WINDOWS = ("overlap", "overlap_bwd", "overlap_last", "overlap_lat", "overlap_bwd_lat", "overlap_last_lat")
+_EDGE_AT = (2, 3, 4, 5, 7, 8, 9)  # where each of an edge cell's numbers goes in ``Assignment.agg``
+
 
 class AssignmentCosts:
     """Per-problem tables of ``Assignment``, built once per solve: node costs as tuples, edge
@@ -43,14 +46,14 @@ class AssignmentCosts:
         self.ends = [(e.u, e.u_key.tolist(), e.v, e.v_key.tolist() if e.v is not None else None) for e in problem.edges]
 
     def cell(self, i: int, ku: int, kv: int) -> tuple:
-        """(blocking, ovl_f, ovl_b, ovl_l) of edge ``i`` at keys (ku, kv)."""
+        """(blocking, ovl_f, ovl_b, ovl_l, and the waiting part of each overlap window) of edge
+        ``i`` at keys (ku, kv); the loss value's reduction as the ILP's objective counts it."""
         key = (i, ku, kv)
         hit = self._cells.get(key)
         if hit is None:
             e = self.p.edges[i]
-            bwd = e.ilp_overlap_bwd()  # the loss value's reduction as the ILP's objective counts it
             hit = self._cells[key] = (float(e.blocking[ku, kv]),) + tuple(
-                0.0 if a is None else float(a[ku, kv]) for a in (e.overlap, bwd, e.overlap_last))
+                0.0 if a is None else float(a[ku, kv]) for a in (e.ilp_window(w) for w in _EDGE_WINDOWS))
         return hit
 
 
@@ -58,7 +61,7 @@ class Assignment:
     """A full assignment and its cost components, updated incrementally when one root (with its
     followers) changes strategy: the local search of ``improve``. Seconds and bytes, the
     arithmetic of ``planner.evaluate``; components as plain floats (fwd, bwd, blocking, ovl_f,
-    ovl_b, ovl_l, memory)."""
+    ovl_b, ovl_l, memory, and the waiting parts of ovl_f, ovl_b, ovl_l)."""
 
     def __init__(self, problem: Problem, choice: dict[str, int], budget_bytes: float | None, costs=None):
         self.p = problem
@@ -66,7 +69,7 @@ class Assignment:
         self.budget = budget_bytes
         self.c = costs if costs is not None else AssignmentCosts(problem)
         self.members, self.edges, self.node_cost = self.c.members, self.c.edges, self.c.node_cost
-        agg = [0.0] * 7
+        agg = [0.0] * 10
         for n in problem.nodes:
             f, b, c, m = self.node_cost[n][choice[n]]
             agg[0] += f
@@ -74,11 +77,8 @@ class Assignment:
             agg[2] += c
             agg[6] += m
         for i in range(len(problem.edges)):
-            bl, of, ob, ol = self._edge(i)
-            agg[2] += bl
-            agg[3] += of
-            agg[4] += ob
-            agg[5] += ol
+            for at, x in zip(_EDGE_AT, self._edge(i)):
+                agg[at] += x
         self.agg = agg
 
     def _edge(self, i: int) -> tuple:
@@ -90,13 +90,13 @@ class Assignment:
 
     def value(self) -> float | None:
         """The step time (seconds), None when over the memory budget."""
-        f, b, bl, of, ob, ol, mem = self.agg
+        f, b, bl, of, ob, ol, mem, lf, lb, ll = self.agg
         if self.budget is not None:
             working = max((v.transient_bytes[self.choice[n]] for n, v in self.p.nodes.items()
                            if v.transient_bytes is not None), default=0.0)
             if mem + working > self.budget:
                 return None
-        ef, eb = exposed_seconds(f, b, of, ob, ol, self.p.microbatches, exposed_floor(self.p.ctx.cluster))
+        ef, eb = exposed_seconds(f, b, of, ob, ol, self.p.microbatches, exposed_floor(self.p.ctx.cluster), lf, lb, ll)
         return f + b + bl + ef + eb
 
     def move(self, root: str, s: int) -> None:
@@ -104,11 +104,8 @@ class Assignment:
         agg = self.agg
         es = self.edges.get(root, ())
         for i in es:
-            bl, of, ob, ol = self._edge(i)
-            agg[2] -= bl
-            agg[3] -= of
-            agg[4] -= ob
-            agg[5] -= ol
+            for at, x in zip(_EDGE_AT, self._edge(i)):
+                agg[at] -= x
         for n in self.members[root]:
             f0, b0, c0, m0 = self.node_cost[n][self.choice[n]]
             f1, b1, c1, m1 = self.node_cost[n][s]
@@ -118,11 +115,8 @@ class Assignment:
             agg[6] += m1 - m0
             self.choice[n] = s
         for i in es:
-            bl, of, ob, ol = self._edge(i)
-            agg[2] += bl
-            agg[3] += of
-            agg[4] += ob
-            agg[5] += ol
+            for at, x in zip(_EDGE_AT, self._edge(i)):
+                agg[at] += x
 
 
 def improve(problem: Problem, roots: list[tuple[str, int]], choice: dict[str, int], budget_bytes: float | None,

@@ -311,14 +311,16 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # held whole under the split-backward schedules, ZeRO-2 gradients are reduced after the
     # schedule (zero2_after), not every microbatch as the submesh plan priced them
     in_backward = max(ovl["overlap_bwd"] - sum(zero2_per_micro) * m, 0.0)
-    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], in_backward, 0.0, m, floor))
+    waiting_b = ovl["overlap_bwd_lat"] * in_backward / ovl["overlap_bwd"] if ovl["overlap_bwd"] > 0 else 0.0
+    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], in_backward, 0.0, m, floor, ovl["overlap_lat"], waiting_b))
     in_schedule = fwd + bwd + blocking + exposed + actions * n_stages
     bwd_share = max(bwd, 0.0) / max(fwd + bwd, 1e-30)
     split = schedule in SPLIT_BACKWARD_SCHEDULES
 
     def after_schedule(r: int) -> float:
         mine = [s for s in range(n_stages) if rank_of[s] == r]
-        sync = ovl["overlap_last"] * _rank_param_bytes(owned, rank_of, r) / total_param
+        share = _rank_param_bytes(owned, rank_of, r) / total_param
+        sync, sync_waiting = ovl["overlap_last"] * share, ovl["overlap_last_lat"] * share
         # torch's weight pass adds to the gradients past the hooks that start a bucket's
         # reduction: under a split-backward schedule only stage 0's buckets start early
         hiding = 0.0 if split and 0 not in mine else OVERLAP_EFFICIENCY * bwd_share * sum(compute[s] for s in mine) / m
@@ -326,7 +328,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         # summed between the ranks holding them
         tied = sum((len(ranks) - 1) * send_s(grad_bytes_after_sync(p, dict(inner.mesh_axes), grad_bytes)) for p in shared
                    if r in (ranks := {rank_of[s] for s in used_in[p.node]}))
-        return (max(sync - hiding, floor * sync, 0.0) + tied
+        return (max(sync - hiding, floor * (sync - sync_waiting), 0.0) + tied
                 + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine))
 
     step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))

@@ -51,6 +51,14 @@ def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[
     return out
 
 
+def _zero2_reduce_latency(axes, zero_axes, ctx: CostContext) -> float:
+    """The waiting part of ``_zero2_reduce_time`` (``collective_latency`` of each collective)."""
+    from autopar.cost_models.communication import collective_latency
+
+    return sum(collective_latency("reduce_scatter" if a in zero_axes else "all_reduce", ctx.groups[a], ctx.cluster)
+               for a in axes)
+
+
 def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
     """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking)."""
     from autopar.cost_models.communication import blocking_collective_time
