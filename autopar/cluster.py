@@ -113,6 +113,14 @@ class DeviceSpec:
     # a parameter's gradient buffer per element: (seconds to zero it, seconds to add a gradient
     # into it in place), once per step and once per microbatch; None: streamed at memory bandwidth
     grad_buffer_element_s: tuple[float, float] | None = None
+    # the last two measured where a rank updates few elements a step, its parameters, gradients and
+    # states then held in cache (on 4 CPU processes, AdamW took 2.1-2.3 ns per element at 0.25M
+    # elements a rank, 4.6-4.9 at 2M, 7.0-8.1 at 8M): (elements a rank updated there, elements a
+    # rank updated for ``update_element_s`` and ``grad_buffer_element_s``, the update's seconds per
+    # element, per element and state, a gradient's zeroing and accumulation per element); a rank
+    # updating a count between the two is priced between them, log-linearly (``planner.costing``).
+    # None: every count at the two fields' figures
+    warm_elements: tuple[float, float, float, float, float, float] | None = None
     # measured per op name (the traced graph's, e.g. "gelu", "layer_norm"): (name, forward seconds
     # per element, backward seconds per element), sorted by name; such an op is priced by its
     # elements (the largest of its inputs and outputs) instead of the roofline
@@ -153,6 +161,13 @@ class DeviceSpec:
         object.__setattr__(self, "grad_buffer_element_s", _per_element_pair(
             "grad_buffer_element_s", self.grad_buffer_element_s,
             "seconds per element to zero a gradient, seconds per element to add one into it"))
+        if self.warm_elements is not None:
+            w = self.warm_elements
+            if not (isinstance(w, (tuple, list)) and len(w) == 6 and all(is_real(v) for v in w) and 0 < w[0] < w[1]):
+                raise ClusterSpecError(
+                    f"DeviceSpec.warm_elements must be (elements a rank updates where warm, where cold (larger), "
+                    f"then four seconds per element >= 0: update, per state, zero, add) or None; got {w!r}")
+            object.__setattr__(self, "warm_elements", tuple(float(v) for v in w))
         object.__setattr__(self, "op_costs", check_rows(
             "DeviceSpec", "op_costs", self.op_costs,
             lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(is_real(v) for v in r[1:]),
@@ -509,7 +524,7 @@ class Cluster:
             )
         if isinstance(top["device"], dict):
             for key in ("matmul_efficiency", "attention_efficiency", "op_overhead", "update_op_overhead",
-                        "update_element_s", "grad_buffer_element_s"):
+                        "update_element_s", "grad_buffer_element_s", "warm_elements"):
                 top["device"].setdefault(key, None)  # specs written before they existed
             top["device"].setdefault("op_costs", [])
             top["device"].setdefault("matmul_table", [])
@@ -519,9 +534,10 @@ class Cluster:
         dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                                  "matmul_efficiency", "attention_efficiency", "op_overhead",
                                                  "update_op_overhead", "update_element_s", "grad_buffer_element_s",
-                                                 "op_costs", "matmul_table", "linear_table", "collective_host_s",
+                                                 "warm_elements", "op_costs", "matmul_table", "linear_table", "collective_host_s",
                                                  "collective_host_byte_s"])
-        for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s"):
+        for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s",
+                    "warm_elements"):
             dev[key] = json_rows(dev[key])
         flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
         dev["peak_flops"] = json_build(PeakFlops, flops, "device.peak_flops")

@@ -553,3 +553,60 @@ def test_a_linear_forward_and_a_transposed_right_operand_are_priced_by_the_linea
 
     assert priced(Product(True)) == [pytest.approx(forward + backward, rel=1e-6)]
     assert priced(Product(False)) == [pytest.approx(matmul_time(8, 512, 64, d, "fp32") + backward, rel=1e-6)]
+
+
+def test_a_spread_probe_keeps_the_median_of_all_its_windows_over_the_calibration():
+    """``SpreadProbe``: windows taken when a probe is added and again at each ``sample`` (between
+    the calibration's later parts); its figure is the median over all of them, per call."""
+    import time
+
+    from autopar.calibration.microbench import SpreadProbe, _agreed_barrier
+
+    pause = [1e-3]
+    probe = SpreadProbe(torch.device("cpu"), _agreed_barrier(1))
+    probe.add("sleep_s", lambda: time.sleep(pause[0]), repeats=2, min_s=0.005)
+    early = probe.medians()["sleep_s"]
+    assert 1e-3 <= early < 3e-3
+    pause[0] = 6e-3  # the machine slows down for the rest of the calibration
+    for _ in range(3):
+        probe.sample()
+    assert 6e-3 <= probe.medians()["sleep_s"] < 9e-3  # 3 of its 5 windows
+    assert len(probe.runs[0]) == 5
+
+
+def test_a_rank_updating_few_elements_pays_the_warm_per_element_costs():
+    """``DeviceSpec.warm_elements``: at or below its count the warm figures, at or above the cold
+    count the calibrated ``update_element_s`` / ``grad_buffer_element_s``, log-linearly between;
+    the planner re-prices a plan whose rank updates another count than it assumed (the MLP's 8.4M
+    parameters over tp=2: 4.2M a rank). Refused when malformed; kept by the JSON."""
+    from autopar.bench import load_bench_model
+    from autopar.planner.costing import element_costs
+
+    base = Cluster.local(2, calibrated=False)
+    dev = dataclasses.replace(base.device, update_element_s=(1e-9, 4e-9), grad_buffer_element_s=(1e-9, 2e-9),
+                              warm_elements=(2.0**20, 2.0**23, 0.5e-9, 1e-9, 0.25e-9, 0.5e-9))
+    assert element_costs(dev, 2.0**18) == ((0.5e-9, 1e-9), (0.25e-9, 0.5e-9))
+    assert element_costs(dev, 2.0**24) == ((1e-9, 4e-9), (1e-9, 2e-9))
+    mid = element_costs(dev, 2.0**21)  # a third of the way in log
+    assert mid[0] == pytest.approx((0.5e-9 + 0.5e-9 / 3, 1e-9 + 3e-9 / 3))
+    assert mid[1] == pytest.approx((0.25e-9 + 0.75e-9 / 3, 0.5e-9 + 1.5e-9 / 3))
+    assert element_costs(base.device, 1.0) == (base.device.update_element_s, base.device.grad_buffer_element_s)
+    with pytest.raises(ClusterSpecError, match="warm_elements"):
+        dataclasses.replace(dev, warm_elements=(2.0**23, 2.0**20, 0, 0, 0, 0))
+    cluster = dataclasses.replace(base, device=dev)
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    model, inputs, loss, target = load_bench_model("mlp")
+    cold = dataclasses.replace(cluster, device=dataclasses.replace(dev, warm_elements=None))
+    plans = {c: autopar.plan(model, c, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                             constraints=autopar.Constraints(tp=2)) for c in (cluster, cold)}
+    numel = sum(p.numel() for p in model.parameters()) / 2
+    (per, per_state), (zero, add) = element_costs(dev, numel)
+    (cper, cper_state), (czero, cadd) = element_costs(cold.device, numel)
+    saved = numel * ((cper - per) + 2 * (cper_state - per_state) + (czero - zero) + (cadd - add))
+    assert plans[cluster].predicted.compute_s == pytest.approx(plans[cold].predicted.compute_s - saved, rel=1e-3)
+    # data parallel: priced first as if every rank updated all 8.4M elements (the cold figures);
+    # ZeRO-2 leaves each rank half of them, and the plan is priced again at that count
+    zero = {c: autopar.plan(model, c, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                            constraints=autopar.Constraints(dp=2, zero=2)) for c in (cluster, cold)}
+    assert sum(p.numel() for p in model.parameters()) >= 2**23
+    assert zero[cluster].predicted.compute_s < zero[cold].predicted.compute_s * 0.97

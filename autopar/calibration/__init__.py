@@ -95,16 +95,25 @@ def training_overheads(training: dict, matmul_rate: float) -> tuple[float, float
     its matmuls' arithmetic taken out, over the ops the cost model counts in it
     (``training_probe.probe_units``); SGD's (no state) and AdamW's (two) update of a large parameter,
     their ops' fixed cost taken out, per element."""
-    from autopar.planner.costing import update_ops
-
     fwd_bwd_units, update_units = probe_units()
     arithmetic = training["matmul_flops"] / matmul_rate
     per_op = max(training["fwd_bwd_s"] - arithmetic, 0.0) / fwd_bwd_units
     per_update_op = training["step_s"] / update_units
-    numel = training["update_numel"]
-    sgd = max(training["sgd_update_s"] - update_ops(0) * per_update_op, 0.0) / numel
-    adam = max(training["adamw_update_s"] - update_ops(2) * per_update_op, 0.0) / numel
-    return per_op, per_update_op, (sgd, max(adam - sgd, 0.0) / 2)
+    return per_op, per_update_op, _update_per_element(training, per_update_op)
+
+
+def _update_per_element(training: dict, per_update_op: float, suffix: str = "") -> tuple[float, float]:
+    """SGD's and AdamW's update per element (the second: per state) from the probe's steps over
+    ``update_numel{suffix}`` elements, held in tensors of ``UPDATE_CHUNK``, each tensor's ops'
+    fixed cost taken out."""
+    from autopar.calibration.training_probe import UPDATE_CHUNK
+    from autopar.planner.costing import update_ops
+
+    numel = training[f"update_numel{suffix}"]
+    tensors = max(1, numel // UPDATE_CHUNK)
+    sgd = max(training[f"sgd_update_s{suffix}"] - tensors * update_ops(0) * per_update_op, 0.0) / numel
+    adam = max(training[f"adamw_update_s{suffix}"] - tensors * update_ops(2) * per_update_op, 0.0) / numel
+    return sgd, max(adam - sgd, 0.0) / 2
 
 
 def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
@@ -144,6 +153,15 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         grad_buffer = (measured["training"]["grad_zero_s"] / numel, measured["training"]["grad_add_s"] / numel)
         sources.append(f"a gradient buffer per element: zeroed {grad_buffer[0] * 1e9:.2f} ns, a gradient added into it "
                        f"{grad_buffer[1] * 1e9:.2f} ns ({numel * 4 / 2**20:.0f} MiB buffers in turn, cold)")
+    warm = None
+    if "update_numel_warm" in measured["training"] and grad_buffer is not None:
+        t = measured["training"]
+        few = t["update_numel_warm"]
+        warm = (float(few), float(t["update_numel"]), *_update_per_element(t, update_overhead, "_warm"),
+                t["grad_zero_s_warm"] / few, t["grad_add_s_warm"] / few)
+        sources.append(f"the same where a rank updates {few / 2**20:.0f}M elements a step: update {warm[2] * 1e9:.2f} ns "
+                       f"+ {warm[3] * 1e9:.2f} ns per state, gradient zeroed {warm[4] * 1e9:.2f} ns, added "
+                       f"{warm[5] * 1e9:.2f} ns (against {t['update_numel'] / 2**20:.0f}M above)")
     op_costs = tuple((name, *fit_op_cost(rows)) for name, rows in sorted(measured.get("ops", {}).items()))
     if comp.get("gemm"):
         effs = [2.0 * m * k * n / t / peaks.fp32 for m, k, n, t in comp["gemm"]]
@@ -161,6 +179,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                  linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
                                  update_element_s=per_element, grad_buffer_element_s=grad_buffer,
+                                 warm_elements=warm,
                                  collective_host_s=measured.get("collective_host_s", 0.0),
                                  collective_host_byte_s=measured.get("collective_host_byte_s", 0.0),
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)

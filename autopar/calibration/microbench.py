@@ -100,13 +100,52 @@ def _per_op_spread(fns: list[Callable[[], object]], device: torch.device, repeat
     calls = [_calls_for(fn, device, barrier, min_s, min_calls) for fn in fns]
     runs: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        idle = statistics.median(_window(lambda: None, 0, device, barrier) for _ in range(3))
-        for fn, n, out in zip(fns, calls, runs):
-            w = _window(fn, n, device, barrier)
-            # the barriers' own time is taken off each window, at most half of it: on a shared
-            # machine their jitter can exceed a short window's work, and a run is never priced at nothing
-            out.append(max(w - idle, w / 2))
-    return [statistics.median(r) / n for r, n in zip(runs, calls)]
+        _pass(fns, calls, runs, device, barrier)
+    return [statistics.median(r) for r in runs]
+
+
+def _pass(fns: list[Callable[[], object]], calls: list[int], runs: list[list[float]], device: torch.device,
+          barrier) -> None:
+    """One window of each of ``fns`` (``calls`` calls each), its seconds per call appended to ``runs``."""
+    idle = statistics.median(_window(lambda: None, 0, device, barrier) for _ in range(3))
+    for fn, n, out in zip(fns, calls, runs):
+        w = _window(fn, n, device, barrier)
+        # the barriers' own time is taken off each window, at most half of it: on a shared
+        # machine their jitter can exceed a short window's work, and a run is never priced at nothing
+        out.append(max(w - idle, w / 2) / n)
+
+
+class SpreadProbe:
+    """Windows of a few probes taken again between the later parts of a calibration
+    (``sample``): each figure's median spans the whole measurement, not the seconds of its own
+    part. The figures that price a dispatch-bound model (an op's cost in a training step) moved
+    most between calibrations: 13.0 and 18.2 us per op on 2 processes an hour apart, 33 and 56
+    us on 4, while the GPT plans they priced ran within 10% of each other."""
+
+    def __init__(self, device: torch.device, barrier):
+        self.device, self.barrier = device, barrier
+        self.fns: list[Callable[[], object]] = []
+        self.calls: list[int] = []
+        self.runs: list[list[float]] = []
+        self.names: list[str] = []
+
+    def add(self, name: str, fn: Callable[[], object], repeats: int, min_s: float) -> None:
+        """Time ``fn`` now (``repeats`` windows of about ``min_s``), and again at each ``sample``."""
+        self.names.append(name)
+        self.fns.append(fn)
+        self.calls.append(_calls_for(fn, self.device, self.barrier, min_s, 1))
+        self.runs.append([])
+        for _ in range(repeats):
+            _pass(self.fns[-1:], self.calls[-1:], self.runs[-1:], self.device, self.barrier)
+
+    def sample(self) -> None:
+        """One more window of every probe (every rank calls it at the same points)."""
+        if self.fns:
+            _pass(self.fns, self.calls, self.runs, self.device, self.barrier)
+
+    def medians(self) -> dict[str, float]:
+        """Seconds per call of each probe: the median of all its windows."""
+        return {name: statistics.median(r) for name, r in zip(self.names, self.runs)}
 
 
 def _calls_for(fn: Callable[[], object], device: torch.device, barrier, min_s: float, min_calls: int) -> int:
@@ -513,18 +552,26 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     barrier = _agreed_barrier(world)
     cores = node_cores()  # the node's, before init_distributed pinned this rank to its share
+    spread = SpreadProbe(device, barrier)  # sampled again after each later part
     out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
            # the CPU cores this node's ranks share, and the processes on the node
            "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-           "training": training_ops(spec, device, barrier), "ops": _op_costs(spec, device, barrier)}
+           "training": training_ops(spec, device, barrier, spread), "ops": _op_costs(spec, device, barrier)}
+    spread.sample()
     if world > 1:
         meshes = _meshes(world, device)  # built once: each mesh of pairs is a new set of process groups
         out["collectives"] = _collectives(spec, device, barrier, meshes)
+        spread.sample()
         out["overlap"] = _overlap(spec, device, barrier, world)
+        spread.sample()
         out["skew"] = _skew(spec, device, barrier, meshes)
+        spread.sample()
         # a GPU's host runs ahead of its streams: its time per collective is hidden, not priced
         if device.type == "cpu":
             out.update(collective_host_s(spec, device, barrier, world))
+            spread.sample()
         if world % 2 == 0:
             out["pipeline"] = _pipeline(spec, device, barrier, meshes)
+            spread.sample()
+    out["training"].update(spread.medians())
     return out

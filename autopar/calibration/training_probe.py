@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from autopar.calibration.microbench import MicrobenchSpec, _per_op, _per_op_spread, _progress
+from autopar.calibration.microbench import MicrobenchSpec, SpreadProbe, _per_op_spread, _progress
 
 __all__ = ["PROBE_LAYERS", "PROBE_WIDTH", "PROBE_ROWS", "UPDATE_NUMEL", "probe_units", "training_ops"]
 
@@ -26,6 +26,12 @@ PROBE_WINDOW_S, PROBE_REPEATS = 0.1, 3
 # from cache; at 4 MiB the update timed 2.8-4.3 ns per element on 4 processes sharing 2 cores,
 # at 32 MiB 7.7, what an 8.4M-parameter MLP's AdamW step took per element)
 UPDATE_NUMEL = 1 << 23
+# the same where a rank updates few elements, its state then in cache (``DeviceSpec.warm_elements``;
+# 16 MiB of parameter, gradient and AdamW's states a rank)
+WARM_NUMEL = 1 << 20
+# both held as a model holds its parameters, in tensors of at most this many elements (AdamW over
+# one 8M-element tensor took 3.5 ns per element on 2 processes, over eight of 1M 2.9)
+UPDATE_CHUNK = 1 << 20
 UPDATE_REPEATS = 2  # windows per spec.repeats of the per-element update and gradient buffer costs
 GRAD_BUFFERS = 4  # gradient buffers of UPDATE_NUMEL the zeroing and accumulation rotate over (128 MiB)
 
@@ -53,8 +59,9 @@ def _probe_model(device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(*[Reshaped() for _ in range(PROBE_LAYERS)]).to(device)
 
 
-def training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
-    """Seconds of the probe's forward + backward, and of its optimizer step, on the slowest rank."""
+def training_ops(spec: MicrobenchSpec, device: torch.device, barrier, spread: SpreadProbe | None = None) -> dict:
+    """Seconds of the probe's forward + backward, and of its optimizer step, on the slowest rank
+    (with ``spread``: registered there, timed again between the calibration's later parts)."""
     _progress("a training step's per-op costs (autograd, optimizer)")
     model = _probe_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -66,9 +73,11 @@ def training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     fwd_bwd()
     opt.step()  # the state exists from here on
     flops = 2.0 * PROBE_ROWS * PROBE_WIDTH * PROBE_WIDTH * PROBE_LAYERS * 3  # forward and both backward GEMMs
-    window = dict(repeats=min(spec.repeats, PROBE_REPEATS), barrier=barrier, min_s=PROBE_WINDOW_S)
-    out = {"fwd_bwd_s": _per_op(fwd_bwd, device, **window), "step_s": _per_op(opt.step, device, **window),
-           "matmul_flops": flops, "params": sum(p.numel() for p in model.parameters()), "update_numel": UPDATE_NUMEL}
+    spread = spread if spread is not None else SpreadProbe(device, barrier)
+    for name, fn in (("fwd_bwd_s", fwd_bwd), ("step_s", opt.step)):
+        spread.add(name, fn, min(spec.repeats, PROBE_REPEATS), PROBE_WINDOW_S)
+    out = {**spread.medians(), "matmul_flops": flops, "params": sum(p.numel() for p in model.parameters()),
+           "update_numel": UPDATE_NUMEL}
     # per element: SGD (no state) and AdamW (two) updating one large parameter; and a gradient
     # buffer of its size, zeroed once a step, each microbatch's gradient added into it in place:
     # cold, each call on the next of GRAD_BUFFERS (one buffer back to back stays in a large
@@ -76,22 +85,36 @@ def training_ops(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     # over 128 MiB and 0.45 / ~0.6 in the MLP's steps). The largest costs of a parameter-heavy
     # step, so their windows are many and in passes (one call each; two calibrations minutes
     # apart had read AdamW 3.7 and 4.5 ns per element from 5 windows back to back)
-    big = torch.nn.Parameter(torch.zeros(UPDATE_NUMEL, device=device))
-    big.grad = torch.randn_like(big)
-    pool = [big.grad] + [torch.randn_like(big) for _ in range(GRAD_BUFFERS - 1)]
+    fns, names = [], []
+    for numel, suffix in ((UPDATE_NUMEL, ""), (WARM_NUMEL, "_warm")):
+        fns += _update_calls(numel, device)
+        names += [f"{k}{suffix}" for k in ("sgd_update_s", "adamw_update_s", "grad_zero_s", "grad_add_s")]
+    out.update(zip(names, _per_op_spread(fns, device, UPDATE_REPEATS * spec.repeats, barrier)))
+    out["update_numel_warm"] = WARM_NUMEL
+    return out
+
+
+def _update_calls(numel: int, device: torch.device) -> list:
+    """SGD's and AdamW's step over ``numel`` elements of parameters (tensors of ``UPDATE_CHUNK``),
+    zeroing their gradients, adding a gradient into them: the calls, the buffers taken in turn
+    from ``GRAD_BUFFERS`` sets."""
+    params = [torch.nn.Parameter(torch.zeros(min(UPDATE_CHUNK, numel), device=device))
+              for _ in range(max(1, numel // UPDATE_CHUNK))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    pool = [[p.grad for p in params]] + [[torch.randn_like(p) for p in params] for _ in range(GRAD_BUFFERS - 1)]
     turn = itertools.count()
 
     def zero():
-        pool[next(turn) % GRAD_BUFFERS].zero_()
+        for g in pool[next(turn) % GRAD_BUFFERS]:
+            g.zero_()
 
     def accumulate():
         i = next(turn)
-        pool[i % GRAD_BUFFERS].add_(pool[(i + 1) % GRAD_BUFFERS])
+        for g, h in zip(pool[i % GRAD_BUFFERS], pool[(i + 1) % GRAD_BUFFERS]):
+            g.add_(h)
 
-    updates = [torch.optim.SGD([big], lr=1e-6), torch.optim.AdamW([big], lr=1e-6)]
+    updates = [torch.optim.SGD(params, lr=1e-6), torch.optim.AdamW(params, lr=1e-6)]
     for o in updates:
         o.step()
-    names = ("sgd_update_s", "adamw_update_s", "grad_zero_s", "grad_add_s")
-    out.update(zip(names, _per_op_spread([o.step for o in updates] + [zero, accumulate], device,
-                                         UPDATE_REPEATS * spec.repeats, barrier)))
-    return out
+    return [o.step for o in updates] + [zero, accumulate]

@@ -29,7 +29,7 @@ from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "gradient_buffer_time",
-           "update_ops", "BWD_OPS",
+           "update_ops", "BWD_OPS", "updated_numel", "element_costs",
            "reshard_time", "reshard_step_bytes", "reshard_copy_bytes", "bucketed_time", "reshard_latency",
            "bucketed_latency",
            "reshard_staging_bytes", "param_memory",
@@ -59,6 +59,9 @@ class CostContext:
     # the model's trainable gradient bytes: GradSync's buckets are no larger (a model smaller than
     # one bucket all-reduces all of its gradients in one collective of that size)
     grad_bytes: float = math.inf
+    # the elements a rank updates a step (its parameters' shards): the optimizer's and the gradient
+    # buffers' cost per element depends on it (``DeviceSpec.warm_elements``); inf: the large count's
+    rank_update_numel: float = math.inf
     # memo of reshard prices for this context (hashing the whole context per lookup was a
     # tenth of planning time)
     reshard_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -261,16 +264,33 @@ def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext
     ``DeviceSpec.update_op_overhead`` each (torch's per-parameter loop), and per element the
     calibrated ``DeviceSpec.update_element_s``, else one fused pass streaming the parameter (read
     and written), its gradient and its states (each read and written) at memory bandwidth."""
-    state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
-    numel = local_numel(meta.shape, state if state is not None else strategy.outs[0], ctx.mesh_shape)
+    numel = updated_numel(meta, strategy, ctx)
     states = ctx.optimizer.states
     device = ctx.cluster.device
     fixed = update_ops(states) * (device.update_op_overhead or 0.0)
     if device.update_element_s is not None:
-        per, per_state = device.update_element_s
+        per, per_state = element_costs(device, ctx.rank_update_numel)[0]
         return fixed + numel * (per + per_state * states)
     nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
     return fixed + op_time(numel * (1 + 3 * states), nbytes, device, "fp32", "pointwise")
+
+
+def updated_numel(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> int:
+    """Elements of one parameter a rank updates (ZeRO's shard where the state is sharded)."""
+    state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
+    return local_numel(meta.shape, state if state is not None else strategy.outs[0], ctx.mesh_shape)
+
+
+def element_costs(device, rank_numel: float) -> tuple:
+    """(``update_element_s``, ``grad_buffer_element_s``) of ``device`` for a rank that updates
+    ``rank_numel`` elements a step: between ``DeviceSpec.warm_elements``' figures and theirs,
+    log-linearly in the count (each pair None where not calibrated)."""
+    update, buffer, warm = device.update_element_s, device.grad_buffer_element_s, device.warm_elements
+    if warm is None or update is None or buffer is None or rank_numel >= warm[1]:
+        return update, buffer
+    t = 0.0 if rank_numel <= warm[0] else math.log(rank_numel / warm[0]) / math.log(warm[1] / warm[0])
+    update = (warm[2] + t * (update[0] - warm[2]), warm[3] + t * (update[1] - warm[3]))
+    return update, (warm[4] + t * (buffer[0] - warm[4]), warm[5] + t * (buffer[1] - warm[5]))
 
 
 def gradient_buffer_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext, microbatches: int = 1) -> float:
@@ -287,7 +307,7 @@ def gradient_buffer_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext,
     grads = param_state_bytes(meta, strategy, ctx)["grads"] / meta.itemsize
     device = ctx.cluster.device
     if device.grad_buffer_element_s is not None:
-        zero, add = device.grad_buffer_element_s
+        zero, add = element_costs(device, ctx.rank_update_numel)[1]
         return grads * (zero + microbatches * add)
     zero = op_time(0.0, grads * meta.itemsize, device, "fp32", "pointwise")
     return zero + microbatches * op_time(grads, 3.0 * grads * meta.itemsize, device, "fp32", "pointwise")

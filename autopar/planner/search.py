@@ -22,6 +22,7 @@ from autopar.plan import Baseline, Plan, fingerprint_of
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.planner.experts import check_experts
+from autopar.layouts import DATA_AXIS_NAMES
 from autopar.planner.meshes import axis_names, data_degree, describe, expert_data_mesh
 from autopar.cost_models.communication import axis_group
 from autopar.planner.costing import CostContext
@@ -122,12 +123,48 @@ def _memo(table: OrderedDict, key, make):
         return value
 
 
-def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = None) -> CostContext:
+def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = None,
+                 rank_update_numel: float | None = None) -> CostContext:
     """The process's CostContext for these (its reshard prices are shared by every plan of a
-    model with as many gradient bytes)."""
+    model with as many gradient bytes). ``rank_update_numel``: the elements a rank updates a step
+    (default: the trainable parameters over the mesh's axes other than its data axes, ZeRO-less)."""
     grads = gradient_bytes(traced) if traced is not None else math.inf
-    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads),
-                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads))
+    if rank_update_numel is None:
+        split = math.prod(n for n, name in zip(mesh, axis_names(mesh)) if name not in DATA_AXIS_NAMES)
+        rank_update_numel = trainable_numel(traced) / split if traced is not None else math.inf
+    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads, rank_update_numel),
+                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads, rank_update_numel))
+
+
+def trainable_numel(traced: TracedGraph) -> float:
+    """Elements of the model's trainable parameters."""
+    return float(sum(n.meta["autopar.outputs"][0].numel for n in traced.graph.nodes
+                     if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"
+                     and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None))
+
+
+def rank_update_numel(problem: Problem, choice: dict[str, int]) -> float:
+    """The elements a rank updates a step under ``choice``: its trainable parameters' shards."""
+    from autopar.planner.costing import updated_numel
+
+    total = 0.0
+    for name, var in problem.nodes.items():
+        node = var.node
+        if node.meta.get("autopar.kind") == "param" and node.meta.get("autopar.requires_grad", True):
+            total += var.count * updated_numel(node.meta["autopar.outputs"][0], var.strategies[choice[name]], problem.ctx)
+    return total
+
+
+def _update_costs_moved(ctx: CostContext, numel: float) -> bool:
+    """Whether a rank updating ``numel`` elements pays per element more than 2% from what ``ctx``
+    priced (``DeviceSpec.warm_elements``)."""
+    from autopar.planner.costing import element_costs
+
+    device = ctx.cluster.device
+    if device.warm_elements is None:
+        return False
+    before, after = element_costs(device, ctx.rank_update_numel), element_costs(device, numel)
+    return any(abs(a - b) > 0.02 * max(abs(b), 1e-30) for pb, pa in zip(before, after) for b, a in zip(pb, pa))
 
 
 def gradient_bytes(traced: TracedGraph) -> float:
@@ -176,6 +213,12 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     )
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
+    numel = rank_update_numel(problem, sol.choice)
+    if _update_costs_moved(ctx, numel):  # priced per element for another count: once more, at the plan's
+        ctx = cost_context(mesh, cluster, policy, optimizer, traced, numel)
+        problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=micro,
+                                strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache)
+        sol = solve(problem, None, solver_cfg)
     ev = evaluate(problem, sol.choice)
     unconstrained = True
     # the ILP charges a linear memory model; the step simulation (evaluate) is what the plan
