@@ -113,13 +113,14 @@ class DeviceSpec:
     # a parameter's gradient buffer per element: (seconds to zero it, seconds to add a gradient
     # into it in place), once per step and once per microbatch; None: streamed at memory bandwidth
     grad_buffer_element_s: tuple[float, float] | None = None
-    # the last two measured where a rank updates few elements a step, its parameters, gradients and
-    # states then held in cache (on 4 CPU processes, AdamW took 2.1-2.3 ns per element at 0.25M
-    # elements a rank, 4.6-4.9 at 2M, 7.0-8.1 at 8M): (elements a rank updated there, elements a
-    # rank updated for ``update_element_s`` and ``grad_buffer_element_s``, the update's seconds per
-    # element, per element and state, a gradient's zeroing and accumulation per element); a rank
-    # updating a count between the two is priced between them, log-linearly (``planner.costing``).
-    # None: every count at the two fields' figures
+    # the last two measured where a rank holds few elements, its parameters, gradients and states
+    # then in cache (on 4 CPU processes, AdamW took 2.1-2.3 ns per element at 0.25M elements a
+    # rank, 4.6-4.9 at 2M, 7.0-8.1 at 8M): (elements a rank held there, elements a rank held for
+    # ``update_element_s`` and ``grad_buffer_element_s``, the update's seconds per element, per
+    # element and state, a gradient's zeroing and accumulation per element); a rank holding a
+    # count between the two (``CostContext.rank_state_numel``: the largest of its parameter,
+    # gradient and optimizer elements) is priced between them, log-linearly. None: every count at
+    # the two fields' figures
     warm_elements: tuple[float, float, float, float, float, float] | None = None
     # measured per op name (the traced graph's, e.g. "gelu", "layer_norm"): (name, forward seconds
     # per element, backward seconds per element), sorted by name; such an op is priced by its
@@ -165,7 +166,7 @@ class DeviceSpec:
             w = self.warm_elements
             if not (isinstance(w, (tuple, list)) and len(w) == 6 and all(is_real(v) for v in w) and 0 < w[0] < w[1]):
                 raise ClusterSpecError(
-                    f"DeviceSpec.warm_elements must be (elements a rank updates where warm, where cold (larger), "
+                    f"DeviceSpec.warm_elements must be (elements a rank holds where warm, where cold (larger), "
                     f"then four seconds per element >= 0: update, per state, zero, add) or None; got {w!r}")
             object.__setattr__(self, "warm_elements", tuple(float(v) for v in w))
         object.__setattr__(self, "op_costs", check_rows(

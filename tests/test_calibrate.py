@@ -577,8 +577,9 @@ def test_a_spread_probe_keeps_the_median_of_all_its_windows_over_the_calibration
 def test_a_rank_updating_few_elements_pays_the_warm_per_element_costs():
     """``DeviceSpec.warm_elements``: at or below its count the warm figures, at or above the cold
     count the calibrated ``update_element_s`` / ``grad_buffer_element_s``, log-linearly between;
-    the planner re-prices a plan whose rank updates another count than it assumed (the MLP's 8.4M
-    parameters over tp=2: 4.2M a rank). Refused when malformed; kept by the JSON."""
+    the planner prices a rank by the largest of its parameter, gradient and optimizer elements (the
+    MLP's 8.4M parameters over tp=2: 4.2M a rank), and again when the plan holds another count
+    than the mesh suggested. Refused when malformed; kept by the JSON."""
     from autopar.bench import load_bench_model
     from autopar.planner.costing import element_costs
 
@@ -604,9 +605,11 @@ def test_a_rank_updating_few_elements_pays_the_warm_per_element_costs():
     (cper, cper_state), (czero, cadd) = element_costs(cold.device, numel)
     saved = numel * ((cper - per) + 2 * (cper_state - per_state) + (czero - zero) + (cadd - add))
     assert plans[cluster].predicted.compute_s == pytest.approx(plans[cold].predicted.compute_s - saved, rel=1e-3)
-    # data parallel: priced first as if every rank updated all 8.4M elements (the cold figures);
-    # ZeRO-2 leaves each rank half of them, and the plan is priced again at that count
-    zero = {c: autopar.plan(model, c, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
-                            constraints=autopar.Constraints(dp=2, zero=2)) for c in (cluster, cold)}
+    # data parallel: priced first as if every rank held all 8.4M elements (the cold figures);
+    # ZeRO-3 leaves each rank half of its parameters, gradients and states: priced again at that
+    # count. ZeRO-2 keeps the parameters whole: the cold figures
+    plans = {(c, z): autopar.plan(model, c, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                                  constraints=autopar.Constraints(dp=2, zero=z)) for c in (cluster, cold) for z in (2, 3)}
     assert sum(p.numel() for p in model.parameters()) >= 2**23
-    assert zero[cluster].predicted.compute_s < zero[cold].predicted.compute_s * 0.97
+    assert plans[cluster, 3].predicted.compute_s < plans[cold, 3].predicted.compute_s * 0.97
+    assert plans[cluster, 2].predicted.compute_s == pytest.approx(plans[cold, 2].predicted.compute_s)

@@ -59,9 +59,10 @@ class CostContext:
     # the model's trainable gradient bytes: GradSync's buckets are no larger (a model smaller than
     # one bucket all-reduces all of its gradients in one collective of that size)
     grad_bytes: float = math.inf
-    # the elements a rank updates a step (its parameters' shards): the optimizer's and the gradient
-    # buffers' cost per element depends on it (``DeviceSpec.warm_elements``); inf: the large count's
-    rank_update_numel: float = math.inf
+    # the elements of parameters, gradients or optimizer state a rank holds (the largest count of
+    # the three): the optimizer's and the gradient buffers' cost per element depends on what the
+    # step streams (``DeviceSpec.warm_elements``); inf: the large count's
+    rank_state_numel: float = math.inf
     # memo of reshard prices for this context (hashing the whole context per lookup was a
     # tenth of planning time)
     reshard_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -269,7 +270,7 @@ def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext
     device = ctx.cluster.device
     fixed = update_ops(states) * (device.update_op_overhead or 0.0)
     if device.update_element_s is not None:
-        per, per_state = element_costs(device, ctx.rank_update_numel)[0]
+        per, per_state = element_costs(device, ctx.rank_state_numel)[0]
         return fixed + numel * (per + per_state * states)
     nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
     return fixed + op_time(numel * (1 + 3 * states), nbytes, device, "fp32", "pointwise")
@@ -282,8 +283,8 @@ def updated_numel(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> int
 
 
 def element_costs(device, rank_numel: float) -> tuple:
-    """(``update_element_s``, ``grad_buffer_element_s``) of ``device`` for a rank that updates
-    ``rank_numel`` elements a step: between ``DeviceSpec.warm_elements``' figures and theirs,
+    """(``update_element_s``, ``grad_buffer_element_s``) of ``device`` for a rank that holds
+    ``rank_numel`` elements (``CostContext.rank_state_numel``): between ``DeviceSpec.warm_elements``' figures and theirs,
     log-linearly in the count (each pair None where not calibrated)."""
     update, buffer, warm = device.update_element_s, device.grad_buffer_element_s, device.warm_elements
     if warm is None or update is None or buffer is None or rank_numel >= warm[1]:
@@ -307,7 +308,7 @@ def gradient_buffer_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext,
     grads = param_state_bytes(meta, strategy, ctx)["grads"] / meta.itemsize
     device = ctx.cluster.device
     if device.grad_buffer_element_s is not None:
-        zero, add = element_costs(device, ctx.rank_update_numel)[1]
+        zero, add = element_costs(device, ctx.rank_state_numel)[1]
         return grads * (zero + microbatches * add)
     zero = op_time(0.0, grads * meta.itemsize, device, "fp32", "pointwise")
     return zero + microbatches * op_time(grads, 3.0 * grads * meta.itemsize, device, "fp32", "pointwise")

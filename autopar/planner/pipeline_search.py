@@ -382,7 +382,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     def priced_at(scale: float, inner_c: Constraints) -> _Priced:
         """The pipeline over a submesh plan made with ``scale`` devices' worth of memory."""
         roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
-        inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search)
+        inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search, pp)
         return _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, send_s, budget,
                       per_rank_recompute=c.recompute is None)
 
@@ -448,12 +448,17 @@ def _zero_per_stage(unshrunk, budget: float, pp: int, price) -> "_Priced | None"
     return None
 
 
-def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search):
-    """(the per-operator plan of one stage's submesh, the search's attempt behind it)."""
-    key = (id(traced), traced.gm.code, roomy.to_json(), repr(inner_c), repr(precision), repr(optimizer), repr(solver))
+def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search,
+                stages: int = 1):
+    """(the per-operator plan of one stage's submesh, the search's attempt behind it); a rank of
+    the ``stages`` will hold its stage's share of the parameters (``search.PIPELINE_STAGES``)."""
+    from autopar.planner.search import PIPELINE_STAGES
+
+    key = (id(traced), traced.gm.code, roomy.to_json(), repr(inner_c), repr(precision), repr(optimizer), repr(solver),
+           stages)
     found = _INNER.get(key)
     if found is None:
-        cache: dict = {}
+        cache: dict = {PIPELINE_STAGES: stages}
         inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
                              progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False,
                              _cache=cache)

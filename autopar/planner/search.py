@@ -124,16 +124,23 @@ def _memo(table: OrderedDict, key, make):
 
 
 def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = None,
-                 rank_update_numel: float | None = None) -> CostContext:
+                 rank_state_numel: float | None = None) -> CostContext:
     """The process's CostContext for these (its reshard prices are shared by every plan of a
-    model with as many gradient bytes). ``rank_update_numel``: the elements a rank updates a step
-    (default: the trainable parameters over the mesh's axes other than its data axes, ZeRO-less)."""
+    model with as many gradient bytes). ``rank_state_numel``: the parameter, gradient or optimizer
+    elements a rank holds, the largest count of the three (default: the trainable parameters over
+    the mesh's axes other than its data axes)."""
     grads = gradient_bytes(traced) if traced is not None else math.inf
-    if rank_update_numel is None:
-        split = math.prod(n for n, name in zip(mesh, axis_names(mesh)) if name not in DATA_AXIS_NAMES)
-        rank_update_numel = trainable_numel(traced) / split if traced is not None else math.inf
-    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads, rank_update_numel),
-                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads, rank_update_numel))
+    if rank_state_numel is None:
+        rank_state_numel = _estimated_state_numel(traced, mesh) if traced is not None else math.inf
+    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads, rank_state_numel),
+                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads, rank_state_numel))
+
+
+def _estimated_state_numel(traced: TracedGraph, mesh) -> float:
+    """A rank's parameter elements before a plan exists: the trainable ones over the mesh's axes
+    other than its data axes."""
+    split = math.prod(n for n, name in zip(mesh, axis_names(mesh)) if name not in DATA_AXIS_NAMES)
+    return trainable_numel(traced) / split
 
 
 def trainable_numel(traced: TracedGraph) -> float:
@@ -143,16 +150,21 @@ def trainable_numel(traced: TracedGraph) -> float:
                      and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None))
 
 
-def rank_update_numel(problem: Problem, choice: dict[str, int]) -> float:
-    """The elements a rank updates a step under ``choice``: its trainable parameters' shards."""
-    from autopar.planner.costing import updated_numel
+def rank_state_numel(problem: Problem, choice: dict[str, int]) -> float:
+    """The largest of a rank's counts of parameter, gradient and optimizer-updated elements under
+    ``choice`` (a ZeRO-1 rank updates a quarter of what it holds, and streams all of it)."""
+    from autopar.planner.costing import param_state_bytes, updated_numel
 
-    total = 0.0
+    params = grads = updated = 0.0
     for name, var in problem.nodes.items():
         node = var.node
         if node.meta.get("autopar.kind") == "param" and node.meta.get("autopar.requires_grad", True):
-            total += var.count * updated_numel(node.meta["autopar.outputs"][0], var.strategies[choice[name]], problem.ctx)
-    return total
+            meta, strategy = node.meta["autopar.outputs"][0], var.strategies[choice[name]]
+            held = param_state_bytes(meta, strategy, problem.ctx)
+            params += var.count * held["params"] / meta.itemsize
+            grads += var.count * held["grads"] / meta.itemsize
+            updated += var.count * updated_numel(meta, strategy, problem.ctx)
+    return max(params, grads, updated)
 
 
 def _update_costs_moved(ctx: CostContext, numel: float) -> bool:
@@ -163,7 +175,7 @@ def _update_costs_moved(ctx: CostContext, numel: float) -> bool:
     device = ctx.cluster.device
     if device.warm_elements is None:
         return False
-    before, after = element_costs(device, ctx.rank_update_numel), element_costs(device, numel)
+    before, after = element_costs(device, ctx.rank_state_numel), element_costs(device, numel)
     return any(abs(a - b) > 0.02 * max(abs(b), 1e-30) for pb, pa in zip(before, after) for b, a in zip(pb, pa))
 
 
@@ -204,16 +216,23 @@ def _graph_key(traced: TracedGraph) -> str:
     return key
 
 
+# the ``_cache`` key under which ``pipeline_search`` tells the search of a submesh plan how many
+# stages will split it: a rank then holds that share of the model's parameters and states
+PIPELINE_STAGES = "pipeline_stages"
+
+
 def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
     # one context per mesh (shared by every attempt and plan): its reshard-price memo
-    ctx = cost_context(mesh, cluster, policy, optimizer, traced)
+    stages = cache.get(PIPELINE_STAGES, 1)
+    ctx = cost_context(mesh, cluster, policy, optimizer, traced,
+                       _estimated_state_numel(traced, mesh) / stages if stages > 1 else None)
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
         strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,
     )
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
-    numel = rank_update_numel(problem, sol.choice)
+    numel = rank_state_numel(problem, sol.choice) / stages
     if _update_costs_moved(ctx, numel):  # priced per element for another count: once more, at the plan's
         ctx = cost_context(mesh, cluster, policy, optimizer, traced, numel)
         problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=micro,
