@@ -227,3 +227,33 @@ def test_the_loss_value_rides_the_last_gradient_bucket(constraints, rides):
     plan = autopar.plan(GPT(cfg), autopar.Cluster.local(2), (idx,), loss_fn=gpt_loss, example_target=tgt,
                         constraints=autopar.Constraints(**constraints))
     assert plan.mesh_axes[0] == ("dp", 2)
+
+
+def _bucket_worker(constraints):
+    import functools
+
+    from autopar.bench import _adamw
+    from autopar.runtime.launch import init_distributed
+    from examples.mlp import MLP, example_batch, mlp_loss
+
+    init_distributed("gloo", 2)
+    torch.manual_seed(0)
+    x, t = example_batch()
+    pm = autopar.compile(MLP(64, 256, 3), autopar.Cluster.local(2), (x,), loss_fn=mlp_loss, example_target=t,
+                         optimizer=functools.partial(_adamw, lr=1e-3), constraints=autopar.Constraints(**constraints))
+    pm.train_step(x, target=t)
+    before = dict(pm.comm.stats.calls)
+    pm.train_step(x, target=t)
+    calls = {k: v - before.get(k, 0) for k, v in pm.comm.stats.calls.items()}
+    buckets = [sorted(pm.store.slots[m].fqn for m in b.members) for b in pm._grad_sync.buckets]
+    pm.close()
+    return calls, buckets
+
+
+def test_a_zero2_weight_between_biases_cuts_no_gradient_bucket():
+    """The biases' gradients (summed in buckets) lie in the flat buffer next to each other; the
+    ZeRO-2 weights between them keep theirs in the shard buffer: one bucket, one all-reduce a step
+    (the planner prices their shares of one bucket), beside a reduce-scatter per weight."""
+    calls, buckets = autopar.launch(_bucket_worker, 2, {"dp": 2, "zero": 0, "zero_params": {"layers.*.weight": 2}})[0]
+    assert buckets == [[f"layers.{i}.{m}.bias" for i in range(3) for m in ("down", "up")]], buckets
+    assert calls["all_reduce"] == 1 and calls["reduce_scatter"] == 6, calls

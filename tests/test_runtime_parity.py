@@ -30,6 +30,8 @@ CASES_2 = [
     ("mlp", {"tp": 2, "placements": MEGATRON_MLP}),
     ("mlp", {"dp": 2, "zero": 3}),
     ("mlp", {"dp": 2, "zero": 2}),
+    # the biases' gradients bucketed together across the ZeRO-2 weights between them
+    ("mlp", {"dp": 2, "zero": 0, "zero_params": {"layers.*.weight": 2}}),
     ("odd_mlp", {"dp": 2, "zero": 3}),
     ("mlp", {}),
     ("tiny_llama", {"dp": 2, "tp": 1}),

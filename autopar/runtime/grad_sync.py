@@ -62,12 +62,17 @@ def bucket_full(nbytes: int, buckets: int) -> bool:
 
 def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> list[_Bucket]:
     """Contiguous runs of the flat buffers holding ZeRO-0/1 parameters with the same axes, cut at
-    ``FIRST_BUCKET_BYTES`` for the first bucket and ``BUCKET_BYTES`` after (in backward order)."""
+    ``FIRST_BUCKET_BYTES`` for the first bucket and ``BUCKET_BYTES`` after (in backward order).
+    A ZeRO-2 parameter between two of them cuts no run (its gradient lives in the shard buffer):
+    the MLP's biases between ZeRO-2 weights were eight all-reduces, 12 ms a step on 4 processes,
+    where the planner priced shares of one bucket."""
     buckets: list[_Bucket] = []
     cur: _Bucket | None = None
     for ph in store.grad_order:
         s = store.slots[ph]
-        if ph not in deferred or s.zero_stage == 2:
+        if s.zero_stage == 2 and s.trainable:
+            continue
+        if ph not in deferred:
             cur = None
             continue
         dtype, off, n = store.grad_range(ph)
