@@ -60,8 +60,8 @@ _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVE_MIN_CALLS = 4
 # windows per collective and size: what moves a collective's time (~30%) is the machine between
 # calibrations, not a fifth window; at 5 windows the 54 collectives took 22 s of the minute on 4
-# processes, at 4 windows 18 s
-COLLECTIVE_REPEATS = 4
+# processes, at 4 windows 18 s (the minute then ran 62-64 s with the update probed at two sizes)
+COLLECTIVE_REPEATS = 3
 
 
 @dataclass(frozen=True)
