@@ -330,7 +330,8 @@ class Cluster:
     sources: tuple[str, ...] = ()
     # The share of overlappable communication that stays exposed however much compute there is to
     # hide it behind (a window's first gather and last reduce, stream contention, the
-    # framework's prefetch depth). None: the planner's default (``planner.overlap.EXPOSED_FLOOR``);
+    # framework's prefetch depth), of all but its waiting (``planner.overlap``: a collective's
+    # latency can hide where its bytes cannot). None: the planner's default (``planner.overlap.EXPOSED_FLOOR``);
     # calibrated from a measured run of a given software stack.
     exposed_comm_share: float | None = None
     # The routing assumption for dropless expert parallelism: the tokens the busiest rank's experts

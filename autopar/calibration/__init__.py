@@ -23,7 +23,10 @@ local model:
   kind, group size and message size (``LinkSpec.collective_table``), which the cost model
   interpolates at the group sizes measured;
 * ``exposed_comm_share``: the share of a collective left on the critical path with compute
-  beside it (1.0 where processes share cores: the collective's threads take compute's time);
+  beside it (1.0 where processes share cores: the collective's threads take compute's time to
+  move its bytes; its latency, a wait, still hides: ``planner.overlap``);
+* ``device.warm_elements``: the optimizer's update and a gradient buffer per element where a
+  rank holds 1M elements, beside ``update_element_s`` and ``grad_buffer_element_s`` at 8M;
 * ``collective_skew_s``: what a collective waits, beyond its own time, for ranks that arrive
   from compute at different times (each collective call pays it);
 * ``device.collective_host_s`` and ``collective_host_byte_s``: on CPU processes, the host's own
