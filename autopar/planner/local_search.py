@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.planner.evaluate import OVERLAP_WINDOWS
 from autopar.planner.overlap import exposed_floor, exposed_seconds
 from autopar.planner.problem import Problem
 
 __all__ = ["AssignmentCosts", "Assignment", "improve"]
 
-_EDGE_WINDOWS = ("overlap", "overlap_bwd", "overlap_last", "overlap_lat", "overlap_bwd_lat", "overlap_last_lat")
-_EDGE_AT = (2, 3, 4, 5, 7, 8, 9)  # where each of an edge cell's numbers goes in ``Assignment.agg``
+_EDGE_AT = (2, 3, 4, 5, 7, 8, 9)  # where each of an edge cell's numbers (blocking, OVERLAP_WINDOWS) goes in ``Assignment.agg``
 
 
 class AssignmentCosts:
@@ -53,7 +53,7 @@ class AssignmentCosts:
         if hit is None:
             e = self.p.edges[i]
             hit = self._cells[key] = (float(e.blocking[ku, kv]),) + tuple(
-                0.0 if a is None else float(a[ku, kv]) for a in (e.ilp_window(w) for w in _EDGE_WINDOWS))
+                0.0 if a is None else float(a[ku, kv]) for a in (e.ilp_window(w) for w in OVERLAP_WINDOWS))
         return hit
 
 

@@ -145,12 +145,10 @@ def _estimated_state_numel(traced: TracedGraph, mesh) -> float:
 
 def trainable_numel(traced: TracedGraph) -> float:
     """Elements of the model's trainable parameters."""
-    return float(sum(n.meta["autopar.outputs"][0].numel for n in traced.graph.nodes
-                     if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"
-                     and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None))
+    return float(sum(m.numel for m in _trainable_metas(traced)))
 
 
-def rank_state_numel(problem: Problem, choice: dict[str, int]) -> float:
+def plan_state_numel(problem: Problem, choice: dict[str, int]) -> float:
     """The largest of a rank's counts of parameter, gradient and optimizer-updated elements under
     ``choice`` (a ZeRO-1 rank updates a quarter of what it holds, and streams all of it)."""
     from autopar.planner.costing import param_state_bytes, updated_numel
@@ -179,11 +177,16 @@ def _update_costs_moved(ctx: CostContext, numel: float) -> bool:
     return any(abs(a - b) > 0.02 * max(abs(b), 1e-30) for pb, pa in zip(before, after) for b, a in zip(pb, pa))
 
 
+def _trainable_metas(traced: TracedGraph):
+    """The TensorMeta of each of the model's trainable parameters."""
+    return (n.meta["autopar.outputs"][0] for n in traced.graph.nodes
+            if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"
+            and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None)
+
+
 def gradient_bytes(traced: TracedGraph) -> float:
     """Bytes of the model's trainable parameters' gradients (``CostContext.grad_bytes``)."""
-    return float(sum(n.meta["autopar.outputs"][0].nbytes for n in traced.graph.nodes
-                     if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"
-                     and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None))
+    return float(sum(m.nbytes for m in _trainable_metas(traced)))
 
 
 def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer, solver) -> str:
@@ -232,7 +235,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     )
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
-    numel = rank_state_numel(problem, sol.choice) / stages
+    numel = plan_state_numel(problem, sol.choice) / stages
     if _update_costs_moved(ctx, numel):  # priced per element for another count: once more, at the plan's
         ctx = cost_context(mesh, cluster, policy, optimizer, traced, numel)
         problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=micro,
