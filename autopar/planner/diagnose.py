@@ -15,7 +15,8 @@ from autopar.planner.meshes import data_degree
 from autopar.planner.evaluate import evaluate
 from autopar.planner.ilp import InfeasibleProblem, solve
 from autopar.planner.problem import build_problem
-from autopar.planner.search import USABLE_MEMORY_FRACTION, _microbatch_counts, cost_context, mesh_candidates
+from autopar.planner.contexts import cost_context
+from autopar.planner.search import USABLE_MEMORY_FRACTION, _microbatch_counts, mesh_candidates
 from autopar.trace import TracedGraph
 
 __all__ = ["raise_no_plan"]

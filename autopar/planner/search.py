@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ from autopar.plan import Baseline, Plan, fingerprint_of
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.planner.experts import check_experts
-from autopar.layouts import DATA_AXIS_NAMES
-from autopar.planner.meshes import axis_names, data_degree, describe, expert_data_mesh
+from autopar.planner.meshes import data_degree, describe, expert_data_mesh
 from autopar.cost_models.communication import axis_group
-from autopar.planner.costing import CostContext
+from autopar.planner.contexts import (MEMO_LOCK, cost_context, estimated_state_numel, memo, plan_state_numel,
+                                      update_costs_moved)
 from autopar.planner.evaluate import Evaluation, evaluate
 from autopar.planner.extract import extract_plan, predicted_of
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
@@ -38,6 +37,9 @@ __all__ = ["search_plan", "mesh_candidates", "naive_dp_baseline", "USABLE_MEMORY
 # Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
 # CUDA context and library workspaces (cuBLAS, NCCL buffers).
 USABLE_MEMORY_FRACTION = 0.9
+# per planning inputs (graph, cluster, precision, optimizer, solver), the results that do not
+# depend on the constraints: the naive data-parallel baseline and the free plan's step time
+_RESULTS: OrderedDict = OrderedDict()
 _MEMORY_ROUNDS = 4  # ILP re-solves with a tightened budget when the simulated peak exceeds it
 
 
@@ -98,97 +100,6 @@ class _Attempt:
     evaluation: Evaluation
 
 
-# Pure memos shared by every plan of the process, least recently used dropped first: a
-# CostContext per (mesh, cluster, precision, optimizer), whose memo of reshard prices depends on
-# tensor shapes and layouts only; and per planning inputs (graph, cluster, precision, optimizer,
-# solver) the results that do not depend on the constraints: the naive data-parallel baseline
-# and the step time of the plan without constraints. Planning a model again (with other
-# constraints, or compile() after plan()) skips those searches.
-_CONTEXTS: OrderedDict = OrderedDict()
-_RESULTS: OrderedDict = OrderedDict()
-_MEMO_SIZE = 8
-
-
-_MEMO_LOCK = threading.RLock()  # the search's worker threads share the memos
-
-
-def _memo(table: OrderedDict, key, make):
-    with _MEMO_LOCK:
-        if key in table:
-            table.move_to_end(key)
-            return table[key]
-        value = table[key] = make()
-        while len(table) > _MEMO_SIZE:
-            table.popitem(last=False)
-        return value
-
-
-def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = None,
-                 rank_state_numel: float | None = None) -> CostContext:
-    """The process's CostContext for these (its reshard prices are shared by every plan of a
-    model with as many gradient bytes). ``rank_state_numel``: the parameter, gradient or optimizer
-    elements a rank holds, the largest count of the three (default: the trainable parameters over
-    the mesh's axes other than its data axes)."""
-    grads = gradient_bytes(traced) if traced is not None else math.inf
-    if rank_state_numel is None:
-        rank_state_numel = _estimated_state_numel(traced, mesh) if traced is not None else math.inf
-    return _memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads, rank_state_numel),
-                 lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads, rank_state_numel))
-
-
-def _estimated_state_numel(traced: TracedGraph, mesh) -> float:
-    """A rank's parameter elements before a plan exists: the trainable ones over the mesh's axes
-    other than its data axes."""
-    split = math.prod(n for n, name in zip(mesh, axis_names(mesh)) if name not in DATA_AXIS_NAMES)
-    return trainable_numel(traced) / split
-
-
-def trainable_numel(traced: TracedGraph) -> float:
-    """Elements of the model's trainable parameters."""
-    return float(sum(m.numel for m in _trainable_metas(traced)))
-
-
-def plan_state_numel(problem: Problem, choice: dict[str, int]) -> float:
-    """The largest of a rank's counts of parameter, gradient and optimizer-updated elements under
-    ``choice`` (a ZeRO-1 rank updates a quarter of what it holds, and streams all of it)."""
-    from autopar.planner.costing import param_state_bytes, updated_numel
-
-    params = grads = updated = 0.0
-    for name, var in problem.nodes.items():
-        node = var.node
-        if node.meta.get("autopar.kind") == "param" and node.meta.get("autopar.requires_grad", True):
-            meta, strategy = node.meta["autopar.outputs"][0], var.strategies[choice[name]]
-            held = param_state_bytes(meta, strategy, problem.ctx)
-            params += var.count * held["params"] / meta.itemsize
-            grads += var.count * held["grads"] / meta.itemsize
-            updated += var.count * updated_numel(meta, strategy, problem.ctx)
-    return max(params, grads, updated)
-
-
-def _update_costs_moved(ctx: CostContext, numel: float) -> bool:
-    """Whether a rank updating ``numel`` elements pays per element more than 2% from what ``ctx``
-    priced (``DeviceSpec.warm_elements``)."""
-    from autopar.planner.costing import element_costs
-
-    device = ctx.cluster.device
-    if device.warm_elements is None:
-        return False
-    before, after = element_costs(device, ctx.rank_state_numel), element_costs(device, numel)
-    return any(abs(a - b) > 0.02 * max(abs(b), 1e-30) for pb, pa in zip(before, after) for b, a in zip(pb, pa))
-
-
-def _trainable_metas(traced: TracedGraph):
-    """The TensorMeta of each of the model's trainable parameters."""
-    return (n.meta["autopar.outputs"][0] for n in traced.graph.nodes
-            if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"
-            and n.meta.get("autopar.requires_grad", True) and n.meta["autopar.outputs"][0] is not None)
-
-
-def gradient_bytes(traced: TracedGraph) -> float:
-    """Bytes of the model's trainable parameters' gradients (``CostContext.grad_bytes``)."""
-    return float(sum(m.nbytes for m in _trainable_metas(traced)))
-
-
 def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer, solver) -> str:
     """What a search without constraints depends on: the graph with every ``autopar.*`` fact
     the tracer recorded per node, the cluster, precision, optimizer and solver settings."""
@@ -203,7 +114,7 @@ def _graph_key(traced: TracedGraph) -> str:
     change it; a pipeline search asks for it once per stage count it weighs)."""
     import weakref
 
-    with _MEMO_LOCK:
+    with MEMO_LOCK:
         hit = _GRAPH_KEYS.get(id(traced))
     if hit is not None and hit[0]() is traced:
         return hit[1]
@@ -212,7 +123,7 @@ def _graph_key(traced: TracedGraph) -> str:
         meta = sorted((k, repr(v)) for k, v in n.meta.items() if k.startswith("autopar."))
         parts.append(f"{n.name}|{n.op}|{n.target}|{meta}")
     key = fingerprint_of("\n".join(parts))
-    with _MEMO_LOCK:
+    with MEMO_LOCK:
         for k in [k for k, (ref, _) in _GRAPH_KEYS.items() if ref() is None]:
             del _GRAPH_KEYS[k]
         _GRAPH_KEYS[id(traced)] = (weakref.ref(traced), key)
@@ -228,7 +139,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     # one context per mesh (shared by every attempt and plan): its reshard-price memo
     stages = cache.get(PIPELINE_STAGES, 1)
     ctx = cost_context(mesh, cluster, policy, optimizer, traced,
-                       _estimated_state_numel(traced, mesh) / stages if stages > 1 else None)
+                       estimated_state_numel(traced, mesh) / stages if stages > 1 else None)
     problem = build_problem(
         traced, blocks, ctx, recompute=recompute, microbatches=micro,
         strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,
@@ -236,7 +147,7 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
     numel = plan_state_numel(problem, sol.choice) / stages
-    if _update_costs_moved(ctx, numel):  # priced per element for another count: once more, at the plan's
+    if update_costs_moved(ctx, numel):  # priced per element for another count: once more, at the plan's
         ctx = cost_context(mesh, cluster, policy, optimizer, traced, numel)
         problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=micro,
                                 strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache)
@@ -476,7 +387,7 @@ def _search_single_stage(
     # one mesh's LP runs beside another's problem building), with the comparison plan without
     # constraints and the baseline beside them; the largest problems first.
     tasks: dict = {}
-    results = _memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
+    results = memo(_RESULTS, _inputs_key(traced, cluster, precision, optimizer, solver), dict)
     free_like = dataclasses.replace(c, pp=None).is_free()  # pp=1 is what a single-stage search does anyway
     if _with_free and not free_like and not _step_time_only and "free" not in results:
         tasks["free"] = lambda: _free_step_time(traced, cluster, precision, optimizer, solver, cache)
@@ -620,7 +531,7 @@ def naive_dp_baseline(traced: TracedGraph, cluster: Cluster, precision, optimize
     ``blocks`` / ``cache``: the caller's repeated blocks and strategy cache, where it has them."""
     policy = precision_policy(precision)
     optimizer = optimizer_spec(optimizer)
-    results = _memo(_RESULTS, _inputs_key(traced, cluster, policy.name, optimizer, solver), dict)
+    results = memo(_RESULTS, _inputs_key(traced, cluster, policy.name, optimizer, solver), dict)
     if "baseline" not in results:
         if blocks is None:
             blocks = find_repeated_blocks(traced.graph, pin_key(Constraints()))

@@ -1,0 +1,73 @@
+"""Reading a cluster spec's JSON (``Cluster.from_json``) back into its frozen dataclasses.
+
+Fields added after a spec was written take the value that spec meant (the default here: no
+measurement); any other missing, unknown or bad field is a ClusterSpecError naming its JSON path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from autopar.cluster import SCHEMA_VERSION, Cluster, DeviceSpec, LinkSpec, PeakFlops
+from autopar.errors import ClusterSpecError
+from autopar.spec_fields import json_build, json_fields, json_rows
+
+__all__ = ["cluster_from_json"]
+
+
+def cluster_from_json(s: str) -> Cluster:
+    """``Cluster.from_json``: any bad, missing or unknown field raises ClusterSpecError."""
+    try:
+        d = json.loads(s)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ClusterSpecError(f"cluster JSON cannot be parsed: {e}") from None
+    if isinstance(d, dict):
+        d.setdefault("exposed_comm_share", None)  # specs written before they existed
+        d.setdefault("expert_imbalance", 1.0)
+        d.setdefault("collective_skew_s", 0.0)
+        d.setdefault("pipeline_microbatch_s", 0.0)
+    top = json_fields(d, "", [f.name for f in dataclasses.fields(Cluster)] + ["schema_version"])
+    version = top["schema_version"]
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise ClusterSpecError(
+            f"cluster JSON field 'schema_version' is {version!r}, but this "
+            f"autopar reads version {SCHEMA_VERSION}; re-export the spec with this version"
+        )
+    if isinstance(top["device"], dict):
+        for key in ("matmul_efficiency", "attention_efficiency", "op_overhead", "update_op_overhead",
+                    "update_element_s", "grad_buffer_element_s", "warm_elements"):
+            top["device"].setdefault(key, None)  # specs written before they existed
+        top["device"].setdefault("op_costs", [])
+        top["device"].setdefault("matmul_table", [])
+        top["device"].setdefault("linear_table", [])
+        top["device"].setdefault("collective_host_s", 0.0)
+        top["device"].setdefault("collective_host_byte_s", 0.0)
+    dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
+                                             "matmul_efficiency", "attention_efficiency", "op_overhead",
+                                             "update_op_overhead", "update_element_s", "grad_buffer_element_s",
+                                             "warm_elements", "op_costs", "matmul_table", "linear_table", "collective_host_s",
+                                             "collective_host_byte_s"])
+    for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s",
+                "warm_elements"):
+        dev[key] = json_rows(dev[key])
+    flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
+    dev["peak_flops"] = json_build(PeakFlops, flops, "device.peak_flops")
+    top["device"] = json_build(DeviceSpec, dev, "device")
+    for link in ("intra_node", "inter_node"):
+        if isinstance(top[link], dict):
+            top[link].setdefault("efficiency", None)  # specs written before they existed
+            top[link].setdefault("rails", None)
+            top[link].setdefault("collectives", [])
+            top[link].setdefault("collective_table", [])
+        fields = json_fields(top[link], link + ".", ["bandwidth", "latency", "efficiency", "rails", "collectives",
+                                                 "collective_table"])
+        fields["collectives"] = json_rows(fields["collectives"])
+        fields["collective_table"] = json_rows(fields["collective_table"])
+        top[link] = json_build(LinkSpec, fields, link)
+    if not isinstance(top["sources"], list):
+        raise ClusterSpecError(
+            f"cluster JSON field 'sources' must be a list of strings, got {top['sources']!r}"
+        )
+    top["sources"] = tuple(top["sources"])
+    del top["schema_version"]
+    return json_build(Cluster, top, "<top level>")

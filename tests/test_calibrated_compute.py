@@ -1,0 +1,217 @@
+"""The calibrated compute figures as the planner prices them: a matmul or linear by the measured
+shape table, the optimizer's update and the gradient buffers per element (cold and warm), each
+sharded with the state it touches."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.errors import ClusterSpecError
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+
+
+def test_the_optimizer_update_is_priced_and_sharded_with_its_state():
+    """The plan's step time includes the optimizer's update: Adam's costs more than SGD's, and
+    sharding the optimizer state over 4 ranks (ZeRO-1) divides it."""
+    x = torch.randn(64, 256)
+    cluster = Cluster.local(4)
+
+    def compute_s(optimizer, zero):
+        c = autopar.Constraints(dp=4, tp=1, zero=zero)
+        return autopar.plan(_mlp(), cluster, x, optimizer=optimizer, constraints=c).predicted.compute_s
+
+    from autopar.planner.costing import CostContext, optimizer_update_time
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.strategies import Strategy
+    from autopar.trace import TensorMeta
+
+    meta = TensorMeta((1024, 256), torch.float32)
+    ctx = {o: CostContext((4,), ("dp",), cluster, precision_policy("fp32"), optimizer_spec(o)) for o in ("sgd", "adam")}
+    from torch.distributed.tensor.placement_types import Replicate
+
+    replicated = Strategy(ins=(), outs=((Replicate(),),), grad_ins=())
+    sharded = dataclasses.replace(replicated, zero_axes=(0,), zero_stage=1)
+    sgd, adam = (optimizer_update_time(meta, replicated, ctx[o]) for o in ("sgd", "adam"))
+    assert adam > 2 * sgd > 0
+    assert optimizer_update_time(meta, sharded, ctx["adam"]) == pytest.approx(adam / 4, rel=1e-6)
+    assert compute_s("adam", 0) > compute_s("sgd", 0)
+    assert compute_s("adam", 1) < compute_s("adam", 0)
+
+
+def test_a_gradient_buffer_is_zeroed_once_and_accumulated_each_microbatch():
+    """``gradient_buffer_time``: per step, one pass zeroing the parameter's gradient and one adding
+    each microbatch's gradient into it, over what the rank holds of it (a ZeRO-2 shard, a
+    tensor-parallel slice), at the device's calibrated ``grad_buffer_element_s``; the plan
+    prices it in the step's compute."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext, gradient_buffer_time
+    from autopar.strategies import Strategy
+    from autopar.trace import TensorMeta
+
+    base = Cluster.local(4, calibrated=False)
+    zero, add = 1e-9, 2e-9
+
+    def with_buffer(z, a):
+        return dataclasses.replace(base, device=dataclasses.replace(base.device, grad_buffer_element_s=(z, a)))
+
+    ctx = CostContext((4,), ("dp",), with_buffer(zero, add), precision_policy("fp32"), optimizer_spec("adam"))
+    meta = TensorMeta((1024, 256), torch.float32)
+    n = 1024 * 256
+    replicated = Strategy(ins=(), outs=((Replicate(),),), grad_ins=())
+    sliced = dataclasses.replace(replicated, outs=((Shard(0),),))
+    zero1 = dataclasses.replace(replicated, zero_axes=(0,), zero_stage=1)
+    zero2 = dataclasses.replace(replicated, zero_axes=(0,), zero_stage=2)
+    for m in (1, 4):
+        assert gradient_buffer_time(meta, replicated, ctx, m) == pytest.approx(n * (zero + m * add))
+        assert gradient_buffer_time(meta, zero1, ctx, m) == pytest.approx(n * (zero + m * add))
+        assert gradient_buffer_time(meta, sliced, ctx, m) == pytest.approx(n / 4 * (zero + m * add))
+        assert gradient_buffer_time(meta, zero2, ctx, m) == pytest.approx(n / 4 * (zero + m * add))
+    # uncalibrated: streamed at memory bandwidth, still growing with the microbatches
+    plain = CostContext((4,), ("dp",), base, precision_policy("fp32"), optimizer_spec("adam"))
+    assert 0 < gradient_buffer_time(meta, replicated, plain, 1) < gradient_buffer_time(meta, replicated, plain, 4)
+    # in the plan: the same replicated model, its gradients' accumulation twice as slow, predicted
+    # slower by one more add per parameter element
+    x = torch.randn(64, 256)
+    c = autopar.Constraints(dp=4, tp=1, zero=0)
+    fast_s, slow_s = (autopar.plan(_mlp(), cl, x, constraints=c).predicted.compute_s
+                      for cl in (with_buffer(zero, add), with_buffer(zero, 2 * add)))
+    params = sum(p.numel() for p in _mlp().parameters())
+    assert slow_s - fast_s == pytest.approx(add * params, rel=1e-6)
+
+
+def test_matmul_time_gives_back_the_measured_shapes_and_interpolates_between_them():
+    """A table whose efficiency grows with the inner dimension k: each measured shape is priced as
+    measured, a shape between two is priced between them, one beyond the grid's largest at its
+    edge's efficiency, one below its smallest at the edge's time scaled by the elements moved,
+    and bf16 at its own peak."""
+    from autopar.cost_models.compute import matmul_time
+
+    dims = (8, 64, 512)
+    peak = 1e11
+    eff = {8: 0.05, 64: 0.4, 512: 0.8}
+    table = tuple((m, k, n, 2.0 * m * k * n / (peak * eff[k])) for m in dims for k in dims for n in dims)
+    d = dataclasses.replace(Cluster.local(1, calibrated=False).device, matmul_table=table,
+                            peak_flops=autopar.cluster.PeakFlops(fp32=peak, tf32=peak, bf16=2 * peak, fp16=2 * peak))
+    for m, k, n, t in table:
+        assert matmul_time(m, k, n, d, "fp32") == pytest.approx(t, rel=1e-9)
+    between = matmul_time(64, 128, 64, d, "fp32")
+    assert matmul_time(64, 512, 64, d, "fp32") > between / 2 and between > matmul_time(64, 64, 64, d, "fp32")
+    assert 2.0 * 64 * 4096 * 64 / matmul_time(64, 4096, 64, d, "fp32") == pytest.approx(peak * 0.8, rel=1e-9)
+    assert matmul_time(64, 64, 64, d, "bf16") == pytest.approx(matmul_time(64, 64, 64, d, "fp32") / 2, rel=1e-9)
+    assert matmul_time(64, 64, 64, d, "fp32", batch=3) == pytest.approx(3 * matmul_time(64, 64, 64, d, "fp32"))
+    # below the grid's smallest dim: the edge's time scaled by the elements moved, not by the
+    # FLOPs (a weight gradient over a 4-row microbatch writes the whole [m, n] gradient)
+    edge = matmul_time(512, 8, 512, d, "fp32")
+    moved = (512 * 4 + 4 * 512 + 512 * 512) / (512 * 8 + 8 * 512 + 512 * 512)
+    assert matmul_time(512, 4, 512, d, "fp32") == pytest.approx(edge * moved, rel=1e-9)
+    assert matmul_time(512, 4, 512, d, "fp32") > 0.9 * edge
+
+
+def test_a_calibrated_shape_table_prices_a_linear_by_its_local_shapes():
+    """With a shape table, a linear's forward is priced by its local (rows, in, out) and its
+    backward by the input gradient's and the weight gradient's shapes (the latter's inner dim is
+    the rows): a small batch's weight gradient costs what the table says such a shape costs."""
+    from autopar.cost_models.compute import matmul_time
+
+    dims = (8, 64, 512)
+    table = tuple((m, k, n, 2.0 * m * k * n / (1e11 * (0.05 if 8 in (m, k) else 0.8))) for m in dims for k in dims
+                  for n in dims)
+    base = Cluster.local(1, calibrated=False)
+    one = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, matmul_table=table, op_overhead=0.0,
+        peak_flops=autopar.cluster.PeakFlops(fp32=1e11, tf32=1e11, bf16=1e11, fp16=1e11)))
+    model = torch.nn.Linear(512, 512, bias=False)
+    plan = autopar.plan(model, one, torch.randn(8, 512), optimizer="sgd")
+    node = next(n for n in plan.nodes.values() if "linear" in n.op)
+    d = one.device
+    expected = matmul_time(8, 512, 512, d, "fp32") + matmul_time(8, 512, 512, d, "fp32") + matmul_time(512, 8, 512, d, "fp32")
+    assert node.compute_s == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_linear_forward_and_a_transposed_right_operand_are_priced_by_the_linear_table():
+    """nn.Linear's forward (``x @ W.T``) and a matmul whose right operand is a transposed view are
+    priced from ``DeviceSpec.linear_table``; their backward GEMMs and a plain ``a @ b`` from
+    ``matmul_table``; a bias adds two passes over the output forward and one backward."""
+    from autopar.cost_models.compute import matmul_time, op_time
+
+    dims = (8, 64, 512)
+    table = tuple((m, k, n, 2.0 * m * k * n / 4e10) for m in dims for k in dims for n in dims)
+    slow = tuple((m, k, n, 3 * t) for m, k, n, t in table)
+    base = Cluster.local(1, calibrated=False)
+    one = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, matmul_table=table, linear_table=slow, op_overhead=0.0,
+        peak_flops=autopar.cluster.PeakFlops(fp32=1e11, tf32=1e11, bf16=1e11, fp16=1e11)))
+    d = one.device
+    backward = matmul_time(8, 64, 512, d, "fp32") + matmul_time(512, 8, 64, d, "fp32")
+    assert matmul_time(8, 512, 64, d, "fp32", linear=True) == pytest.approx(3 * matmul_time(8, 512, 64, d, "fp32"))
+
+    def priced(model):
+        plan = autopar.plan(model, one, torch.randn(8, 512), optimizer="sgd")
+        return [n.compute_s for n in plan.nodes.values() if n.op in ("aten.linear.default", "aten.matmul.default")]
+
+    forward = matmul_time(8, 512, 64, d, "fp32", linear=True)
+    assert priced(torch.nn.Linear(512, 64, bias=False)) == [pytest.approx(forward + backward, rel=1e-6)]
+    out_pass = op_time(0.0, 8 * 64 * 4, d, "fp32", "pointwise")
+    assert priced(torch.nn.Linear(512, 64)) == [pytest.approx(forward + backward + 3 * out_pass, rel=1e-6)]
+
+    class Product(torch.nn.Module):
+        def __init__(self, transposed):
+            super().__init__()
+            self.transposed = transposed
+            self.w = torch.nn.Parameter(torch.randn(64, 512) if transposed else torch.randn(512, 64))
+
+        def forward(self, x):
+            return x @ (self.w.transpose(-2, -1) if self.transposed else self.w)
+
+    assert priced(Product(True)) == [pytest.approx(forward + backward, rel=1e-6)]
+    assert priced(Product(False)) == [pytest.approx(matmul_time(8, 512, 64, d, "fp32") + backward, rel=1e-6)]
+
+
+def test_a_rank_updating_few_elements_pays_the_warm_per_element_costs():
+    """``DeviceSpec.warm_elements``: at or below its count the warm figures, at or above the cold
+    count the calibrated ``update_element_s`` / ``grad_buffer_element_s``, log-linearly between;
+    the planner prices a rank by the largest of its parameter, gradient and optimizer elements (the
+    MLP's 8.4M parameters over tp=2: 4.2M a rank), and again when the plan holds another count
+    than the mesh suggested. Refused when malformed; kept by the JSON."""
+    from autopar.bench import load_bench_model
+    from autopar.planner.costing import element_costs
+
+    base = Cluster.local(2, calibrated=False)
+    dev = dataclasses.replace(base.device, update_element_s=(1e-9, 4e-9), grad_buffer_element_s=(1e-9, 2e-9),
+                              warm_elements=(2.0**20, 2.0**23, 0.5e-9, 1e-9, 0.25e-9, 0.5e-9))
+    assert element_costs(dev, 2.0**18) == ((0.5e-9, 1e-9), (0.25e-9, 0.5e-9))
+    assert element_costs(dev, 2.0**24) == ((1e-9, 4e-9), (1e-9, 2e-9))
+    mid = element_costs(dev, 2.0**21)  # a third of the way in log
+    assert mid[0] == pytest.approx((0.5e-9 + 0.5e-9 / 3, 1e-9 + 3e-9 / 3))
+    assert mid[1] == pytest.approx((0.25e-9 + 0.75e-9 / 3, 0.5e-9 + 1.5e-9 / 3))
+    assert element_costs(base.device, 1.0) == (base.device.update_element_s, base.device.grad_buffer_element_s)
+    with pytest.raises(ClusterSpecError, match="warm_elements"):
+        dataclasses.replace(dev, warm_elements=(2.0**23, 2.0**20, 0, 0, 0, 0))
+    cluster = dataclasses.replace(base, device=dev)
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    model, inputs, loss, target = load_bench_model("mlp")
+    cold = dataclasses.replace(cluster, device=dataclasses.replace(dev, warm_elements=None))
+    plans = {c: autopar.plan(model, c, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                             constraints=autopar.Constraints(tp=2)) for c in (cluster, cold)}
+    numel = sum(p.numel() for p in model.parameters()) / 2
+    (per, per_state), (zero, add) = element_costs(dev, numel)
+    (cper, cper_state), (czero, cadd) = element_costs(cold.device, numel)
+    saved = numel * ((cper - per) + 2 * (cper_state - per_state) + (czero - zero) + (cadd - add))
+    assert plans[cluster].predicted.compute_s == pytest.approx(plans[cold].predicted.compute_s - saved, rel=1e-3)
+    # data parallel: priced first as if every rank held all 8.4M elements (the cold figures);
+    # ZeRO-3 leaves each rank half of its parameters, gradients and states: priced again at that
+    # count. ZeRO-2 keeps the parameters whole: the cold figures
+    plans = {(c, z): autopar.plan(model, c, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                                  constraints=autopar.Constraints(dp=2, zero=z)) for c in (cluster, cold) for z in (2, 3)}
+    assert sum(p.numel() for p in model.parameters()) >= 2**23
+    assert plans[cluster, 3].predicted.compute_s < plans[cold, 3].predicted.compute_s * 0.97
+    assert plans[cluster, 2].predicted.compute_s == pytest.approx(plans[cold, 2].predicted.compute_s)
