@@ -101,6 +101,12 @@ class DeviceSpec:
     matmul_efficiency: float | None = None
     # the same for attention kernels; None: matmul_efficiency scaled as cost_models.compute does
     attention_efficiency: float | None = None
+    # measured attention (``scaled_dot_product_attention``) beyond ``op_overhead``: (forward
+    # seconds per (batch, head) pair, forward seconds per FLOP, backward seconds per pair, backward
+    # seconds per forward FLOP). A CPU kernel loops over the pairs: at a small transformer's shapes
+    # (seq 32, head dim 16) that loop, not the FLOPs, set the time, and its backward took 2.3-2.8x
+    # the forward. None: attention_efficiency's roofline, the backward 2.5x the forward's FLOPs
+    attention_costs: tuple[float, float, float, float] | None = None
     # seconds every executed op costs whatever its size (host dispatch, kernel launch; the
     # intercept of ``autopar calibrate``'s compute fit); None: 0, the presets' large-op model
     op_overhead: float | None = None
@@ -156,6 +162,14 @@ class DeviceSpec:
                 f"DeviceSpec.attention_efficiency must be in (0, 1] or None, got {self.attention_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in attention"
             )
+        if self.attention_costs is not None:
+            a = self.attention_costs
+            if not (isinstance(a, (tuple, list)) and len(a) == 4 and all(is_real(v) for v in a) and a[1] + a[3] > 0):
+                raise ClusterSpecError(
+                    f"DeviceSpec.attention_costs must be (forward s per (batch, head), forward s per FLOP, backward s "
+                    f"per (batch, head), backward s per forward FLOP), each >= 0 and a FLOP's not both 0, or None; "
+                    f"got {a!r}")
+            object.__setattr__(self, "attention_costs", tuple(float(v) for v in a))
         object.__setattr__(self, "update_element_s", _per_element_pair(
             "update_element_s", self.update_element_s, "seconds per element, seconds per element per optimizer state"))
         object.__setattr__(self, "grad_buffer_element_s", _per_element_pair(

@@ -34,7 +34,7 @@ def cluster_from_json(s: str) -> Cluster:
             f"autopar reads version {SCHEMA_VERSION}; re-export the spec with this version"
         )
     if isinstance(top["device"], dict):
-        for key in ("matmul_efficiency", "attention_efficiency", "op_overhead", "update_op_overhead",
+        for key in ("matmul_efficiency", "attention_efficiency", "attention_costs", "op_overhead", "update_op_overhead",
                     "update_element_s", "grad_buffer_element_s", "warm_elements"):
             top["device"].setdefault(key, None)  # specs written before they existed
         top["device"].setdefault("op_costs", [])
@@ -43,12 +43,12 @@ def cluster_from_json(s: str) -> Cluster:
         top["device"].setdefault("collective_host_s", 0.0)
         top["device"].setdefault("collective_host_byte_s", 0.0)
     dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
-                                             "matmul_efficiency", "attention_efficiency", "op_overhead",
+                                             "matmul_efficiency", "attention_efficiency", "attention_costs", "op_overhead",
                                              "update_op_overhead", "update_element_s", "grad_buffer_element_s",
                                              "warm_elements", "op_costs", "matmul_table", "linear_table", "collective_host_s",
                                              "collective_host_byte_s"])
     for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s",
-                "warm_elements"):
+                "warm_elements", "attention_costs"):
         dev[key] = json_rows(dev[key])
     flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])
     dev["peak_flops"] = json_build(PeakFlops, flops, "device.peak_flops")

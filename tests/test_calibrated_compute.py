@@ -215,3 +215,72 @@ def test_a_rank_updating_few_elements_pays_the_warm_per_element_costs():
     assert sum(p.numel() for p in model.parameters()) >= 2**23
     assert plans[cluster, 3].predicted.compute_s < plans[cold, 3].predicted.compute_s * 0.97
     assert plans[cluster, 2].predicted.compute_s == pytest.approx(plans[cold, 2].predicted.compute_s)
+
+
+def test_fit_attention_tells_the_per_pair_cost_from_the_per_flop_cost():
+    """Attention's forward and backward, each ``fixed + pairs * per_pair + flops * per_flop``,
+    timed with 2% noise at the calibration's shapes: the per-pair and per-FLOP costs come back
+    within 10%, the fixed part (``op_overhead``'s) is not kept."""
+    import numpy as np
+
+    from autopar.calibration.fit import fit_attention
+    from autopar.calibration.microbench import _ATTENTION_SHAPES
+
+    truth = (1.5e-6, 2e-11, 3e-6, 5e-11)
+    rng = np.random.default_rng(0)
+    rows = []
+    for b, h, s, d in _ATTENTION_SHAPES:
+        pairs, flops = b * h, 2.0 * b * h * s * s * d
+        fwd = 4e-6 + pairs * truth[0] + flops * truth[1]
+        bwd = 15e-6 + pairs * truth[2] + flops * truth[3]
+        rows.append((pairs, flops, fwd * rng.uniform(0.98, 1.02), (fwd + bwd) * rng.uniform(0.98, 1.02)))
+    assert fit_attention(rows) == pytest.approx(truth, rel=0.1)
+    with pytest.raises(autopar.AutoparError, match="three measured shapes"):
+        fit_attention(rows[:2])
+
+
+def test_attention_is_priced_per_head_pair_and_flop_where_measured():
+    """With ``DeviceSpec.attention_costs`` a GPT's attention node costs ``op_overhead`` plus its
+    (batch, head) pairs and FLOPs at the measured rates, forward and backward, over the device's
+    share: sharding the heads on 2 ranks halves both terms. A spec without them keeps the roofline."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard as DShard
+
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext, node_compute_time, node_flops
+    from autopar.strategies import Strategy
+    from autopar.trace import trace_model
+    from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
+
+    cfg = GPTConfig()
+    idx, tgt = example_batch(cfg, 4)
+    traced = trace_model(GPT(cfg), (idx,), loss_fn=gpt_loss, example_target=tgt)
+    node = next(n for n in traced.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+    q = node.meta["autopar.outputs"][0]
+    pairs, (flops, kind) = q.shape[0] * q.shape[1], node_flops(node)
+    assert kind == "attention" and pairs == 4 * cfg.n_head
+
+    base = Cluster.local(2, calibrated=False)
+    costs = (2e-6, 3e-11, 4e-6, 7e-11)
+    device = dataclasses.replace(base.device, op_overhead=10e-6, attention_costs=costs)
+    cluster = dataclasses.replace(base, device=device)
+    ctx = CostContext((2,), ("tp",), cluster, precision_policy("fp32"), optimizer_spec("adam"))
+    whole = Strategy(ins=(), outs=((Replicate(),),), grad_ins=())
+    heads = Strategy(ins=(), outs=((DShard(1),),), grad_ins=())
+    for strategy, split in ((whole, 1), (heads, 2)):
+        fwd, bwd = node_compute_time(node, strategy, ctx)
+        assert fwd == pytest.approx(10e-6 + (costs[0] * pairs + costs[1] * flops) / split)
+        assert bwd == pytest.approx(10e-6 + (costs[2] * pairs + costs[3] * flops) / split)
+    roofline = dataclasses.replace(cluster, device=dataclasses.replace(device, attention_costs=None))
+    ctx = CostContext((2,), ("tp",), roofline, precision_policy("fp32"), optimizer_spec("adam"))
+    fwd, bwd = node_compute_time(node, whole, ctx)
+    assert bwd - 10e-6 == pytest.approx(2.5 * (fwd - 10e-6))  # the roofline's backward: 2.5x the FLOPs
+
+
+def test_attention_costs_are_validated_and_round_trip():
+    base = Cluster.local(2, calibrated=False)
+    device = dataclasses.replace(base.device, attention_costs=(1e-6, 2e-11, 3e-6, 4e-11))
+    spec = dataclasses.replace(base, device=device)
+    assert Cluster.from_json(spec.to_json()) == spec
+    for bad in ((1e-6, 2e-11, 3e-6), (1e-6, -1.0, 3e-6, 4e-11), (1e-6, 0.0, 3e-6, 0.0)):
+        with pytest.raises(ClusterSpecError, match="attention_costs"):
+            dataclasses.replace(base.device, attention_costs=bad)

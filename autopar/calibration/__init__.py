@@ -14,7 +14,8 @@ local model:
 * ``device.matmul_table`` and ``device.linear_table``: fp32 matmul times over a grid of shapes,
   as ``torch.mm`` and as nn.Linear's forward (``x @ W.T``), with operands cold in cache;
 * ``device.attention_efficiency`` and ``device.memory_bandwidth`` (stated so that the cost
-  model's ``MEMORY_EFFICIENCY`` gives back the measured rate);
+  model's ``MEMORY_EFFICIENCY`` gives back the measured rate); ``device.attention_costs``:
+  attention's forward and backward per (batch, head) pair and per FLOP;
 * ``device.op_overhead`` and ``update_op_overhead``: what one op of a training step costs beyond
   its arithmetic (dispatch, autograd's recording and backward nodes; the optimizer's loop),
   from a probe of many small ops trained with AdamW, over the ops the cost model counts in it;
@@ -43,8 +44,8 @@ import pathlib
 import platform
 import statistics
 
-from autopar.calibration.fit import (collective_skew, exposed_share, fit_collective, fit_compute, fit_op_cost,
-                                     monotone_table)
+from autopar.calibration.fit import (collective_skew, exposed_share, fit_attention, fit_collective, fit_compute,
+                                     fit_op_cost, monotone_table)
 from autopar.calibration.microbench import MicrobenchSpec, measure_rank
 from autopar.calibration.training_probe import PROBE_LAYERS, probe_units
 from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
@@ -60,6 +61,10 @@ def _over_ranks(rows_per_rank: list[list], keep: int, reduce) -> list[tuple]:
             for i, row in enumerate(rows_per_rank[0])]
 
 
+# per compute table, its leading columns that say what was measured (the rest are times)
+_MEASURED_COLUMNS = {"gemm": 3, "gemm_linear": 3, "attention_grad": 2}
+
+
 def combine_ranks(per_rank: list[dict]) -> dict:
     """One set of measurements from every rank's: compute times by their median over ranks (each
     rank ran the same op), collective and overlap times by their mean (a collective ends on
@@ -67,7 +72,7 @@ def combine_ranks(per_rank: list[dict]) -> dict:
     median, mean = statistics.median, statistics.fmean
     first = per_rank[0]
     comp = first["compute"]
-    compute = {key: _over_ranks([r["compute"][key] for r in per_rank], 3 if key.startswith("gemm") else 1, median)
+    compute = {key: _over_ranks([r["compute"][key] for r in per_rank], _MEASURED_COLUMNS.get(key, 1), median)
                for key in comp if key != "matmul"}
     compute["matmul"] = {d: _over_ranks([r["compute"]["matmul"][d] for r in per_rank], 1, median) for d in comp["matmul"]}
     out: dict = {"world": first["world"], "device_type": first["device_type"], "compute": compute,
@@ -145,6 +150,12 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
     if f32.attention_rate is not None:
         att_eff = min(1.0, f32.attention_rate / peaks.fp32)
         sources.append(f"attention {f32.attention_rate / 1e9:.2f} GFLOP/s (efficiency {att_eff:.2f})")
+    attention_costs = None
+    if len(comp.get("attention_grad", ())) >= 3:
+        attention_costs = fit_attention(comp["attention_grad"])
+        sources.append(f"attention per (batch, head) pair and GFLOP, forward: {attention_costs[0] * 1e6:.2f} us + "
+                       f"{attention_costs[1] * 1e15:.0f} us, backward: {attention_costs[2] * 1e6:.2f} us + "
+                       f"{attention_costs[3] * 1e15:.0f} us")
     op_overhead, update_overhead, per_element = training_overheads(measured["training"], f32.matmul_rate)
     sources.append(f"a training step's op: {op_overhead * 1e6:.1f} us (forward and backward, autograd), "
                    f"{update_overhead * 1e6:.1f} us (optimizer update); from a {PROBE_LAYERS}-layer probe")
@@ -178,6 +189,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         sources.append("per element, forward / backward: " + ", ".join(
             f"{name} {f * 1e9:.2f} / {b * 1e9:.2f} ns" for name, f, b in op_costs))
     device = dataclasses.replace(dev, peak_flops=peaks, matmul_efficiency=matmul_eff, attention_efficiency=att_eff,
+                                 attention_costs=attention_costs,
                                  op_costs=op_costs, matmul_table=tuple(tuple(r) for r in comp.get("gemm", [])),
                                  linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,

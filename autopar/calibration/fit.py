@@ -10,6 +10,8 @@ resolve is 0, not a negative latency).
   bandwidth`` for streaming ops, with one shared per-op ``overhead`` (host dispatch, kernel launch):
   what makes a small matmul's achieved efficiency low is that fixed cost, so the fitted pair gives
   a shape-dependent efficiency ``flops / (peak * t)``.
+* ``fit_attention``: attention's forward and its backward each ``t = fixed + pairs * per_pair +
+  flops * per_flop`` over (batch, head) pairs; the fixed part is ``op_overhead``'s, not kept.
 * ``fit_collective``: per collective kind, ``t = latency * hops(p) + bytes * factor(p) / bandwidth``,
   the ring model of ``cost_models.communication`` with the kind's own latency and *bus bandwidth*
   (nccl-tests' definition: the algorithm bandwidth ``bytes / t`` times ``factor(p)``).
@@ -27,7 +29,7 @@ import numpy as np
 
 from autopar.errors import AutoparError
 
-__all__ = ["ComputeFit", "CollectiveFitResult", "fit_compute", "fit_collective", "fit_op_cost", "ring_terms",
+__all__ = ["ComputeFit", "CollectiveFitResult", "fit_compute", "fit_attention", "fit_collective", "fit_op_cost", "ring_terms",
            "exposed_share", "collective_skew", "relative_errors", "monotone_table", "non_decreasing"]
 
 
@@ -115,6 +117,28 @@ def fit_compute(matmuls: Sequence[tuple[float, float]], streams: Sequence[tuple[
         rest = np.maximum(at[:, 1] - overhead, 1e-12)
         att_rate = float(np.median(at[:, 0] / rest))
     return ComputeFit(float(overhead), float(1.0 / inv_rate), float(1.0 / inv_bw), att_rate)
+
+
+def fit_attention(rows: Sequence[tuple[float, float, float, float]]) -> tuple[float, float, float, float]:
+    """``DeviceSpec.attention_costs`` from (batch x heads, forward FLOPs, forward seconds, forward
+    + backward seconds) per measured shape: for the forward and for the backward (the difference),
+    ``t = fixed + pairs * per_pair + flops * per_flop``, every term >= 0. The fixed part (dispatch,
+    the autograd engine's entry) is what ``DeviceSpec.op_overhead`` prices per op: dropped.
+
+    >>> rows = [(p, f, 2e-6 + p * 1e-6 + f * 1e-11, 2e-6 + p * 1e-6 + f * 1e-11 + 9e-6 + p * 2e-6 + f * 3e-11)
+    ...         for p, f in ((8, 3e5), (128, 2e6), (16, 1e7), (32, 1e8))]
+    >>> [round(x, 15) for x in fit_attention(rows)]
+    [1e-06, 1e-11, 2e-06, 3e-11]
+    """
+    at = np.asarray(rows, dtype=float).reshape(-1, 4)
+    if len(at) < 3:
+        raise AutoparError(f"fit_attention needs at least three measured shapes, got {len(at)}")
+    columns = [np.ones(len(at)), at[:, 0], at[:, 1]]
+    _, fwd_pair, fwd_flop = _positive_lstsq(columns, at[:, 2], "attention's forward")
+    _, bwd_pair, bwd_flop = _positive_lstsq(columns, np.maximum(at[:, 3] - at[:, 2], 1e-9), "attention's backward")
+    if fwd_flop + bwd_flop <= 0:
+        raise AutoparError("fit_attention: the measured times do not grow with the FLOPs; measure larger shapes")
+    return float(fwd_pair), float(fwd_flop), float(bwd_pair), float(bwd_flop)
 
 
 def fit_collective(kind: str, points: Sequence[tuple[int, float, float]]) -> CollectiveFitResult:

@@ -7,7 +7,8 @@ measured, per rank (``measure_rank``):
 * fp32 matmuls (``torch.mm``, and ``F.linear`` with its weight stored [n, k]) over a grid of
   (m, k, n) shapes (``gemm_grid``), and a few square
   ones per dtype for each dtype's rate: (flops, seconds);
-* attention (``scaled_dot_product_attention``, causal) over a few shapes: (flops, seconds);
+* attention (``scaled_dot_product_attention``, causal) over a few shapes, forward and forward +
+  backward: (batch x heads, flops, seconds, seconds);
 * a streaming op (``torch.add(a, b, out=c)``) over sizes: (bytes read + written, seconds);
 * the common non-matmul ops of training graphs (``MEASURED_OPS``), forward and forward +
   backward, at two sizes: their cost per element;
@@ -48,7 +49,10 @@ __all__ = ["MicrobenchSpec", "measure_rank", "MATMUL_SHAPES"]
 # (m, k, n): from dispatch-bound to compute-bound on one CPU core
 MATMUL_SHAPES = ((16, 64, 64), (64, 64, 256), (128, 256, 256), (256, 256, 1024), (256, 1024, 1024),
                  (512, 1024, 2048))
-_ATTENTION_SHAPES = ((2, 4, 32, 16), (4, 4, 128, 32), (4, 8, 256, 64))  # (batch, heads, seq, head dim)
+# (batch, heads, seq, head dim): few pairs and FLOPs, many pairs and few FLOPs, then FLOPs (what
+# ``fit_attention`` tells apart: a CPU kernel's cost per (batch, head) pair, and per FLOP)
+_ATTENTION_SHAPES = ((2, 4, 32, 16), (16, 8, 32, 16), (4, 4, 128, 32), (4, 8, 128, 64))
+ATTENTION_REPEATS = 3  # windows per attention shape and direction (``autopar calibrate`` stays within a minute)
 _STREAM_NUMELS = (256, 4096, 65536, 1 << 20, 1 << 22)
 # the sizes each collective is timed at (nccl-tests bytes): a scalar-sized message (gloo and NCCL
 # switch protocols for small ones) up to a large gradient bucket; quick mode times _QUICK_BYTES
@@ -255,7 +259,7 @@ def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str
 def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     _progress("matmuls, attention and streaming ops")
     shapes = MATMUL_SHAPES[:4] if spec.quick else MATMUL_SHAPES
-    out: dict = {"matmul": {}, "attention": [], "stream": [], **_gemm_table(spec, device, barrier)}
+    out: dict = {"matmul": {}, "attention": [], "attention_grad": [], "stream": [], **_gemm_table(spec, device, barrier)}
     for dtype_name in ("float32",) + tuple(spec.dtypes):
         dtype = getattr(torch, dtype_name)
         rows = []
@@ -265,11 +269,18 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
             rows.append((2.0 * m * k * n, _per_op(lambda: torch.mm(a, b), device, spec.repeats, barrier=barrier)))
         out["matmul"][dtype_name] = rows
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    for b, h, s, d in _ATTENTION_SHAPES[:2] if spec.quick else _ATTENTION_SHAPES:
-        q, k, v = (torch.randn(b, h, s, d, device=device) for _ in range(3))
+    for b, h, s, d in _ATTENTION_SHAPES[:3] if spec.quick else _ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, h, s, d, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, s, d, device=device)
         flops = 4.0 * b * h * s * s * d * 0.5  # causal: as planner.costing counts it
-        out["attention"].append((flops, _per_op(lambda: sdpa(q, k, v, is_causal=True), device, spec.repeats,
-                                                barrier=barrier)))
+        with torch.no_grad():
+            fwd = _per_op(lambda: sdpa(q, k, v, is_causal=True), device, min(spec.repeats, ATTENTION_REPEATS),
+                          barrier=barrier)
+        # autograd.grad: the backward kernel without accumulating into leaves' .grad
+        both = _per_op(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device,
+                       min(spec.repeats, ATTENTION_REPEATS), barrier=barrier)
+        out["attention"].append((flops, fwd))
+        out["attention_grad"].append((float(b * h), flops, fwd, both))
     for numel in _STREAM_NUMELS[:4] if spec.quick else _STREAM_NUMELS:
         x, y, z = (torch.randn(numel, device=device) for _ in range(3))
         out["stream"].append((3.0 * numel * 4, _per_op(lambda: torch.add(x, y, out=z), device, spec.repeats,

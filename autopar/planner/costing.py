@@ -139,12 +139,16 @@ def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple
     """(global forward flops, kind, global bytes, measured, gemm form): what ``node_compute_time``
     divides by a split, and what it needs of the node whatever the strategy. ``measured``:
     (forward s per element, backward s per element, global elements) where the device has the
-    op's cost measured (``DeviceSpec.op_costs``; not for matmuls and attention, whose cost
-    follows their FLOPs), else None. ``gemm form``: (right operand transposed, has a bias) of a
+    op's cost measured (``DeviceSpec.op_costs``; not for matmuls, whose cost follows their
+    FLOPs; attention's with ``DeviceSpec.attention_costs``: per (batch, head) pair, its FLOPs
+    priced beside), else None. ``gemm form``: (right operand transposed, has a bias) of a
     matmul priced by the device's shape tables (``_right_transposed``, ``_has_bias``)."""
     flops, kind = node_flops(node)
     measured = None
-    if kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
+    if kind == "attention" and ctx.cluster.device.attention_costs is not None:
+        a = ctx.cluster.device.attention_costs
+        measured = (a[0], a[2], float(math.prod(OpView(node).in_metas[0].shape[:-2])))
+    elif kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
         per = ctx.cluster.device.op_cost(_op_name(node))
         if per is not None:
             metas = [m for m in OpView(node).in_metas if m is not None] + [m for m in node.meta["autopar.outputs"]
@@ -172,12 +176,13 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     device = ctx.cluster.device
     eff = _efficiency(device, kind)
     overhead = (device.op_overhead or 0.0) * runs
-    if measured is not None:  # the op's measured cost per element, on this device's share
+    if measured is not None:  # the op's measured cost per element (attention: per pair), on this device's share
         per_fwd, per_bwd, elements = measured
-        fwd = overhead + per_fwd * elements / split
+        flop_fwd, flop_bwd = (device.attention_costs[1], device.attention_costs[3]) if kind == "attention" else (0, 0)
+        fwd = overhead + (per_fwd * elements + flop_fwd * flops) / split
         if not node.meta.get("autopar.needs_grad", False):
             return fwd, 0.0
-        return fwd, overhead * BWD_OPS.get(kind, 1) + per_bwd * elements / split
+        return fwd, overhead * BWD_OPS.get(kind, 1) + (per_bwd * elements + flop_bwd * flops) / split
     gemm = _gemm_dims(node, strategy, ctx) if kind == "matmul" and device.matmul_table else None
     if gemm is not None:  # the measured efficiency of this shape, for each microbatch's matmul
         batch, m, k, n = gemm
