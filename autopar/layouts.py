@@ -23,6 +23,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
+    "zero_gather_in_place",
     "Layout",
     "Placement",
     "Shard",
@@ -202,6 +203,18 @@ def state_dim(shape: Sequence[int], layout: Sequence[Placement]) -> int | None:
         if d not in taken and s > 1:
             return d
     return None
+
+
+def zero_gather_in_place(local: Sequence[int], dim: int | None, zero_axes: Iterable[int],
+                         mesh_shape: Sequence[int]) -> bool:
+    """Whether ZeRO-1/2's all-gather of an updated parameter (``local``: its shape on this rank
+    before the ZeRO cut, ``dim``: its ``state_dim``) writes straight into the parameter: one zero
+    axis cutting dim 0 evenly, so every rank's shard is one contiguous block of it, its own block
+    the very storage its optimizer updated (as FSDP2's all-gather takes its input from its output
+    buffer). Otherwise the runtime gathers into a buffer and copies back, which the planner prices.
+    Planner and runtime both ask here."""
+    axes = tuple(zero_axes)
+    return len(axes) == 1 and dim == 0 and len(local) > 0 and local[0] % mesh_shape[axes[0]] == 0
 
 
 def state_layout(shape: Sequence[int], layout: Sequence[Placement], zero_axes: Iterable[int]) -> Layout | None:

@@ -111,3 +111,30 @@ def test_a_zero3_weight_is_gathered_again_only_where_its_consumer_saves_it():
     gather = reshard_time(meta, (DShard(0),), (Replicate(),), ctx, blocking=False)["all_gather"]
     assert edge.overlap[edge.u_key[s], kv] == pytest.approx(layers * gather)
     assert edge.kinds[edge.u_key[s]][kv]["all_gather"] == pytest.approx((2 * layers - 1) * gather)
+
+
+def test_a_zero1_gather_that_cannot_run_in_place_prices_the_host_copies():
+    """ZeRO-1/2's post-step all-gather of a weight cut evenly along dim 0 writes straight into the
+    weight (the runtime's ``ParamStore.gather_zero_params``): the collective alone. One cut
+    unevenly (7 rows on 2 ranks) goes through a buffer copied back: its bytes at the host's
+    copy rate besides."""
+    import dataclasses
+
+    from torch.distributed.tensor.placement_types import Replicate
+
+    from autopar.cost_models.communication import blocking_collective_time
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext
+    from autopar.planner.sync_pricing import post_step_gather_time
+    from autopar.strategies import Strategy
+    from autopar.trace import TensorMeta
+
+    base = Cluster.local(2, calibrated=False)
+    cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_host_byte_s=1e-9))
+    ctx = CostContext((2,), ("dp",), cluster, precision_policy("fp32"), optimizer_spec("adam"))
+    zero1 = Strategy(ins=(), outs=((Replicate(),),), grad_ins=(), zero_axes=(0,), zero_stage=1)
+    for rows, copied in ((32, False), (7, True)):
+        meta = TensorMeta((rows, 64), torch.float32)
+        gather = blocking_collective_time("all_gather", rows * 64 * 4.0, ctx.groups[0], cluster)
+        want = gather + (1e-9 * rows * 64 * 4 if copied else 0.0)
+        assert post_step_gather_time(meta, zero1, ctx) == pytest.approx(want, rel=1e-9), rows

@@ -257,3 +257,52 @@ def test_a_zero2_weight_between_biases_cuts_no_gradient_bucket():
     calls, buckets = autopar.launch(_bucket_worker, 2, {"dp": 2, "zero": 0, "zero_params": {"layers.*.weight": 2}})[0]
     assert buckets == [[f"layers.{i}.{m}.bias" for i in range(3) for m in ("down", "up")]], buckets
     assert calls["all_reduce"] == 1 and calls["reduce_scatter"] == 6, calls
+
+
+def _zero1_gather_worker():
+    import functools
+
+    from autopar.bench import _adamw
+    from autopar.runtime import param_store
+    from autopar.runtime.launch import init_distributed
+
+    init_distributed("gloo", 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 7))  # 7 rows: uneven
+    x, t = torch.randn(8, 16), torch.randn(8, 7)
+    buffered = []
+    real_gather = param_store.gather_dim
+
+    def counting(x, dim, comm, axis, size=None):
+        buffered.append(tuple(x.shape))
+        return real_gather(x, dim, comm, axis, size)
+
+    param_store.gather_dim = counting
+    finals = []
+    for in_place in (True, False):
+        if not in_place:  # the same steps, every parameter through a buffer
+            param_store.zero_gather_in_place = lambda *a: False
+        pm = autopar.compile(copy.deepcopy(model), autopar.Cluster.local(2), (x,), loss_fn=torch.nn.functional.mse_loss,
+                             example_target=t, optimizer=functools.partial(_adamw, lr=1e-2),
+                             constraints=autopar.Constraints(dp=2, tp=1, zero=1))
+        buffered.clear()
+        for _ in range(3):
+            pm.train_step(x, target=t)
+        finals.append(({s.fqn: s.local.detach().clone() for s in pm.store.slots.values()}, list(buffered)))
+        pm.close()
+    return finals
+
+
+def test_a_zero1_weight_cut_evenly_along_dim_0_is_gathered_in_place():
+    """ZeRO-1: a weight whose shards are blocks of dim 0 (32 rows over 2 ranks) is all-gathered
+    straight into itself, its own block being what the optimizer updated; the 7-row weight, cut
+    unevenly, and the biases of odd length go through a buffer. Both ways train the same parameters,
+    and the ranks hold the same ones."""
+    finals = autopar.launch(_zero1_gather_worker, 2)
+    for (in_place, buffered_calls), (through_buffer, all_calls) in finals:
+        assert (32, 16) not in buffered_calls and (16, 16) not in buffered_calls, buffered_calls
+        assert len(buffered_calls) == 3 * 2, buffered_calls  # each step: the 7-row weight and its 7-long bias
+        assert len(all_calls) == 3 * 4  # every parameter through a buffer
+        for fqn, p in in_place.items():
+            assert torch.equal(p, through_buffer[fqn]), fqn
+    assert all(torch.equal(finals[0][0][0][k], finals[1][0][0][k]) for k in finals[0][0][0])

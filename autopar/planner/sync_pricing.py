@@ -9,10 +9,12 @@ one instance (the caller multiplies by the number of block instances sharing the
 """
 from __future__ import annotations
 
+import math
+
 import torch.fx as fx
 
 from autopar.ir import batch_norm_sync, region_exchanges
-from autopar.layouts import local_numel
+from autopar.layouts import local_numel, local_shape, state_dim, zero_gather_in_place
 from autopar.planner.costing import CostContext
 from autopar.strategies import Strategy
 
@@ -60,10 +62,19 @@ def _zero2_reduce_latency(axes, zero_axes, ctx: CostContext) -> float:
 
 
 def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
-    """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking)."""
+    """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking), and where
+    it cannot gather in place (``layouts.zero_gather_in_place``) the host's copies: the shard made
+    contiguous along its state dim, the gathered parameter copied back (at
+    ``DeviceSpec.collective_host_byte_s`` per byte, as a reshard's layout copies)."""
     from autopar.cost_models.communication import blocking_collective_time
 
     if not s.zero_axes:
         return 0.0
-    nbytes = float(local_numel(meta.shape, s.outs[0], ctx.mesh_shape) * meta.itemsize)
-    return sum(blocking_collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
+    local = local_shape(meta.shape, s.outs[0], ctx.mesh_shape)
+    nbytes = float(math.prod(local) * meta.itemsize)
+    seconds = sum(blocking_collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
+    dim = state_dim(meta.shape, s.outs[0])
+    if not zero_gather_in_place(local, dim, s.zero_axes, ctx.mesh_shape):
+        shard = nbytes / math.prod(ctx.mesh_shape[a] for a in s.zero_axes) if dim != 0 else 0.0
+        seconds += ctx.cluster.device.collective_host_byte_s * (nbytes + shard)
+    return seconds

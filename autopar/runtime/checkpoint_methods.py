@@ -97,7 +97,7 @@ class CheckpointMethods:
     def _after_state_load(self) -> None:
         """Parameters were overwritten in place (their shards): ZeRO-1/2 gathers them whole again."""
         with active_mesh(self.comm):
-            self._gather_zero_params()
+            self.store.gather_zero_params()
         self._note_zero_versions()
 
     @torch.no_grad()

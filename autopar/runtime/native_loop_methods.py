@@ -29,7 +29,7 @@ class NativeLoopMethods:
     """Mixed into ``ParallelModel`` (which holds ``comm``, ``store``, ``training``, ``_builder``,
     ``_fused``, ``_local``, ``_calls``, ``_state``, ``_grad_sync`` and ``_zero_versions``, and runs
     ``_ensure_planned``, ``_program_for``, ``_check_batch``, ``_args``, ``_run`` and
-    ``_gather_zero_params``)."""
+    ``ParamStore.gather_zero_params``)."""
 
     def forward(self, *args, **kwargs):
         """The sharded forward: returns what the model returns, each tensor whole on every rank (as
@@ -131,5 +131,5 @@ class NativeLoopMethods:
         (the DTensor parameters' version counters moved); gather them back into the whole parameters."""
         if self._zero_param_versions() != self._zero_versions:
             with active_mesh(self.comm):
-                self._gather_zero_params()
+                self.store.gather_zero_params()
             self._note_zero_versions()

@@ -49,9 +49,9 @@ import torch.fx as fx
 
 from autopar.errors import AutoparError
 from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Replicate, Shard, chunk_range, parse_layout
+from autopar.layouts import Replicate, Shard, parse_layout
 from autopar.loss_rewrite import token_count_program
-from autopar.runtime.collectives import active_mesh, gather_dim, shard_tensor
+from autopar.runtime.collectives import active_mesh, shard_tensor
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
@@ -463,7 +463,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 before_step()
         with self._phase("optimizer"):
             self.optimizer.step()
-            self._gather_zero_params()
+            self.store.gather_zero_params()
             self._note_zero_versions()
         self.store.zero_grads()
 
@@ -488,19 +488,6 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 w.wait()
             total = self._pipeline.broadcast_loss(torch.tensor([float(self._finish_loss(value)) if losses else 0.0]))
         return float(total)
-
-    @torch.no_grad()
-    def _gather_zero_params(self) -> None:
-        """ZeRO-1/2: all-gather the updated ``Shard(state_dim)`` pieces back into the whole parameter."""
-        for s in self.store.zero_slots():
-            d = s.state_dim
-            lengths = [s.local.shape[d]]  # the dim's length before each level of chunking
-            for a in sorted(s.zero_axes)[:-1]:
-                lengths.append(chunk_range(lengths[-1], self.comm.sizes[a], self.comm.coords[a])[1])
-            x = s.opt.detach()
-            for a, size in zip(reversed(sorted(s.zero_axes)), reversed(lengths)):
-                x = gather_dim(x, d, self.comm, a, size if size % self.comm.sizes[a] else None)
-            s.local.copy_(x)
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:

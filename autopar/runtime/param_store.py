@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.layouts import Layout, chunk_range, parse_layout, state_dim
-from autopar.runtime.collectives import shard_tensor
+from autopar.layouts import Layout, chunk_range, parse_layout, state_dim, zero_gather_in_place
+from autopar.runtime.collectives import gather_dim, shard_tensor
 from autopar.runtime.comm import MeshComm
 
 __all__ = ["ParamSlot", "ParamStore", "state_chunk"]
@@ -200,6 +200,26 @@ class ParamStore:
 
     def zero_slots(self) -> list[ParamSlot]:
         return [s for s in self.slots.values() if s.trainable and s.zero_stage in (1, 2)]
+
+    @torch.no_grad()
+    def gather_zero_params(self) -> None:
+        """ZeRO-1/2, after the optimizer step: all-gather the updated ``Shard(state_dim)`` pieces
+        back into the whole parameter. In place where each shard is a contiguous block of it
+        (``layouts.zero_gather_in_place``: no buffer, no copy back; on 4 gloo processes an 8 MiB
+        gather so took 8.3 ms against 13.6 into a new buffer copied back), else through a buffer."""
+        comm = self.comm
+        for s in self.zero_slots():
+            d = s.state_dim
+            if s.local.is_contiguous() and zero_gather_in_place(s.local.shape, d, s.zero_axes, comm.sizes):
+                comm.all_gather(s.local, s.opt.detach(), s.zero_axes[0])
+                continue
+            lengths = [s.local.shape[d]]  # the dim's length before each level of chunking
+            for a in sorted(s.zero_axes)[:-1]:
+                lengths.append(chunk_range(lengths[-1], comm.sizes[a], comm.coords[a])[1])
+            x = s.opt.detach()
+            for a, size in zip(reversed(sorted(s.zero_axes)), reversed(lengths)):
+                x = gather_dim(x, d, comm, a, size if size % comm.sizes[a] else None)
+            s.local.copy_(x)
 
 
 def _replicate_from_rank0(t: torch.Tensor) -> torch.Tensor:
