@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.cluster import calibration_path
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 
 
@@ -48,9 +49,12 @@ def main(steps: int = 20) -> None:
             print(f"{i:>4}  {losses[i]:>13.6f}  {r:>18.6f}  {abs(losses[i] - r) / abs(r):>9.1e}")
         measured = statistics.median(times[3:])
         predicted = pm.plan.predicted.step_time_s
+        spec = calibration_path(cluster.world_size)
+        where = (f"Cluster.local() read the spec `autopar calibrate` wrote, {spec}" if spec.is_file() else
+                 f"Cluster.local() uses rough CPU numbers; `autopar calibrate --nproc {cluster.world_size}` will "
+                 "measure them")
         print(f"\nmeasured step time {measured * 1e3:.2f} ms (median of steps 3-{steps - 1}) vs predicted "
-              f"{predicted * 1e3:.2f} ms: ratio {measured / predicted:.2f} (Cluster.local() uses rough CPU "
-              "numbers; `autopar calibrate` will measure them)")
+              f"{predicted * 1e3:.2f} ms: ratio {measured / predicted:.2f} ({where})")
     dist.barrier()
     dist.destroy_process_group()
 
