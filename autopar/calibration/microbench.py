@@ -486,16 +486,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     arrive from compute arrive apart (processes sharing cores time-slice), and the collective
     waits for the last one. Back-to-back calls also overlap one call's tail with the next one's
     start, which a call after compute cannot. Four kinds, not one: one kind's excess has read
-    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier.
-
-    Each kind's excess is clipped at 0 before the median, so where the true excess is about 0 the
-    figure comes out positive (0-180 us on 2 processes). Kept so on purpose: a training step pays
-    about 70 us more per blocking collective than its back-to-back time (the GPT's ``tp=2``: the
-    compute after a real collective ran that much longer than after a local copy), which this
-    probe does not see. Taken window by window the excess read 0-12 us, the collectives came out
-    cheaper, and the GPT's free 2-process plan turned from replication (5.6 ms measured) to data
-    parallel (7.2-7.9 ms measured, priced the same). A probe that meets collectives as a step
-    does would replace both."""
+    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier."""
     _progress("what a collective waits for ranks arriving from compute")
     a = torch.randn(128, 128, device=device)
     t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
