@@ -198,9 +198,11 @@ def _synthetic_measurements(world: int = 4) -> dict:
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
                       # the overlap probe's median round (share 0.9) beside every round's share
                       "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029, "shares": [0.3, 0.9, 1.0]},
-                      # per kind (alone, after 1 ms of compute): waits of 0.3, 0.5 and 0.1 ms, median 0.3
+                      # per kind (alone, after 1 ms of compute): waits of 0.3, 0.5 and 0.1 ms, median 0.3;
+                      # window by window (each pass's own): median 0.2 ms, what is kept
                       "skew": {"compute_s": 1e-3, "kinds": {"all_reduce": [2e-4, 1.5e-3], "all_gather": [1e-4, 1.6e-3],
-                                                            "all_to_all": [1e-4, 1.2e-3]}},
+                                                            "all_to_all": [1e-4, 1.2e-3]},
+                               "excess": [1e-4, 4e-4, -2e-4, 3e-4, 2e-4]},
                       # 1F1B of tiny stages: 1 ms + 0.5 ms per microbatch, of which 0.1 ms compute
                       "pipeline": {"m": [2, 8], "step_s": [2e-3, 5e-3], "compute_s": 1e-4},
                       # the host's time per collective: 0.1 and 0.2 ms on the two ranks, median 0.15
@@ -226,7 +228,10 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert c.intra_node.collective("all_to_all") == pytest.approx((50e-6, 2e9), rel=1e-6)
     assert c.exposed_comm_share == pytest.approx(0.9)
     assert any("the median round of 0.30, 0.90, 1.00" in s for s in c.sources), c.sources
-    assert c.collective_skew_s == pytest.approx(3e-4)
+    assert c.collective_skew_s == pytest.approx(2e-4)  # the median of the paired windows
+    before = _synthetic_measurements()
+    del before["skew"]["excess"]  # measured before the paired windows: the median over kinds
+    assert fit_cluster(before, base, "test").collective_skew_s == pytest.approx(3e-4)
     # per microbatch: 0.5 ms less its compute (0.1) and two 64-byte messages (2 x 100.064 us)
     assert c.pipeline_microbatch_s == pytest.approx(0.5e-3 - 1e-4 - 2 * (100e-6 + 64 / 1e9), rel=1e-6)
     assert c.intra_node.measured_time("send_recv", 2, 1e4) == pytest.approx(100e-6 + 1e4 / 1e9, rel=1e-3)

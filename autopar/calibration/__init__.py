@@ -90,6 +90,8 @@ def combine_ranks(per_rank: list[dict]) -> dict:
             out["skew"] = {"compute_s": mean(r["skew"]["compute_s"] for r in per_rank),
                            "kinds": {k: [mean(r["skew"]["kinds"][k][i] for r in per_rank) for i in range(2)]
                                      for k in first["skew"]["kinds"]}}
+            if "excess" in first["skew"]:  # window by window: the ranks' windows are the same seconds
+                out["skew"]["excess"] = [mean(col) for col in zip(*(r["skew"]["excess"] for r in per_rank))]
         if "pipeline" in first:
             pl = first["pipeline"]
             out["pipeline"] = {"m": pl["m"], "compute_s": mean(r["pipeline"]["compute_s"] for r in per_rank),
@@ -226,10 +228,13 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         skew = 0.0
         if "skew" in measured:
             sk = measured["skew"]
-            skew = statistics.median(collective_skew(sk["compute_s"], alone, together)
-                                     for alone, together in sk["kinds"].values())
+            if "excess" in sk:
+                skew, how = max(0.0, statistics.median(sk["excess"])), f"{len(sk['excess'])} paired windows"
+            else:  # measured before the paired windows
+                skew, how = statistics.median(collective_skew(sk["compute_s"], alone, together)
+                                              for alone, together in sk["kinds"].values()), "kinds"
             sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us, the median over "
-                           f"kinds (after {sk['compute_s'] * 1e3:.2f} ms of compute, a tiny " + ", ".join(
+                           f"{how} (after {sk['compute_s'] * 1e3:.2f} ms of compute, a tiny " + ", ".join(
                                f"{kind} takes {(together - sk['compute_s']) * 1e6:.0f} us against {alone * 1e6:.0f}"
                                for kind, (alone, together) in sk["kinds"].items()) + " alone)")
         per_micro, message_s = 0.0, link.measured_time("send_recv", 2, 64.0)

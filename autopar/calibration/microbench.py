@@ -505,10 +505,19 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
             compute()
             call()
         fns += [call, both]
-    # in passes over all of them: what is subtracted was timed over the same seconds (one after
-    # the other, two calibrations of a 2-process machine read 62 and 0 us; a kind's excess -11 us)
-    t = _per_op_spread(fns, device, spec.repeats, barrier)
-    return {"compute_s": t[0], "kinds": {kind: t[1 + 2 * i: 3 + 2 * i] for i, kind in enumerate(_COMM_KINDS)}}
+    # in passes over all of them, each pass's excess (after the block, less the block and the call
+    # alone) taken from its own windows: a median over kinds of each kind's medians read 0, 82 and
+    # 179 us in three calibrations of a 2-process machine back to back (a collective's time there
+    # is 80 us or 4 ms, by chance)
+    calls = [_calls_for(fn, device, barrier, 0.02, 1) for fn in fns]
+    runs: list[list[float]] = [[] for _ in fns]
+    for _ in range(spec.repeats):
+        _pass(fns, calls, runs, device, barrier)
+    excess = [both - compute_s - alone for i in range(len(_COMM_KINDS))
+              for compute_s, alone, both in zip(runs[0], runs[1 + 2 * i], runs[2 + 2 * i])]
+    t = [statistics.median(r) for r in runs]
+    return {"compute_s": t[0], "kinds": {kind: t[1 + 2 * i: 3 + 2 * i] for i, kind in enumerate(_COMM_KINDS)},
+            "excess": excess}
 
 
 PIPELINE_MICROBATCHES = (2, 8)  # the two microbatch counts of the pipeline probe
