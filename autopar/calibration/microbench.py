@@ -486,7 +486,14 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     arrive from compute arrive apart (processes sharing cores time-slice), and the collective
     waits for the last one. Back-to-back calls also overlap one call's tail with the next one's
     start, which a call after compute cannot. Four kinds, not one: one kind's excess has read
-    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier."""
+    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier.
+
+    Not yet seen here: a training step pays about 70 us more per blocking collective than its
+    back-to-back time (the GPT's ``tp=2`` on 2 processes: the compute after a real collective ran
+    that much longer than after a local copy); with a compute block of small autograd layers
+    instead of matmuls the excess still read about 0. Priced without it, the GPT's free 2-process
+    plan chose data parallelism (7.2-7.9 ms measured) over replication (5.6 ms), both priced
+    5.2-5.4 ms. A probe that meets collectives as a step does is the next step."""
     _progress("what a collective waits for ranks arriving from compute")
     a = torch.randn(128, 128, device=device)
     t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
