@@ -504,8 +504,7 @@ def param_state_bytes(meta: TensorMeta, strategy: Strategy, ctx: CostContext, tr
     numel = local_numel(meta.shape, strategy.outs[0], ctx.mesh_shape)  # the largest shard
     if not trainable:
         return {"params": numel * meta.itemsize, "grads": 0.0, "optimizer_state": 0.0}
-    state = state_layout(meta.shape, strategy.outs[0], strategy.zero_axes)
-    state_numel = local_numel(meta.shape, state, ctx.mesh_shape) if state is not None else numel
+    state_numel = updated_numel(meta, strategy, ctx)
     grad_numel = state_numel if strategy.zero_stage == 2 else numel
     return {
         "params": numel * meta.itemsize,
