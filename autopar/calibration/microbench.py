@@ -101,11 +101,18 @@ def _per_op_spread(fns: list[Callable[[], object]], device: torch.device, repeat
     them: each figure's median spans the whole measurement, not a moment of it. A shared machine's
     speed moves from second to second (a 4 KiB all-reduce of 2 of 4 processes read 1.6 to 3.6 ms
     over 100 s, in runs of 20 calls 3 s apart): windows back to back all land in one moment."""
+    return [statistics.median(r) for r in _spread_runs(fns, device, repeats, barrier, min_s, min_calls)[1]]
+
+
+def _spread_runs(fns: list[Callable[[], object]], device: torch.device, repeats: int, barrier,
+                 min_s: float = 0.02, min_calls: int = 1) -> tuple[list[int], list[list[float]]]:
+    """(calls per window of each of ``fns``, its ``repeats`` windows' seconds per call), the
+    windows taken in passes over all of them (``_per_op_spread``'s, before their medians)."""
     calls = [_calls_for(fn, device, barrier, min_s, min_calls) for fn in fns]
     runs: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         _pass(fns, calls, runs, device, barrier)
-    return [statistics.median(r) for r in runs]
+    return calls, runs
 
 
 def _pass(fns: list[Callable[[], object]], calls: list[int], runs: list[list[float]], device: torch.device,
@@ -135,12 +142,11 @@ class SpreadProbe:
 
     def add(self, name: str, fn: Callable[[], object], repeats: int, min_s: float) -> None:
         """Time ``fn`` now (``repeats`` windows of about ``min_s``), and again at each ``sample``."""
+        calls, runs = _spread_runs([fn], self.device, repeats, self.barrier, min_s)
         self.names.append(name)
         self.fns.append(fn)
-        self.calls.append(_calls_for(fn, self.device, self.barrier, min_s, 1))
-        self.runs.append([])
-        for _ in range(repeats):
-            _pass(self.fns[-1:], self.calls[-1:], self.runs[-1:], self.device, self.barrier)
+        self.calls += calls
+        self.runs += runs
 
     def sample(self) -> None:
         """One more window of every probe (every rank calls it at the same points)."""
@@ -516,10 +522,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     # alone) taken from its own windows: a median over kinds of each kind's medians read 0, 82 and
     # 179 us in three calibrations of a 2-process machine back to back (a collective's time there
     # is 80 us or 4 ms, by chance)
-    calls = [_calls_for(fn, device, barrier, 0.02, 1) for fn in fns]
-    runs: list[list[float]] = [[] for _ in fns]
-    for _ in range(spec.repeats):
-        _pass(fns, calls, runs, device, barrier)
+    _, runs = _spread_runs(fns, device, spec.repeats, barrier)
     excess = [both - compute_s - alone for i in range(len(_COMM_KINDS))
               for compute_s, alone, both in zip(runs[0], runs[1 + 2 * i], runs[2 + 2 * i])]
     t = [statistics.median(r) for r in runs]
