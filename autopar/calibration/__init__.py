@@ -258,7 +258,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
 def pipeline_microbatch_seconds(counts, step_s, compute_s: float, message_s: float) -> float:
     """What a pipeline schedule costs per microbatch and stage beyond the stage's compute and its
     two messages (activation forward, gradient back): the slope of the probe's step time over
-    its microbatch counts, less those (``microbench._pipeline``); never below 0.
+    its microbatch counts, less those (``comm_probes._pipeline``); never below 0.
 
     >>> round(pipeline_microbatch_seconds([2, 8], [0.004, 0.010], 1e-4, 2e-4), 6)
     0.0005

@@ -1,0 +1,222 @@
+"""The communication half of ``autopar calibrate``'s measurements (``microbench.measure_rank``
+runs them after the compute half): each collective the runtime issues over message sizes and
+group shapes, a stage-to-stage message, a collective overlapped with compute, a collective after
+compute (the ranks' skew), and a two-stage pipeline schedule's work per microbatch. Every rank
+runs each at once, through ``runtime.comm.MeshComm`` as the program does; times are per call on
+the slowest rank (``microbench._per_op``).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+from autopar.calibration.fit import exposed_share
+from autopar.calibration.microbench import MicrobenchSpec, _per_op, _per_op_spread, _progress, _spread_runs
+
+# the sizes each collective is timed at (nccl-tests bytes): a scalar-sized message (gloo and NCCL
+# switch protocols for small ones) up to a large gradient bucket; quick mode times _QUICK_BYTES
+_COMM_BYTES = (64, 4 << 10, 32 << 10, 256 << 10, 1 << 21, 1 << 23)
+_QUICK_BYTES = (64, 256 << 10, 1 << 23)
+_COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# calls per timed window of a collective, at least: a 20 ms window held two 8 MiB all-gathers on 2
+# ranks, and one calibration read 10.6 ms for them against 6.3 for an 8 MiB all-reduce
+COLLECTIVE_MIN_CALLS = 4
+# windows per collective and size: what moves a collective's time (~30%) is the machine between
+# calibrations, not a fifth window; at 5 windows the 54 collectives took 22 s of the minute on 4
+# processes, at 4 windows 18 s (the minute then ran 62-64 s with the update probed at two sizes)
+COLLECTIVE_REPEATS = 3
+
+
+def _collective_call(comm, kind: str, nbytes: int, axis: int, device: torch.device) -> Callable[[], object]:
+    """One ``kind`` of ``nbytes`` (nccl-tests' size) on ``comm``'s ``axis``, as a closure."""
+    p = comm.sizes[axis]
+    numel = max(p, nbytes // 4 // p * p)
+    full = torch.randn(numel, device=device)
+    part = torch.empty(numel // p, device=device)
+    if kind == "all_reduce":
+        return lambda: comm.all_reduce(full, axis)
+    if kind == "all_gather":
+        return lambda: comm.all_gather(full, part, axis)
+    if kind == "reduce_scatter":
+        return lambda: comm.reduce_scatter(part, full, axis)
+    out = torch.empty_like(full)
+    return lambda: comm.all_to_all(out, full, axis)
+
+
+def _send_recv_call(comm, nbytes: int, axis: int, device: torch.device) -> Callable[[], object]:
+    """One message of ``nbytes`` from coordinate 0 to coordinate 1 of ``comm``'s ``axis`` (a pair),
+    sent as ``torch.distributed.pipelining`` sends a stage's activations (``batch_isend_irecv``)."""
+    import torch.distributed as dist
+
+    group = comm._group(axis)
+    peer = dist.get_process_group_ranks(group)[1 - comm.coords[axis]]
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    op = dist.isend if comm.coords[axis] == 0 else dist.irecv
+
+    def call():
+        for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer, group)]):
+            work.wait()
+    return call
+
+
+def _meshes(world: int, device: torch.device):
+    """(group size, MeshComm, axis): the whole world and, with 4 or more ranks (an even count),
+    pairs of rank r and r + world / 2: the pairs a two-stage pipeline's stages form (the
+    outermost mesh axis), and, where ranks outnumber cores, ranks on different cores
+    (``runtime.cpu_affinity`` puts consecutive ranks on one core). Pairs on one core differ: on 4
+    processes pinned 2 per core, a 4 KiB all-reduce took 0.17 ms on one core against 1.4 across
+    cores, one stage's 4 KiB message 3.1 ms against 0.29."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.comm import MeshComm
+
+    meshes = [(world, MeshComm.from_device_mesh(init_device_mesh(device.type, (world,), mesh_dim_names=("w",))), 0)]
+    if world >= 4 and world % 2 == 0:
+        pairs = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pair", "inner"))
+        meshes.append((2, MeshComm.from_device_mesh(pairs), 0))
+    return meshes
+
+
+def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
+    # quick: the smallest, a middle and the largest size: the largest is what resolves bandwidth
+    # from latency (with small sizes only, the noise can outweigh the bandwidth term)
+    sizes = _QUICK_BYTES if spec.quick else _COMM_BYTES
+    _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {meshes[0][0]} ranks" + (" and pairs" if len(meshes) > 1 else ""))
+    points, calls = [], []  # (kind, group size, nccl-tests bytes), its closure: timed in passes over all
+    for p, comm, axis in meshes:
+        for kind in _COMM_KINDS:
+            for nbytes in sizes:
+                points.append((kind, p, float(max(p, nbytes // 4 // p * p) * 4)))
+                calls.append(_collective_call(comm, kind, nbytes, axis, device))
+        if p == 2:  # a pipeline's stage-to-stage message, every pair sending at once as stages do
+            for nbytes in sizes:
+                points.append(("send_recv", 2, float(max(1, nbytes // 4) * 4)))
+                calls.append(_send_recv_call(comm, nbytes, axis, device))
+    seconds = _per_op_spread(calls, device, min(spec.repeats, COLLECTIVE_REPEATS), barrier,
+                             min_calls=COLLECTIVE_MIN_CALLS)
+    out: dict = {k: [] for k in _COMM_KINDS + ("send_recv",)}
+    for (kind, p, nbytes), t in zip(points, seconds):
+        out[kind].append((p, nbytes, t))
+    return {k: v for k, v in out.items() if v}
+
+
+def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+    """Seconds of a block of matmuls, of an all-reduce, and of both with the all-reduce in flight
+    (issued asynchronously, waited after the matmuls), as the runtime overlaps gradient sync."""
+    import torch.distributed as dist
+
+    _progress("overlap of an all-reduce with compute")
+    buf = torch.randn((1 << 21) // 4, device=device)  # 2 MiB
+    a = torch.randn(256, 256, device=device)
+
+    def comm():
+        dist.all_reduce(buf)
+
+    t_comm = _per_op(comm, device, spec.repeats, barrier=barrier)
+    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
+    n_mm = max(1, int(t_comm / t_mm))
+
+    def compute():
+        for _ in range(n_mm):
+            torch.mm(a, a)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    # processes sharing cores overlap by chance: one round's share has read 0.2 and 1.0 on the same
+    # machine; the round with the median share of OVERLAP_ROUNDS, each timing all three anew
+    rounds, repeats = [], min(spec.repeats, 3)  # (the rounds' median is the estimate: fewer runs each)
+    for r in range(OVERLAP_ROUNDS):
+        alone = t_comm if r == 0 else _per_op(comm, device, repeats, barrier=barrier)
+        rounds.append({"comm_s": alone, "compute_s": _per_op(compute, device, repeats, barrier=barrier),
+                       "together_s": _per_op(both, device, repeats, barrier=barrier)})
+    shares = [exposed_share(x["compute_s"], x["comm_s"], x["together_s"]) for x in rounds]
+    middle = sorted(range(len(rounds)), key=shares.__getitem__)[len(rounds) // 2]
+    return {**rounds[middle], "shares": shares}
+
+
+OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
+SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
+
+
+def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
+    """Seconds of a block of matmuls (about ``SKEW_WORK_S``), and per collective kind the runtime
+    issues, of one call of the smallest size alone (back to back) and after the block: ranks that
+    arrive from compute arrive apart (processes sharing cores time-slice), and the collective
+    waits for the last one. Back-to-back calls also overlap one call's tail with the next one's
+    start, which a call after compute cannot. Four kinds, not one: one kind's excess has read
+    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier.
+
+    Not yet seen here: a training step pays about 70 us more per blocking collective than its
+    back-to-back time (the GPT's ``tp=2`` on 2 processes: the compute after a real collective ran
+    that much longer than after a local copy); with a compute block of small autograd layers
+    instead of matmuls the excess still read about 0. Priced without it, the GPT's free 2-process
+    plan chose data parallelism (7.2-7.9 ms measured) over replication (5.6 ms), both priced
+    5.2-5.4 ms. A probe that meets collectives as a step does is the next step."""
+    _progress("what a collective waits for ranks arriving from compute")
+    a = torch.randn(128, 128, device=device)
+    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
+    n_mm = barrier(max(1, int(SKEW_WORK_S / t_mm)))  # every rank the same count
+
+    def compute():
+        for _ in range(n_mm):
+            torch.mm(a, a)
+
+    world, comm, axis = meshes[0]
+    fns = [compute]
+    for kind in _COMM_KINDS:
+        call = _collective_call(comm, kind, 4 * world, axis, device)
+
+        def both(call=call):
+            compute()
+            call()
+        fns += [call, both]
+    # in passes over all of them, each pass's excess (after the block, less the block and the call
+    # alone) taken from its own windows: a median over kinds of each kind's medians read 0, 82 and
+    # 179 us in three calibrations of a 2-process machine back to back (a collective's time there
+    # is 80 us or 4 ms, by chance)
+    _, runs = _spread_runs(fns, device, spec.repeats, barrier)
+    excess = [both - compute_s - alone for i in range(len(_COMM_KINDS))
+              for compute_s, alone, both in zip(runs[0], runs[1 + 2 * i], runs[2 + 2 * i])]
+    t = [statistics.median(r) for r in runs]
+    return {"compute_s": t[0], "kinds": {kind: t[1 + 2 * i: 3 + 2 * i] for i, kind in enumerate(_COMM_KINDS)},
+            "excess": excess}
+
+
+PIPELINE_MICROBATCHES = (2, 8)  # the two microbatch counts of the pipeline probe
+
+
+def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
+    """A two-stage ``torch.distributed.pipelining`` 1F1B step of tiny stages (one ``Linear`` each)
+    on every pair of ranks at once, at ``PIPELINE_MICROBATCHES``; and one stage's forward +
+    backward of one microbatch alone. The slope over the microbatch count, less that compute and
+    the two messages a microbatch sends (``send_recv``), is what the schedule's actions cost
+    (``Cluster.pipeline_microbatch_s``)."""
+    from torch.distributed import pipelining
+
+    _progress("a two-stage pipeline schedule's work per microbatch")
+    _, comm, axis = meshes[-1]
+    group, stage = comm._group(axis), comm.coords[axis]
+    width, rows = 16, 2
+    mod = torch.nn.Linear(width, width).to(device)
+    x1 = torch.randn(rows, width, device=device, requires_grad=True)
+    out: dict = {"m": list(PIPELINE_MICROBATCHES), "step_s": [],
+                 "compute_s": _per_op(lambda: mod(x1).sum().backward(), device, spec.repeats, barrier)}
+    for m in PIPELINE_MICROBATCHES:
+        meta_in = torch.empty(rows, width, device="meta", requires_grad=stage == 1)
+        meta_out = torch.empty(rows, width, device="meta", requires_grad=True)
+        pipe = pipelining.PipelineStage(mod, stage, 2, device, input_args=(meta_in,), output_args=(meta_out,), group=group)
+        schedule = pipelining.Schedule1F1B(pipe, m, loss_fn=lambda y, _t: y.sum())
+        batch = torch.randn(m * rows, width, device=device)
+
+        def step(schedule=schedule, batch=batch, m=m):
+            if stage == 0:
+                schedule.step(batch)
+            else:
+                schedule.step(target=torch.zeros(m, device=device), losses=[])
+        out["step_s"].append(_per_op(step, device, spec.repeats, barrier))
+    return out
