@@ -124,9 +124,17 @@ class DeviceSpec:
     # ``update_element_s`` and ``grad_buffer_element_s``, the update's seconds per element, per
     # element and state, a gradient's zeroing and accumulation per element); a rank holding a
     # count between the two (``CostContext.rank_state_numel``: the largest of its parameter,
-    # gradient and optimizer elements) is priced between them, log-linearly. None: every count at
-    # the two fields' figures
+    # gradient and optimizer elements) is priced between them: by ``shared_cache_bytes`` where
+    # known, else log-linearly in the count. None: every count at the two fields' figures
     warm_elements: tuple[float, float, float, float, float, float] | None = None
+    # bytes of the last-level cache that a node's ranks share (a CPU socket's L3, read by
+    # ``autopar calibrate``); the optimizer's and gradient buffers' per-element costs are then
+    # warm while the node's ranks' parameters, gradients and optimizer states fill at most half of
+    # it, cold from all of it on, linear between (``planner.costing.element_costs``): on 2
+    # processes sharing a 300 MiB L3, the 8.4M-parameter MLP's AdamW step at 4.2M elements a rank
+    # (134 MB on the node) ran at the warm figures, at 8.4M (268 MB) at the cold ones, where the
+    # per-rank log-linear rule had priced the 4.2M rank 70% of the way to cold. None: unknown
+    shared_cache_bytes: float | None = None
     # measured per op name (the traced graph's, e.g. "gelu", "layer_norm"): (name, forward seconds
     # per element, backward seconds per element), sorted by name; such an op is priced by its
     # elements (the largest of its inputs and outputs) instead of the roofline
@@ -182,6 +190,11 @@ class DeviceSpec:
                     f"DeviceSpec.warm_elements must be (elements a rank holds where warm, where cold (larger), "
                     f"then four seconds per element >= 0: update, per state, zero, add) or None; got {w!r}")
             object.__setattr__(self, "warm_elements", tuple(float(v) for v in w))
+        if self.shared_cache_bytes is not None:
+            if not (is_real(self.shared_cache_bytes) and self.shared_cache_bytes > 0):
+                raise ClusterSpecError(f"DeviceSpec.shared_cache_bytes must be bytes > 0 or None, got "
+                                       f"{self.shared_cache_bytes!r}; it is the last-level cache a node's ranks share")
+            object.__setattr__(self, "shared_cache_bytes", float(self.shared_cache_bytes))
         object.__setattr__(self, "op_costs", check_rows(
             "DeviceSpec", "op_costs", self.op_costs,
             lambda r: len(r) == 3 and isinstance(r[0], str) and r[0] and all(is_real(v) for v in r[1:]),

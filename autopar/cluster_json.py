@@ -35,7 +35,7 @@ def cluster_from_json(s: str) -> Cluster:
         )
     if isinstance(top["device"], dict):
         for key in ("matmul_efficiency", "attention_efficiency", "attention_costs", "op_overhead", "update_op_overhead",
-                    "update_element_s", "grad_buffer_element_s", "warm_elements"):
+                    "update_element_s", "grad_buffer_element_s", "warm_elements", "shared_cache_bytes"):
             top["device"].setdefault(key, None)  # specs written before they existed
         top["device"].setdefault("op_costs", [])
         top["device"].setdefault("matmul_table", [])
@@ -45,8 +45,8 @@ def cluster_from_json(s: str) -> Cluster:
     dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                              "matmul_efficiency", "attention_efficiency", "attention_costs", "op_overhead",
                                              "update_op_overhead", "update_element_s", "grad_buffer_element_s",
-                                             "warm_elements", "op_costs", "matmul_table", "linear_table", "collective_host_s",
-                                             "collective_host_byte_s"])
+                                             "warm_elements", "shared_cache_bytes", "op_costs", "matmul_table", "linear_table",
+                                             "collective_host_s", "collective_host_byte_s"])
     for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s",
                 "warm_elements", "attention_costs"):
         dev[key] = json_rows(dev[key])

@@ -217,6 +217,65 @@ def test_a_rank_updating_few_elements_pays_the_warm_per_element_costs():
     assert plans[cluster, 2].predicted.compute_s == pytest.approx(plans[cold, 2].predicted.compute_s)
 
 
+def test_the_cache_a_node_s_ranks_share_says_where_between_warm_and_cold_a_rank_is_priced():
+    """``DeviceSpec.shared_cache_bytes``: what the node's ranks stream (parameter, gradient and
+    the optimizer's states, fp32, per element, times the ranks) filling at most half the cache is
+    priced warm, all of it or more cold, linearly between, whatever the counts the two figures
+    were measured at. The planner counts the cluster's ranks per node and the optimizer's states:
+    the MLP's 8.4M parameters over tp=2 under AdamW (4.2M elements a rank, 134 MB on the 2-rank
+    node) are warm in a 300 MiB cache, and its 4-rank data parallelism (8.4M a rank) cold."""
+    from autopar.bench import load_bench_model
+    from autopar.calibration.cpu_cache import last_level_cache_bytes
+    from autopar.planner.costing import element_costs
+
+    warm_fig, cold_fig = ((0.5e-9, 1e-9), (0.25e-9, 0.5e-9)), ((1e-9, 4e-9), (1e-9, 2e-9))
+    base = Cluster.local(2, calibrated=False)
+    dev = dataclasses.replace(base.device, update_element_s=cold_fig[0], grad_buffer_element_s=cold_fig[1],
+                              warm_elements=(2.0**20, 2.0**23, *warm_fig[0], *warm_fig[1]), shared_cache_bytes=16e6)
+    per_element = 4 * 4.0  # AdamW: parameter, gradient, two states
+    assert element_costs(dev, 0.5e6 / 2, ranks_per_node=2) == warm_fig  # 8 MB: half the cache
+    assert element_costs(dev, 1e6 / 2, ranks_per_node=2) == cold_fig  # 16 MB: all of it
+    mid = element_costs(dev, 0.75e6, states=2)  # 12 MB: halfway between
+    assert mid[0] == pytest.approx((0.75e-9, 2.5e-9)) and mid[1] == pytest.approx((0.625e-9, 1.25e-9))
+    assert element_costs(dev, 0.75e6, states=0) == warm_fig  # SGD streams half as much per element
+    assert element_costs(dev, 1e6 / per_element * 16e6 / 1e6 * 4) == cold_fig  # far above: cold, not beyond
+    with pytest.raises(ClusterSpecError, match="shared_cache_bytes"):
+        dataclasses.replace(dev, shared_cache_bytes=0)
+    cluster = dataclasses.replace(base, device=dataclasses.replace(dev, shared_cache_bytes=300 * 2.0**20))
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    model, inputs, loss, target = load_bench_model("mlp")
+    plan = autopar.plan(model, cluster, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                        constraints=autopar.Constraints(tp=2))
+    rows = max(nd.compute_s for nd in plan.nodes.values() if nd.op == "param")  # the largest weight's update
+    numel = 2048 * 512 / 2
+    assert rows == pytest.approx(numel * (sum(warm_fig[0][:1]) + 2 * warm_fig[0][1] + sum(warm_fig[1])), rel=0.02)
+    four = dataclasses.replace(Cluster.local(4, calibrated=False), device=cluster.device)
+    plan = autopar.plan(model, four, inputs, loss_fn=loss, example_target=target, optimizer="adamw",
+                        constraints=autopar.Constraints(dp=4))
+    rows = max(nd.compute_s for nd in plan.nodes.values() if nd.op == "param")
+    updated = rows / (cold_fig[0][0] + 2 * cold_fig[0][1] + sum(cold_fig[1]))  # at the cold figures: its elements
+    assert any(updated == pytest.approx(2 * numel / k, rel=0.02) for k in (1, 4))  # whole, or its optimizer sharded
+    assert last_level_cache_bytes() is None or last_level_cache_bytes() > 0
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    """``calibration.cpu_cache``: the highest level of a data or unified cache, its size parsed
+    ("307200K" is 300 MiB); an instruction cache is not it; no sysfs: None."""
+    import os
+
+    from autopar.calibration.cpu_cache import last_level_cache_bytes
+
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                                 (3, "Unified", "307200K"), (4, "Instruction", "1G")]):
+        d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        for name, text in (("level", f"{level}\n"), ("type", f"{kind}\n"), ("size", f"{size}\n")):
+            (d / name).write_text(text)
+    assert last_level_cache_bytes(tmp_path) == 300 * 2**20
+    assert last_level_cache_bytes(tmp_path / "none") is None
+
+
 def test_fit_attention_tells_the_per_pair_cost_from_the_per_flop_cost():
     """Attention's forward and backward, each ``fixed + pairs * per_pair + flops * per_flop``,
     timed with 2% noise at the calibration's shapes: the per-pair and per-FLOP costs come back

@@ -27,7 +27,9 @@ local model:
   beside it (1.0 where processes share cores: the collective's threads take compute's time to
   move its bytes; its latency, a wait, still hides: ``planner.overlap``);
 * ``device.warm_elements``: the optimizer's update and a gradient buffer per element where a
-  rank holds 1M elements, beside ``update_element_s`` and ``grad_buffer_element_s`` at 8M;
+  rank holds 1M elements, beside ``update_element_s`` and ``grad_buffer_element_s`` at 8M; on
+  CPU processes, ``device.shared_cache_bytes``: the last-level cache the node's ranks share, which
+  says where between the two a plan's ranks are priced;
 * ``collective_skew_s``: what a collective waits, beyond its own time, for ranks that arrive
   from compute at different times (each collective call pays it);
 * ``device.collective_host_s`` and ``collective_host_byte_s``: on CPU processes, the host's own
@@ -76,7 +78,7 @@ def combine_ranks(per_rank: list[dict]) -> dict:
                for key in comp if key != "matmul"}
     compute["matmul"] = {d: _over_ranks([r["compute"]["matmul"][d] for r in per_rank], 1, median) for d in comp["matmul"]}
     out: dict = {"world": first["world"], "device_type": first["device_type"], "compute": compute,
-                 **{k: first[k] for k in ("cores", "local_world") if k in first},
+                 **{k: first[k] for k in ("cores", "local_world", "shared_cache_bytes") if k in first},
                  "training": {k: median(r["training"][k] for r in per_rank) for k in first["training"]},
                  "ops": {name: _over_ranks([r["ops"][name] for r in per_rank], 1, median) for name in first.get("ops", {})}}
     if "collectives" in first:
@@ -178,6 +180,10 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         sources.append(f"the same where a rank updates {few / 2**20:.0f}M elements a step: update {warm[2] * 1e9:.2f} ns "
                        f"+ {warm[3] * 1e9:.2f} ns per state, gradient zeroed {warm[4] * 1e9:.2f} ns, added "
                        f"{warm[5] * 1e9:.2f} ns (against {t['update_numel'] / 2**20:.0f}M above)")
+        if measured.get("shared_cache_bytes"):
+            sources.append(f"between the two by the {measured['shared_cache_bytes'] / 2**20:.0f} MiB last-level cache "
+                           f"the node's ranks share: warm while their parameters, gradients and optimizer states "
+                           f"fill at most half of it, cold from all of it")
     op_costs = tuple((name, *fit_op_cost(rows)) for name, rows in sorted(measured.get("ops", {}).items()))
     if comp.get("gemm"):
         effs = [2.0 * m * k * n / t / peaks.fp32 for m, k, n, t in comp["gemm"]]
@@ -196,7 +202,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                  linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
                                  update_element_s=per_element, grad_buffer_element_s=grad_buffer,
-                                 warm_elements=warm,
+                                 warm_elements=warm, shared_cache_bytes=measured.get("shared_cache_bytes"),
                                  collective_host_s=measured.get("collective_host_s", 0.0),
                                  collective_host_byte_s=measured.get("collective_host_byte_s", 0.0),
                                  memory_bandwidth=f32.memory_bandwidth / MEMORY_EFFICIENCY)

@@ -367,6 +367,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     import torch.distributed as dist
 
     from autopar.calibration.comm_probes import _collectives, _meshes, _overlap, _pipeline, _skew
+    from autopar.calibration.cpu_cache import last_level_cache_bytes
     from autopar.calibration.host_probe import collective_host_s
     from autopar.calibration.training_probe import training_ops
     from autopar.runtime.cpu_affinity import node_cores
@@ -383,6 +384,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
            # the CPU cores this node's ranks share, and the processes on the node
            "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+           "shared_cache_bytes": last_level_cache_bytes() if device.type == "cpu" else None,
            "training": training_ops(spec, device, barrier, spread), "ops": _op_costs(spec, device, barrier)}
     spread.sample()
     if world > 1:

@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 
 from autopar.layouts import DATA_AXIS_NAMES
-from autopar.planner.costing import CostContext, element_costs, param_state_bytes, updated_numel
+from autopar.planner.costing import CostContext, param_state_bytes, rank_element_costs, updated_numel
 from autopar.planner.meshes import axis_names
 from autopar.planner.problem import Problem
 from autopar.trace import TracedGraph
@@ -85,7 +85,7 @@ def update_costs_moved(ctx: CostContext, numel: float) -> bool:
     device = ctx.cluster.device
     if device.warm_elements is None:
         return False
-    before, after = element_costs(device, ctx.rank_state_numel), element_costs(device, numel)
+    before, after = rank_element_costs(ctx), rank_element_costs(ctx, numel)
     return any(abs(a - b) > 0.02 * max(abs(b), 1e-30) for pb, pa in zip(before, after) for b, a in zip(pb, pa))
 
 

@@ -29,7 +29,7 @@ from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "gradient_buffer_time",
-           "update_ops", "BWD_OPS", "updated_numel", "element_costs",
+           "update_ops", "BWD_OPS", "updated_numel", "element_costs", "rank_element_costs",
            "reshard_time", "reshard_step_bytes", "reshard_copy_bytes", "bucketed_time", "reshard_latency",
            "bucketed_latency",
            "reshard_staging_bytes", "param_memory",
@@ -275,7 +275,7 @@ def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext
     device = ctx.cluster.device
     fixed = update_ops(states) * (device.update_op_overhead or 0.0)
     if device.update_element_s is not None:
-        per, per_state = element_costs(device, ctx.rank_state_numel)[0]
+        per, per_state = rank_element_costs(ctx)[0]
         return fixed + numel * (per + per_state * states)
     nbytes = numel * (3 * meta.itemsize + 2 * states * dtype_bytes(ctx.policy.optimizer_dtype))
     return fixed + op_time(numel * (1 + 3 * states), nbytes, device, "fp32", "pointwise")
@@ -287,16 +287,33 @@ def updated_numel(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> int
     return local_numel(meta.shape, state if state is not None else strategy.outs[0], ctx.mesh_shape)
 
 
-def element_costs(device, rank_numel: float) -> tuple:
+def element_costs(device, rank_numel: float, ranks_per_node: int = 1, states: int = 2) -> tuple:
     """(``update_element_s``, ``grad_buffer_element_s``) of ``device`` for a rank that holds
-    ``rank_numel`` elements (``CostContext.rank_state_numel``): between ``DeviceSpec.warm_elements``' figures and theirs,
-    log-linearly in the count (each pair None where not calibrated)."""
+    ``rank_numel`` elements (``CostContext.rank_state_numel``), between
+    ``DeviceSpec.warm_elements``' figures and theirs (each pair None where not calibrated).
+    Where ``DeviceSpec.shared_cache_bytes`` is known: by what the node's ``ranks_per_node`` ranks
+    stream (each element's parameter, gradient and ``states`` optimizer states in fp32), warm up to
+    half the cache, cold from all of it, linear between; else log-linearly in ``rank_numel``
+    between the two counts measured."""
     update, buffer, warm = device.update_element_s, device.grad_buffer_element_s, device.warm_elements
-    if warm is None or update is None or buffer is None or rank_numel >= warm[1]:
+    if warm is None or update is None or buffer is None:
         return update, buffer
-    t = 0.0 if rank_numel <= warm[0] else math.log(rank_numel / warm[0]) / math.log(warm[1] / warm[0])
+    if device.shared_cache_bytes is not None:
+        filled = rank_numel * ranks_per_node * (2 + states) * 4.0 / device.shared_cache_bytes
+        t = min(1.0, max(0.0, 2.0 * filled - 1.0))
+    elif rank_numel >= warm[1]:
+        return update, buffer
+    else:
+        t = 0.0 if rank_numel <= warm[0] else math.log(rank_numel / warm[0]) / math.log(warm[1] / warm[0])
     update = (warm[2] + t * (update[0] - warm[2]), warm[3] + t * (update[1] - warm[3]))
     return update, (warm[4] + t * (buffer[0] - warm[4]), warm[5] + t * (buffer[1] - warm[5]))
+
+
+def rank_element_costs(ctx: CostContext, rank_numel: float | None = None) -> tuple:
+    """``element_costs`` of ``ctx``'s device for a rank holding ``rank_numel`` elements (default
+    ``ctx.rank_state_numel``), among the node's ranks, under ``ctx``'s optimizer."""
+    numel = ctx.rank_state_numel if rank_numel is None else rank_numel
+    return element_costs(ctx.cluster.device, numel, ctx.cluster.devices_per_node, ctx.optimizer.states)
 
 
 def gradient_buffer_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext, microbatches: int = 1) -> float:
@@ -313,7 +330,7 @@ def gradient_buffer_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext,
     grads = param_state_bytes(meta, strategy, ctx)["grads"] / meta.itemsize
     device = ctx.cluster.device
     if device.grad_buffer_element_s is not None:
-        zero, add = element_costs(device, ctx.rank_state_numel)[1]
+        zero, add = rank_element_costs(ctx)[1]
         return grads * (zero + microbatches * add)
     zero = op_time(0.0, grads * meta.itemsize, device, "fp32", "pointwise")
     return zero + microbatches * op_time(grads, 3.0 * grads * meta.itemsize, device, "fp32", "pointwise")
