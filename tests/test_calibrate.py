@@ -389,6 +389,9 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
     assert d.attention_costs is not None and d.attention_costs[1] + d.attention_costs[3] > 0
     assert all(0.0 < t < 1e-7 for t in d.grad_buffer_element_s)  # per element: under 100 ns
+    from autopar.calibration.cpu_cache import last_level_cache_bytes
+
+    assert d.shared_cache_bytes == last_level_cache_bytes()  # what the ranks' CPUs say, or None
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
     # a reshard's autograd node and buffers cost the host something per collective

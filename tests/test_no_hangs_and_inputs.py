@@ -66,6 +66,16 @@ def test_launch_returns_every_rank_result_in_order():
     assert autopar.launch(rank_worker, 3, 10, timeout_s=120) == [10, 11, 12]
 
 
+def test_launch_forks_ranks_from_a_server_that_imported_the_worker_once():
+    """``start_method="forkserver"`` (``autopar calibrate``'s): the same results in rank order, and
+    a failing rank still named; an unknown start method is refused."""
+    assert autopar.launch(rank_worker, 2, 10, timeout_s=120, start_method="forkserver") == [10, 11]
+    with pytest.raises(WorkerFailedError, match="boom on rank 0"):
+        autopar.launch(raising_worker, 2, timeout_s=100, start_method="forkserver")
+    with pytest.raises(ValueError, match="start_method"):
+        autopar.launch(rank_worker, 2, 10, start_method="fork")
+
+
 @pytest.mark.parametrize("worker, message", [
     (killed_worker, r"rank 1 died with exit code -9 \(SIGKILL\) before returning a result"),
     (exiting_worker, r"rank 1 died with exit code 3 before returning a result"),

@@ -282,7 +282,10 @@ def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = F
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise AutoparError(f"autopar calibrate: --nproc must be a positive integer, got {nproc!r}")
     base = Cluster.local(nproc, calibrated=False)
-    per_rank = launch(measure_rank, nproc, MicrobenchSpec(quick=quick, repeats=3 if quick else 5), timeout_s=timeout_s)
+    # forked from a server that imported the measurements once: spawned, 4 ranks importing autopar
+    # on 2 cores took 5 s of the minute
+    per_rank = launch(measure_rank, nproc, MicrobenchSpec(quick=quick, repeats=3 if quick else 5), timeout_s=timeout_s,
+                      start_method="forkserver")
     when = f"{platform.node() or 'this machine'}, {datetime.date.today().isoformat()}"
     cluster = fit_cluster(combine_ranks(per_rank), base, when)
     path = pathlib.Path(out) if out is not None else calibration_path(nproc)

@@ -141,6 +141,10 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
 
 OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
 SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
+# passes of the skew probe over its nine timings (12 paired excesses over the four kinds; at 5
+# passes, 20, the probe took 3.4-3.9 s of `autopar calibrate`'s minute on 4 processes, which then
+# ran 60-61 s, and read 0 us in each of the session's calibrations)
+SKEW_REPEATS = 3
 
 
 def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
@@ -179,7 +183,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     # alone) taken from its own windows: a median over kinds of each kind's medians read 0, 82 and
     # 179 us in three calibrations of a 2-process machine back to back (a collective's time there
     # is 80 us or 4 ms, by chance)
-    _, runs = _spread_runs(fns, device, spec.repeats, barrier)
+    _, runs = _spread_runs(fns, device, min(spec.repeats, SKEW_REPEATS), barrier)
     excess = [both - compute_s - alone for i in range(len(_COMM_KINDS))
               for compute_s, alone, both in zip(runs[0], runs[1 + 2 * i], runs[2 + 2 * i])]
     t = [statistics.median(r) for r in runs]
