@@ -138,22 +138,23 @@ def node_bytes(node: fx.Node, ctx: CostContext) -> float:
 def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple | None, tuple[bool, bool]]:
     """(global forward flops, kind, global bytes, measured, gemm form): what ``node_compute_time``
     divides by a split, and what it needs of the node whatever the strategy. ``measured``:
-    (forward s per element, backward s per element, global elements) where the device has the
-    op's cost measured (``DeviceSpec.op_costs``; not for matmuls, whose cost follows their
-    FLOPs; attention's with ``DeviceSpec.attention_costs``: per (batch, head) pair, its FLOPs
-    priced beside), else None. ``gemm form``: (right operand transposed, has a bias) of a
-    matmul priced by the device's shape tables (``_right_transposed``, ``_has_bias``)."""
+    (forward s per element, backward s per element, global elements, forward s per FLOP, backward
+    s per forward FLOP) where the device has the op's cost measured (``DeviceSpec.op_costs``, per
+    element, none per FLOP; not for matmuls, whose cost follows their FLOPs; attention's
+    ``DeviceSpec.attention_costs``: its elements the (batch, head) pairs), else None. ``gemm
+    form``: (right operand transposed, has a bias) of a matmul priced by the device's shape tables
+    (``_right_transposed``, ``_has_bias``)."""
     flops, kind = node_flops(node)
     measured = None
     if kind == "attention" and ctx.cluster.device.attention_costs is not None:
         a = ctx.cluster.device.attention_costs
-        measured = (a[0], a[2], float(math.prod(OpView(node).in_metas[0].shape[:-2])))
+        measured = (a[0], a[2], float(math.prod(OpView(node).in_metas[0].shape[:-2])), a[1], a[3])
     elif kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
         per = ctx.cluster.device.op_cost(_op_name(node))
         if per is not None:
             metas = [m for m in OpView(node).in_metas if m is not None] + [m for m in node.meta["autopar.outputs"]
                                                                               if m is not None]
-            measured = per + (float(max((m.numel for m in metas), default=0)),)
+            measured = per + (float(max((m.numel for m in metas), default=0)), 0.0, 0.0)
     tabled = kind == "matmul" and node.op == "call_function" and bool(ctx.cluster.device.matmul_table)
     form = (_right_transposed(node), _has_bias(node)) if tabled else (False, False)
     return flops, kind, node_bytes(node, ctx), measured, form
@@ -176,9 +177,8 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     device = ctx.cluster.device
     eff = _efficiency(device, kind)
     overhead = (device.op_overhead or 0.0) * runs
-    if measured is not None:  # the op's measured cost per element (attention: per pair), on this device's share
-        per_fwd, per_bwd, elements = measured
-        flop_fwd, flop_bwd = (device.attention_costs[1], device.attention_costs[3]) if kind == "attention" else (0, 0)
+    if measured is not None:  # its measured cost per element (attention: per pair) and per FLOP, this device's share
+        per_fwd, per_bwd, elements, flop_fwd, flop_bwd = measured
         fwd = overhead + (per_fwd * elements + flop_fwd * flops) / split
         if not node.meta.get("autopar.needs_grad", False):
             return fwd, 0.0
