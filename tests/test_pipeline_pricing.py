@@ -38,6 +38,29 @@ def test_each_crossing_tensor_is_a_message_and_the_schedule_work_per_microbatch_
     assert busy.microbatches == m and busy.predicted.step_time_s >= plan.predicted.step_time_s + m * 1e-3
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_last_stage_s_loss_broadcast_is_priced_at_the_end_of_the_step(monkeypatch, pp):
+    """Every rank returns the global loss: the last stage broadcasts it after the updates, a tree
+    of ceil(log2(pp)) tiny messages on the step's critical path (``PipelineRunner.broadcast_loss``)."""
+    import autopar.planner.pipeline_search as search
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    cluster = autopar.Cluster.local(4, calibrated=False)
+    c = autopar.Constraints(pp=pp, microbatches=4, recompute=False)
+    plain = autopar.plan(model, cluster, x, loss_fn=loss, example_target=y, constraints=c)
+    real = search.stage_cluster
+
+    def slow_tiny_messages(cluster, pp):
+        sub, bandwidth, send_s = real(cluster, pp)
+        return sub, bandwidth, lambda n: send_s(n) + (1e-2 if n <= 4 else 0.0)
+
+    monkeypatch.setattr(search, "stage_cluster", slow_tiny_messages)
+    slow = autopar.plan(model, cluster, x, loss_fn=loss, example_target=y, constraints=c)
+    hops = {2: 1, 4: 2}[pp]
+    assert slow.predicted.step_time_s == pytest.approx(plain.predicted.step_time_s + hops * 1e-2, rel=1e-7)
+
+
 def _per_stage_zero_plan():
     """gpt pp=2 x dp=2 (no recompute) on devices whose usable memory lies between what its two
     ranks need without ZeRO: one overflows (the last holds the loss's activations, the first two

@@ -331,7 +331,11 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         return (max(sync - hiding, floor * (sync - sync_waiting), 0.0) + tied
                 + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine))
 
-    step = in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
+    # every rank returns the global loss: the last stage broadcasts it over the pipeline's ranks
+    # after the updates (``runtime.pipeline.PipelineRunner.broadcast_loss``), a tree of tiny messages
+    loss_broadcast = math.ceil(math.log2(pp)) * send_s(4.0)
+    step = (in_schedule * pipe_compute / (sum(compute) or 1.0) + p2p + max(after_schedule(r) for r in range(pp))
+            + loss_broadcast)
     # per stage: its compute and boundary sends (the cut priced the sends beside compute_s)
     stage_time = tuple(t - c + compute[s] for s, (t, c) in enumerate(zip(cut.stage_time_s, as_cut)))
     return _Priced(inner, cut.stage_of, stage_time, owned, rank_of, peaks, step, bubble, kept_blocks,
