@@ -192,24 +192,45 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
 
 
 PIPELINE_MICROBATCHES = (2, 8)  # the two microbatch counts of the pipeline probe
+PIPELINE_STAGE_LAYERS = 16  # residual Linear + GELU layers per probe stage: about 1 ms of forward + backward here
+
+
+class _ProbeStage(torch.nn.Module):
+    """A pipeline probe's stage: ``layers`` residual blocks ``h + gelu(linear(h))``, many small ops
+    as a transformer stage has (the residual keeps the gradients' scale, so no denormal floats slow
+    the first stage's backward)."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for linear in self.blocks:
+            h = h + torch.nn.functional.gelu(linear(h))
+        return h
 
 
 def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
-    """A two-stage ``torch.distributed.pipelining`` 1F1B step of tiny stages (one ``Linear`` each)
-    on every pair of ranks at once, at ``PIPELINE_MICROBATCHES``; and one stage's forward +
-    backward of one microbatch alone. The slope over the microbatch count, less that compute and
-    the two messages a microbatch sends (``send_recv``), is what the schedule's actions cost
-    (``Cluster.pipeline_microbatch_s``)."""
+    """A two-stage ``torch.distributed.pipelining`` 1F1B step on every pair of ranks at once, at
+    ``PIPELINE_MICROBATCHES``; and one stage's forward + backward of one microbatch alone. The
+    slope over the microbatch count, less that compute and the two messages a microbatch sends
+    (``send_recv``), is what the schedule's actions cost (``Cluster.pipeline_microbatch_s``).
+
+    The stages do a model stage's work per microbatch (``PIPELINE_STAGE_LAYERS`` small layers),
+    not one tiny op: a stage that waits longer than the host's idle polling sleeps, and its
+    messages then take longer to land. On 2 processes of 2 cores, stages of one ``Linear`` +
+    GELU (0.2 ms a microbatch) cost 90-120 us per message beyond the schedule's compute, stages of
+    1-4 ms 140-450 us; the example GPT's two stages at 4 microbatches ran 8.3-8.9 ms a step where a
+    probe of one ``Linear(16, 16)`` per stage priced 5.8."""
     from torch.distributed import pipelining
 
     _progress("a two-stage pipeline schedule's work per microbatch")
     _, comm, axis = meshes[-1]
     group, stage = comm._group(axis), comm.coords[axis]
-    width, rows = 16, 2
-    mod = torch.nn.Linear(width, width).to(device)
+    width, rows = 64, 16
+    mod = _ProbeStage(width, PIPELINE_STAGE_LAYERS).to(device)
     x1 = torch.randn(rows, width, device=device, requires_grad=True)
-    out: dict = {"m": list(PIPELINE_MICROBATCHES), "step_s": [],
-                 "compute_s": _per_op(lambda: mod(x1).sum().backward(), device, spec.repeats, barrier)}
+    steps = []
     for m in PIPELINE_MICROBATCHES:
         meta_in = torch.empty(rows, width, device="meta", requires_grad=stage == 1)
         meta_out = torch.empty(rows, width, device="meta", requires_grad=True)
@@ -222,5 +243,13 @@ def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list)
                 schedule.step(batch)
             else:
                 schedule.step(target=torch.zeros(m, device=device), losses=[])
-        out["step_s"].append(_per_op(step, device, spec.repeats, barrier))
+        steps.append(step)
+    # the stage's compute and both schedules in passes, each pass's slope less its own compute:
+    # measured apart, the two ~1 ms figures' drift swamped their ~0.5 ms difference (0 and 634 us
+    # in two calibrations back to back)
+    _, runs = _spread_runs([lambda: mod(x1).sum().backward(), *steps], device, spec.repeats, barrier)
+    lo, hi = PIPELINE_MICROBATCHES[0], PIPELINE_MICROBATCHES[-1]
+    out = {"m": list(PIPELINE_MICROBATCHES), "compute_s": statistics.median(runs[0]),
+           "step_s": [statistics.median(r) for r in runs[1:]],
+           "excess": [(s_hi - s_lo) / (hi - lo) - c for c, s_lo, s_hi in zip(runs[0], runs[1], runs[-1])]}
     return out

@@ -26,8 +26,9 @@ measured, per rank (``measure_rank``):
   its own time;
 * on CPU processes, the host's own time per collective: the runtime's reshards with the network
   left out (``calibration.host_probe``);
-* a two-stage 1F1B pipeline of tiny stages on every pair at two microbatch counts: what the
-  schedule costs per microbatch beyond compute and messages.
+* a two-stage 1F1B pipeline of small stages (a model stage's work per microbatch) on every pair at two
+  microbatch counts, in passes with the stage's compute: what the schedule costs per microbatch
+  beyond compute and messages.
 
 Times are per call on the slowest rank: back-to-back calls between two barriers for at least
 20 ms, less what the barriers alone take (``_per_op``); each measurement is the median of
