@@ -1,6 +1,6 @@
 """Command line: ``autopar plan MODULE:FACTORY --cluster dgx-h100 --nodes 4``, ``autopar demo``,
 ``autopar run script.py --nproc N``, ``autopar bench [--model gpt|mlp|MODULE:FACTORY] [--nproc 4]``,
-``autopar calibrate [--nproc 4] [--out PATH]``.
+``autopar calibrate [--nproc 4] [--out PATH] [--backend gloo|nccl]``.
 
 ``FACTORY`` is a callable in ``MODULE`` returning ``(model, example_inputs)`` or
 ``(model, example_inputs, loss_fn, example_target)``; build the model on the meta device to plan
@@ -130,12 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--also", action="append", default=[], metavar="K=V,...",
                    help="also time autopar with its plan forced by these constraints (e.g. dp=4,tp=1,zero=0); repeatable")
     b.set_defaults(func=_cmd_bench)
-    c = sub.add_parser("calibrate", help="measure this machine's compute and collectives on N local gloo processes and "
-                                         "write the cluster spec Cluster.local(N) uses from then on")
+    c = sub.add_parser("calibrate", help="measure this machine's compute and collectives on N local gloo processes (or "
+                                         "N GPUs over NCCL) and write the cluster spec Cluster.local(N) uses from then on")
     c.add_argument("--nproc", type=int, default=4)
     c.add_argument("--out", default=None, help="where to write the spec JSON (default: the file Cluster.local(N) reads, "
                                               "$AUTOPAR_CALIBRATION_DIR/local-N.json or ~/.cache/autopar/calibration)")
     c.add_argument("--quick", action="store_true", help="the smallest grids (a few seconds; for tests)")
+    c.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="gloo: N CPU processes; nccl: N GPUs, one per process, written to local-cuda-N.json for "
+                        "Cluster.from_json (default: nccl where CUDA shows N GPUs, else gloo)")
     c.set_defaults(func=_cmd_calibrate)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
@@ -220,14 +223,18 @@ def _cmd_calibrate(args) -> int:
     """Run ``autopar.calibration.calibrate`` and print what it fitted."""
     import time
 
-    from autopar.calibration import calibrate
+    from autopar.calibration import calibrate, calibration_backend
 
     _check_nproc(args.nproc)
-    print(f"autopar calibrate: measuring {args.nproc} gloo processes ...", flush=True)
+    backend = calibration_backend(args.nproc, args.backend)
+    what = "gloo processes" if backend == "gloo" else "GPUs over NCCL, one per process"
+    print(f"autopar calibrate: measuring {args.nproc} {what} ...", flush=True)
     t0 = time.perf_counter()
-    cluster, path = calibrate(args.nproc, out=args.out, quick=args.quick)
+    cluster, path = calibrate(args.nproc, out=args.out, quick=args.quick, backend=backend)
     print("\n".join(cluster.sources))
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if cluster.device_type != "cpu":
+        print(f"plan with it: autopar.Cluster.from_json(open({str(path)!r}).read())", flush=True)
     return 0
 
 

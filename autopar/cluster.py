@@ -555,13 +555,14 @@ def _measured_sizes(table: tuple, kind: str, ranks: int) -> tuple[tuple[float, f
     return tuple(rows)
 
 
-def calibration_path(n: int) -> pathlib.Path:
+def calibration_path(n: int, device_type: str = "cpu") -> pathlib.Path:
     """Where ``autopar calibrate --nproc n`` writes this machine's spec and ``Cluster.local(n)``
     reads it: ``$AUTOPAR_CALIBRATION_DIR/local-{n}.json``, by default under ``~/.cache/autopar/calibration``
-    (the measurements depend on n: n processes share the machine's cores and memory)."""
+    (the measurements depend on n: n processes share the machine's cores and memory). Its GPUs'
+    spec (``--backend nccl``): ``local-cuda-{n}.json`` beside it, which ``Cluster.from_json`` reads."""
     root = os.environ.get("AUTOPAR_CALIBRATION_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "autopar", "calibration")
-    return pathlib.Path(root) / f"local-{int(n)}.json"
+    return pathlib.Path(root) / (f"local-{int(n)}.json" if device_type == "cpu" else f"local-{device_type}-{int(n)}.json")
 
 
 def _calibrated_local(n: int, ram_share: int) -> Cluster | None:

@@ -423,3 +423,37 @@ def test_a_spread_probe_keeps_the_median_of_all_its_windows_over_the_calibration
         probe.sample()
     assert 6e-3 <= probe.medians()["sleep_s"] < 9e-3  # 3 of its 5 windows
     assert len(probe.runs[0]) == 5
+
+
+def test_calibrate_measures_gpus_over_nccl_where_cuda_shows_enough_of_them(monkeypatch):
+    """The backend: asked, else NCCL where CUDA shows a GPU per process, else gloo. A GPU spec is
+    fitted onto its datasheet preset (the peaks its efficiencies are taken against) with the
+    GPU's memory, and written beside the CPU one, not where ``Cluster.local`` reads."""
+    from types import SimpleNamespace
+
+    from autopar.calibration import calibration_backend, gpu_base_cluster
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert calibration_backend(2) == "nccl" and calibration_backend(4) == "gloo"
+    assert calibration_backend(2, "gloo") == "gloo" and calibration_backend(1, "nccl") == "nccl"
+    with pytest.raises(AutoparError, match="4 process.*need 4 GPU.*shows 2 here: use --nproc 2 or --backend gloo"):
+        calibration_backend(4, "nccl")
+    with pytest.raises(AutoparError, match="--backend must be gloo .* or nccl"):
+        calibration_backend(2, "mpi")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert calibration_backend(1) == "gloo"
+    with pytest.raises(AutoparError, match="shows 0 here: use --backend gloo"):
+        calibration_backend(1, "nccl")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(total_memory=81559 * 2**20))
+    base = gpu_base_cluster(2)
+    preset = Cluster.preset("dgx-h100")
+    assert base.device_type == "cuda" and base.backend == "nccl" and base.world_size == 2 and base.nodes == 1
+    assert base.device.peak_flops == preset.device.peak_flops and base.device.memory_bytes == 81559 * 2**20
+    assert base.intra_node == preset.intra_node
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA GeForce RTX 4090")
+    with pytest.raises(AutoparError, match="no datasheet for the GPU 'NVIDIA GeForce RTX 4090'.*--backend gloo"):
+        gpu_base_cluster(1)
+    assert calibration_path(2, "cuda").name == "local-cuda-2.json" and calibration_path(2).name == "local-2.json"

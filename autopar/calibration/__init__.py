@@ -282,22 +282,74 @@ def pipeline_microbatch_seconds(counts, step_s, compute_s: float, message_s: flo
     return max(0.0, slope - compute_s - 2.0 * message_s)
 
 
+# a GPU's name -> the preset whose datasheet peaks its measured efficiencies are taken against
+GPU_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"))
+
+
+def calibration_backend(nproc: int, asked: str | None = None) -> str:
+    """What ``autopar calibrate`` measures: ``asked`` ("gloo": CPU processes, "nccl": one GPU per
+    process), else NCCL where CUDA shows at least ``nproc`` GPUs, else gloo."""
+    if asked not in (None, "gloo", "nccl"):
+        raise AutoparError(f"autopar calibrate: --backend must be gloo (CPU processes) or nccl (one GPU each), "
+                           f"got {asked!r}")
+    if asked == "gloo":
+        return asked
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if asked is None:
+        return "nccl" if gpus >= nproc else "gloo"
+    if gpus < nproc:
+        fix = f"use --nproc {gpus} or --backend gloo" if gpus else "use --backend gloo (CPU processes)"
+        raise AutoparError(f"autopar calibrate --backend nccl: {nproc} process(es) need {nproc} GPU(s), one each; CUDA "
+                           f"shows {gpus} here: {fix}")
+    return asked
+
+
+def gpu_base_cluster(nproc: int) -> Cluster:
+    """The cluster ``--backend nccl`` fits onto: the datasheet preset of this machine's GPU
+    (``GPU_PRESETS``) as ``nproc`` devices of one node, each with the GPU's memory. The fit keeps
+    the datasheet's peak FLOP/s and measures the efficiencies against it; links that are not
+    measured (one GPU: none) keep the preset's."""
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    preset = next((p for key, p in GPU_PRESETS if key in name), None)
+    if preset is None:
+        raise AutoparError(f"autopar calibrate --backend nccl: no datasheet for the GPU {name!r} (known: "
+                           f"{', '.join(k for k, _ in GPU_PRESETS)}): its peak FLOP/s is what the measured efficiency "
+                           "is taken against. Add its preset to autopar.cost_models.hardware, or measure the CPU "
+                           "processes with --backend gloo")
+    base = Cluster.preset(preset)
+    memory = int(torch.cuda.get_device_properties(0).total_memory)
+    return dataclasses.replace(base, name="local-cuda", nodes=1, devices_per_node=nproc,
+                               device=dataclasses.replace(base.device, memory_bytes=memory))
+
+
 def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = False,
-              timeout_s: float = 600.0) -> tuple[Cluster, pathlib.Path]:
-    """Measure ``nproc`` local gloo processes, fit, write the spec (default:
-    ``calibration_path(nproc)``, which ``Cluster.local(nproc)`` then uses); return it and its path."""
+              timeout_s: float = 600.0, backend: str | None = None) -> tuple[Cluster, pathlib.Path]:
+    """Measure ``nproc`` local processes on ``backend`` (``calibration_backend``: gloo for CPU
+    processes, nccl for one GPU each), fit, write the spec (default: ``calibration_path(nproc)``,
+    which ``Cluster.local(nproc)`` then uses; GPUs: ``calibration_path(nproc, "cuda")``); return it
+    and its path."""
     from autopar.runtime.launch import launch
 
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise AutoparError(f"autopar calibrate: --nproc must be a positive integer, got {nproc!r}")
-    base = Cluster.local(nproc, calibrated=False)
-    # forked from a server that imported the measurements once: spawned, 4 ranks importing autopar
-    # on 2 cores took 5 s of the minute
-    per_rank = launch(measure_rank, nproc, MicrobenchSpec(quick=quick, repeats=3 if quick else 5), timeout_s=timeout_s,
-                      start_method="forkserver")
+    backend = calibration_backend(nproc, backend)
+    spec = MicrobenchSpec(quick=quick, repeats=3 if quick else 5, backend=backend)
+    if backend == "nccl":
+        base = gpu_base_cluster(nproc)
+        # spawned: this process has touched CUDA (the GPU's name), and a forked child must not inherit that
+        per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s)
+    else:
+        base = Cluster.local(nproc, calibrated=False)
+        # forked from a server that imported the measurements once: spawned, 4 ranks importing autopar
+        # on 2 cores took 5 s of the minute
+        per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s, start_method="forkserver")
     when = f"{platform.node() or 'this machine'}, {datetime.date.today().isoformat()}"
     cluster = fit_cluster(combine_ranks(per_rank), base, when)
-    path = pathlib.Path(out) if out is not None else calibration_path(nproc)
+    path = pathlib.Path(out) if out is not None else calibration_path(nproc, base.device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(cluster.to_json())
