@@ -52,6 +52,9 @@ MATMUL_SHAPES = ((16, 64, 64), (64, 64, 256), (128, 256, 256), (256, 256, 1024),
 # (batch, heads, seq, head dim): few pairs and FLOPs, many pairs and few FLOPs, then FLOPs (what
 # ``fit_attention`` tells apart: a CPU kernel's cost per (batch, head) pair, and per FLOP)
 _ATTENTION_SHAPES = ((2, 4, 32, 16), (16, 8, 32, 16), (4, 4, 128, 32), (4, 8, 128, 64))
+# on a GPU, in bf16 (its flash kernel, what mixed-precision training runs): the same three regimes
+# at sizes that fill it (the CPU's shapes are launch-bound there: one H100 read 2 TFLOP/s from them)
+_ATTENTION_SHAPES_GPU = ((4, 8, 256, 64), (64, 16, 256, 64), (4, 8, 1024, 64), (8, 16, 2048, 64))
 ATTENTION_REPEATS = 3  # windows per attention shape and direction (``autopar calibrate`` stays within a minute)
 _STREAM_NUMELS = (256, 4096, 65536, 1 << 20, 1 << 22)
 
@@ -263,9 +266,11 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
             rows.append((2.0 * m * k * n, _per_op(lambda: torch.mm(a, b), device, spec.repeats, barrier=barrier)))
         out["matmul"][dtype_name] = rows
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    for b, h, s, d in _ATTENTION_SHAPES[:3] if spec.quick else _ATTENTION_SHAPES:
-        q, k, v = (torch.randn(b, h, s, d, device=device, requires_grad=True) for _ in range(3))
-        grad = torch.randn(b, h, s, d, device=device)
+    shapes, att_dtype = (_ATTENTION_SHAPES, torch.float32) if device.type == "cpu" else (_ATTENTION_SHAPES_GPU,
+                                                                                        torch.bfloat16)
+    for b, h, s, d in shapes[:3] if spec.quick else shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=att_dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, s, d, device=device, dtype=att_dtype)
         flops = 4.0 * b * h * s * s * d * 0.5  # causal: as planner.costing counts it
         with torch.no_grad():
             fwd = _per_op(lambda: sdpa(q, k, v, is_causal=True), device, min(spec.repeats, ATTENTION_REPEATS),
@@ -286,6 +291,7 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
 # slope is the per-element cost, the fixed cost is op_overhead's): the traced graph's op names
 # (``strategies.op_view._op_name``) of the common non-matmul ops of training graphs.
 OP_SIZES = ((16, 1024), (256, 1024))  # (rows, width): 16 Ki and 256 Ki elements
+OP_SIZES_GPU = ((1024, 1024), (8192, 1024))  # 1 Mi and 8 Mi: a GPU's kernels launch-bound below that
 OP_REPEATS = 3  # windows per op and size (a slope over two sizes; ``autopar calibrate`` stays within a minute)
 
 
@@ -337,14 +343,16 @@ MEASURED_OPS = ("gelu", "relu", "silu", "tanh", "sigmoid", "add", "mul", "layer_
 
 def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     """Per op of ``MEASURED_OPS``: [(elements, forward seconds, forward + backward seconds)] at
-    each of ``OP_SIZES``."""
+    each of ``OP_SIZES`` (a GPU: ``OP_SIZES_GPU``)."""
     names = MEASURED_OPS[:3] if spec.quick else MEASURED_OPS
     _progress(f"{len(names)} common ops, forward and backward")
     out = {}
-    pool = torch.randn(COLD_BYTES // 4, device=device)
+    sizes_here = OP_SIZES if device.type == "cpu" else OP_SIZES_GPU
+    # at least one operand set of the largest size (a GPU's: 64 MiB, what COLD_BYTES holds)
+    pool = torch.randn(max(COLD_BYTES // 4, 2 * max(r * w for r, w in sizes_here)), device=device)
     for name in names:
         fns, sizes = [], []
-        for r, w in OP_SIZES:
+        for r, w in sizes_here:
             fwd, elements = _op_probe(name, r, w, device, pool)
             grad = torch.ones_like(fwd())
 
