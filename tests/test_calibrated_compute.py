@@ -343,3 +343,24 @@ def test_attention_costs_are_validated_and_round_trip():
     for bad in ((1e-6, 2e-11, 3e-6), (1e-6, -1.0, 3e-6, 4e-11), (1e-6, 0.0, 3e-6, 0.0)):
         with pytest.raises(ClusterSpecError, match="attention_costs"):
             dataclasses.replace(base.device, attention_costs=bad)
+
+
+def test_a_gpu_op_costs_the_longer_of_its_launch_and_its_kernel_a_cpu_op_both():
+    """A GPU's host queues kernels ahead of the device: an op costs max(op_overhead, its work).
+    A CPU process runs the dispatch and the work one after the other: their sum."""
+    from autopar.planner.costing import BWD_OPS
+
+    x = torch.randn(64, 256)
+    overhead = 1e-3  # far above any of the small MLP's kernels on an H100
+    gpu = Cluster.preset("dgx-h100")
+    gpu = dataclasses.replace(gpu, devices_per_node=1, device=dataclasses.replace(gpu.device, op_overhead=overhead))
+    cpu = Cluster.local(1, calibrated=False)
+    cpu = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, op_overhead=overhead))
+    per_op = {}
+    for name, cluster in (("gpu", gpu), ("cpu", cpu)):
+        plan = autopar.plan(_mlp(), cluster, x, optimizer="sgd")
+        per_op[name] = {n.name: n.compute_s for n in plan.nodes.values() if n.op == "aten.linear.default"}
+    assert len(per_op["gpu"]) == len(per_op["cpu"]) == 2
+    # forward: the launch; backward: BWD_OPS launches (both GEMMs' kernels shorter than them)
+    assert all(t == pytest.approx(overhead * (1 + BWD_OPS["matmul"]), rel=1e-9) for t in per_op["gpu"].values())
+    assert all(t > overhead * (1 + BWD_OPS["matmul"]) * 1.001 for t in per_op["cpu"].values())
