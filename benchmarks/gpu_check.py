@@ -2,11 +2,14 @@
 
     python benchmarks/gpu_check.py            # on a machine with a CUDA GPU (NCCL)
     python benchmarks/gpu_check.py --device cpu   # the same code path on CPU / gloo
+    python benchmarks/gpu_check.py --spec ~/.cache/autopar/calibration/local-cuda-1.json
+                                              # and price the speed model with `autopar calibrate`'s spec
 
 1. Parity: the example GPT compiled by autopar (fp32, TF32 off) and the same model trained eagerly,
    5 AdamW steps: loss per step and parameters after the last step, relative error (per tensor).
 2. Speed: a GPT-2-small-sized model (bf16-mixed on CUDA), autopar's program vs plain eager training
-   of the same model and batch, median step time and the ratio.
+   of the same model and batch, median step time and the ratio; predicted by the datasheet preset
+   and (``--spec``) by a calibrated spec.
 3. Checkpoint: an asynchronous save of the parity model (staged to host memory, written in the
    background), loaded into a fresh compile: parameters and optimizer state bit for bit.
 Exits non-zero if parity fails (> 1e-5) or the checkpoint does not round-trip.
@@ -92,7 +95,7 @@ def checkpoint_roundtrip(pm, batches, device: str) -> bool:
     return same
 
 
-def speed(device: str, steps: int) -> None:
+def speed(device: str, steps: int, spec: str | None = None) -> None:
     import autopar
     from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 
@@ -137,13 +140,21 @@ def speed(device: str, steps: int) -> None:
     a, b = min(ta), min(tb)
     print(f"speed on {device}: GPT {cfg.n_layer}x{cfg.n_embd} batch {batch} seq {cfg.block_size} {precision}: "
           f"autopar {a * 1e3:.2f} ms/step, eager {b * 1e3:.2f} ms/step, ratio {a / b:.3f}; "
-          f"predicted {pm.plan.predicted.step_time_s * 1e3:.2f} ms")
+          f"predicted {pm.plan.predicted.step_time_s * 1e3:.2f} ms ({pm.plan.cluster.name})")
+    if spec is not None:
+        with open(spec) as f:
+            calibrated = autopar.Cluster.from_json(f.read())
+        priced = autopar.plan(GPT(cfg), calibrated, (x,), example_target=t, loss_fn=gpt_loss, optimizer="adamw",
+                              precision=precision)
+        p = priced.predicted.step_time_s
+        print(f"  with the calibrated spec {spec}: predicted {p * 1e3:.2f} ms, measured / predicted {a / p:.2f}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else None)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--spec", default=None, help="a cluster spec JSON (autopar calibrate's) to price the speed model with")
     a = ap.parse_args()
     if a.device is None:
         print("gpu_check: no CUDA device here; run it on a GPU machine (or --device cpu for the CPU path)")
@@ -152,7 +163,7 @@ def main() -> int:
     err, pm, batches = parity(a.device)
     saved_ok = checkpoint_roundtrip(pm, batches, a.device)
     pm.close()
-    speed(a.device, a.steps)
+    speed(a.device, a.steps, a.spec)
     import torch.distributed as dist
 
     if dist.is_initialized():
