@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import torch.fx as fx
 
@@ -177,13 +177,14 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     device = ctx.cluster.device
     eff = _efficiency(device, kind)
     overhead = (device.op_overhead or 0.0) * runs
-    both = partial(with_overhead, queued=ctx.cluster.device_type != "cpu")
+    queued = ctx.cluster.device_type != "cpu"  # a GPU's host runs ahead of its kernels (``with_overhead``)
     if measured is not None:  # its measured cost per element (attention: per pair) and per FLOP, this device's share
         per_fwd, per_bwd, elements, flop_fwd, flop_bwd = measured
-        fwd = both(overhead, (per_fwd * elements + flop_fwd * flops) / split)
+        fwd = with_overhead(overhead, (per_fwd * elements + flop_fwd * flops) / split, queued)
         if not node.meta.get("autopar.needs_grad", False):
             return fwd, 0.0
-        return fwd, both(overhead * BWD_OPS.get(kind, 1), (per_bwd * elements + flop_bwd * flops) / split)
+        bwd = (per_bwd * elements + flop_bwd * flops) / split
+        return fwd, with_overhead(overhead * BWD_OPS.get(kind, 1), bwd, queued)
     gemm = _gemm_dims(node, strategy, ctx) if kind == "matmul" and device.matmul_table else None
     if gemm is not None:  # the measured efficiency of this shape, for each microbatch's matmul
         batch, m, k, n = gemm
@@ -192,18 +193,20 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
         # a bias costs two passes over the output forward (broadcast into it, then read back by
         # the GEMM accumulating onto it) and one backward (its gradient: a sum over the rows)
         bias = op_time(0.0, batch * m * n * dtype_bytes(dtype), device, dtype, "pointwise") if has_bias else 0.0
-        fwd = both(overhead, runs * (matmul_time(m, k, n, device, dtype, batch, linear=transposed) + 2 * bias))
+        gemm_s = matmul_time(m, k, n, device, dtype, batch, linear=transposed)
+        fwd = with_overhead(overhead, runs * (gemm_s + 2 * bias), queued)
         if not node.meta.get("autopar.needs_grad", False):
             return fwd, 0.0
         # the input's gradient [m, n] x [n, k]; the weight's [k, m] x [m, n] (inner dim: the rows)
         grads = matmul_time(m, n, k, device, dtype, batch) + matmul_time(k, m, n, device, dtype, batch) + bias
-        return fwd, both(overhead * BWD_OPS["matmul"], runs * grads)
-    fwd = both(overhead, op_time(flops / split, nbytes / split, device, dtype, kind, efficiency=eff))
+        return fwd, with_overhead(overhead * BWD_OPS["matmul"], runs * grads, queued)
+    work = op_time(flops / split, nbytes / split, device, dtype, kind, efficiency=eff)
+    fwd = with_overhead(overhead, work, queued)
     if not node.meta.get("autopar.needs_grad", False):
         return fwd, 0.0
     ratio = _BWD_FLOPS_RATIO.get(kind, 2.0)
-    bwd = both(overhead * BWD_OPS.get(kind, 1), op_time(ratio * flops / split, ratio * nbytes / split, device, dtype,
-                                                          kind, efficiency=eff))
+    work = op_time(ratio * flops / split, ratio * nbytes / split, device, dtype, kind, efficiency=eff)
+    bwd = with_overhead(overhead * BWD_OPS.get(kind, 1), work, queued)
     return fwd, bwd
 
 
