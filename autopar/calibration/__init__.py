@@ -97,9 +97,9 @@ def combine_ranks(per_rank: list[dict]) -> dict:
         if "pipeline" in first:
             pl = first["pipeline"]
             out["pipeline"] = {"m": pl["m"], "compute_s": mean(r["pipeline"]["compute_s"] for r in per_rank),
-                               "step_s": [mean(r["pipeline"]["step_s"][i] for r in per_rank) for i in range(len(pl["m"]))]}
-            if "excess" in pl:  # pass by pass, as the skew's
-                out["pipeline"]["excess"] = [mean(col) for col in zip(*(r["pipeline"]["excess"] for r in per_rank))]
+                               "step_s": [mean(r["pipeline"]["step_s"][i] for r in per_rank) for i in range(len(pl["m"]))],
+                               # pass by pass: the ranks' passes are the same seconds
+                               "excess": [mean(col) for col in zip(*(r["pipeline"]["excess"] for r in per_rank))]}
     return out
 
 
@@ -248,8 +248,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         per_micro, message_s = 0.0, link.measured_time("send_recv", 2, 64.0)
         if "pipeline" in measured and message_s is not None:
             pl = measured["pipeline"]
-            per_micro = pipeline_microbatch_seconds(pl["m"], pl["step_s"], pl["compute_s"], message_s,
-                                                    pl.get("excess"))
+            per_micro = pipeline_microbatch_seconds(pl["excess"], message_s)
             sources.append(f"a pipeline schedule's work per microbatch and stage: {per_micro * 1e6:.1f} us (1F1B over "
                            f"{pl['m'][0]} and {pl['m'][-1]} microbatches: {pl['step_s'][0] * 1e3:.2f} and "
                            f"{pl['step_s'][-1] * 1e3:.2f} ms)")
@@ -264,22 +263,16 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
     return dataclasses.replace(cluster, sources=tuple(sources))
 
 
-def pipeline_microbatch_seconds(counts, step_s, compute_s: float, message_s: float,
-                                excess: list[float] | None = None) -> float:
+def pipeline_microbatch_seconds(excess: list[float], message_s: float) -> float:
     """What a pipeline schedule costs per microbatch and stage beyond the stage's compute and its
-    two messages (activation forward, gradient back): the slope of the probe's step time over
-    its microbatch counts, less that compute (``excess``: each pass's own, their median taken;
-    else from the medians) and those messages (``comm_probes._pipeline``); never below 0.
+    two messages (activation forward, gradient back): the median over the probe's passes of each
+    pass's slope of step time over the microbatch counts less that pass's compute (``excess``,
+    ``comm_probes._pipeline``), less those messages; never below 0.
 
-    >>> round(pipeline_microbatch_seconds([2, 8], [0.004, 0.010], 1e-4, 2e-4), 6)
-    0.0005
-    >>> round(pipeline_microbatch_seconds([2, 8], [0.004, 0.010], 1e-4, 2e-4, [6e-4, 9e-4, 1e-3]), 6)
+    >>> round(pipeline_microbatch_seconds([6e-4, 9e-4, 1e-3], 2e-4), 6)
     0.0005
     """
-    if excess:
-        return max(0.0, statistics.median(excess) - 2.0 * message_s)
-    slope = (step_s[-1] - step_s[0]) / (counts[-1] - counts[0])
-    return max(0.0, slope - compute_s - 2.0 * message_s)
+    return max(0.0, statistics.median(excess) - 2.0 * message_s)
 
 
 # a GPU's name -> the preset whose datasheet peaks its measured efficiencies are taken against
