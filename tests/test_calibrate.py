@@ -267,9 +267,9 @@ def test_every_collective_pays_the_hosts_own_time_once():
     copying = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_host_byte_s=3e-10))
     meta = TensorMeta((64, 1024), torch.float32)
     ctx = {c: CostContext((4,), ("tp",), c, precision_policy("fp32"), optimizer_spec("adam")) for c in (base, copying)}
-    # a gather of dim 1 copies its input to the front (a quarter of the output); of dim 0, nothing
+    # a gather of dim 1 concatenates its ranks' blocks (the output's bytes); of dim 0, nothing
     gather = {c: reshard_time(meta, (Shard(1),), (Replicate(),), ctx[c]) for c in (base, copying)}
-    assert gather[copying]["all_gather"] == pytest.approx(gather[base]["all_gather"] + 3e-10 * meta.nbytes / 4)
+    assert gather[copying]["all_gather"] == pytest.approx(gather[base]["all_gather"] + 3e-10 * meta.nbytes)
     front = {c: reshard_time(meta, (Shard(0),), (Replicate(),), ctx[c]) for c in (base, copying)}
     assert front[copying] == front[base]
     # an all-reduce clones its buffer to reduce it in place

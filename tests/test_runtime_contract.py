@@ -306,3 +306,45 @@ def test_a_zero1_weight_cut_evenly_along_dim_0_is_gathered_in_place():
         for fqn, p in in_place.items():
             assert torch.equal(p, through_buffer[fqn]), fqn
     assert all(torch.equal(finals[0][0][0][k], finals[1][0][0][k]) for k in finals[0][0][0])
+
+
+class _OneRankOfN:
+    """A one-axis ``MeshComm`` stand-in for rank ``coord`` of ``n`` whose all-gather fills each
+    rank's block from ``full``, cut as ``torch.chunk`` cuts ``dim`` and padded as ranks pad."""
+
+    def __init__(self, full: torch.Tensor, dim: int, n: int, coord: int = 0):
+        self.full, self.dim, self.sizes, self.coords = full, dim, (n,), (coord,)
+
+    def all_gather(self, out, inp, axis, *, async_op=False):
+        from autopar.layouts import chunk_range
+
+        n, rows = self.sizes[0], inp.shape[self.dim]
+        for k, block in enumerate(out.view((n,) + tuple(inp.shape)).unbind(0)):
+            start, length = chunk_range(self.full.shape[self.dim], n, k)
+            block.zero_()
+            block.narrow(self.dim, 0, min(length, rows)).copy_(self.full.narrow(self.dim, start, length))
+
+
+@pytest.mark.parametrize("dim, length, n", [(0, 8, 2), (1, 8, 2), (2, 12, 4), (1, 7, 4), (2, 5, 4), (0, 7, 4)])
+def test_a_gather_along_any_dim_returns_the_whole_tensor_contiguous(dim, length, n):
+    """``gather_dim`` gives back the tensor its shards were cut from, contiguous, along every dim
+    and where the dim does not divide evenly: consumers then read it as the cost model priced
+    them (a strided view of the receive buffer had a ``log_softmax`` over gathered logits take
+    3x its contiguous time). Its priced layout copy is the gathered bytes where ``dim`` is not 0."""
+    from autopar.layouts import chunk_range, parse_layout
+    from autopar.planner.costing import reshard_copy_bytes, reshard_staging_bytes
+    from autopar.runtime.collectives import gather_dim
+
+    shape = [3, 5, 6]
+    shape[dim] = length
+    full = torch.randn(shape)
+    coord = n - 1  # the last rank: the shortest (or empty) shard where uneven
+    start, size = chunk_range(length, n, coord)
+    local = full.narrow(dim, start, size).contiguous()
+    out = gather_dim(local, dim, _OneRankOfN(full, dim, n, coord), 0, length if length % n else None)
+    assert out.is_contiguous() and torch.equal(out, full)
+    src, dst = parse_layout(f"[S({dim})]"), parse_layout("[R]")
+    nbytes = full.numel() * 4.0 if length % n == 0 else None
+    if nbytes is not None:
+        assert reshard_copy_bytes(tuple(shape), 4.0, src, dst, (n,)) == [nbytes if dim else 0.0]
+        assert reshard_staging_bytes(tuple(shape), 4.0, src, dst, (n,)) == (nbytes if dim else 0.0)

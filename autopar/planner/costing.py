@@ -465,9 +465,9 @@ def reshard_step_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
 
 def reshard_copy_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> list[float]:
     """Per collective of ``reshard_step_bytes``, the bytes the host copies around it
-    (``runtime.collectives``): an all-reduce's clone to reduce in place; an all-gather's input
-    made contiguous from a dim other than 0; a reduce-scatter's the same, and its output moved
-    back; an all-to-all's send copy unless it splits dim 0, and its result's concatenation
+    (``runtime.collectives``): an all-reduce's clone to reduce in place; an all-gather's blocks
+    concatenated along a dim other than 0; a reduce-scatter's input made contiguous from a dim
+    other than 0, and its output moved back; an all-to-all's send copy unless it splits dim 0, and its result's concatenation
     unless it gathers dim 0."""
     return [copies for _, _, copies in _collective_steps(shape, per_elem, src, dst, mesh_shape)]
 
@@ -488,7 +488,7 @@ def _collective_steps(shape, per_elem, src, dst, mesh_shape):
             if step.kind == "all_reduce":
                 copies = nbytes
             elif step.kind == "all_gather":
-                copies = nbytes / n if step.dim != 0 else 0.0
+                copies = nbytes if step.dim != 0 else 0.0
             elif step.kind == "reduce_scatter":
                 copies = nbytes + nbytes / n if step.dim != 0 else 0.0
             else:  # all_to_all
@@ -513,7 +513,7 @@ def reshard_staging_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh
         extra = 0.0
         n = mesh_shape[step.axis]
         if step.kind == "all_gather":
-            extra = inp if step.dim != 0 else 0.0  # moved to the front
+            extra = out if step.dim != 0 else 0.0  # the receive buffer its blocks are concatenated from
         elif step.kind == "reduce_scatter":
             padded = -(-shape[step.dim] // n) * n != shape[step.dim]
             extra = inp if step.dim != 0 or padded else 0.0

@@ -499,7 +499,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
         state = state_layout(meta.shape, st.outs[0], st.zero_axes) or st.outs[0]
         shard_bytes.append(_local_bytes(meta, state, mesh))
         if st.zero_axes:
-            gathers.append(_zero_gather_bytes(meta, st, mesh, shard_bytes[-1]))
+            gathers.append(_zero_gather_bytes(meta, st, mesh))
     opt_step = max(problem.ctx.optimizer.step_temporary_bytes(shard_bytes), max(gathers))
     peak = max(sim.max["total"], opt_step)
     phase = sim.max_phase if sim.max["total"] >= opt_step else "optimizer"
@@ -562,12 +562,13 @@ def _wire_bytes(sk: _Skeleton, strat: dict, problem: Problem, sizes: _Sizes, wir
     return max((sum(ratio(b) for b in buckets[k: k + WIRE_BUCKETS]) for k in range(len(buckets))), default=0.0)
 
 
-def _zero_gather_bytes(meta: TensorMeta, s, mesh, shard: float) -> float:
+def _zero_gather_bytes(meta: TensorMeta, s, mesh) -> float:
     """Transient of ZeRO-1/2's post-step all-gather of one parameter: the gathered (padded)
-    tensor, plus a copy of the shard where the state dim is not dim 0 (moved to the front)."""
+    tensor, plus its blocks concatenated where the state dim is not dim 0
+    (``runtime.collectives.gather_dim``)."""
     local = local_shape(meta.shape, s.outs[0], mesh)
     d = state_dim(meta.shape, s.outs[0])
     n = math.prod(mesh[a] for a in s.zero_axes)
     rows = -(-local[d] // n) * n
     padded = math.prod(local) // max(local[d], 1) * rows * meta.itemsize
-    return padded + (shard if d != 0 else 0.0)
+    return padded + (math.prod(local) * meta.itemsize if d != 0 else 0.0)

@@ -63,8 +63,8 @@ def _zero2_reduce_latency(axes, zero_axes, ctx: CostContext) -> float:
 
 def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
     """ZeRO-1/2's all-gather of an updated parameter after the optimizer step (blocking), and where
-    it cannot gather in place (``layouts.zero_gather_in_place``) the host's copies: the shard made
-    contiguous along its state dim, the gathered parameter copied back (at
+    it cannot gather in place (``layouts.zero_gather_in_place``) the host's copies: the gathered
+    blocks concatenated along a state dim other than 0, the gathered parameter copied back (at
     ``DeviceSpec.collective_host_byte_s`` per byte, as a reshard's layout copies)."""
     from autopar.cost_models.communication import blocking_collective_time
 
@@ -75,6 +75,6 @@ def post_step_gather_time(meta, s: Strategy, ctx: CostContext) -> float:
     seconds = sum(blocking_collective_time("all_gather", nbytes, ctx.groups[a], ctx.cluster) for a in s.zero_axes)
     dim = state_dim(meta.shape, s.outs[0])
     if not zero_gather_in_place(local, dim, s.zero_axes, ctx.mesh_shape):
-        shard = nbytes / math.prod(ctx.mesh_shape[a] for a in s.zero_axes) if dim != 0 else 0.0
-        seconds += ctx.cluster.device.collective_host_byte_s * (nbytes + shard)
+        concatenated = nbytes if dim != 0 else 0.0
+        seconds += ctx.cluster.device.collective_host_byte_s * (nbytes + concatenated)
     return seconds
