@@ -46,6 +46,7 @@ import pathlib
 import platform
 import statistics
 
+from autopar.calibration.comm_probes import SKEW_BYTES
 from autopar.calibration.fit import (collective_skew, exposed_share, fit_attention, fit_collective, fit_compute,
                                      fit_op_cost, monotone_table)
 from autopar.calibration.microbench import MicrobenchSpec, measure_rank
@@ -242,7 +243,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                 skew, how = statistics.median(collective_skew(sk["compute_s"], alone, together)
                                               for alone, together in sk["kinds"].values()), "kinds"
             sources.append(f"a collective's wait for ranks arriving from compute: {skew * 1e6:.1f} us, the median over "
-                           f"{how} (after {sk['compute_s'] * 1e3:.2f} ms of compute, a tiny " + ", ".join(
+                           f"{how} (after {sk['compute_s'] * 1e3:.2f} ms of compute, a {SKEW_BYTES // 1024} KiB " + ", ".join(
                                f"{kind} takes {(together - sk['compute_s']) * 1e6:.0f} us against {alone * 1e6:.0f}"
                                for kind, (alone, together) in sk["kinds"].items()) + " alone)")
         per_micro, message_s = 0.0, link.measured_time("send_recv", 2, 64.0)

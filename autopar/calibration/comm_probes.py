@@ -104,15 +104,19 @@ def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: li
 
 def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
     """Seconds of a block of matmuls, of an all-reduce, and of both with the all-reduce in flight
-    (issued asynchronously, waited after the matmuls), as the runtime overlaps gradient sync."""
+    (issued asynchronously, waited after the matmuls), as the runtime overlaps gradient sync and
+    waits for it (``runtime.comm.wait_for``)."""
     import torch.distributed as dist
+
+    from autopar.runtime.comm import polls, wait_for
 
     _progress("overlap of an all-reduce with compute")
     buf = torch.randn((1 << 21) // 4, device=device)  # 2 MiB
     a = torch.randn(256, 256, device=device)
+    poll = polls("all_reduce", buf)
 
     def comm():
-        dist.all_reduce(buf)
+        wait_for(dist.all_reduce(buf, async_op=True), poll)
 
     t_comm = _per_op(comm, device, spec.repeats, barrier=barrier)
     t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
@@ -125,7 +129,7 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
     def both():
         work = dist.all_reduce(buf, async_op=True)
         compute()
-        work.wait()
+        wait_for(work, poll)
 
     # processes sharing cores overlap by chance: one round's share has read 0.2 and 1.0 on the same
     # machine; the round with the median share of OVERLAP_ROUNDS, each timing all three anew
@@ -140,40 +144,47 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
 
 
 OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
-SKEW_WORK_S = 1e-3  # the compute before each collective in the skew probe (a few ops' worth)
-# passes of the skew probe over its nine timings (12 paired excesses over the four kinds; at 5
-# passes, 20, the probe took 3.4-3.9 s of `autopar calibrate`'s minute on 4 processes, which then
-# ran 60-61 s, and read 0 us in each of the session's calibrations)
-SKEW_REPEATS = 3
+# the skew probe's compute before each collective: small layers forward and backward, as a training
+# step runs between its blocking collectives (a tensor-parallel step of the example GPT: 0.2-0.3
+# ms of small ops)
+SKEW_LAYERS, SKEW_ROWS, SKEW_WIDTH = 2, 512, 64
+SKEW_BYTES = 128 << 10  # each collective's size: a small model's activation
+# passes of the skew probe over its nine timings (a paired excess per kind and pass; one kind's
+# excess read -850 to 670 us over a handful of passes on 4 processes)
+SKEW_REPEATS = 5
 
 
 def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
-    """Seconds of a block of matmuls (about ``SKEW_WORK_S``), and per collective kind the runtime
-    issues, of one call of the smallest size alone (back to back) and after the block: ranks that
-    arrive from compute arrive apart (processes sharing cores time-slice), and the collective
-    waits for the last one. Back-to-back calls also overlap one call's tail with the next one's
-    start, which a call after compute cannot. Four kinds, not one: one kind's excess has read
-    0.06 and 0.22 ms in two calibrations of the same 2-process machine; their median is steadier.
+    """Seconds of a block of small layers forward and backward (``SKEW_LAYERS``), and per
+    collective kind the runtime issues, of one ``SKEW_BYTES`` call alone (back to back) and after
+    the block, each waited for as the runtime waits (``runtime.comm.wait_for``): what a
+    collective costs a step beyond its
+    back-to-back time. Ranks that arrive from compute arrive apart (processes that share cores
+    take turns), the collective waits for the last one, and back-to-back calls overlap one call's
+    tail with the next one's start, which a call after compute cannot.
 
-    Not yet seen here: a training step pays about 70 us more per blocking collective than its
-    back-to-back time (the GPT's ``tp=2`` on 2 processes: the compute after a real collective ran
-    that much longer than after a local copy); with a compute block of small autograd layers
-    instead of matmuls the excess still read about 0. Priced without it, the GPT's free 2-process
-    plan chose data parallelism (7.2-7.9 ms measured) over replication (5.6 ms), both priced
-    5.2-5.4 ms. A probe that meets collectives as a step does is the next step."""
+    A block of small layers with autograd, not of matmuls: on 2 gloo processes of a 2-core VM,
+    polled 128 KiB collectives after 2 such layers (0.38 ms) cost 186-236 us more than back to
+    back (on 4 processes 396-481 us), after 20 matmuls (0.37 ms) 64 us; a block of ~1 ms of
+    matmuls (this probe's earlier form) read 0-84 us in every calibration, while the GPT's
+    ``tp=2`` step ran its 22 blocking collectives 5.8 ms over their back-to-back times. Priced
+    offline over two calibrations and their 23 measured plans, a skew of 250 us on 2 processes
+    and 400 on 4 gave a median error of 6.6% and 5.1%; the skews those calibrations had read
+    (0 and 48 us on 2, 0 and 202 on 4) 9.9% and 10.8%."""
     _progress("what a collective waits for ranks arriving from compute")
-    a = torch.randn(128, 128, device=device)
-    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
-    n_mm = barrier(max(1, int(SKEW_WORK_S / t_mm)))  # every rank the same count
+    layer = torch.nn.Linear(SKEW_WIDTH, SKEW_WIDTH).to(device)
+    h0 = torch.randn(SKEW_ROWS, SKEW_WIDTH, device=device, requires_grad=True)
 
     def compute():
-        for _ in range(n_mm):
-            torch.mm(a, a)
+        h = h0
+        for _ in range(SKEW_LAYERS):
+            h = torch.nn.functional.gelu(layer(h))
+        h.sum().backward()
 
     world, comm, axis = meshes[0]
     fns = [compute]
     for kind in _COMM_KINDS:
-        call = _collective_call(comm, kind, 4 * world, axis, device)
+        call = _collective_call(comm, kind, SKEW_BYTES, axis, device)
 
         def both(call=call):
             compute()
