@@ -190,13 +190,15 @@ def _agreed_barrier(world: int):
     def barrier(count):
         if world == 1:
             return count
-        if count is None and not polled:
-            dist.barrier()
-            return None
+        if not polled:  # NCCL's: as before
+            if count is None:
+                dist.barrier()
+                return None
+            t = torch.tensor([count], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return int(t.item())
         t = torch.tensor([0 if count is None else count], dtype=torch.int64)
-        if not polled:
-            t = t.cuda()
-        wait_for(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), polled)
+        wait_for(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         return None if count is None else int(t.item())
 
     return barrier
