@@ -50,7 +50,15 @@ def test_a_failed_collective_raises_from_its_wait_as_unpolled():
             comm.wait_for(_Work(checks=3, error=RuntimeError("Timed out waiting 1000ms")), poll)
 
 
-def test_which_collectives_are_polled(monkeypatch):
+@pytest.fixture
+def fresh_wait_mode():
+    """``comm._wait_mode`` read anew from the environment inside the test, and after it."""
+    comm._wait_mode.cache_clear()
+    yield
+    comm._wait_mode.cache_clear()
+
+
+def test_which_collectives_are_polled(monkeypatch, fresh_wait_mode):
     cpu = torch.zeros(1)
     assert comm.polls("all_reduce", cpu) and comm.polls("all_gather", cpu) and comm.polls("all_to_all", cpu)
     assert not comm.polls("reduce_scatter", cpu)  # gloo's never reports completion before its wait
@@ -63,8 +71,6 @@ def test_which_collectives_are_polled(monkeypatch):
     comm._wait_mode.cache_clear()
     with pytest.raises(ValueError, match="AUTOPAR_COLLECTIVE_WAIT='spin'.*'poll'.*'block'"):
         comm.polls("all_reduce", cpu)
-    monkeypatch.delenv(comm.WAIT_ENV)
-    comm._wait_mode.cache_clear()
 
 
 def _every_kind_worker():

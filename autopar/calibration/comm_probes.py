@@ -158,10 +158,10 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     """Seconds of a block of small layers forward and backward (``SKEW_LAYERS``), and per
     collective kind the runtime issues, of one ``SKEW_BYTES`` call alone (back to back) and after
     the block, each waited for as the runtime waits (``runtime.comm.wait_for``): what a
-    collective costs a step beyond its
-    back-to-back time. Ranks that arrive from compute arrive apart (processes that share cores
-    take turns), the collective waits for the last one, and back-to-back calls overlap one call's
-    tail with the next one's start, which a call after compute cannot.
+    collective costs a step beyond its back-to-back time. Ranks that arrive from compute arrive
+    apart (processes that share cores take turns), the collective waits for the last one, and
+    back-to-back calls overlap one call's tail with the next one's start, which a call after
+    compute cannot.
 
     A block of small layers with autograd, not of matmuls: on 2 gloo processes of a 2-core VM,
     polled 128 KiB collectives after 2 such layers (0.38 ms) cost 186-236 us more than back to

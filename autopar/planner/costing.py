@@ -467,8 +467,8 @@ def reshard_copy_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
     """Per collective of ``reshard_step_bytes``, the bytes the host copies around it
     (``runtime.collectives``): an all-reduce's clone to reduce in place; an all-gather's blocks
     concatenated along a dim other than 0; a reduce-scatter's input made contiguous from a dim
-    other than 0, and its output moved back; an all-to-all's send copy unless it splits dim 0, and its result's concatenation
-    unless it gathers dim 0."""
+    other than 0, and its output moved back; an all-to-all's send copy unless it splits dim 0,
+    and its result's concatenation unless it gathers dim 0."""
     return [copies for _, _, copies in _collective_steps(shape, per_elem, src, dst, mesh_shape)]
 
 
