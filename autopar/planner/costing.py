@@ -177,7 +177,7 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     device = ctx.cluster.device
     eff = _efficiency(device, kind)
     overhead = (device.op_overhead or 0.0) * runs
-    queued = ctx.cluster.device_type != "cpu"  # a GPU's host runs ahead of its kernels (``with_overhead``)
+    queued = host_queues(ctx.cluster)
     if measured is not None:  # its measured cost per element (attention: per pair) and per FLOP, this device's share
         per_fwd, per_bwd, elements, flop_fwd, flop_bwd = measured
         fwd = with_overhead(overhead, (per_fwd * elements + flop_fwd * flops) / split, queued)
@@ -208,6 +208,12 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     work = op_time(ratio * flops / split, ratio * nbytes / split, device, dtype, kind, efficiency=eff)
     bwd = with_overhead(overhead * BWD_OPS.get(kind, 1), work, queued)
     return fwd, bwd
+
+
+def host_queues(cluster) -> bool:
+    """Whether ``cluster``'s hosts queue their ops' work ahead of the device (a GPU's stream), so
+    an op's overhead and work overlap (``with_overhead``); a CPU process runs them in turn."""
+    return cluster.device_type != "cpu"
 
 
 def with_overhead(overhead: float, work: float, queued: bool) -> float:
@@ -287,7 +293,7 @@ def optimizer_update_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext
     states = ctx.optimizer.states
     device = ctx.cluster.device
     fixed = update_ops(states) * (device.update_op_overhead or 0.0)
-    queued = ctx.cluster.device_type != "cpu"
+    queued = host_queues(ctx.cluster)
     if device.update_element_s is not None:
         per, per_state = rank_element_costs(ctx)[0]
         return with_overhead(fixed, numel * (per + per_state * states), queued)
