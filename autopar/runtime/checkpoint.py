@@ -494,9 +494,9 @@ def _batch_change(saved: int | None, rows: int | None, local: bool, shares: int,
     ratio = f"{rows}/{saved}"
     effect = (f"each step's gradient is now a sum over {rows} rows, {ratio} times the saved run's: divide the learning "
               f"rate by {ratio} to keep its step size" if reduction == "sum" else
-              f"each step's gradient is now a mean over {rows} rows (the same scale, less noise, {ratio} times the rows "
-              f"per step): to follow the saved run's schedule per row, scale the learning rate (linearly: by {ratio}) "
-              "and the number of steps (by its inverse)")
+              f"each step's gradient is now a mean over {rows} rows instead of {saved} (the same scale, "
+              f"{'less' if rows > saved else 'more'} noise): to follow the saved run's schedule per row seen, scale the "
+              f"learning rate (linearly: by {ratio}) and the remaining steps by {saved}/{rows}")
     return f"the global batch changed from {saved} to {rows} rows{share}; {effect}"
 
 
