@@ -2,17 +2,18 @@
 
 Fields added after a spec was written take the value that spec meant (the default here: no
 measurement); any other missing, unknown or bad field is a ClusterSpecError naming its JSON path.
+``calibrated_local`` reads the spec ``autopar calibrate`` wrote for ``Cluster.local(n)``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from autopar.cluster import SCHEMA_VERSION, Cluster, DeviceSpec, LinkSpec, PeakFlops
+from autopar.cluster import SCHEMA_VERSION, Cluster, DeviceSpec, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import ClusterSpecError
 from autopar.spec_fields import json_build, json_fields, json_rows
 
-__all__ = ["cluster_from_json"]
+__all__ = ["cluster_from_json", "calibrated_local"]
 
 
 def cluster_from_json(s: str) -> Cluster:
@@ -71,3 +72,23 @@ def cluster_from_json(s: str) -> Cluster:
     top["sources"] = tuple(top["sources"])
     del top["schema_version"]
     return json_build(Cluster, top, "<top level>")
+
+
+def calibrated_local(n: int, ram_share: int) -> Cluster | None:
+    """The spec ``autopar calibrate`` wrote for ``n`` processes, with this machine's RAM / n
+    (None: not calibrated). A file that cannot be read is an error naming it, not ignored."""
+    path = calibration_path(n)
+    if not path.is_file():
+        return None
+    try:
+        spec = Cluster.from_json(path.read_text())
+    except (OSError, ClusterSpecError) as e:
+        raise ClusterSpecError(
+            f"the calibrated spec {path} cannot be used: {e}; re-run `autopar calibrate --nproc {n}` or delete the "
+            "file to use the uncalibrated local model") from None
+    if spec.world_size != n or spec.device_type != "cpu":
+        raise ClusterSpecError(
+            f"the calibrated spec {path} describes {spec.world_size} {spec.device_type} device(s), not {n} local "
+            f"CPU processes; re-run `autopar calibrate --nproc {n}` or delete the file")
+    device = dataclasses.replace(spec.device, memory_bytes=ram_share)
+    return dataclasses.replace(spec, device=device)
