@@ -175,4 +175,5 @@ def test_run_restarts_killed_ranks_but_not_deterministic_errors(tmp_path):
     assert len(bad.stderr.splitlines()) < 40, bad.stderr
     crash = out["crash"]
     assert crash.returncode == 0, crash.stderr[-3000:]
-    assert out["crash_starts"] == ["0 0", "0 1", "1 0", "1 1"]  # killed on attempt 0, restarted once
+    # rank 1 killed on attempt 0 (rank 0 may be stopped before it logs), both restarted once
+    assert "1 0" in out["crash_starts"] and [s for s in out["crash_starts"] if not s.endswith(" 0")] == ["0 1", "1 1"]
