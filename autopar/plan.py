@@ -180,6 +180,9 @@ class Plan:
     # read back by ``from_json``: "" for a record as autopar wrote it, else what shows it was edited
     # (its checksum or its fingerprint does not match its content); not serialised, not compared
     edited: str = field(default="", compare=False, hash=False, repr=False)
+    # what the ParallelModel running this plan learned (``report.note_optimizer``: "optimizer", the
+    # class its loop steps), for ``summary``; not serialised, not compared
+    observed: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         from autopar.plan_fields import check_plan_fields
@@ -318,7 +321,7 @@ class Plan:
                 or n.module.startswith(module_glob + ".")]
 
 
-_NOT_SERIALISED = ("timings", "edited")
+_NOT_SERIALISED = ("timings", "edited", "observed")
 
 
 def _checksum(d: dict) -> str:
@@ -336,7 +339,7 @@ def fingerprint_of(*parts: str) -> str:
 
 # what a plan holds besides its decisions: hashes, predictions and explanations of the choice
 _NOT_DECISIONS = {
-    Plan: {"fingerprint", "inputs_fingerprint", "timings", "edited", "predicted", "baseline", "solver",
+    Plan: {"fingerprint", "inputs_fingerprint", "timings", "edited", "observed", "predicted", "baseline", "solver",
            "free_step_time_s", "notes", "bubble_fraction"},
     NodePlacement: {"compute_s", "alternatives", "excluded"},
     ParamPlacement: {"bytes_per_device"},
@@ -384,7 +387,7 @@ def _decode_plan(d: dict) -> Plan:
         kwargs = {}
         check_known_fields(obj, cls, where)
         for f in fields(cls):
-            if f.name in ("timings", "inputs_fingerprint", "edited"):
+            if f.name in _NOT_SERIALISED + ("inputs_fingerprint",):
                 continue
             if f.name not in obj and (f.name == "stopped" or f.default is not MISSING):
                 continue  # plans written before the field existed: its default (``stopped``: set below)

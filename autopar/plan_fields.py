@@ -24,7 +24,9 @@ def check_known_fields(obj: Any, cls: type, where: str) -> None:
     schema, or a typo in an edited one)."""
     if not isinstance(obj, dict):
         raise PlanFormatError(f"plan JSON field '{where[:-1] or '<top level>'}' must be an object, got {obj!r}")
-    known = {f.name for f in fields(cls)} - {"timings", "edited"}  # (those two are never serialised)
+    from autopar.plan import _NOT_SERIALISED
+
+    known = {f.name for f in fields(cls)} - set(_NOT_SERIALISED)
     unknown = sorted(k for k in obj if k not in known and not (k == "schema_version" and not where))
     if unknown:
         raise PlanFormatError(
