@@ -448,25 +448,12 @@ class Cluster:
             raise ClusterSpecError(
                 f"Cluster.expert_imbalance must be a number >= 1 (the busiest expert rank's tokens over the mean; "
                 f"1.0 is balanced routing), got {imb!r}")
-        self._check_calibrated_world()
+        from autopar.cluster_json import check_calibrated_world
+
+        check_calibrated_world(self)
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "nodes", int(self.nodes))
         object.__setattr__(self, "devices_per_node", int(self.devices_per_node))
-
-    def _check_calibrated_world(self) -> None:
-        """A CPU spec calibrated with more processes than this cluster has (its collective table's
-        largest group) is refused: its per-process rates were measured with them sharing the cores."""
-        if self.device_type != "cpu":
-            return  # a GPU's rates do not depend on how many GPUs were measured together
-        measured = max((row[1] for link in (self.intra_node, self.inter_node) for row in link.collective_table),
-                       default=0)
-        world = self.nodes * self.devices_per_node
-        if measured > world:
-            raise ClusterSpecError(
-                f"Cluster: this CPU spec was calibrated with {measured} processes sharing the machine "
-                f"(LinkSpec.collective_table measures groups of {measured}) but describes {world}: its per-process "
-                f"compute and memory rates hold only for {measured} processes. Run `autopar calibrate --nproc {world}` "
-                f"(Cluster.local({world}) then reads it), or use Cluster.local({world}, calibrated=False)")
 
     @property
     def world_size(self) -> int:

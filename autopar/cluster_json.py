@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from autopar.cluster import SCHEMA_VERSION, Cluster, DeviceSpec, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import ClusterSpecError
 from autopar.spec_fields import json_build, json_fields, json_rows
 
-__all__ = ["cluster_from_json", "calibrated_local"]
+__all__ = ["cluster_from_json", "calibrated_local", "check_calibrated_world"]
+
+# the first source line ``autopar calibrate`` writes: how many processes it measured together
+_CALIBRATED = re.compile(r"^autopar calibrate\b.*?: (\d+) cpu process\(es\) measured together")
 
 
 def cluster_from_json(s: str) -> Cluster:
@@ -92,3 +96,23 @@ def calibrated_local(n: int, ram_share: int) -> Cluster | None:
             f"CPU processes; re-run `autopar calibrate --nproc {n}` or delete the file")
     device = dataclasses.replace(spec.device, memory_bytes=ram_share)
     return dataclasses.replace(spec, device=device)
+
+
+def check_calibrated_world(cluster: Cluster) -> None:
+    """A CPU spec ``autopar calibrate`` measured with another number of processes than the cluster
+    has (its ``sources`` say how many; else its collective table's largest group, where larger) is
+    refused: its per-process rates were measured with that many processes sharing the cores."""
+    if cluster.device_type != "cpu":
+        return  # a GPU's rates do not depend on how many GPUs were measured together
+    world = cluster.nodes * cluster.devices_per_node
+    said = next((int(m.group(1)) for m in map(_CALIBRATED.match, cluster.sources) if m), None)
+    grouped = max((row[1] for link in (cluster.intra_node, cluster.inter_node) for row in link.collective_table),
+                  default=0)
+    measured = said if said is not None else (grouped if grouped > world else None)
+    if measured is not None and measured != world:
+        how = "its sources say so" if said is not None else f"LinkSpec.collective_table measures groups of {measured}"
+        raise ClusterSpecError(
+            f"Cluster: this CPU spec was calibrated with {measured} processes sharing the machine ({how}) but "
+            f"describes {world}: its per-process compute and memory rates hold only for {measured}. Run `autopar "
+            f"calibrate --nproc {world}` (Cluster.local({world}) then reads it), or use Cluster.local({world}, "
+            "calibrated=False)")

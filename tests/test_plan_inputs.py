@@ -78,6 +78,11 @@ def test_a_cpu_calibration_for_another_world_size_is_refused():
     spec["devices_per_node"] = 2
     with pytest.raises(ClusterSpecError, match=r"calibrated with 4 processes"):
         Cluster.from_json(json.dumps(spec))
+    # the sources autopar calibrate writes say how many processes it measured: more are refused too
+    said = ("autopar calibrate on 2026-12-01 10:00: 2 cpu process(es) measured together",)
+    two = dataclasses.replace(Cluster.local(2, calibrated=False), sources=said)
+    with pytest.raises(ClusterSpecError, match=r"calibrated with 2 processes .*its sources say so.* describes 4"):
+        dataclasses.replace(two, devices_per_node=4)
 
 
 @pytest.mark.parametrize("value", ["2", 0, -2, [2], 2.5, True, None])
