@@ -38,6 +38,11 @@ from autopar.spec_fields import check_float, check_int, check_name, check_rows, 
 __all__ = ["Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "calibration_path"]
 
 SCHEMA_VERSION = 1
+# The most devices a cluster may have (the largest hold ~10**5): more is a typo (nodes=10**30)
+MAX_WORLD_SIZE = 2**24
+# The least achieved share of peak FLOP/s a spec may state: less means the peak is not the device's
+MIN_MATMUL_EFFICIENCY = 0.01
+MIN_ATTENTION_EFFICIENCY = 0.001
 
 _DEVICE_TYPES = ("cuda", "cpu")
 _BACKENDS = ("nccl", "gloo")
@@ -165,10 +170,12 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         check_name("DeviceSpec", self.name)
-        if self.attention_efficiency is not None and not is_fraction(self.attention_efficiency):
+        if self.attention_efficiency is not None and not (is_fraction(self.attention_efficiency)
+                                                          and self.attention_efficiency >= MIN_ATTENTION_EFFICIENCY):
             raise ClusterSpecError(
-                f"DeviceSpec.attention_efficiency must be in (0, 1] or None, got {self.attention_efficiency!r}; "
-                "it is the achieved fraction of peak FLOP/s in attention"
+                f"DeviceSpec.attention_efficiency must be in (0, 1] (at least {MIN_ATTENTION_EFFICIENCY}) or None, got "
+                f"{self.attention_efficiency!r}; it is the achieved fraction of peak FLOP/s in attention (fix "
+                "peak_flops, or measure the device with `autopar calibrate`)"
             )
         if self.attention_costs is not None:
             a = self.attention_costs
@@ -225,6 +232,12 @@ class DeviceSpec:
             raise ClusterSpecError(
                 f"DeviceSpec.matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}; "
                 "it is the achieved fraction of peak FLOP/s in large matmuls"
+            )
+        if self.matmul_efficiency is not None and self.matmul_efficiency < MIN_MATMUL_EFFICIENCY:
+            raise ClusterSpecError(
+                f"DeviceSpec.matmul_efficiency must be at least {MIN_MATMUL_EFFICIENCY}, got {self.matmul_efficiency!r}: "
+                "it is the achieved fraction of peak FLOP/s in large matmuls (0.75 is typical), and below 1% the "
+                "peak_flops are not this device's; fix peak_flops, or measure the device with `autopar calibrate`"
             )
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(
@@ -382,6 +395,9 @@ class Cluster:
             "a cluster with zero devices per node has nothing to run on; pass the number of "
             "GPUs (or CPU processes) per node, e.g. 8",
         )
+        if self.nodes * self.devices_per_node > MAX_WORLD_SIZE:
+            raise ClusterSpecError(f"Cluster has {self.nodes} nodes x {self.devices_per_node} devices = {self.nodes * self.devices_per_node} "
+                                   f"devices, more than autopar plans for ({MAX_WORLD_SIZE:,}); pass the real nodes= and devices per node")
         for f, cls in (("device", DeviceSpec), ("intra_node", LinkSpec), ("inter_node", LinkSpec)):
             if not isinstance(getattr(self, f), cls):
                 raise ClusterSpecError(
@@ -432,6 +448,9 @@ class Cluster:
             raise ClusterSpecError(
                 f"Cluster.expert_imbalance must be a number >= 1 (the busiest expert rank's tokens over the mean; "
                 f"1.0 is balanced routing), got {imb!r}")
+        from autopar.cluster_json import check_calibrated_world
+
+        check_calibrated_world(self)
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "nodes", int(self.nodes))
         object.__setattr__(self, "devices_per_node", int(self.devices_per_node))
@@ -499,7 +518,9 @@ class Cluster:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (AttributeError, OSError, ValueError):  # non-POSIX: assume 8 GiB
             ram = 8 * 2**30
-        spec = _calibrated_local(n, max(1, ram // n)) if calibrated else None
+        from autopar.cluster_json import calibrated_local
+
+        spec = calibrated_local(n, max(1, ram // n)) if calibrated else None
         if spec is not None:
             return spec
         loopback = LinkSpec(bandwidth=2e9, latency=50e-6)
@@ -563,23 +584,3 @@ def calibration_path(n: int, device_type: str = "cpu") -> pathlib.Path:
     root = os.environ.get("AUTOPAR_CALIBRATION_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "autopar", "calibration")
     return pathlib.Path(root) / (f"local-{int(n)}.json" if device_type == "cpu" else f"local-{device_type}-{int(n)}.json")
-
-
-def _calibrated_local(n: int, ram_share: int) -> Cluster | None:
-    """The spec ``autopar calibrate`` wrote for ``n`` processes, with this machine's RAM / n
-    (None: not calibrated). A file that cannot be read is an error naming it, not ignored."""
-    path = calibration_path(n)
-    if not path.is_file():
-        return None
-    try:
-        spec = Cluster.from_json(path.read_text())
-    except (OSError, ClusterSpecError) as e:
-        raise ClusterSpecError(
-            f"the calibrated spec {path} cannot be used: {e}; re-run `autopar calibrate --nproc {n}` or delete the "
-            "file to use the uncalibrated local model") from None
-    if spec.world_size != n or spec.device_type != "cpu":
-        raise ClusterSpecError(
-            f"the calibrated spec {path} describes {spec.world_size} {spec.device_type} device(s), not {n} local "
-            f"CPU processes; re-run `autopar calibrate --nproc {n}` or delete the file")
-    device = dataclasses.replace(spec.device, memory_bytes=ram_share)
-    return dataclasses.replace(spec, device=device)

@@ -168,11 +168,19 @@ class Constraints:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
             _check_degree(name, getattr(self, name))
-        if self.zero is not None and self.zero not in (0, 1, 2, 3):
-            raise ConstraintError(f"Constraints.zero must be 0, 1, 2 or 3 (ZeRO stage), got {self.zero!r}")
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
+            raise ConstraintError(f"Constraints.zero must be 0, 1, 2 or 3 (ZeRO stage), got {self.zero!r}"
+                                  + ("; True is not a stage: write zero=3 to shard parameters, gradients and optimizer "
+                                     "state (zero=1 or 2 for state, or state and gradients)"
+                                     if isinstance(self.zero, bool) else ""))
         object.__setattr__(self, "zero_params", _freeze_zero_params(self.zero_params))
         if self.recompute is not None and not isinstance(self.recompute, bool):
             raise ConstraintError(f"Constraints.recompute must be True, False or None, got {self.recompute!r}")
+        if (self.virtual_stages or 1) > 1 and (self.pp or 1) == 1:
+            raise ConstraintError(
+                f"Constraints.virtual_stages={self.virtual_stages} sets pipeline stages per rank, but pp is "
+                f"{self.pp!r}: there is no pipeline to interleave; set pp=N (e.g. Constraints(pp=2, virtual_stages="
+                f"{self.virtual_stages}, schedule='interleaved-1f1b')) or drop virtual_stages")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConstraintError(f"unknown schedule {self.schedule!r}; known schedules: {', '.join(SCHEDULES)}")
         for name, param in (("placements", True), ("outputs", False)):

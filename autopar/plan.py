@@ -172,12 +172,22 @@ class Plan:
     bubble_fraction: float = 0.0  # pipeline plans: predicted share of the step a stage idles
     virtual_stages: int = 1  # pipeline stages per rank (``len(stages) / pp``)
     schema_version: int = SCHEMA_VERSION
+    # seconds of each planning phase (trace_s, search_s, ...), measured where the plan was made
     timings: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     # the hash of the planning inputs; "" when constructed by the planner, which passes that hash
     # as ``fingerprint`` (see __post_init__)
     inputs_fingerprint: str = ""
+    # read back by ``from_json``: "" for a record as autopar wrote it, else what shows it was edited
+    # (its checksum or its fingerprint does not match its content); not serialised, not compared
+    edited: str = field(default="", compare=False, hash=False, repr=False)
+    # what the ParallelModel running this plan learned (``report.note_optimizer``: "optimizer", the
+    # class its loop steps), for ``summary``; not serialised, not compared
+    observed: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
+        from autopar.plan_fields import check_plan_fields
+
+        check_plan_fields(self)
         inputs = self.inputs_fingerprint or self.fingerprint
         object.__setattr__(self, "inputs_fingerprint", inputs)
         object.__setattr__(self, "fingerprint", fingerprint_of(inputs, _decisions_json(self)))
@@ -235,23 +245,48 @@ class Plan:
 
     # ----------------------------------------------------------------- serialisation
     def to_json(self) -> str:
-        d = {f.name: _encode(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+        """The record: every serialised field and ``checksum``, a hash of all of them (``from_json``
+        tells a record edited by hand from one autopar wrote)."""
+        d = {f.name: _encode(getattr(self, f.name)) for f in fields(self) if f.name not in _NOT_SERIALISED}
+        d["checksum"] = _checksum(d)
         return json.dumps(d, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """The plan a ``to_json`` record holds. A record of another schema, with unknown fields or
+        bad values is a PlanFormatError naming the field; an edited record loads (an edited plan
+        is a way to force decisions) with ``edited`` saying what shows the edit."""
+        from autopar.plan_fields import check_known_fields
+
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (TypeError, json.JSONDecodeError) as exc:
             raise PlanFormatError(f"plan JSON does not parse: {exc}") from None
-        if d.get("schema_version") != SCHEMA_VERSION:
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"plan JSON must be an object (a Plan.to_json() record), got {type(d).__name__}")
+        version = d.get("schema_version")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            newer = " (written by a newer autopar: upgrade autopar to read it)" if (
+                type(version) is int and version > SCHEMA_VERSION) else ""
             raise PlanFormatError(
-                f"plan schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}; re-plan with this autopar"
+                f"plan schema_version {version!r} is not {SCHEMA_VERSION}{newer}; re-plan with this autopar"
             )
+        recorded = d.pop("checksum", None)
+        check_known_fields(d, Plan, "")
         try:
-            return _decode_plan(d)
-        except (KeyError, TypeError) as exc:
-            raise PlanFormatError(f"plan JSON is missing or has a bad field: {exc}") from None
+            plan = _decode_plan(d)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, PlanFormatError):
+                raise
+            raise PlanFormatError(f"plan JSON is missing or has a bad field: {exc!r}") from None
+        edits = []
+        if recorded is not None and recorded != _checksum(d):
+            edits.append(f"its checksum {recorded!r} does not match its fields")
+        if "inputs_fingerprint" in d and d.get("fingerprint") != plan.fingerprint:
+            edits.append(f"its decisions hash to {plan.fingerprint}, not to the fingerprint {d.get('fingerprint')!r} "
+                         "it records")
+        object.__setattr__(plan, "edited", "; ".join(edits))
+        return plan
 
     # ----------------------------------------------------------------- reports
     def summary(self) -> str:
@@ -286,6 +321,14 @@ class Plan:
                 or n.module.startswith(module_glob + ".")]
 
 
+_NOT_SERIALISED = ("timings", "edited", "observed")
+
+
+def _checksum(d: dict) -> str:
+    """The hash of a record's fields (``d``: ``to_json``'s object without ``checksum``)."""
+    return fingerprint_of(json.dumps(d, sort_keys=True, separators=(",", ":")))
+
+
 def fingerprint_of(*parts: str) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -296,8 +339,8 @@ def fingerprint_of(*parts: str) -> str:
 
 # what a plan holds besides its decisions: hashes, predictions and explanations of the choice
 _NOT_DECISIONS = {
-    Plan: {"fingerprint", "inputs_fingerprint", "timings", "predicted", "baseline", "solver", "free_step_time_s",
-           "notes", "bubble_fraction"},
+    Plan: {"fingerprint", "inputs_fingerprint", "timings", "edited", "observed", "predicted", "baseline", "solver",
+           "free_step_time_s", "notes", "bubble_fraction"},
     NodePlacement: {"compute_s", "alternatives", "excluded"},
     ParamPlacement: {"bytes_per_device"},
     Stage: {"predicted_time_s", "peak_memory_bytes", "axis_use"},
@@ -321,7 +364,7 @@ def _decisions_json(plan: "Plan") -> str:
 
 def _encode(v: Any) -> Any:
     if hasattr(v, "__dataclass_fields__"):
-        return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name != "timings"}
+        return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name not in _NOT_SERIALISED}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars
@@ -338,10 +381,13 @@ def _tuplify(v: Any) -> Any:
 
 
 def _decode_plan(d: dict) -> Plan:
-    def build(cls, obj):
+    from autopar.plan_fields import check_known_fields
+
+    def build(cls, obj, where=""):
         kwargs = {}
+        check_known_fields(obj, cls, where)
         for f in fields(cls):
-            if f.name in ("timings", "inputs_fingerprint"):
+            if f.name in _NOT_SERIALISED + ("inputs_fingerprint",):
                 continue
             if f.name not in obj and (f.name == "stopped" or f.default is not MISSING):
                 continue  # plans written before the field existed: its default (``stopped``: set below)
@@ -349,27 +395,29 @@ def _decode_plan(d: dict) -> Plan:
         return kwargs
 
     def node(o):
-        k = build(NodePlacement, o)
+        k = build(NodePlacement, o, f"stages[].nodes[{o.get('name')!r}].")
         k["alternatives"] = tuple(Alternative(**a) for a in o["alternatives"])
         for key in ("outs", "ins", "grad_ins", "excluded"):
             k[key] = _tuplify(o[key])
         return NodePlacement(**k)
 
     def param(o):
-        k = build(ParamPlacement, o)
+        k = build(ParamPlacement, o, f"stages[].params[{o.get('fqn')!r}].")
         k["zero_axes"] = tuple(o["zero_axes"])
         k["shape"] = tuple(o["shape"])
         return ParamPlacement(**k)
 
-    def predicted(o):
+    def predicted(o, where):
         if o is None:
             return None
-        k = build(Predicted, o)
+        k = build(Predicted, o, where)
         k["comm_s"] = _tuplify(o["comm_s"])
         k["memory_bytes"] = _tuplify(o["memory_bytes"])
         k["comm_bytes"] = _tuplify(o["comm_bytes"])
         return Predicted(**k)
 
+    for i, s in enumerate(d["stages"]):
+        check_known_fields(s, Stage, f"stages[{i}].")
     stages = tuple(
         Stage(s["index"], _tuplify(s["mesh"]), s["first_rank"], tuple(node(n) for n in s["nodes"]),
               tuple(param(p) for p in s["params"]), s.get("predicted_time_s", 0.0), s.get("peak_memory_bytes", 0.0),
@@ -380,12 +428,13 @@ def _decode_plan(d: dict) -> Plan:
     k["versions"] = _tuplify(d["versions"])
     k["mesh_axes"] = _tuplify(d["mesh_axes"])
     k["stages"] = stages
-    k["predicted"] = predicted(d["predicted"])
+    k["predicted"] = predicted(d["predicted"], "predicted.")
     b = d["baseline"]
-    k["baseline"] = Baseline(b["name"], predicted(b["predicted"]), b["fits"], b["note"])
+    check_known_fields(b, Baseline, "baseline.")
+    k["baseline"] = Baseline(b["name"], predicted(b["predicted"], "baseline.predicted."), b["fits"], b["note"])
     s = d["solver"]
     stopped = s.get("stopped", "optimal" if s["status"] == "OPTIMAL" else "not recorded")
-    k["solver"] = SolverReport(**{**build(SolverReport, s), "candidates": _tuplify(s["candidates"]), "stopped": stopped})
+    k["solver"] = SolverReport(**{**build(SolverReport, s, "solver."), "candidates": _tuplify(s["candidates"]), "stopped": stopped})
     k["notes"] = tuple(d["notes"])
     k["recompute_blocks"] = tuple(d.get("recompute_blocks", ()))
     # plans written before the fingerprint covered decisions hold only the inputs' hash

@@ -59,6 +59,99 @@ def _pipeline_lines(plan) -> list[str]:
     return lines
 
 
+def _roles(plan) -> dict[str, tuple[str, ...]]:
+    """How the operators use each axis of a single-stage plan's mesh (``Stage.axis_use``)."""
+    return dict(plan.stages[0].axis_use) if len(plan.stages) == 1 else {}
+
+
+def zero_stage(pp, mesh_axes, roles) -> int:
+    """A parameter's ZeRO stage: 1 or 2 where its optimizer state (and gradients) shard on data
+    axes, 3 where it is stored split on an axis its operators use it whole on (``axis_use``), else 0."""
+    if pp.zero_axes:
+        return pp.zero_stage
+    return 3 if any("ZeRO-3" in roles.get(a, ()) and "tensor" not in roles.get(a, ()) for a in _split_axes(pp, mesh_axes)) else 0
+
+
+def _split_axes(pp, mesh_axes) -> list[str]:
+    from autopar.layouts import Shard, parse_layout
+
+    return [name for (name, size), p in zip(mesh_axes, parse_layout(pp.layout)) if size > 1 and isinstance(p, Shard)]
+
+
+def param_sharding(pp, mesh_axes, roles) -> str:
+    """What the summary says of one parameter: its ZeRO stage on which axes, its tensor split."""
+    parts = []
+    if pp.zero_axes:
+        parts.append(f"ZeRO-{pp.zero_stage} on {'/'.join(pp.zero_axes)}")
+    for axis in _split_axes(pp, mesh_axes):
+        use = roles.get(axis, ())
+        if "tensor" in use and "ZeRO-3" in use:
+            parts.append(f"split on {axis} (tensor or ZeRO-3)")
+        elif "tensor" in use or not use:
+            parts.append(f"tensor-split on {axis}")
+        else:
+            parts.append(f"ZeRO-3 on {axis}")
+    return " + ".join(parts) or "ZeRO-0 (whole on every rank)"
+
+
+def _normal_name(name: str) -> str:
+    """"AdamW" (a class, as compile's measured spec names it) and "adamw" (a priced name) alike;
+    "sgd-momentum" is SGD's."""
+    return name.lower().replace("_", "-").removesuffix("-momentum")
+
+
+def _optimizer_text(plan) -> str:
+    used = plan.observed.get("optimizer")
+    if used is None:
+        return f"optimizer {plan.optimizer}"
+    if _normal_name(used) == _normal_name(plan.optimizer):
+        return f"optimizer {used} (the loop's)"
+    return f"optimizer priced for {plan.optimizer}; the loop steps {used}"
+
+
+def note_optimizer(plan, optimizer) -> str:
+    """Record in ``plan.observed`` the optimizer a ParallelModel's loop steps (train_step's, or the
+    native loop's given to ``track``); return a note when the plan priced another one, else ""."""
+    used = type(optimizer).__name__
+    plan.observed["optimizer"] = used
+    if _normal_name(used) == _normal_name(plan.optimizer):
+        return ""
+    return (f"the plan priced the optimizer state of {plan.optimizer}, but the loop steps {used}: its predicted memory "
+            f"(optimizer_state, optimizer_step) is {plan.optimizer}'s; compile with optimizer= to price the one that runs")
+
+
+def _axes_lines(plan) -> list[str]:
+    """How a single-stage plan uses its mesh axes, and why a free plan is not the plan forcing its mesh."""
+    from autopar.layouts import Shard, parse_layout
+
+    use = plan.stages[0].axis_use
+    if not use:
+        return []
+    data = [a for a, roles in use if "data" in roles]
+    whole = sorted({a for n in plan.nodes.values() if n.op in ("input", "target") and n.outs and n.outs[0] not in ("-", "any")
+                    for (a, size), p in zip(plan.mesh_axes, parse_layout(n.outs[0]))
+                    if a in data and size > 1 and not (isinstance(p, Shard) and p.dim == 0)})
+    words = {"data": "data (a share of the batch each)", "tensor": "tensor (weights split)",
+             "ZeRO-3": "ZeRO-3 (weights stored split, gathered to use)"}
+    line = "axes: " + "; ".join(f"'{a}' {' + '.join(words[r] for r in roles) or 'unused'}" for a, roles in use)
+    if whole:
+        line += f"; the batch enters whole on {', '.join(repr(a) for a in whole)} (each rank slices its rows)"
+    lines = [line]
+    import json
+
+    c = json.loads(plan.constraints)
+    mixed = [a for a, roles in use if (a == "dp" and "tensor" in roles) or (a == "tp" and "data" in roles)]
+    if c.get("dp") is None and c.get("tp") is None and (whole or mixed):
+        forced = ", ".join(f"{a}={n}" for a, n in plan.mesh_axes if a in ("dp", "tp"))
+        differs = ([f"the batch whole on {', '.join(repr(a) for a in whole)}"] if whole else []) + [
+            f"'{a}' used for {' + '.join(r for r in dict(use)[a])}" for a in mixed]
+        lines.append(f"note: this mesh is a device grid each operator uses its own way (here: {'; '.join(differs)}); "
+                     f"Constraints({forced}) forces it as written: every input split on the batch over 'dp', weights "
+                     f"whole there where used, 'tp' for tensor parallelism only. That is another plan, predicted no "
+                     f"faster than this one (the optimum over meshes and layouts)")
+    return lines
+
+
 def plan_summary(plan) -> str:
     from autopar.cluster import Cluster
 
@@ -72,17 +165,27 @@ def plan_summary(plan) -> str:
     if plan.recompute_blocks:
         rc = f"{len(plan.recompute_blocks)} block(s): {', '.join(plan.recompute_blocks[:4])}" + (
             ", ..." if len(plan.recompute_blocks) > 4 else "")
-    lines.append(f"mesh {mesh} | precision {plan.precision} | optimizer {plan.optimizer} | "
+    lines.append(f"mesh {mesh} | precision {plan.precision} | {_optimizer_text(plan)} | "
                  f"recompute {rc} | microbatches {plan.microbatches}")
     if len(plan.stages) > 1:
         lines.extend(_pipeline_lines(plan))
-    zero = sorted({f"{a} (ZeRO-{pp.zero_stage})" for pp in plan.params.values() for a in pp.zero_axes})
-    sharded = sum(1 for pp in plan.params.values() if "S(" in pp.layout)
-    lines.append(f"parameters: {len(plan.params)} tensors, {sharded} sharded"
-                 + (f", optimizer state sharded on {zero}" if zero else ""))
+    else:
+        lines.extend(_axes_lines(plan))
+    roles = _roles(plan)
+    stages = defaultdict(int)
+    for pp in plan.params.values():
+        stages[param_sharding(pp, plan.mesh_axes, roles)] += 1
+    lines.append(f"parameters: {len(plan.params)} tensors: "
+                 + ", ".join(f"{n} {what}" for what, n in sorted(stages.items(), key=lambda kv: (-kv[1], kv[0]))))
+    if plan.timings:
+        t = plan.timings
+        total = t.get("plan_s", t.get("trace_s", 0.0) + t.get("search_s", 0.0))
+        parts = [f"{k[:-2].replace('_', ' ')} {t[k]:.2f} s" for k in ("trace_s", "search_s", "solve_s") if k in t]
+        lines.append(f"planned in {total:.2f} s" + (f" ({', '.join(parts)})" if parts else ""))
     lines.append("")
     # per-module table
-    rows: dict[str, dict] = defaultdict(lambda: {"compute": 0.0, "params": 0, "layouts": set(), "count": set()})
+    rows: dict[str, dict] = defaultdict(lambda: {"compute": 0.0, "params": 0, "layouts": set(), "count": set(),
+                                                 "zero": set()})
     for n in plan.nodes.values():
         key = _group_key(n.module)
         rows[key]["compute"] += n.compute_s
@@ -95,15 +198,18 @@ def plan_summary(plan) -> str:
         for s in pp.shape:
             numel *= s
         rows[key]["params"] += numel
-        rows[key]["layouts"].add(pp.layout + ("+zero" if pp.zero_axes else ""))
-    header = f"{'module':<32} {'x':>4} {'params':>12} {'compute':>14}  parameter layouts [{', '.join(a for a, _ in plan.mesh_axes)}]"
+        rows[key]["layouts"].add(pp.layout)
+        rows[key]["zero"].add(zero_stage(pp, plan.mesh_axes, roles))
+    header = (f"{'module':<32} {'x':>4} {'params':>12} {'compute':>14}  {'ZeRO':<6}  "
+              f"parameter layouts [{', '.join(a for a, _ in plan.mesh_axes)}]")
     lines.append(header)
     lines.append("-" * len(header))
     for key in sorted(rows, key=lambda k: (-rows[k]["compute"], k)):
         r = rows[key]
         cnt = len(r["count"]) or 1
         lay = ", ".join(sorted(r["layouts"]))[:60]
-        lines.append(f"{key:<32} {cnt:>4} {r['params']:>12,} {_ms(r['compute']):>14}  {lay}")
+        zero = "/".join(str(z) for z in sorted(r["zero"])) if r["zero"] else ""
+        lines.append(f"{key:<32} {cnt:>4} {r['params']:>12,} {_ms(r['compute']):>14}  {zero:<6}  {lay}")
     lines.append("")
     comm = ", ".join(f"{k} {_ms(v)}" for k, v in p.comm_s) or "none"
     if len(plan.stages) > 1:

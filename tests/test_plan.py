@@ -150,3 +150,51 @@ def test_accessors(plan_tp1):
     mlp = p.nodes_in("blocks.0.mlp")
     assert mlp and all(n.module.startswith("blocks.0.mlp") for n in mlp)
     assert set(p.params) == {k for k, _ in GPT(CFG).named_parameters()}
+
+
+def test_summary_says_why_a_free_plan_is_not_the_forced_plan_of_its_mesh():
+    """The free plan's mesh is dp=2 x tp=1, yet Constraints(dp=2, tp=1) gives another plan: the
+    summary says how the free plan uses its axes and that forcing the mesh is another plan; the
+    forced plan's summary gives the cost of its constraints instead."""
+    free, forced = _plan(None), _plan(Constraints(dp=2, tp=1))
+    assert free.mesh == forced.mesh == {"dp": 2, "tp": 1}
+    assert free.fingerprint != forced.fingerprint
+    assert forced.predicted.step_time_s >= free.predicted.step_time_s
+    s = free.summary()
+    assert "axes: 'dp' data (a share of the batch each)" in s
+    assert "the batch enters whole on 'dp'" in s
+    assert re.search(r"note: this mesh is a device grid .*Constraints\(dp=2, tp=1\) forces it as written.*another "
+                     r"plan, predicted no faster", s), s
+    t = forced.summary()
+    assert "note: this mesh is a device grid" not in t and "vs the free optimum" in t
+
+
+def test_summary_names_the_zero_stage_per_parameter_group_and_the_planning_time(plan_tp1):
+    zero2 = _plan(Constraints(dp=2, zero=2))
+    s = zero2.summary()
+    n = len(zero2.params)
+    assert f"parameters: {n} tensors: {n} ZeRO-2 on dp" in s, s
+    assert re.search(r"module .* ZeRO +parameter layouts", s)
+    assert re.search(r"blocks\.\*\.mlp .* ms  2 ", s), s
+    zero3 = _plan(Constraints(dp=2, zero=3)).summary()
+    assert re.search(r"parameters: \d+ tensors: \d+ ZeRO-3 on dp", zero3), zero3
+    assert re.search(r"planned in \d+\.\d\d s \(trace \d+\.\d\d s, search \d+\.\d\d s", s), s
+
+
+def test_compile_keeps_the_planning_timings_and_the_summary_names_the_optimizer_used(world1):
+    """compile's plan keeps its planning phases' seconds; the summary names the optimizer the loop
+    steps once the ParallelModel knows it, and says so (and warns) where the plan priced another."""
+    torch.manual_seed(0)
+    idx, tgt = example_batch(CFG, 8)
+    pm = autopar.compile(GPT(CFG), world1, idx)  # the torch-native loop: its plan prices AdamW
+    assert {"trace_s", "search_s", "plan_s"} <= set(pm.plan.timings) and pm.plan.timings["plan_s"] > 0
+    assert "planned in" in pm.plan.summary()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"priced the optimizer state of adamw, but the loop steps SGD"):
+        pm.track("optimizer", opt)
+    assert "optimizer priced for adamw; the loop steps SGD" in pm.plan.summary()
+    pm.close()
+    fused = autopar.compile(GPT(CFG), world1, idx, loss_fn=gpt_loss, example_target=tgt,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert "optimizer SGD (the loop's)" in fused.plan.summary()
+    fused.close()

@@ -107,7 +107,11 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
                 zero_stage=s.zero_stage if s.zero_axes else 0,
             ))
     mesh_axes = tuple(zip(names, att.mesh))
-    stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records))
+    from autopar.planner.axis_use import axis_use
+
+    # how the operators use each axis (the summary says it: a free plan's 'dp' axis may also split weights)
+    use = axis_use(traced.graph, {r.name: r for r in node_records}, [r.name for r in node_records], mesh_axes)
+    stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records), axis_use=use)
     predicted = predicted_of(att)
     sol = att.solution
     report = SolverReport(sol.status, _r(sol.gap), _r(sol.objective_s), _r(sol.bound_s), sol.num_vars, sol.num_constraints,

@@ -4,6 +4,7 @@ its full (gathered) state dicts, apart from the step machinery; the work is
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ class CheckpointMethods:
                 raise AutoparError("train_step's optimizer (pm.optimizer) is saved already; track() takes the optimizer of "
                                    "the torch-native loop (over pm.parameters())")
             self._native_optimizer = obj  # saved as DTensors (``checkpoint_state``), not as a pickled state
+            self._note_optimizer(obj)
             if self._pending_optimizer is not None:  # a load already ran, without this optimizer
                 self._checkpointer.load_optimizer(self._pending_optimizer)
             return obj
@@ -84,6 +86,17 @@ class CheckpointMethods:
         self._tracked[name] = obj
         self._restore_tracked(name, obj)
         return obj
+
+    def _note_optimizer(self, optimizer) -> None:
+        """The plan's summary names the optimizer the loop steps; a warning says where the plan
+        priced another (the torch-native loop's plan prices AdamW's state)."""
+        if optimizer is None or self.plan is None:
+            return
+        from autopar.report import note_optimizer
+
+        note = note_optimizer(self.plan, optimizer)
+        if note:
+            warnings.warn(note, stacklevel=3)
 
     def _restore_tracked(self, name: str, obj: Any) -> None:
         if name in self._pending_tracked:

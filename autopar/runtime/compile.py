@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import math
 import os
+import time
 import warnings
 from typing import Any, Callable
 
@@ -237,7 +238,9 @@ class _Builder:
         if agree:
             _agree_on_shapes(inputs, target)
         with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
+            t0 = time.perf_counter()
             traced = self._trace(inputs, target, with_loss=fused)
+            trace_s = time.perf_counter() - t0
             plan = self.given_plan
             if plan is None:
                 constraints = with_annotations(self.constraints or Constraints(), self.model)
@@ -245,6 +248,7 @@ class _Builder:
                     constraints = dataclasses.replace(constraints, microbatches=1)
                 check_fits_cluster(traced, self.cluster, constraints)
                 plan = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec)
+                plan.timings.update(trace_s=trace_s, plan_s=time.perf_counter() - t0)
             else:
                 check_plan_fits_model(plan, traced)
         _check_same_plan(plan)
@@ -447,8 +451,9 @@ def _plan_on_rank0(traced, cluster: Cluster, constraints: Constraints, policy, s
     failure = None
     if dist.get_rank() == 0:
         try:
-            outcome[0] = ("plan", search_plan(traced, cluster, constraints=constraints, precision=policy,
-                                              optimizer=spec, _with_free=False, _with_baseline=baseline).to_json())
+            made = search_plan(traced, cluster, constraints=constraints, precision=policy, optimizer=spec,
+                               _with_free=False, _with_baseline=baseline)
+            outcome[0] = ("plan", made.to_json(), dict(made.timings))  # rank 0's planning phases, for every rank
         except Exception as exc:  # noqa: BLE001 - every rank must learn that planning failed
             failure = exc
             outcome[0] = ("error", type(exc).__name__ if isinstance(exc, AutoparError) else "", str(exc))
@@ -463,7 +468,9 @@ def _plan_on_rank0(traced, cluster: Cluster, constraints: Constraints, policy, s
         if kind is None:
             raise RuntimeError(f"planning failed on rank 0: {outcome[0][2]}")
         raise kind(outcome[0][2])
-    return Plan.from_json(outcome[0][1])
+    plan = Plan.from_json(outcome[0][1])
+    plan.timings.update(outcome[0][2])
+    return plan
 
 
 _MEAN_REDUCTIONS = {"mean"}

@@ -312,7 +312,15 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0, start
 def run_script(script: str, nproc: int, script_args: list[str], module: bool = False, max_restarts: int = 0) -> int:
     """``autopar run script.py --nproc N``: torchrun (standalone rendezvous) with local defaults;
     ``max_restarts``: how many times torchrun restarts every worker after one fails (a script
-    compiled with ``checkpoint=autopar.Checkpointing(root)`` then resumes from its newest checkpoint)."""
+    compiled with ``checkpoint=autopar.Checkpointing(root)`` then resumes from its newest checkpoint).
+
+    Restarts are for process failures (a rank killed, crashed, or cut off from a peer that was).
+    An autopar error a rank's script leaves uncaught, other than a lost peer (``CollectiveError``)
+    or a failed ``launch`` worker, is deterministic (a constraint, a plan, an input): the worker
+    reports it (``runtime.run_errors``) and waits; this stops torchrun before it restarts anyone,
+    prints the error once (with the ranks that raised it) and returns ``run_errors.DETERMINISTIC_EXIT``."""
+    from autopar.runtime.run_errors import RUN_STATE_ENV, TorchrunWatch
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -320,4 +328,18 @@ def run_script(script: str, nproc: int, script_args: list[str], module: bool = F
            "--max-restarts", str(max_restarts)]
     cmd += ["-m", script] if module else [script]
     cmd += list(script_args)
-    return subprocess.call(cmd, env=env)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="autopar-run-") as state:
+        env[RUN_STATE_ENV] = state
+        return TorchrunWatch(cmd, env, state, nproc).run()
+
+
+def _report_deterministic_errors_under_autopar_run() -> None:
+    """A worker of ``autopar run`` reports a deterministic error instead of being restarted for it."""
+    from autopar.runtime.run_errors import report_deterministic_errors
+
+    report_deterministic_errors()
+
+
+_report_deterministic_errors_under_autopar_run()

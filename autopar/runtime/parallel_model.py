@@ -209,6 +209,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if self._fused:
             self.optimizer = b.optimizer(self.store.optimizer_params())
             self.lr_scheduler = b.lr_scheduler(self.optimizer) if b.lr_scheduler is not None else None
+        self._note_optimizer(self.optimizer if self._fused else self._native_optimizer)
         self._state = StateView(self.store, traced, self.device_mesh)
         for name, current in self._tensors.items():
             if self._state.holds(self._param_of_key.get(name, name)):
