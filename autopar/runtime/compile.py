@@ -23,6 +23,7 @@ from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.monitor import Monitoring, StepMonitor
+from autopar.runtime.input_check_methods import missing_target
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.trace import trace_model
 
@@ -231,7 +232,7 @@ class _Builder:
         holds a batch of the same shapes (planning at the first call plans from rank 0's)."""
         fused = self.optimizer is not None
         if fused and self.loss_fn is not None and target is None:
-            raise AutoparError("train_step needs target= (the loss_fn's second argument)")
+            raise InputMismatchError(missing_target("train_step", len(inputs), self.model))
         if agree:
             _agree_on_shapes(inputs, target)
         with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
