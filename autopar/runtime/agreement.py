@@ -26,7 +26,9 @@ The runtime's agreed branches (audited; keep this list current):
 * ``native_loop_methods``: whether a ZeRO-1/2 parameter was updated by the user's optimizer (its
   version counter moved) before re-gathering: ``any_rank``;
 * ``compile``: the plan (made on rank 0), the shapes of the first batch, the software versions;
-* writability of the checkpoint, monitoring and calibration folders at start: gathered.
+* writability of the checkpoint, monitoring and calibration folders at start: gathered;
+* ``input_check_methods``: a batch one rank refuses, or rows that differ within a data shard (local
+  batches too): the ranks' checks are all-gathered on the checked steps, so every rank raises.
 """
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def compile(
     spec). ``collective_timeout_s``: how long a collective waits for the other ranks before the
     step fails (default ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s; a group the user initialised
     keeps its own). ``check_inputs``: every call's batch must match the planned shapes and dtypes;
-    the ranks also compare their batches (which must be the same global batch) on the first two
+    the ranks also compare their batches (the same global batch; with local batches, the same rows
+    within each data shard) on the first two
     calls ("first", the default), on every call ("always", also with ``AUTOPAR_DEBUG=1``) or
     never ("never").
 
