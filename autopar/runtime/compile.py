@@ -67,9 +67,8 @@ def compile(
     step fails (default ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s; a group the user initialised
     keeps its own). ``check_inputs``: every call's batch must match the planned shapes and dtypes;
     the ranks also compare their batches (the same global batch; with local batches, the same rows
-    within each data shard) on the first two
-    calls ("first", the default), on every call ("always", also with ``AUTOPAR_DEBUG=1``) or
-    never ("never").
+    within each data shard) on the first two calls ("first", the default), on every call
+    ("always", also with ``AUTOPAR_DEBUG=1``) or never ("never").
 
     ``batch``: "global" (every rank passes the same global batch; the plan splits it) or "local"
     (each rank passes only its shard: ``pm.data_parallel_size`` shards, this rank's is number
