@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import gc
 import json
 import warnings
 import weakref
@@ -297,13 +298,19 @@ def _warn_foreign_annotations(model: torch.nn.Module) -> None:
     other than the model's own layer): a warning, not an error, since another model of this
     process may own them."""
     mine = {id(m) for m in model.modules()}
-    foreign = [m for m in list(_ANNOTATED) if id(m) not in mine and getattr(m, _ANNOTATION_ATTR, None)]
-    if foreign:
-        m = foreign[0]
+
+    def foreign() -> list:
+        return [m for m in list(_ANNOTATED) if id(m) not in mine and getattr(m, _ANNOTATION_ATTR, None)]
+
+    if foreign():
+        gc.collect()  # a module only a reference cycle holds is not the user's: not warned of
+    stray = foreign()
+    if stray:
+        m = stray[0]
         pins = ", ".join(sorted("its output" if k == "__output__" else k for k in getattr(m, _ANNOTATION_ATTR)))
         warnings.warn(
             f"annotate() pinned {pins} of a {type(m).__name__} that is not part of the {type(model).__name__} being "
-            f"planned ({len(foreign)} such module{'s' if len(foreign) > 1 else ''}): the plan ignores those pins. "
+            f"planned ({len(stray)} such module{'s' if len(stray) > 1 else ''}): the plan ignores those pins. "
             f"Annotate the model's own layer (e.g. annotate(model.<path to the layer>, ...) on the instance passed to "
             f"plan/compile), or pin by name: Constraints(placements={{'<layer path>.weight': {{'tp': 'S(0)'}}}})",
             UserWarning, stacklevel=4)
