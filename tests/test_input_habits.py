@@ -125,6 +125,10 @@ def test_meta_tensors_and_a_positional_target_are_refused_naming_the_fix(world1)
     with pytest.raises(InputMismatchError, match=r"train_step got 2 inputs and no target=: the model takes 1, and the "
                        r"loss_fn's target goes by keyword: pm\.train_step\(\*inputs, target=y\)"):
         pm.train_step(x, t)
+    with pytest.raises(InputMismatchError, match=r"input 0 has shape \(16, 64\) and dtype torch\.float64, but the model "
+                       r"was compiled for shape \(16, 64\) and dtype torch\.float32\..*: pass it as torch\.float32 "
+                       r"\(x\.to\(torch\.float32\)"):
+        pm.train_step(x.double(), target=t)
     assert pm.step == 0  # nothing ran
     pm.train_step(x, target=t)
     assert pm.step == 1

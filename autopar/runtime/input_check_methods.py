@@ -74,7 +74,10 @@ class InputCheckMethods:
                     f"batch_size={mine}, sampler=DistributedSampler(dataset, num_replicas=pm.data_parallel_size, "
                     f"rank=pm.data_parallel_rank), drop_last=True); to train on {x.shape[0]} rows per shard, compile "
                     f"again with example_inputs= of the global batch ({x.shape[0]} x {n} = {x.shape[0] * n} rows)")
-            if isinstance(want, TensorMeta):
+            if _only_dtype_differs(x, want):
+                fix = (f"pass it as {want.dtype} (x.to({want.dtype}), e.g. in the DataLoader's collate_fn), or compile "
+                       f"again with an example of dtype {x.dtype} for a model of that dtype")
+            elif isinstance(want, TensorMeta):
                 fix = ("compile again with an example of this shape, or pad/drop the last batch (e.g. "
                        "DataLoader(drop_last=True)) so that every batch has the compiled shape")
                 if rows is not None:
@@ -192,6 +195,12 @@ def missing_target(where: str, given: int, model: torch.nn.Module) -> str:
     if given > n:
         text += f"; it got {given} inputs where {type(model).__name__}.forward takes {n}: was the target passed positionally?"
     return text
+
+
+def _only_dtype_differs(x: Any, want: Any) -> bool:
+    """Whether tensor ``x`` has ``want``'s shape and another dtype."""
+    return isinstance(want, TensorMeta) and isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(want.shape) \
+        and x.dtype != want.dtype
 
 
 def _only_rows_differ(x: Any, want: TensorMeta) -> bool:
