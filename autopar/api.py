@@ -190,10 +190,13 @@ class _LossProbe:
 
 def trace_checked(model, example_inputs, *, loss_fn=None, example_target=None, device_type: str = "cpu",
                   autocast_dtype=None, own_loss: bool = False, to_user: bool = False) -> TracedGraph:
-    """``trace_model``, with a loss function that fails named as the culprit, and a loss that is not
-    one scalar refused (training needs one number to differentiate)."""
-    from autopar.trace_errors import _is_data_dependent
+    """``trace_model``, with a loss function that fails named as the culprit, a loss that is not
+    one scalar refused (training needs one number to differentiate), and what eager torch would
+    refuse but fake tensors trace refused too: an empty batch, operands of mixed floating dtypes."""
+    from autopar.trace import _as_tuple
+    from autopar.trace_errors import _is_data_dependent, refuse_empty_batch, refuse_mixed_dtypes
 
+    refuse_empty_batch(_as_tuple(example_inputs))
     probe = _LossProbe(loss_fn) if loss_fn is not None else None
     try:
         traced = trace_model(model, example_inputs, loss_fn=probe, example_target=example_target,
@@ -210,6 +213,7 @@ def trace_checked(model, example_inputs, *, loss_fn=None, example_target=None, d
             f"{name} was called with the model's output, {out}, and example_target, {tgt}. Make example_target "
             f"what {name} expects for that output (its shape, and its dtype: class indices are torch.long)"
         ) from exc
+    refuse_mixed_dtypes(traced.graph, model, autocast_dtype)
     if loss_fn is not None:
         _check_scalar_loss(traced, _name_of(loss_fn))
     return traced

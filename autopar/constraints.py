@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import gc
 import json
+import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
@@ -289,7 +292,36 @@ def annotate(module: torch.nn.Module, *, output: Mapping[str, str] | None = None
         notes["__output__"] = _freeze_pins({"output": output}, param=False,
                                               where=f"annotate: the output pin of {type(module).__name__}")[0][1]
     setattr(module, _ANNOTATION_ATTR, notes)
+    _ANNOTATED.add(module)
     return module
+
+
+# every module ``annotate`` pinned, while it lives: a pin on a module outside the model planned is
+# named (``_warn_foreign_annotations``) instead of being ignored without a word
+_ANNOTATED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _warn_foreign_annotations(model: torch.nn.Module) -> None:
+    """Warn of pins made with ``annotate`` on live modules that are not in ``model`` (an instance
+    other than the model's own layer): a warning, not an error, since another model of this
+    process may own them."""
+    mine = {id(m) for m in model.modules()}
+
+    def foreign() -> list:
+        return [m for m in list(_ANNOTATED) if id(m) not in mine and getattr(m, _ANNOTATION_ATTR, None)]
+
+    if foreign():
+        gc.collect()  # a module only a reference cycle holds is not the user's: not warned of
+    stray = foreign()
+    if stray:
+        m = stray[0]
+        pins = ", ".join(sorted("its output" if k == "__output__" else k for k in getattr(m, _ANNOTATION_ATTR)))
+        warnings.warn(
+            f"annotate() pinned {pins} of a {type(m).__name__} that is not part of the {type(model).__name__} being "
+            f"planned ({len(stray)} such module{'s' if len(stray) > 1 else ''}): the plan ignores those pins. "
+            f"Annotate the model's own layer (e.g. annotate(model.<path to the layer>, ...) on the instance passed to "
+            f"plan/compile), or pin by name: Constraints(placements={{'<layer path>.weight': {{'tp': 'S(0)'}}}})",
+            UserWarning, stacklevel=4)
 
 
 def collect_annotations(model: torch.nn.Module) -> tuple[tuple, tuple]:
@@ -308,7 +340,9 @@ def collect_annotations(model: torch.nn.Module) -> tuple[tuple, tuple]:
 
 
 def with_annotations(constraints: Constraints, model: torch.nn.Module) -> Constraints:
-    """``constraints`` plus the pins made with ``annotate`` anywhere in ``model``."""
+    """``constraints`` plus the pins made with ``annotate`` anywhere in ``model`` (pins on modules
+    outside it are warned of)."""
+    _warn_foreign_annotations(model)
     pins, outs = collect_annotations(model)
     return constraints.merged_with(pins, outs) if pins or outs else constraints
 

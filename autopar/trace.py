@@ -32,7 +32,7 @@ from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
 from autopar.regions import outline_token_regions
 from autopar.loss_rewrite import exact_token_mean
-from autopar.trace_errors import _describe_output, _is_data_dependent, _raise_trace_error
+from autopar.trace_errors import _describe_output, _is_data_dependent, _raise_trace_error, raise_data_dependent_size
 
 # ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
 # here); importing it with autopar keeps that one-time import out of the first plan's time, where
@@ -429,7 +429,8 @@ def trace_model(
     exact_token_mean(gm)  # mean losses over non-ignored targets: sum / count, exact under any split
     functionalize_inplace(gm)  # `out += x`, ReLU(inplace=True): out-of-place where that is safe
     hints = None
-    if sized_by_values is not None and mark_data_dependent(gm.graph):
+    # sizes that depend on values: traced with unbacked sizes, or made by an op's own fake kernel (torch.unique)
+    if mark_data_dependent(gm.graph):
         hints = size_hints(gm.graph, lambda n: _module_path(n, module_prefix))
     _annotate_nodes(gm.graph, module_prefix, hints)
     from autopar.stack_experts import stack_expert_modules  # (it reads this module's TensorMeta)
@@ -443,9 +444,9 @@ def trace_model(
     except Exception:  # noqa: BLE001 - with data-dependent sizes, the static trace's error says what is wrong
         if hints is None:
             raise
-        _raise_trace_error(*sized_by_values)
+        _data_dependent_error(sized_by_values, gm, model)
     if hints is not None and any(n.meta.get(DATA_DEPENDENT_KEY) for n in gm.graph.nodes):
-        _raise_trace_error(*sized_by_values)  # sizes that depend on values outside any token-wise module
+        _data_dependent_error(sized_by_values, gm, model)  # sizes that depend on values outside any token-wise module
     gm.recompile()
     output_val = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     out_leaves = [x for x in pytree.tree_leaves(output_val) if isinstance(x, fx.Node)]
@@ -537,6 +538,13 @@ def model_loss(out):
     if isinstance(out, (tuple, list)) and out and scalar(out[0]):
         return out[0]
     return None
+
+
+def _data_dependent_error(sized_by_values, gm: fx.GraphModule, model: torch.nn.Module):
+    """The static trace's error where there was one, else the op that made a value-dependent size."""
+    if sized_by_values is not None:
+        _raise_trace_error(*sized_by_values)
+    raise_data_dependent_size(gm.graph, model, DATA_DEPENDENT_KEY)
 
 
 def _module_path(node: fx.Node, prefix: str = "") -> str:

@@ -13,6 +13,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx as fx
 
 from autopar.errors import TraceError
 
@@ -97,3 +98,87 @@ def _describe_output(out) -> str:
     if isinstance(out, dict):
         return f"{type(out).__name__} with {sorted(k for k, v in out.items() if v is not None)}"
     return type(out).__name__
+
+
+# ops whose floating operands must share one dtype in eager torch ("mat1 and mat2 must have the
+# same dtype"), which fake tensors do not check
+_SAME_DTYPE_OPS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "einsum", "conv1d",
+    "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "scaled_dot_product_attention", "_grouped_mm", "grouped_mm"})
+
+
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def refuse_mixed_dtypes(graph: fx.Graph, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> None:
+    """An op eager torch refuses for operands of different floating dtypes (an fp64 batch into an
+    fp32 model's linear) is refused here, naming the module, the op and both dtypes: fake tensors
+    trace it without a word, and the program would fail (or compute in another precision) later.
+    Under autocast (``autocast_dtype``) the operands autocast casts count as that dtype (float64 is
+    never cast)."""
+    classes = {path: type(m).__name__ for path, m in model.named_modules()}
+
+    def as_run(dtype):
+        return autocast_dtype if autocast_dtype is not None and dtype != torch.float64 else dtype
+
+    for n in graph.nodes:
+        if n.op != "call_function" or _op_name(n) not in _SAME_DTYPE_OPS:
+            continue
+        vals = [a.meta.get("val") for a in n.all_input_nodes]
+        floats = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+        if len({as_run(d) for d in floats}) < 2:
+            continue
+        dtypes = list(dict.fromkeys(floats))
+        path = n.meta.get("autopar.module", "")
+        where = f"module '{path}' ({classes.get(path, '?')})" if path else f"the model's top-level forward ({type(model).__name__})"
+        inputs = [a for a in n.all_input_nodes if a.meta.get("autopar.kind") in ("input", "target")]
+        params = {v.dtype for a in n.all_input_nodes if a.meta.get("autopar.kind") == "param"
+                  for v in [a.meta.get("val")] if isinstance(v, torch.Tensor)}
+        fix = "cast one to the other's dtype in the model"
+        if inputs or params:
+            want = next(iter(params)) if params else dtypes[0]
+            fix = (f"cast the batch to the model's dtype before passing it (e.g. x.to({want}) for example_inputs and "
+                   f"every batch), or the model to the batch's (model.to(dtype))")
+        raise TraceError(
+            f"{where} calls {_op_name(n)} on tensors of dtypes {', '.join(map(str, dtypes))}, which torch refuses "
+            f"(its operands must share one dtype: \"mat1 and mat2 must have the same dtype\"): {fix}")
+
+
+def refuse_empty_batch(inputs: tuple) -> None:
+    """A batch of 0 rows (an empty last batch, a filter that kept nothing) plans nothing to train."""
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 0:
+            raise TraceError(
+                f"example input {i} has 0 rows (shape {tuple(x.shape)}): an empty batch has nothing to plan or train. "
+                "Plan with a batch of the size training uses (the DataLoader's batch_size; DataLoader(drop_last=True) "
+                "keeps short or empty last batches out)")
+        if isinstance(x, torch.Tensor):
+            return  # the first tensor input sets the batch (later ones may be empty by design: a cache)
+
+
+_DATA_DEPENDENT_OPS = {"_unique2": "torch.unique", "unique_dim": "torch.unique(dim=...)", "_unique": "torch.unique",
+                       "unique_consecutive": "torch.unique_consecutive", "nonzero": "torch.nonzero",
+                       "masked_select": "torch.masked_select (or boolean-mask indexing x[mask])",
+                       "repeat_interleave": "torch.repeat_interleave with tensor repeats"}
+
+
+def raise_data_dependent_size(graph: fx.Graph, model: torch.nn.Module, key: str) -> None:
+    """Raise the ``TraceError`` for a value whose size depends on tensor values (``key``: the node
+    mark ``data_dependent`` writes) left outside any token-wise module: naming the op that made it,
+    its module, and the forms that plan."""
+    classes = {path: type(m).__name__ for path, m in model.named_modules()}
+    n = next(n for n in graph.nodes if n.meta.get(key))
+    origin = next((a for a in graph.nodes if a.meta.get(key) and a.op == "call_function"
+                   and not any(b.meta.get(key) for b in a.all_input_nodes)), n)
+    path = origin.meta.get("autopar.module", "")
+    where = f"module '{path}' ({classes.get(path, '?')})" if path else f"the model's top-level forward ({type(model).__name__})"
+    op = _op_name(origin)
+    raise TraceError(
+        f"autopar cannot plan {where}: it calls {_DATA_DEPENDENT_OPS.get(op, op)} (aten.{op}), whose output size "
+        "depends on the tensor values, and a plan must hold for every batch. autopar plans such sizes only inside a "
+        "module that takes the tokens and returns one row per token (run whole on each device's tokens; see the "
+        "README's 'Mixture of experts'). Otherwise keep the size fixed (e.g. a fixed number of classes: "
+        "torch.bincount(x, minlength=n) or one_hot instead of torch.unique; torch.where(mask, x, 0) instead of "
+        "x[mask]), or compute the data-dependent part outside the model and pass it in as an input")

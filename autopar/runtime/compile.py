@@ -24,6 +24,7 @@ from autopar.plan import Plan
 from autopar.runtime.launch import init_distributed
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.monitor import Monitoring, StepMonitor
+from autopar.runtime.input_check_methods import missing_target
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.trace import trace_model
 
@@ -66,9 +67,9 @@ def compile(
     spec). ``collective_timeout_s``: how long a collective waits for the other ranks before the
     step fails (default ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s; a group the user initialised
     keeps its own). ``check_inputs``: every call's batch must match the planned shapes and dtypes;
-    the ranks also compare their batches (which must be the same global batch) on the first two
-    calls ("first", the default), on every call ("always", also with ``AUTOPAR_DEBUG=1``) or
-    never ("never").
+    the ranks also compare their batches (the same global batch; with local batches, the same rows
+    within each data shard) on the first two calls ("first", the default), on every call
+    ("always", also with ``AUTOPAR_DEBUG=1``) or never ("never").
 
     ``batch``: "global" (every rank passes the same global batch; the plan splits it) or "local"
     (each rank passes only its shard: ``pm.data_parallel_size`` shards, this rank's is number
@@ -234,7 +235,7 @@ class _Builder:
         holds a batch of the same shapes (planning at the first call plans from rank 0's)."""
         fused = self.optimizer is not None
         if fused and self.loss_fn is not None and target is None:
-            raise AutoparError("train_step needs target= (the loss_fn's second argument)")
+            raise InputMismatchError(missing_target("train_step", len(inputs), self.model))
         if agree:
             _agree_on_shapes(inputs, target)
         with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise

@@ -498,6 +498,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if not self._fused:
             raise AutoparError("eval_step runs the compiled loss: compile with loss_fn= and optimizer= (train_step's "
                                "path), or evaluate in your own loop: pm.eval(); with torch.no_grad(): loss_fn(pm(x), y)")
+        self._require_target("eval_step", inputs, target)
         self._ensure_planned(inputs, target)
         prog = self._program_for("step-eval", inputs, target)
         with collective_failures("eval_step"):
