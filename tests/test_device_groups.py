@@ -5,10 +5,12 @@ and sent over it fails ("No backend type associated with device type cpu"). On C
 the device are the same memory, so the runtime is run here on a *simulated* accelerator:
 ``torch.device("cpu", 0)`` (the index marks it; tensors on it are ordinary CPU tensors). A
 ``TorchFunctionMode`` follows CUDA's placement rules for every op: a factory without ``device=``
-(or with a device other than the simulated one), ``.cpu()`` and ``.to("cpu")`` make a host
-tensor; ``.to(device)`` onto the simulated device a device one; any other op's result is on the
-host only if every tensor it was given is (a device tensor with a 0-d host scalar stays on the
-device, as on CUDA); an in-place op keeps its target's placement. Each collective the runtime
+(or with the string "cpu"), ``.cpu()`` and ``.to("cpu")`` make a host tensor; ``.to(device)``
+onto the simulated device a device one; ``t.device`` reads ``cpu:0`` for a device tensor (so
+``device=x.device`` places alike; a ``torch.device("cpu")`` object, as traced programs bake in,
+counts as the device); any other op's result is on the host only if every tensor it was given is
+(a device tensor with a 0-d host scalar stays on the device, as on CUDA); an in-place op keeps
+its target's placement. Each collective the runtime
 issues is recorded with whether its tensors are host tensors; the groups made with
 ``backend="gloo"`` explicitly (host groups, as the checkpoint's background group) may carry them,
 no other group may (on NCCL they are CUDA-only, or the user's NCCL default group).
@@ -37,6 +39,8 @@ def _placement_mode():
     def on_device(d) -> bool:
         if isinstance(d, int):
             return True  # a CUDA ordinal
+        if isinstance(d, torch.device) and d.type == "cpu" and d.index is None:
+            return True  # a device object read from a tensor outside the mode, or baked into a traced program
         d = torch.device(d)
         return d.type == device.type and d.index == device.index
 
@@ -58,9 +62,13 @@ def _placement_mode():
                     return host(a)
         return None
 
+    device_of = torch.Tensor.device.__get__
+
     class Placement(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func is device_of:  # ``t.device``: where the tensor is on the simulated machine
+                return torch.device("cpu") if host(args[0]) else device
             out = func(*args, **kwargs)
             name = getattr(func, "__name__", "")
             if func in factories:
@@ -89,9 +97,19 @@ def _placement_mode():
     return Placement(), host
 
 
+def _caller() -> str:
+    """The innermost autopar frame calling a collective ("file:line function")."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/autopar/" in frame.filename and not frame.filename.endswith("runtime/comm.py"):
+            return f"{frame.filename.rsplit('/autopar/', 1)[1]}:{frame.lineno} {frame.name}"
+    return "?"
+
+
 def _record_collectives(host, records: list, host_groups: set):
     """Wrap torch.distributed's public collectives (and autopar.runtime.comm's bound aliases) to
-    append (kind, group, whether a host tensor was passed) to ``records``; groups created with an
+    append (kind, group, whether a host tensor was passed, the autopar caller) to ``records``; groups created with an
     explicit ``backend="gloo"`` are added to ``host_groups``. Returns an undo function."""
     import torch
     import torch.distributed as dist
@@ -113,7 +131,7 @@ def _record_collectives(host, records: list, host_groups: set):
                 group = kwargs.get("group")
                 tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
                 tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-                records.append((kind, group, any(host(t) for t in tensors)))
+                records.append((kind, group, any(host(t) for t in tensors), _caller()))
                 return fn(*args, **kwargs)
             return wrapped
         return wrap
@@ -128,7 +146,7 @@ def _record_collectives(host, records: list, host_groups: set):
     def p2p(fn):
         def wrapped(ops):
             for op in ops:
-                records.append(("p2p " + op.op.__name__, op.group, host(op.tensor)))
+                records.append(("p2p " + op.op.__name__, op.group, host(op.tensor), _caller()))
             return fn(ops)
         return wrapped
 
@@ -197,9 +215,9 @@ def host_values_worker() -> dict:
                 want.backward()
                 ref_opt.step()
                 wants.append(float(want.detach()))
-            bad = sorted({(kind, str(dist.get_process_group_ranks(g) if g is not None else "default"))
-                          for kind, g, is_host in records if is_host and g not in host_groups})
-            out[label] = {"bad": bad, "kinds": sorted({k for k, _, _ in records}), "losses": losses, "wants": wants,
+            bad = sorted({(kind, str(dist.get_process_group_ranks(g) if g is not None else "default"), site)
+                          for kind, g, is_host, site in records if is_host and g not in host_groups})
+            out[label] = {"bad": bad, "kinds": sorted({r[0] for r in records}), "losses": losses, "wants": wants,
                           "mesh": pm.plan.mesh, "stages": len(pm.plan.stages)}
             pm.close()
         del records[:]
@@ -208,7 +226,7 @@ def host_values_worker() -> dict:
             dist.all_reduce(flag)
             moved = torch.tensor([1.0]).to(torch.device(*SIMULATED))
             dist.all_reduce(moved)
-        out["control"] = [is_host for _, _, is_host in records]
+        out["control"] = [r[2] for r in records]
     finally:
         restore()
         compile_module._Builder.__init__ = builder_init
