@@ -90,7 +90,7 @@ def agreement_worker(tmp: str) -> dict:
     # 2. the newest checkpoint is damaged (a shard truncated): load_latest falls back to step 2 on
     # every rank, warning (rank 0) with the folder and why; a resume at compile does the same
     if rank == 0:
-        shard = sorted((root / "step-3").glob("__*.distcp"))[-1]
+        shard = max((root / "step-3").glob("__*.distcp"), key=lambda p: p.stat().st_size)
         shard.write_bytes(shard.read_bytes()[:-7])
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:
@@ -171,12 +171,13 @@ def agreement_worker(tmp: str) -> dict:
         ref.load_state_dict(full)
         opt = _sgd(ref.parameters())
         x, t = batches[0]
-        want_loss = loss_fn(ref(x), t)
-        want_loss.backward()
+        ref_loss = loss_fn(ref(x), t)
+        ref_loss.backward()
+        want_loss = float(ref_loss.detach())
         opt.step()
         loss = float(pm.train_step(x, target=t))
         after, want = pm.full_state_dict(), ref.state_dict()
-        out[f"{name}_loss_err"] = abs(loss - float(want_loss)) / abs(float(want_loss))
+        out[f"{name}_loss_err"] = abs(loss - want_loss) / abs(want_loss)
         out[f"{name}_param_err"] = max(float((after[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in want)
         other, _ = _compile(constraints=constraints)
         other.load_state_dict(pm.state_dict())
