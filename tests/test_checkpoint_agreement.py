@@ -99,6 +99,19 @@ def agreement_worker(tmp: str) -> dict:
     out["fallback_warnings"] = [str(w.message) for w in caught if type(w.message).__name__ == "DamagedCheckpointWarning"]
     got = pm.full_state_dict()
     out["fallback_equal"] = all(torch.equal(got[k], at2[k]) for k in at2)
+    # rank 1's view of the folder lags (its manifest not visible yet): rank 0 reads it for all
+    real_read = ckpt_mod.read_manifest
+
+    def lagging(folder):
+        if rank == 1:
+            raise CheckpointError(f"{folder} has no manifest.json here yet")
+        return real_read(folder)
+
+    ckpt_mod.read_manifest = lagging
+    try:
+        out["lagging_load"] = _failure(lambda: pm.load(str(root / "step-2")))
+    finally:
+        ckpt_mod.read_manifest = real_read
     pm.close()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -200,6 +213,7 @@ def test_checkpoint_decisions_agreed_across_ranks(tmp_path, world1):
         # 2. a damaged newest checkpoint
         assert r["fallback_step"] == 2 and r["fallback_equal"], (rank, r)
         assert r["resumed_step"] == 2 and r["resumed_equal"], (rank, r)
+        assert r["lagging_load"] is None, (rank, r["lagging_load"])  # 3. the manifest read on rank 0 alone
         # 3. a full disk during a save
         assert r["full_shard"] is not None and "CheckpointError" in r["full_shard"], (rank, r["full_shard"])
         assert "rank 1: cannot write" in r["full_shard"] and "__1_0.distcp: No space left on device (ENOSPC)" in r["full_shard"]
