@@ -90,7 +90,7 @@ def agreement_worker(tmp: str) -> dict:
     # 2. the newest checkpoint is damaged (a shard truncated): load_latest falls back to step 2 on
     # every rank, warning (rank 0) with the folder and why; a resume at compile does the same
     if rank == 0:
-        shard = sorted((root / "step-3").glob("__*.distcp"))[-1]
+        shard = max((root / "step-3").glob("__*.distcp"), key=lambda p: p.stat().st_size)
         shard.write_bytes(shard.read_bytes()[:-7])
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:
@@ -99,6 +99,19 @@ def agreement_worker(tmp: str) -> dict:
     out["fallback_warnings"] = [str(w.message) for w in caught if type(w.message).__name__ == "DamagedCheckpointWarning"]
     got = pm.full_state_dict()
     out["fallback_equal"] = all(torch.equal(got[k], at2[k]) for k in at2)
+    # rank 1's view of the folder lags (its manifest not visible yet): rank 0 reads it for all
+    real_read = ckpt_mod.read_manifest
+
+    def lagging(folder):
+        if rank == 1:
+            raise CheckpointError(f"{folder} has no manifest.json here yet")
+        return real_read(folder)
+
+    ckpt_mod.read_manifest = lagging
+    try:
+        out["lagging_load"] = _failure(lambda: pm.load(str(root / "step-2")))
+    finally:
+        ckpt_mod.read_manifest = real_read
     pm.close()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -171,12 +184,13 @@ def agreement_worker(tmp: str) -> dict:
         ref.load_state_dict(full)
         opt = _sgd(ref.parameters())
         x, t = batches[0]
-        want_loss = loss_fn(ref(x), t)
-        want_loss.backward()
+        ref_loss = loss_fn(ref(x), t)
+        ref_loss.backward()
+        want_loss = float(ref_loss.detach())
         opt.step()
         loss = float(pm.train_step(x, target=t))
         after, want = pm.full_state_dict(), ref.state_dict()
-        out[f"{name}_loss_err"] = abs(loss - float(want_loss)) / abs(float(want_loss))
+        out[f"{name}_loss_err"] = abs(loss - want_loss) / abs(want_loss)
         out[f"{name}_param_err"] = max(float((after[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in want)
         other, _ = _compile(constraints=constraints)
         other.load_state_dict(pm.state_dict())
@@ -199,6 +213,7 @@ def test_checkpoint_decisions_agreed_across_ranks(tmp_path, world1):
         # 2. a damaged newest checkpoint
         assert r["fallback_step"] == 2 and r["fallback_equal"], (rank, r)
         assert r["resumed_step"] == 2 and r["resumed_equal"], (rank, r)
+        assert r["lagging_load"] is None, (rank, r["lagging_load"])  # 3. the manifest read on rank 0 alone
         # 3. a full disk during a save
         assert r["full_shard"] is not None and "CheckpointError" in r["full_shard"], (rank, r["full_shard"])
         assert "rank 1: cannot write" in r["full_shard"] and "__1_0.distcp: No space left on device (ENOSPC)" in r["full_shard"]
