@@ -26,7 +26,8 @@ the means over the tokens) stay in the graph as well, planned as any ops are (a 
 tokens is summed over the devices), so it is the global batch's value and its gradient reaches the
 router exactly; the region runs the module's forward for the token output alone (the router's few
 ops run twice: in the region and for the side output). A side output computed from the experts'
-results leaves the module as ops (not outlined).
+results is refused where the experts' sizes depend on values (``TraceError`` naming the static
+form); over grouped matmuls such a module stays ops in the graph (exact, not split).
 
 Expert parallelism runs the module with its share of the experts' weights (dim 0 split), so its
 code must take the number of experts from its configuration, not from a weight's shape (as
@@ -38,6 +39,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.errors import TraceError
 from autopar.grouped_mm import redirect_grouped_mm
 
 __all__ = ["TokenRegion", "outline_token_regions", "grouped_exchanges", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY",
@@ -129,10 +131,11 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
                 foreign = True  # reads another module's state: its own forward could not be called alone
         outputs = [n for n in members if any(u not in inside for u in n.users)]
         inputs = _in_call_order(inputs, call_args.get(path)) if calls.get(path) == 1 else None
-        split = _token_output(members, outputs)
-        if foreign or split is None or not inputs or not _token_wise(inputs, split[0]):
+        out, kept, side = _token_output(members, outputs)
+        if side is not None and any(n.meta.get(DATA_DEPENDENT_KEY) for n in members):
+            raise _side_output_error(modules[path], path, side)  # (left as ops, its sizes would stop the trace)
+        if foreign or out is None or not inputs or not _token_wise(inputs, out):
             continue
-        out, kept = split
         leaf = _output_leaf(out, (call_outputs or {}).get(path), single=len(outputs) == 1)
         if leaf is None:
             continue
@@ -159,31 +162,51 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
     return done
 
 
-def _token_output(members: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.Node, set] | None:
-    """(the output computed from the experts, the members only the side outputs need) of a
-    region's ``members``; None unless exactly one output depends on the experts' computation
-    (grouped matmuls, data-dependent sizes) and no side output does."""
+def _token_output(members: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.Node | None, set, fx.Node | None]:
+    """(the output computed from the experts, the members only the side outputs need, None) of a
+    region's ``members``; (None, _, None) unless exactly one output depends on the experts'
+    computation (grouped matmuls, data-dependent sizes); (None, _, that side output) where a side
+    output depends on it too."""
     from autopar.data_dependent import DATA_DEPENDENT_KEY
 
+    if len(outputs) == 1:
+        return outputs[0], set(), None
     experts: set = set()  # the experts' computation and everything computed from it
     for n in members:  # (program order: producers first)
         if _is_grouped_mm(n) or n.meta.get(DATA_DEPENDENT_KEY) or any(a in experts for a in n.all_input_nodes):
             experts.add(n)
     token = [o for o in outputs if o in experts]
-    if len(outputs) == 1:
-        return outputs[0], set()
-    if len(token) != 1:
-        return None
+    if not token:
+        return None, set(), None
+    if len(token) > 1:
+        return None, set(), min(token, key=_numel)  # (the smallest: the likelier loss)
     inside, kept, stack = set(members), set(), [o for o in outputs if o is not token[0]]
     while stack:
         n = stack.pop()
         if n in kept or n not in inside:
             continue
-        if n in experts:
-            return None  # a side output computed from the experts' results: not per token, not the graph's
+        assert n not in experts, "a node computed from the experts is in them or an output of its own"
         kept.add(n)
         stack.extend(n.all_input_nodes)
-    return token[0], kept
+    return token[0], kept, None
+
+
+def _numel(n: fx.Node) -> int:
+    meta = n.meta.get("autopar.outputs", (None,))[0]
+    return meta.numel if meta is not None else -1
+
+
+def _side_output_error(module: torch.nn.Module, path: str, side: fx.Node) -> TraceError:
+    meta = side.meta.get("autopar.outputs", (None,))[0]
+    what = f"a value of shape {tuple(meta.shape)}" if meta is not None else "a value"
+    return TraceError(
+        f"autopar cannot plan module '{path}' ({type(module).__name__}): beside its output per token it returns "
+        f"{what} computed from its experts' results (the rows each expert computed, or sizes that depend on the "
+        "routing). autopar runs such experts whole on each device's own tokens, where that value would be each "
+        "device's own, not the batch's. Compute values such as an auxiliary load-balancing loss from the router's "
+        "probabilities and choices with static shapes (counts as F.one_hot(choice, num_experts).sum(0), not "
+        "torch.bincount or the sizes of the rows torch.where picks), which autopar plans over the whole batch; see "
+        "the README's 'Mixture of experts'.")
 
 
 def _output_leaf(out: fx.Node, keys: list | None, single: bool) -> int | None:

@@ -445,6 +445,8 @@ def trace_model(
                       if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
     try:
         outline_token_regions(gm, model, tracker.call_args, tracker.calls, tracker.call_outputs)  # dropless MoE layers
+    except TraceError:
+        raise  # (a module it refuses, saying why)
     except Exception:  # noqa: BLE001 - with data-dependent sizes, the static trace's error says what is wrong
         if hints is None:
             raise

@@ -153,7 +153,8 @@ def _parity(form: str, constraints: dict, kind: str, steps: int = 3) -> dict:
     full = pm.full_state_dict()
     param_err = max(relative_error(full[k], v) for k, v in ref.state_dict().items())
     out = {"case": f"{form} {constraints} {kind}", "mesh": pm.plan.mesh, "loss": loss_err, "grad": grad_err,
-           "param": param_err, "graded": sorted(s.fqn for s in slots.values())}
+           "param": param_err, "graded": sorted(s.fqn for s in slots.values()),
+           "all_to_all": pm.comm.stats.calls.get("all_to_all", 0)}
     pm.close()
     return out
 
@@ -214,6 +215,47 @@ def test_where_experts_with_an_aux_loss_refuse_ep_naming_the_fix():
         _plan("where", 2, ep=2)
 
 
+class _AuxFromOutputs(WhereAuxMoE):
+    """An auxiliary loss that reads the experts' results: not per token, not the router's."""
+
+    def forward(self, x):
+        out, aux = super().forward(x)
+        return out, aux + out.pow(2).mean()
+
+
+class _AuxFromBincount(WhereAuxMoE):
+    """Counts by torch.bincount: a size that depends on the routing."""
+
+    def forward(self, x):
+        out, _ = super().forward(x)
+        probs = self.router(x).softmax(dim=-1)
+        share = torch.bincount(probs.argmax(-1), minlength=self.n_experts).float() / x.shape[0]
+        return out, self.n_experts * (share * probs.mean(dim=0)).sum()
+
+
+@pytest.mark.parametrize("layer", [_AuxFromOutputs, _AuxFromBincount])
+def test_an_aux_loss_computed_from_the_experts_is_refused_naming_the_fix(layer):
+    """Each device runs the experts on its own tokens: a value computed from their results (or
+    from routing-dependent sizes) would be each device's own. Refused, naming the static form."""
+    from autopar.errors import TraceError
+
+    x, y = torch.randn(16, 16), torch.randint(0, 5, (16,))
+    with pytest.raises(TraceError, match=r"module 'moe' \(_AuxFrom\w+\): beside its output per token it returns a "
+                                         r"value of shape \(\) computed from its experts' results.*"
+                                         r"F.one_hot\(choice, num_experts\).sum\(0\), not torch.bincount"):
+        autopar.plan(AuxModel(layer()), autopar.Cluster.local(2), x, loss_fn=aux_loss, example_target=y)
+
+
+def test_microbatches_refuse_a_batch_wide_aux_loss(world1):
+    """Split into microbatches, a product of means over the batch changes its value: refused with
+    the fix (as for the static-capacity layer's auxiliary loss)."""
+    model, batches = build("grouped")
+    x, y = batches[0]
+    with pytest.raises(autopar.AutoparError, match=r"mixture-of-experts auxiliary loss.*Constraints\(microbatches=1\)"):
+        autopar.compile(model, world1, x, example_target=y, loss_fn=aux_loss, constraints=autopar.Constraints(microbatches=2),
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
 CASES_2 = [("grouped", {"dp": 2}), ("grouped", {"ep": 2}), ("where", {"dp": 2})]
 CASES_4 = [("grouped", {"dp": 4, "ep": 4}), ("grouped", {"dp": 4, "ep": 2}), ("grouped", {"dp": 2, "tp": 2}),
            ("where", {"dp": 4})]
@@ -227,3 +269,6 @@ def test_aux_loss_trains_as_one_device(world, cases):
     results = autopar.launch(_suite, world, cases)
     assert not _failures(results[0]), "\n".join(_failures(results[0]))
     assert {"moe.router.weight", "moe.w_in"} <= set(results[0][0]["graded"])
+    for (_, constraints), r in zip([c for c in cases for _ in range(2)], results[0]):
+        # expert parallel: tokens reach the experts' ranks by all-to-alls (1 layer: 5 per step)
+        assert (r["all_to_all"] > 0) == ("ep" in constraints), (r["case"], r["all_to_all"])
