@@ -13,7 +13,6 @@ against one device, SGD and AdamW, on 2 and 4 gloo processes.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -159,8 +158,42 @@ def _parity(form: str, constraints: dict, kind: str, steps: int = 3) -> dict:
     return out
 
 
-def _suite(cases: list[tuple[str, dict]]) -> list[dict]:
-    return [_parity(form, c, kind) for form, c in cases for kind in ("sgd", "adamw")]
+def _native(form: str, constraints: dict, steps: int = 3) -> dict:
+    """The torch-native loop (``loss_fn(pm(x), y).backward()``, SGD over ``pm.parameters()``): the
+    model's auxiliary-loss output, the loss, the gradients and the parameters against one device."""
+    model, batches = build(form)
+    ref = copy.deepcopy(model)
+    pm = autopar.compile(model, autopar.Cluster.local(), batches[0][0], constraints=autopar.Constraints(**constraints))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (pm, ref))
+    ref_params = dict(ref.named_parameters())
+    loss_err = grad_err = 0.0
+    for s in range(steps):
+        x, t = batches[s % len(batches)]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out, want_out = pm(x), ref(x)
+        aux = out[1].full_tensor() if hasattr(out[1], "full_tensor") else out[1]
+        loss, want = aux_loss(out, t), aux_loss(want_out, t)
+        loss.backward()
+        want.backward()
+        loss_err = max(loss_err, abs(loss.item() - want.item()) / want.item(), relative_error(aux, want_out[1]))
+        for name, p in pm.named_parameters():
+            grad_err = max(grad_err, relative_error(p.grad.full_tensor(), ref_params[name].grad))
+        opt.step()
+        ref_opt.step()
+    full = pm.full_state_dict()
+    param_err = max(relative_error(full[k], v) for k, v in ref.state_dict().items())
+    result = {"case": f"{form} {constraints} native sgd", "mesh": pm.plan.mesh, "loss": loss_err, "grad": grad_err,
+              "param": param_err, "graded": sorted(ref_params), "all_to_all": pm.comm.stats.calls.get("all_to_all", 0)}
+    pm.close()
+    return result
+
+
+def _suite(cases: list[tuple]) -> list[dict]:
+    """Each (form, constraints) case with SGD and AdamW; (form, constraints, "native"): the
+    torch-native loop with SGD."""
+    return [_native(form, c) if rest else _parity(form, c, kind)
+            for form, c, *rest in cases for kind in (("sgd",) if rest else ("sgd", "adamw"))]
 
 
 def _failures(results: list[dict]) -> list[str]:
@@ -256,7 +289,8 @@ def test_microbatches_refuse_a_batch_wide_aux_loss(world1):
                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 
 
-CASES_2 = [("grouped", {"dp": 2}), ("grouped", {"ep": 2}), ("where", {"dp": 2})]
+CASES_2 = [("grouped", {"dp": 2}), ("grouped", {"ep": 2}), ("where", {"dp": 2}),
+           ("grouped", {"dp": 2}, "native"), ("where", {"dp": 2}, "native")]
 CASES_4 = [("grouped", {"dp": 4, "ep": 4}), ("grouped", {"dp": 4, "ep": 2}), ("grouped", {"dp": 2, "tp": 2}),
            ("where", {"dp": 4})]
 
@@ -265,10 +299,15 @@ CASES_4 = [("grouped", {"dp": 4, "ep": 4}), ("grouped", {"dp": 4, "ep": 2}), ("g
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)])
 def test_aux_loss_trains_as_one_device(world, cases):
     """Loss, every gradient the optimizer applies (the router's included) and the parameters after
-    3 steps within 1e-5 of one device, SGD with momentum and AdamW."""
+    3 steps within 1e-5 of one device, SGD with momentum and AdamW; on 2 processes also the
+    torch-native loop under dp (the model's auxiliary-loss output the global batch's value). (The
+    native loop under ep stops at "no active mesh" in the experts' all-to-all backward: issue 42's
+    native-loop row, runtime.expert_dispatch.)"""
     results = autopar.launch(_suite, world, cases)
     assert not _failures(results[0]), "\n".join(_failures(results[0]))
     assert {"moe.router.weight", "moe.w_in"} <= set(results[0][0]["graded"])
-    for (_, constraints), r in zip([c for c in cases for _ in range(2)], results[0]):
+    runs = [(c[1], r) for c, r in zip([c for c in cases for _ in range(1 if len(c) > 2 else 2)], results[0])]
+    assert len(runs) == len(results[0])
+    for constraints, r in runs:
         # expert parallel: tokens reach the experts' ranks by all-to-alls (1 layer: 5 per step)
         assert (r["all_to_all"] > 0) == ("ep" in constraints), (r["case"], r["all_to_all"])
