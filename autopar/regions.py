@@ -13,9 +13,21 @@ the parameters the graph passes in), so its sharding rule (``strategies.rules.to
 can split the tokens, dim 0 of every activation input and of the output, with the weights whole.
 Its forward FLOPs (the grouped matmuls' and the rest's) are kept in ``REGION_FLOPS_KEY``.
 
-A module is outlined only when this reading holds from its shapes: one output whose dim 0 is the
-dim 0 of every activation input (the tokens). Otherwise its ops stay in the graph (and run
-replicated where no rule splits them).
+A module is outlined only when this reading holds from its shapes: one output computed from its
+experts (the grouped matmuls, the sizes that depend on values) whose dim 0 is the dim 0 of every
+activation input (the tokens). Otherwise its ops stay in the graph (and run replicated where no
+rule splits them).
+
+A module may return more than that output (Switch / DeepSeek style: ``return y, aux_loss``, the
+load-balancing loss from the router's probabilities and counts over the whole batch). Such a
+*side output* is not per token: computed by each device on its own tokens it would be another
+value. Where no side output depends on the experts' computation, its ops (the router, the counts,
+the means over the tokens) stay in the graph as well, planned as any ops are (a mean over split
+tokens is summed over the devices), so it is the global batch's value and its gradient reaches the
+router exactly; the region runs the module's forward for the token output alone (the router's few
+ops run twice: in the region and for the side output). A side output computed from the experts'
+results is refused where the experts' sizes depend on values (``TraceError`` naming the static
+form); over grouped matmuls such a module stays ops in the graph (exact, not split).
 
 Expert parallelism runs the module with its share of the experts' weights (dim 0 split), so its
 code must take the number of experts from its configuration, not from a weight's shape (as
@@ -25,7 +37,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
+from autopar.errors import TraceError
 from autopar.grouped_mm import redirect_grouped_mm
 
 __all__ = ["TokenRegion", "outline_token_regions", "grouped_exchanges", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY",
@@ -48,12 +62,14 @@ _LAST_DIM_OPS = frozenset({"chunk", "split"})
 
 class TokenRegion:
     """Calls ``module`` (the user's submodule at ``path``) on local tokens with the given state:
-    ``TokenRegion(module, path, state_names, n_inputs)(*inputs, *state)``."""
+    ``TokenRegion(module, path, state_names, n_inputs, leaf)(*inputs, *state)``; its value is
+    leaf ``leaf`` of the module's output (``pytree.tree_leaves``: 0 for a module returning one
+    tensor; side outputs such as an auxiliary loss are computed by the graph, not taken from here)."""
 
     __module__ = "autopar.regions"
 
-    def __init__(self, module: torch.nn.Module, path: str, state_names: tuple[str, ...], n_inputs: int):
-        self.module, self.path, self.state_names, self.n_inputs = module, path, state_names, n_inputs
+    def __init__(self, module: torch.nn.Module, path: str, state_names: tuple[str, ...], n_inputs: int, leaf: int = 0):
+        self.module, self.path, self.state_names, self.n_inputs, self.leaf = module, path, state_names, n_inputs, leaf
         self.__name__ = "token_region"
 
     def __call__(self, *args, expert_axis: int | None = None):
@@ -62,7 +78,7 @@ class TokenRegion:
         inputs, state = args[: self.n_inputs], args[self.n_inputs:]
         with redirect_grouped_mm(expert_axis) as mode:  # any dtype, any alignment (torch's kernels take neither)
             out = torch.func.functional_call(self.module, dict(zip(self.state_names, state)), inputs)
-        return mode.finish(out)  # (outside the mode: bringing rows back runs torch functions)
+        return mode.finish(pytree.tree_leaves(out)[self.leaf])  # (outside the mode: bringing rows back runs torch functions)
 
     def __deepcopy__(self, memo):
         return self  # it holds no state of its own: the parameters come in as arguments
@@ -75,11 +91,14 @@ def _is_grouped_mm(n: fx.Node) -> bool:
     return n.op == "call_function" and "autopar.grouped_mm" in str(n.target)
 
 
-def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args: dict, calls: dict) -> list[str]:
+def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args: dict, calls: dict,
+                          call_outputs: dict | None = None) -> list[str]:
     """Outline every token-wise region of ``gm`` (traced from ``model``, nodes annotated); returns
     the module paths outlined. ``call_args``: module path -> its call's positional arguments
     (``trace.tensor_key`` of each tensor, else None); ``calls``: module path -> times called
-    (a module called more than once is not outlined)."""
+    (a module called more than once is not outlined); ``call_outputs``: module path -> the keys
+    of its call's output leaves (a module with side outputs is outlined only where its token
+    output is found among them)."""
     from autopar.planner.costing import node_flops
 
     from autopar.data_dependent import DATA_DEPENDENT_KEY
@@ -112,10 +131,16 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
                 foreign = True  # reads another module's state: its own forward could not be called alone
         outputs = [n for n in members if any(u not in inside for u in n.users)]
         inputs = _in_call_order(inputs, call_args.get(path)) if calls.get(path) == 1 else None
-        if foreign or len(outputs) != 1 or not inputs or not _token_wise(inputs, outputs[0]):
+        out, kept, side = _token_output(members, outputs)
+        if side is not None and any(n.meta.get(DATA_DEPENDENT_KEY) for n in members):
+            raise _side_output_error(modules[path], path, side)  # (left as ops, its sizes would stop the trace)
+        if foreign or out is None or not inputs or not _token_wise(inputs, out):
             continue
-        out = outputs[0]
-        region = TokenRegion(modules[path], path, tuple(a.meta["autopar.fqn"][len(path) + 1:] for a in state), len(inputs))
+        leaf = _output_leaf(out, (call_outputs or {}).get(path), single=len(outputs) == 1)
+        if leaf is None:
+            continue
+        region = TokenRegion(modules[path], path, tuple(a.meta["autopar.fqn"][len(path) + 1:] for a in state),
+                             len(inputs), leaf)
         experts = tuple(a.name for a in state if _only_grouped_weight(a, inside))
         with gm.graph.inserting_before(out):
             call = gm.graph.call_function(region, tuple(inputs) + tuple(state))
@@ -126,7 +151,8 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
         call.meta["autopar.module"] = path
         out.replace_all_uses_with(call)
         for n in reversed(members):
-            gm.graph.erase_node(n)
+            if n not in kept:  # (the side outputs' ops stay, for the planner to split)
+                gm.graph.erase_node(n)
         # the call must come after every input (an input may be defined between the members)
         _move_after_inputs(gm.graph, call)
         done.append(path)
@@ -134,6 +160,64 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _token_output(members: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.Node | None, set, fx.Node | None]:
+    """(the output computed from the experts, the members only the side outputs need, None) of a
+    region's ``members``; (None, _, None) unless exactly one output depends on the experts'
+    computation (grouped matmuls, data-dependent sizes); (None, _, that side output) where a side
+    output depends on it too."""
+    from autopar.data_dependent import DATA_DEPENDENT_KEY
+
+    if len(outputs) == 1:
+        return outputs[0], set(), None
+    experts: set = set()  # the experts' computation and everything computed from it
+    for n in members:  # (program order: producers first)
+        if _is_grouped_mm(n) or n.meta.get(DATA_DEPENDENT_KEY) or any(a in experts for a in n.all_input_nodes):
+            experts.add(n)
+    token = [o for o in outputs if o in experts]
+    if not token:
+        return None, set(), None
+    if len(token) > 1:
+        return None, set(), min(token, key=_numel)  # (the smallest: the likelier loss)
+    inside, kept, stack = set(members), set(), [o for o in outputs if o is not token[0]]
+    while stack:
+        n = stack.pop()
+        if n in kept or n not in inside:
+            continue
+        assert n not in experts, "a node computed from the experts is in them or an output of its own"
+        kept.add(n)
+        stack.extend(n.all_input_nodes)
+    return token[0], kept, None
+
+
+def _numel(n: fx.Node) -> int:
+    meta = n.meta.get("autopar.outputs", (None,))[0]
+    return meta.numel if meta is not None else -1
+
+
+def _side_output_error(module: torch.nn.Module, path: str, side: fx.Node) -> TraceError:
+    meta = side.meta.get("autopar.outputs", (None,))[0]
+    what = f"a value of shape {tuple(meta.shape)}" if meta is not None else "a value"
+    return TraceError(
+        f"autopar cannot plan module '{path}' ({type(module).__name__}): beside its output per token it returns "
+        f"{what} computed from its experts' results (the rows each expert computed, or sizes that depend on the "
+        "routing). autopar runs such experts whole on each device's own tokens, where that value would be each "
+        "device's own, not the batch's. Compute values such as an auxiliary load-balancing loss from the router's "
+        "probabilities and choices with static shapes (counts as F.one_hot(choice, num_experts).sum(0), not "
+        "torch.bincount or the sizes of the rows torch.where picks), which autopar plans over the whole batch; see "
+        "the README's 'Mixture of experts'.")
+
+
+def _output_leaf(out: fx.Node, keys: list | None, single: bool) -> int | None:
+    """Which leaf of the module's output ``out`` is (``TokenRegion.leaf``); None where it is not
+    found. A module with one output node returning one tensor: leaf 0."""
+    from autopar.trace import tensor_key
+
+    val = out.meta.get("val")
+    if keys and isinstance(val, torch.Tensor) and tensor_key(val) in keys:
+        return keys.index(tensor_key(val))
+    return 0 if single and (keys is None or len(keys) == 1) else None
 
 
 def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | None:

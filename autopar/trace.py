@@ -163,8 +163,10 @@ class _ModuleTracker:
         self.modules = {id(m): m for _, m in model.named_modules()}
         self.stack: list[int] = []
         # module path -> the storage keys (``tensor_key``) of its first call's positional
-        # arguments, None where an argument is not a tensor; calls counted in ``calls``
+        # arguments, None where an argument is not a tensor; calls counted in ``calls``;
+        # ``call_outputs``: the same keys of its first call's output leaves (``pytree.tree_leaves``)
         self.call_args: dict[str, list] = {}
+        self.call_outputs: dict[str, list] = {}
         self.calls: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -178,6 +180,9 @@ class _ModuleTracker:
                     self.call_args[name] = [tensor_key(a) if isinstance(a, torch.Tensor) else None for a in args]
 
         def post(mod, args, out):
+            if id(mod) in self.names and self.names[id(mod)] not in self.call_outputs:
+                self.call_outputs[self.names[id(mod)]] = [
+                    tensor_key(a) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(out)]
             if id(mod) in self.names and self.stack and self.stack[-1] == id(mod):
                 self.stack.pop()
 
@@ -440,7 +445,9 @@ def trace_model(
         param_fqns = {n.name: n.meta["autopar.fqn"] for n in gm.graph.nodes
                       if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"}
     try:
-        outline_token_regions(gm, model, tracker.call_args, tracker.calls)  # dropless MoE layers: one node each
+        outline_token_regions(gm, model, tracker.call_args, tracker.calls, tracker.call_outputs)  # dropless MoE layers
+    except TraceError:
+        raise  # (a module it refuses, saying why)
     except Exception:  # noqa: BLE001 - with data-dependent sizes, the static trace's error says what is wrong
         if hints is None:
             raise
