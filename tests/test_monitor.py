@@ -84,3 +84,32 @@ def test_compile_refuses_a_monitor_that_is_not_monitoring(tmp_path):
     model, batches, loss = build_case("gpt")
     with pytest.raises(AutoparError, match="monitor= takes autopar.Monitoring"):
         autopar.compile(model, autopar.Cluster.local(1), monitor=str(tmp_path))
+
+
+def test_a_monitoring_write_failing_mid_run_warns_and_training_goes_on(tmp_path, world1):
+    """Rank 0 alone writes the records: a full disk mid-run must not raise there (the other ranks
+    would wait in the next step's collectives) but stop monitoring with a warning naming the path."""
+    from autopar.runtime.monitor import MonitoringWriteWarning
+
+    model, batches, loss = build_case("gpt")
+    x, y = batches[0]
+    run_dir = tmp_path / "run"
+    pm = autopar.compile(model, world1, x, loss_fn=loss, example_target=y,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), monitor=autopar.Monitoring(run_dir))
+    pm.train_step(*batches[0][:1], target=batches[0][1])
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if str(path).startswith(str(run_dir)) and "a" in mode:
+            raise OSError(28, "No space left on device", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    import builtins
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.setattr(builtins, "open", full_disk)
+        losses = [pm.train_step(xb, target=yb) for xb, yb in batches[1:4]]
+    failed = [str(w.message) for w in caught if issubclass(w.category, MonitoringWriteWarning)]
+    assert len(failed) == 1 and "No space left on device" in failed[0] and str(run_dir) in failed[0]
+    assert len(losses) == 3 and all(isinstance(float(v), float) for v in losses)
+    assert len(autopar.runtime.monitor.read_steps(run_dir)) == 1  # the step recorded before the disk filled

@@ -35,9 +35,13 @@ import torch
 
 from autopar.errors import AutoparError
 
-__all__ = ["Monitoring", "SlowStepWarning", "StepMonitor", "read_steps", "report_run"]
+__all__ = ["Monitoring", "SlowStepWarning", "MonitoringWriteWarning", "StepMonitor", "read_steps", "report_run"]
 
 STEPS_FILE = "steps.jsonl"
+
+
+class MonitoringWriteWarning(UserWarning):
+    """Rank 0 could not write a monitoring record mid-run: monitoring stops, training goes on."""
 
 
 class SlowStepWarning(UserWarning):
@@ -80,6 +84,24 @@ class StepMonitor:
         self.dir = Path(cfg.run_dir)
         self._plan = None
         self._slow = 0
+        self._write_failure: str | None = None  # rank 0's first failed write: monitoring stops writing
+
+    def _write(self, name: str, text: str, mode: str = "w") -> None:
+        """Rank 0 writes ``text`` into ``run_dir/name``. A failure mid-run (a full disk, a folder
+        removed) stops the monitor's writes with a ``MonitoringWriteWarning`` naming the path and
+        the error, and training goes on: rank 0 alone writes, so raising here would leave the other
+        ranks waiting in the next step's collectives (the folder was checked writable at compile)."""
+        if self._write_failure is not None:
+            return
+        path = self.dir / name
+        try:
+            with open(path, mode) as f:
+                f.write(text)
+        except OSError as exc:
+            self._write_failure = f"{path}: {exc.strerror or exc}"
+            warnings.warn(f"autopar: monitoring stopped writing: {self._write_failure}; training goes on without "
+                          f"monitoring records; free the space or fix the folder, and monitor the next run into a "
+                          f"writable Monitoring(run_dir=...)", MonitoringWriteWarning, stacklevel=3)
 
     def _start(self, plan, world_size: int) -> None:
         from autopar.runtime.launch import software_versions
@@ -87,14 +109,17 @@ class StepMonitor:
         self._plan = plan
         if self.rank != 0:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "plan.json").write_text(plan.to_json())
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # named by the write below
+        self._write("plan.json", plan.to_json())
         # provenance: with plan.json (graph and inputs hash, constraints, decisions), what
         # ``autopar replay RUN_DIR MODULE:FACTORY`` plans again and compares byte for byte
         run = {"fingerprint": plan.fingerprint, "inputs_fingerprint": plan.inputs_fingerprint, "mesh": plan.mesh,
                "world_size": world_size, "cluster": json.loads(plan.cluster_json), "versions": software_versions(),
                "argv": list(sys.argv), "seed": torch.initial_seed()}
-        (self.dir / "run.json").write_text(json.dumps(run, indent=1, sort_keys=True, default=str))
+        self._write("run.json", json.dumps(run, indent=1, sort_keys=True, default=str))
 
     def tracks_memory(self, step: int) -> bool:
         """Whether step ``step`` (1-based) runs under the storage tracker (off CUDA). Not the first:
@@ -140,8 +165,7 @@ class StepMonitor:
             })
         self._check_slow(step, ratio, line)
         if self.rank == 0:
-            with open(self.dir / STEPS_FILE, "a") as f:
-                f.write(json.dumps(line) + "\n")
+            self._write(STEPS_FILE, json.dumps(line) + "\n", mode="a")
 
     def _check_slow(self, step: int, ratio: float | None, line: dict) -> None:
         if line.get("memory_tracked"):
