@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import io
 import os
+import pickle
 import traceback
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ import autopar
 from autopar.runtime.parity import relative_error
 
 SGD = ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+COLLECTIVE_TIMEOUT_S = 90
 ADAMW = ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01))
 
 
@@ -172,7 +174,9 @@ class Side:
     def _compile(self, model, key: tuple, **kw):
         plan = self.plans.get(key)
         cons = None if plan is not None or self.constraints is None else autopar.Constraints(**self.constraints)
-        pm = autopar.compile(model, autopar.Cluster.local(), constraints=cons, plan=plan, **kw)
+        # a habit that fails on one rank fails the others within COLLECTIVE_TIMEOUT_S, not 300 s
+        pm = autopar.compile(model, autopar.Cluster.local(), constraints=cons, plan=plan,
+                             collective_timeout_s=COLLECTIVE_TIMEOUT_S, **kw)
         self.compiled.append((pm, key))
         return pm
 
@@ -228,33 +232,39 @@ def compare(rec: Recorder, state: dict, ref: dict) -> dict[str, Any]:
             "missing": sorted(set(ref["state"]) - set(state)), "unexpected": sorted(set(state) - set(ref["state"]))}
 
 
-def run_families(families: dict[str, tuple[str, dict, list[str]]], refs: dict) -> dict:
-    """On this rank: every (family, habit) in turn, compared with its reference from ``refs``.
-    ``families``: name -> (base, constraints, habit names). A habit that raises is reported with
-    the end of its traceback; the next one still runs."""
+def run_families(scenarios: list[tuple[str, str, dict, str]], refs: dict, out_dir: str) -> None:
+    """On this rank: every (family, base, constraints, habit) in turn, compared with its reference
+    from ``refs``. Each result is written to ``out_dir`` as soon as it exists (``result_path``), so
+    that a habit which kills the world (a gloo abort) loses no other habit's result; before each
+    habit rank 0 appends its name to ``out_dir/started``. A habit that raises is reported with the
+    end of its traceback; the next one still runs."""
     rank = int(os.environ.get("RANK", "0"))
-    out = {}
-    for family, (base, constraints, names) in families.items():
-        plans: dict = {}
-        for name in names:
-            side, rec = Side(base, rank, constraints, plans), Recorder()
-            try:
-                trained = HABITS[name][1](side, rec)
-                if HABITS[name][2] == "refusal":
-                    result = {"notes": dict(rec.notes)}
-                else:
-                    result = compare(rec, final_state(trained), refs[(base, name)])
-                result["mesh"] = side.compiled[0][0].plan.mesh if side.compiled and side.compiled[0][0].plan else None
-            except Exception as exc:  # noqa: BLE001 - reported to the test that names this habit
-                tb = traceback.format_exc().strip().splitlines()
-                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": "\n".join(tb[-12:])}
-            finally:
-                try:
-                    side.close()
-                except Exception as exc:  # noqa: BLE001
-                    out.setdefault((family, name), {})["close_error"] = repr(exc)
-            out[(family, name)] = {**out.get((family, name), {}), **result}
-    return out
+    plans: dict = {}  # (family, graph key) -> plan: a graph planned once per family
+    for family, base, constraints, name in scenarios:
+        if rank == 0:
+            with open(os.path.join(out_dir, "started"), "a") as f:
+                f.write(f"{family} {name}\n")
+        side, rec = Side(base, rank, constraints, plans.setdefault(family, {})), Recorder()
+        try:
+            trained = HABITS[name][1](side, rec)
+            if HABITS[name][2] == "refusal":
+                result = {"notes": dict(rec.notes)}
+            else:
+                result = compare(rec, final_state(trained), refs[(base, name)])
+            result["mesh"] = side.compiled[0][0].plan.mesh if side.compiled and side.compiled[0][0].plan else None
+        except Exception as exc:  # noqa: BLE001 - reported to the test that names this habit
+            tb = traceback.format_exc().strip().splitlines()
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "traceback": "\n".join(tb[-12:])[-3000:]}
+        try:
+            side.close()
+        except Exception as exc:  # noqa: BLE001
+            result["close_error"] = repr(exc)[:600]
+        with open(result_path(out_dir, rank, family, name), "wb") as f:
+            pickle.dump(result, f)
+
+
+def result_path(out_dir: str, rank: int, family: str, habit: str) -> str:
+    return os.path.join(out_dir, f"{family}-{habit}-rank{rank}.pkl")
 
 
 # ---------------------------------------------------------------------------------- the habits
@@ -296,7 +306,7 @@ def accumulate_and_clip(s: Side, rec: Recorder):
             x, y = s.batches[(3 * step + j) % len(s.batches)]
             loss = base_loss(m(x), y) / 3
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         rec("loss", total)
         rec("grad_norm", torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
         opt.step()
