@@ -1,6 +1,6 @@
 """CUDA / NCCL check at world size 1: parity with eager training, and step time vs eager.
 
-    python benchmarks/gpu_check.py            # on a machine with a CUDA GPU (NCCL)
+    python benchmarks/gpu_check.py            # on a machine with a CUDA GPU (NCCL), then the GPU suite
     python benchmarks/gpu_check.py --device cpu   # the same code path on CPU / gloo
     python benchmarks/gpu_check.py --spec ~/.cache/autopar/calibration/local-cuda-1.json
                                               # and price the speed model with `autopar calibrate`'s spec
@@ -12,7 +12,10 @@
    and (``--spec``) by a calibrated spec.
 3. Checkpoint: an asynchronous save of the parity model (staged to host memory, written in the
    background), loaded into a fresh compile: parameters and optimizer state bit for bit.
-Exits non-zero if parity fails (> 1e-5) or the checkpoint does not round-trip.
+4. The GPU test suite (``python -m pytest -m gpu``, ``tests/test_gpu.py``) in a child process: a
+   table of its tests, each passed / failed / skipped with its seconds and the first line of a
+   failure (``--no-suite`` leaves it out).
+Exits non-zero if parity fails (> 1e-5), the checkpoint does not round-trip or a suite test fails.
 """
 from __future__ import annotations
 
@@ -150,14 +153,59 @@ def speed(device: str, steps: int, spec: str | None = None) -> None:
         print(f"  with the calibrated spec {spec}: predicted {p * 1e3:.2f} ms, measured / predicted {a / p:.2f}")
 
 
+def gpu_suite(timeout_s: float = 600.0) -> bool:
+    """Run ``python -m pytest -m gpu tests/test_gpu.py`` in a child process (its own CUDA context
+    and process groups) and print one row per test; True when none failed."""
+    import os
+    import pathlib
+    import subprocess
+    import tempfile
+    import xml.etree.ElementTree as ET
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(repo)] + [p for p in [env.get("PYTHONPATH")] if p])
+    with tempfile.TemporaryDirectory() as folder:
+        report = os.path.join(folder, "gpu.xml")
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", str(repo / "tests" / "test_gpu.py"), "-q",
+               "-p", "no:cacheprovider", f"--junitxml={report}"]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
+            code, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired:
+            code, tail = None, f"the suite ran past {timeout_s:g} s"
+        wall = time.perf_counter() - t0
+        rows = []
+        if os.path.exists(report):
+            for case in ET.parse(report).getroot().iter("testcase"):
+                outcome, detail = "passed", ""
+                for child in case:
+                    if child.tag in ("failure", "error", "skipped"):
+                        outcome = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[child.tag]
+                        detail = (child.get("message") or child.text or "").strip().splitlines()[0][:100] \
+                            if (child.get("message") or child.text or "").strip() else ""
+                rows.append((case.get("name", "?"), outcome, float(case.get("time", 0.0)), detail))
+    print(f"\nGPU suite: {' '.join(cmd[1:5])} tests/test_gpu.py ({wall:.0f} s)")
+    width = max([len(r[0]) for r in rows] + [4])
+    print(f"  {'test':<{width}}  {'result':<7}  {'s':>6}  detail")
+    for name, outcome, seconds, detail in rows:
+        print(f"  {name:<{width}}  {outcome:<7}  {seconds:>6.1f}  {detail}")
+    if not rows or code not in (0, 5) and not any(r[1] in ("FAILED", "ERROR") for r in rows):
+        print(tail)
+    return code == 0 and all(r[1] not in ("FAILED", "ERROR") for r in rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--spec", default=None, help="a cluster spec JSON (autopar calibrate's) to price the speed model with")
+    ap.add_argument("--no-suite", action="store_true", help="leave out the GPU test suite (python -m pytest -m gpu)")
     a = ap.parse_args()
     if a.device is None:
-        print("gpu_check: no CUDA device here; run it on a GPU machine (or --device cpu for the CPU path)")
+        print("gpu_check: no CUDA device here; run it on a GPU machine (or --device cpu for the CPU path); "
+              "the GPU suite (python -m pytest -m gpu) skips itself without CUDA")
         return 0
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}")
     err, pm, batches = parity(a.device)
@@ -168,7 +216,8 @@ def main() -> int:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0 if err <= 1e-5 and saved_ok else 1
+    suite_ok = a.no_suite or gpu_suite()
+    return 0 if err <= 1e-5 and saved_ok and suite_ok else 1
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from autopar.calibration.microbench import MicrobenchSpec, measure_rank
 from autopar.calibration.training_probe import PROBE_LAYERS, probe_units
 from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import AutoparError
+from autopar.runtime.writable import check_writable
 
 __all__ = ["calibrate", "fit_cluster", "combine_ranks", "training_overheads"]
 
@@ -331,6 +332,9 @@ def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = F
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise AutoparError(f"autopar calibrate: --nproc must be a positive integer, got {nproc!r}")
     backend = calibration_backend(nproc, backend)
+    path = pathlib.Path(out) if out is not None else calibration_path(nproc, "cuda" if backend == "nccl" else "cpu")
+    # before minutes of measurements: the spec's folder must take the file (``runtime.writable``)
+    check_writable(path.parent, "calibration output folder", every_rank_writes=False)
     spec = MicrobenchSpec(quick=quick, repeats=3 if quick else 5, backend=backend)
     if backend == "nccl":
         base = gpu_base_cluster(nproc)
@@ -343,7 +347,6 @@ def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = F
         per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s, start_method="forkserver")
     when = f"{platform.node() or 'this machine'}, {datetime.date.today().isoformat()}"
     cluster = fit_cluster(combine_ranks(per_rank), base, when)
-    path = pathlib.Path(out) if out is not None else calibration_path(nproc, base.device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(cluster.to_json())

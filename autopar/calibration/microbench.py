@@ -183,9 +183,9 @@ def _agreed_barrier(world: int):
     between sleeping barriers, where it averaged 0.34-0.52 ms in long loops)."""
     import torch.distributed as dist
 
-    from autopar.runtime.comm import polls, wait_for
+    from autopar.runtime.comm import polls, runs_nccl, wait_for
 
-    polled = world > 1 and dist.get_backend() == "gloo" and polls("all_reduce", torch.empty(0, dtype=torch.int64))
+    polled = world > 1 and not runs_nccl() and polls("all_reduce", torch.empty(0, dtype=torch.int64))
 
     def barrier(count):
         if world == 1:
@@ -388,13 +388,14 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     from autopar.calibration.host_probe import collective_host_s
     from autopar.calibration.training_probe import training_ops
     from autopar.runtime.cpu_affinity import node_cores
+    from autopar.runtime.comm import runs_nccl
     from autopar.runtime.launch import init_distributed
 
     if spec.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(spec.backend, int(os.environ.get("WORLD_SIZE", "1")))
     world = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if runs_nccl() else torch.device("cpu")
     barrier = _agreed_barrier(world)
     cores = node_cores()  # the node's, before init_distributed pinned this rank to its share
     spread = SpreadProbe(device, barrier)  # sampled again after each later part

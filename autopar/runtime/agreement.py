@@ -21,12 +21,14 @@ The runtime's agreed branches (audited; keep this list current):
   last save) and the preparation of the partial folder: rank 0 decides;
 * ``checkpoint.Checkpointer`` load: the newest complete checkpoint, its manifest and whether it is
   damaged: rank 0 reads and decides, falling back to the previous complete one;
-* ``checkpoint`` save/load failures that can happen on one rank (preparing tensors, reading files):
-  gathered, so that every rank raises;
+* ``checkpoint`` save/load failures that can happen on one rank (preparing tensors, writing or
+  reading files, a full disk): gathered, so that every rank raises; rank 0's manifest and rename
+  (the end of every save, so no rank runs ahead of a late rename): rank 0 decides;
 * ``native_loop_methods``: whether a ZeRO-1/2 parameter was updated by the user's optimizer (its
   version counter moved) before re-gathering: ``any_rank``;
 * ``compile``: the plan (made on rank 0), the shapes of the first batch, the software versions;
-* writability of the checkpoint, monitoring and calibration folders at start: gathered.
+* writability of the folders at start (``runtime.writable``): the checkpoint root on every rank,
+  gathered; the monitoring folder (rank 0 writes it): rank 0 decides.
 """
 from __future__ import annotations
 

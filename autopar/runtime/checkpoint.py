@@ -24,15 +24,19 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.errors import AutoparError
+from autopar.runtime.agreement import decided_by_rank0
 from autopar.runtime.launch import software_versions
+from autopar.runtime.writable import describe_write_failure
 from autopar.runtime.checkpoint_files import (
     CheckpointError, Manifest, SafeReader, complete_steps, partial_dir, prune, read_manifest, sha256_of, step_dir,
     verify, write_manifest,
@@ -42,11 +46,15 @@ from autopar.runtime.checkpoint_state import (
     optimizer_state_fqns, param_groups_of, param_index, restore_param_groups, restore_rng, rng_states,
 )
 
-__all__ = ["Checkpointing", "Checkpointer", "Resumed", "CheckpointError"]
+__all__ = ["Checkpointing", "Checkpointer", "Resumed", "CheckpointError", "DamagedCheckpointWarning"]
 
 EXTRAS = "extra-rank{}.pt"
 SHARED_EXTRAS = "extra-shared.pt"  # what every rank may need (non-tensor optimizer states)
 PLAN_FILE = "plan.json"
+
+
+class DamagedCheckpointWarning(UserWarning):
+    """The newest complete checkpoint is damaged: the previous one is loaded instead."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class Checkpointer:
         self._wrapped: dict = {}  # optimizer entry name -> (state tensor, its DTensor) (``optimizer_entries``)
         self._last_saved: tuple[Path, int] | None = None  # (root, step) of this model's last save
         self._early: Path | None = None  # a checkpoint whose step, RNG and tracked states compile restored
+        self._intact: tuple[Path, Manifest] | None = None  # a checkpoint ``latest`` verified, for the load that follows
 
     # ------------------------------------------------------------------ saving
     def save(self, root: str | os.PathLike, *, asynchronous: bool = False, keep: int | None = None) -> Path:
@@ -118,20 +127,14 @@ class Checkpointer:
         root = Path(root)
         step = pm.step
         final, partial = step_dir(root, step), partial_dir(root, step)
-        if self._last_saved == (root.resolve(), step) and final.is_dir():
+        # rank 0 decides from its view of the filesystem (a rank's own view can lag behind rank 0's
+        # rename on a network filesystem), every rank takes its branch
+        verdict = decided_by_rank0(lambda: _prepare(final, partial, self._last_saved == (root.resolve(), step)))
+        if verdict == "saved":
             return final  # this step is saved already (train_step's save, then a last pm.save())
+        if verdict is not None:
+            raise CheckpointError(verdict)
         rank, world = dist.get_rank(), dist.get_world_size()
-        problem = None
-        if rank == 0:
-            if final.exists():
-                problem = (f"{final} already exists: a checkpoint of step {step} was saved before (by another run, or "
-                           "before a load of an older step); save into another root, or remove it")
-            else:
-                shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died
-                partial.mkdir(parents=True)
-        problem = _from_rank0(problem)
-        if problem:
-            raise CheckpointError(problem)
         # what can fail on one rank alone fails on every rank, before any collective of the save
         scalars, prepared = {}, None
         try:
@@ -153,51 +156,79 @@ class Checkpointer:
         failures = [f"rank {r}: {f}" for r, (f, _) in enumerate(every) if f]
         if failures:
             raise CheckpointError("cannot save: " + "; ".join(failures))
-        (partial / EXTRAS.format(rank)).write_bytes(prepared)
-        if rank == 0:
+        # a write failing here (a full disk) is raised on every rank after the save's collectives (``_write``)
+        write_failure = _written(partial / EXTRAS.format(rank), prepared)
+        if rank == 0 and write_failure is None:
             # non-tensor optimizer states of every rank's parameters, for whichever rank holds them after a re-plan
             shared = {fqn: v for _, part in every for fqn, v in part.items()}
-            (partial / SHARED_EXTRAS).write_bytes(check_weights_only({"optimizer_scalars": shared}, "optimizer state"))
             if self._plan_json is None or self._plan_json[0] != pm.plan.fingerprint:
                 self._plan_json = (pm.plan.fingerprint, pm.plan.to_json())
-            (partial / PLAN_FILE).write_text(self._plan_json[1])
+            write_failure = (_written(partial / SHARED_EXTRAS, check_weights_only({"optimizer_scalars": shared}, "optimizer state"))
+                             or _written(partial / PLAN_FILE, self._plan_json[1].encode()))
         manifest = Manifest(step=step, world_size=world, plan_fingerprint=pm.plan.fingerprint, mesh=describe_mesh(pm.plan),
                             model_class=pm._model_class, params=model_identity(pm._traced), files={},
                             versions=software_versions(),
-                            optimizer=type(optimizer).__name__ if optimizer is not None else None)
+                            optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                            batch_rows=_global_rows(pm))
         tensors = _first_replicas(tensors)
         self._last_saved = (root.resolve(), step)
         if asynchronous:
             staged = _staged(tensors)
             group = self._background_group()
             self._failure = None
-            self._thread = threading.Thread(target=self._write, args=(staged, partial, final, manifest, group, keep),
+            self._thread = threading.Thread(target=self._write, args=(staged, partial, final, manifest, group, keep,
+                                                                      write_failure),
                                             name=f"autopar-checkpoint-{step}", daemon=True)
             self._thread.start()
         else:
-            self._write(tensors, partial, final, manifest, None, keep)
+            self._write(tensors, partial, final, manifest, None, keep, write_failure)
             self._raise_failure()
         return final
 
-    def _write(self, tensors, partial: Path, final: Path, manifest: Manifest, group, keep: int | None) -> None:
-        """Write the tensors, then the manifest (rank 0) from every rank's file hashes; rename."""
+    def _write(self, tensors, partial: Path, final: Path, manifest: Manifest, group, keep: int | None,
+               failure: str | None = None) -> None:
+        """Write the tensors, then the manifest (rank 0) from every rank's file hashes; rename.
+        Every rank runs the same collectives whatever fails where (``failure``: this rank's earlier
+        write), and a failure on any rank is raised on every rank, naming the path."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
         try:
             rank = dist.get_rank()
-            dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), process_group=group)
-            mine = [p.name for p in partial.iterdir() if p.name.startswith(f"__{rank}_") or p.name == EXTRAS.format(rank)]
-            if rank == 0:
-                mine += [".metadata", PLAN_FILE, SHARED_EXTRAS]
-            hashes = {name: {"bytes": (partial / name).stat().st_size, "sha256": sha256_of(partial / name)} for name in mine}
-            every = _gathered_objects(hashes, group)
-            if rank == 0:
-                files = {k: v for part in every for k, v in part.items()}
-                write_manifest(partial, dataclasses.replace(manifest, files=files))
-                os.replace(partial, final)
+            try:  # DCP raises a failure of any rank's writes on every rank
+                dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), process_group=group)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered below, raised on every rank
+                failure = failure or _write_failure_text(partial, exc, rank)
+            hashes = {}
+            if failure is None:
+                try:
+                    mine = [p.name for p in partial.iterdir() if p.name.startswith(f"__{rank}_") or p.name == EXTRAS.format(rank)]
+                    if rank == 0:
+                        mine += [".metadata", PLAN_FILE, SHARED_EXTRAS]
+                    hashes = {name: {"bytes": (partial / name).stat().st_size, "sha256": sha256_of(partial / name)}
+                              for name in mine}
+                except OSError as exc:
+                    failure = f"rank {rank}: {describe_write_failure(partial, exc)}"
+            every = _gathered_objects((failure, hashes), group)
+            failures = dict.fromkeys(f for f, _ in every if f)  # DCP's failures: the same text on every rank
+            if failures:
+                raise CheckpointError(f"saving step {manifest.step} into {partial} failed: " + "; ".join(failures))
+
+            def finish() -> str | None:  # rank 0: the manifest, the rename, the pruning
+                files = {k: v for _, part in every for k, v in part.items()}
+                try:
+                    write_manifest(partial, dataclasses.replace(manifest, files=files))
+                    os.replace(partial, final)
+                except OSError as exc:
+                    return f"saving step {manifest.step} failed on rank 0: {describe_write_failure(partial, exc)}"
                 if keep is not None:
                     prune(final.parent, keep, manifest.step)
+                return None
+
+            # every rank returns once the checkpoint is complete (or raises rank 0's failure)
+            problem = decided_by_rank0(finish, group)
+            if problem:
+                raise CheckpointError(problem)
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()
             self._failure = exc
 
@@ -226,16 +257,64 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def latest(self, root: str | os.PathLike) -> int | None:
-        """The newest complete checkpoint's step under ``root`` (rank 0's view, the same on every rank)."""
-        steps = _from_rank0(complete_steps(root) if dist.get_rank() == 0 else None)
-        return steps[-1] if steps else None
+        """The newest intact complete checkpoint's step under ``root``, the same on every rank (None:
+        there is none). A damaged one (a file missing, truncated or altered, an unreadable manifest)
+        is skipped with a ``DamagedCheckpointWarning`` naming it and why, for the previous one;
+        every complete checkpoint damaged is a ``CheckpointError``."""
+        steps = decided_by_rank0(lambda: complete_steps(root))
+        damaged = []
+        for step in reversed(steps):
+            folder = step_dir(root, step)
+            manifest, problem = self._inspect(folder)
+            if problem is None:
+                self._intact = (folder, manifest)  # the load that follows need not verify it again
+                return step
+            damaged.append(problem)
+            if dist.get_rank() == 0:
+                warnings.warn(f"{problem}; skipping it for the previous complete checkpoint", DamagedCheckpointWarning,
+                              stacklevel=2)
+        if damaged:
+            raise CheckpointError(f"every complete checkpoint under {root} is damaged: " + "; ".join(damaged)
+                                  + "; restore them, or start a new run in another root")
+        return None
+
+    def _inspect(self, folder: Path) -> tuple[Manifest | None, str | None]:
+        """(manifest, None) when the checkpoint ``folder`` is intact, (None, what is wrong) when not:
+        rank 0 reads the manifest, each rank verifies its share of the files, the verdict gathered."""
+        folder = Path(folder)
+        if self._intact is not None and self._intact[0] == folder:
+            return self._intact[1], None
+
+        def read() -> tuple[Manifest | None, str | None]:
+            try:
+                return read_manifest(folder), None
+            except CheckpointError as exc:
+                return None, str(exc)
+
+        manifest, problem = decided_by_rank0(read)
+        if problem is not None:
+            return None, problem
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            mine = verify(folder, manifest, sorted(manifest.files)[rank::world])
+        except OSError as exc:
+            mine = [f"{exc.filename or folder} cannot be read: {exc.strerror or exc}"]
+        problems = _gathered(mine)
+        return (None, f"checkpoint {folder} is damaged: " + "; ".join(problems)) if problems else (manifest, None)
+
+    def _verified(self, folder: Path) -> Manifest:
+        """The manifest of the intact checkpoint ``folder`` (``CheckpointError`` on every rank if not)."""
+        manifest, problem = self._inspect(folder)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return manifest
 
     def restore_early(self, folder: str | os.PathLike) -> None:
         """What a resume restores before the plan exists (at compile): the step, the RNG states and
         the tracked objects' states (restored as they are tracked), so that the batches drawn
         before the first step follow the checkpoint; ``load`` restores the rest."""
         folder = Path(folder)
-        self._restore_run_state(self._read_extras(folder, read_manifest(folder)), self.pm._builder.device)
+        self._restore_run_state(self._read_extras(folder, self._verified(folder), verified=True), self.pm._builder.device)
         self._early = folder
 
     def load(self, folder: str | os.PathLike) -> Resumed:
@@ -246,10 +325,9 @@ class Checkpointer:
         self.wait()
         folder = Path(folder)
         t0 = time.perf_counter()
-        manifest = read_manifest(folder)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        names = sorted(manifest.files)
-        _raise_if_damaged(folder, _gathered(verify(folder, manifest, names[rank::world])))
+        manifest = self._verified(folder)
+        self._intact = None
+        rank = dist.get_rank()
         _check_same_model(manifest, model_identity(pm._traced), pm._model_class, folder)
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         target = model_entries(pm._state)
@@ -286,9 +364,11 @@ class Checkpointer:
         pm, world = self.pm, dist.get_world_size()
         changes = []
         if manifest.world_size != world:
-            batch = ("the global batch kept" if not pm._local else
-                     f"local batches: pass each rank its 1/{pm.data_parallel_size} share of the same global batch")
-            changes.append(f"world size {manifest.world_size} -> {world}: re-planned, state resharded, {batch}")
+            changes.append(f"world size {manifest.world_size} -> {world}: re-planned, state resharded")
+        batch = _batch_change(manifest.batch_rows, _global_rows(pm), pm._local, pm.data_parallel_size,
+                              getattr(pm, "_loss_reduction", "mean"))
+        if batch and (manifest.world_size != world or "changed" in batch):
+            changes.append(batch)
         if manifest.plan_fingerprint != pm.plan.fingerprint:
             changes.append(f"plan {manifest.mesh} -> {describe_mesh(pm.plan)}")
         if dist.get_rank() >= manifest.world_size:
@@ -306,8 +386,8 @@ class Checkpointer:
         the manifest first unless ``load`` has ``verified`` the folder already."""
         rank = dist.get_rank()
         names = [EXTRAS.format(rank if rank < manifest.world_size else 0), SHARED_EXTRAS]
-        if not verified:
-            _raise_if_damaged(folder, verify(folder, manifest, [n for n in names if n in manifest.files]))
+        if not verified:  # gathered: a rank whose own file is damaged must not raise alone
+            _raise_if_damaged(folder, _gathered(verify(folder, manifest, [n for n in names if n in manifest.files])))
         extras = torch.load(folder / names[0], weights_only=True)
         if (folder / SHARED_EXTRAS).is_file():
             extras.update(torch.load(folder / SHARED_EXTRAS, weights_only=True))
@@ -329,7 +409,8 @@ class Checkpointer:
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         with torch.no_grad():
             dcp.load(self._optimizer_target(optimizer, saved_keys), storage_reader=SafeReader(str(folder)))
-        self._restore_optimizer_extras(optimizer, self._read_extras(folder, read_manifest(folder)))
+        manifest = decided_by_rank0(lambda: read_manifest(folder))  # verified at the load; its extras again here
+        self._restore_optimizer_extras(optimizer, self._read_extras(folder, manifest))
         pm._pending_optimizer = None
 
     def _restore_optimizer_extras(self, optimizer, extras: dict) -> None:
@@ -355,6 +436,68 @@ def _from_rank0(value):
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _prepare(final: Path, partial: Path, saved_here: bool) -> str | None:
+    """Rank 0's verdict before a save: "saved" (``saved_here``: this model's last save was this
+    step there, and it is complete), a problem to raise, or None after preparing ``partial``."""
+    if saved_here and final.is_dir():
+        return "saved"
+    if final.exists():
+        return (f"{final} already exists: a checkpoint of step {final.name[len('step-'):]} was saved before (by another "
+                "run, or before a load of an older step); save into another root, or remove it")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        return f"cannot save: {describe_write_failure(partial, exc)}"
+    return None
+
+
+def _written(path: Path, data: bytes) -> str | None:
+    """Write ``data`` to ``path``; what failed (naming this rank and the path), or None."""
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        return f"rank {dist.get_rank()}: {describe_write_failure(path, exc)}"
+    return None
+
+
+def _write_failure_text(partial: Path, exc: BaseException, rank: int) -> str:
+    """A failure of DCP's save (each failed rank's cause, the same text on every rank) or of this rank's write."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(_write_failure_text(partial, e, r) for r, (e, _) in sorted(exc.failures.items()))
+    if isinstance(exc, OSError):
+        return f"rank {rank}: {describe_write_failure(partial, exc)}"
+    return f"rank {rank}: writing {partial} failed: {type(exc).__name__}: {exc}"
+
+
+def _global_rows(pm) -> int | None:
+    """The rows of the global batch the model was compiled for (its first tensor input's batch dim)."""
+    for spec in pm._primary.example.inputs:
+        shape = getattr(spec, "shape", None)
+        if shape:
+            return int(shape[0])
+    return None
+
+
+def _batch_change(saved: int | None, rows: int | None, local: bool, shares: int, reduction: str) -> str | None:
+    """What a resume means for the global batch (rows per step, over all ranks): kept or changed,
+    and, changed, what that does to the gradient and the learning rate."""
+    if rows is None:
+        return None
+    share = f": pass each rank its 1/{shares} share ({rows // shares} rows)" if local and shares > 1 else ""
+    if saved is None:
+        return f"the global batch is {rows} rows (the checkpoint does not record the saved run's){share}"
+    if saved == rows:
+        return f"the global batch kept at {rows} rows{share}"
+    ratio = f"{rows}/{saved}"
+    effect = (f"each step's gradient is now a sum over {rows} rows, {ratio} times the saved run's: divide the learning "
+              f"rate by {ratio} to keep its step size" if reduction == "sum" else
+              f"each step's gradient is now a mean over {rows} rows instead of {saved} (the same scale, "
+              f"{'less' if rows > saved else 'more'} noise): to follow the saved run's schedule per row seen, scale the "
+              f"learning rate (linearly: by {ratio}) and the remaining steps by {saved}/{rows}")
+    return f"the global batch changed from {saved} to {rows} rows{share}; {effect}"
 
 
 def _gathered_objects(obj, group=None) -> list:

@@ -81,6 +81,7 @@ class Manifest:
     files: dict  # relative path -> {"bytes": n, "sha256": hex}
     versions: dict
     optimizer: str | None
+    batch_rows: int | None = None  # rows of the global batch the saving run compiled for (None: not recorded)
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:

@@ -100,6 +100,51 @@ class CheckpointMethods:
             self.store.gather_zero_params()
         self._note_zero_versions()
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``torch.nn.Module.load_state_dict`` taking DTensors (``pm.state_dict()``, as
+        torch.distributed.checkpoint loads them) or plain full tensors (one device's
+        ``model.state_dict()``, ``pm.full_state_dict()``): each rank copies its shard out of each
+        full tensor, as DCP's ``set_model_state_dict(..., full_state_dict=True)`` does. Full
+        entries of another pipeline stage's parameters are skipped, and per-expert ones of experts
+        the plan stacks are stacked. ZeRO-1/2's whole copies are gathered again afterwards."""
+        from torch.distributed.tensor import DTensor
+
+        self._require_plan("load_state_dict")
+        if assign:
+            raise AutoparError("load_state_dict(assign=True) would put plain tensors where the plan keeps its DTensor "
+                               "shards; load without assign (the values are copied into the shards)")
+        if any(isinstance(v, torch.Tensor) and not isinstance(v, DTensor) for v in state_dict.values()):
+            state_dict = self._shards_of_full(state_dict)
+        with torch.no_grad():
+            result = torch.nn.Module.load_state_dict(self, state_dict, strict=strict)
+        self._after_state_load()
+        return result
+
+    def _shards_of_full(self, state_dict) -> dict:
+        """``state_dict`` with each plain full tensor that fills a DTensor of this model replaced by
+        a DTensor of this rank's shard of it (cut locally: no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        sd = dict(state_dict)
+        for fqn, members in self._traced.stacked.items():  # per-expert entries -> the stacked parameter
+            if fqn not in sd and all(m in sd and not isinstance(sd[m], DTensor) for m in members):
+                sd[fqn] = torch.stack([sd.pop(m) for m in members])
+        own = torch.nn.Module.state_dict(self, keep_vars=True)
+        members = {m for group in self._traced.stacked.values() for m in group}
+        for key in list(sd):
+            if key not in own and (key in self._model_keys or key in members):
+                del sd[key]  # another pipeline stage's (or a stacked expert's, given whole): not held here
+        for key, value in sd.items():
+            mine = own.get(key)
+            if not isinstance(mine, DTensor) or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != tuple(mine.shape):
+                raise AutoparError(f"load_state_dict: {key} has shape {tuple(value.shape)} in the state dict, "
+                                   f"{tuple(mine.shape)} in the model; load a state dict of this model")
+            full = value.detach().to(device=mine.to_local().device, dtype=mine.dtype)
+            sd[key] = distribute_tensor(full, mine.device_mesh, mine.placements, src_data_rank=None)
+        return sd
+
     @torch.no_grad()
     def full_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
         """train_step's optimizer state, gathered whole on every rank: ``"<fqn>/<state key>"`` ->

@@ -51,7 +51,9 @@ def raise_if_collective_failure(exc: RuntimeError, where: str) -> None:
 
     last = last_collective()
     was = f" This rank was in: {last}." if last else ""
-    if dist.is_initialized() and dist.get_backend() == "nccl" and os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+    from autopar.runtime.comm import runs_nccl
+
+    if runs_nccl() and os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":  # (NCCL beside gloo: "cpu:gloo,cuda:nccl")
         from autopar.runtime.launch import FLIGHT_RECORDER_PREFIX, flight_recorder_dir
 
         was += (f" NCCL's flight recorder dumped every rank's last collectives to {flight_recorder_dir()}: "

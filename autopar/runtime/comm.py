@@ -11,6 +11,29 @@ Bytes follow nccl-tests' "size" convention, the same the planner prices with: al
 buffer, all-gather the gathered (output) buffer, reduce-scatter the input buffer, all-to-all the
 send buffer; padded sizes where a dim is sharded unevenly. A mesh axis of size 1 runs nothing.
 
+Host values and device groups (ready for NCCL): an NCCL group carries CUDA tensors only, so a
+value the host computed (a loss, a count, a flag) crosses a mesh group as a tensor on the model's
+device, and Python objects cross through torch's object collectives (``agreement``, which pick
+the group's device themselves). autopar initialises NCCL as ``"cpu:gloo,cuda:nccl"``
+(``launch.init_distributed``), so the default group and the groups derived from it (the device
+mesh's) also take host tensors, but the runtime does not rely on it: a user's own NCCL-only group
+works alike. The collectives of the runtime and the device of their tensors:
+
+* ``MeshComm`` (reshards, gradient sync and ZeRO gathers, batch norm statistics, expert dispatch
+  and its counts, tied-gradient sums, the loss's all-reduce, the target counts of local batches):
+  tensors on the model's device;
+* the pipeline: torch's sends of activations and gradients (device buffers) and the loss's
+  broadcast over the pipeline group (``PipelineRunner.broadcast_loss``: a device tensor);
+* the input check's all-gather of checksums on the default group: a device tensor;
+* replicas made equal from rank 0 (``param_store``): the model's tensors, on its device;
+* plans, shapes, versions, checkpoint manifests and agreed decisions: object collectives;
+* the checkpoint's background saves: their own gloo group (host tensors, a host thread);
+* the test harness ``parity._mean_over_ranks``: an object all-gather.
+
+No wait depends on gloo's behaviour: only collectives on CPU tensors are polled (``polls``); on
+CUDA ``wait()`` orders the stream and returns (NCCL reports a failure from its watchdog, not as
+an exception of the call), and the seconds counted are the host's (a lower bound there).
+
 Invariant: a ``MeshComm`` built from a device mesh holds no process group, only group *names*,
 looked up when a collective runs: after the user's ``destroy_process_group`` nothing of autopar
 keeps a gloo group (and its worker threads) alive. One that is kept alive into interpreter
@@ -32,7 +55,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MeshComm", "CommStats", "COLLECTIVE_KINDS", "WAIT_ENV", "POLL_WINDOW_S", "wait_for", "polls", "POLLED_KINDS"]
+__all__ = ["MeshComm", "CommStats", "COLLECTIVE_KINDS", "WAIT_ENV", "POLL_WINDOW_S", "wait_for", "polls", "POLLED_KINDS",
+           "backend_for", "runs_nccl"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -57,6 +81,20 @@ POLL_WINDOW_S = 0.05
 # the kinds whose work completes on its own: gloo's reduce_scatter_tensor reports completion only
 # once waited for (torch 2.11 and 2.13: polled for a second, never), so it is always waited for
 POLLED_KINDS = frozenset({"all_reduce", "all_gather", "all_to_all"})
+
+
+def backend_for(device_type: str, group=None) -> str | None:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors ("gloo", "nccl",
+    ...; default: the default group), None where it has none (an NCCL-only group and "cpu").
+    Read from the group's "device:backend" pairs: ``dist.get_backend`` names a multi-backend
+    group by its whole string ("cpu:gloo,cuda:nccl"), which no single name compares equal to."""
+    pairs = dict(p.split(":", 1) for p in str(dist.get_backend_config(group)).split(",") if ":" in p)
+    return pairs.get(device_type)
+
+
+def runs_nccl(group=None) -> bool:
+    """Whether ``group`` (default: the default group) runs CUDA tensors' collectives on NCCL."""
+    return dist.is_initialized() and backend_for("cuda", group) == "nccl"
 
 
 @functools.cache

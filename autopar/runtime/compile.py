@@ -166,11 +166,13 @@ def compile(
 def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
     """Remember where train_step saves; with ``resume``, the newest complete checkpoint to load
     (its step at once, its state when the plan exists); without, refuse a root already in use."""
-    from autopar.runtime.checkpoint_files import step_dir
+    from autopar.runtime.checkpoint_files import CheckpointError, step_dir
+    from autopar.runtime.writable import check_writable
 
     if not isinstance(cfg, Checkpointing):
         raise AutoparError(f"checkpoint= takes autopar.Checkpointing(root, every=...), got a {type(cfg).__name__}")
     pm._checkpointing = cfg
+    check_writable(cfg.root, "checkpoint root", every_rank_writes=True, error=CheckpointError)  # before any work
     step = pm._checkpointer.latest(cfg.root)
     if step is None:
         return

@@ -21,7 +21,7 @@ from autopar.errors import AutoparError, WorkerFailedError
 from autopar.runtime.cpu_affinity import pin_local_rank
 from autopar.runtime.cpu_malloc import tune_cpu_malloc
 
-__all__ = ["init_distributed", "launch", "free_port", "run_script", "collective_timeout_s",
+__all__ = ["init_distributed", "process_group_backend", "launch", "free_port", "run_script", "collective_timeout_s",
            "DEFAULT_COLLECTIVE_TIMEOUT_S", "software_versions"]
 
 
@@ -66,6 +66,13 @@ def group_timeout_s() -> float | None:
     return None
 
 
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for a cluster's ``backend``: NCCL with a gloo backend
+    beside it for host tensors (an NCCL-only group rejects a CPU tensor: a loss, a count, a flag
+    some code creates on the host), gloo as it is."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def init_distributed(backend: str, world_size: int, timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment (or a 1-process world).
 
@@ -73,7 +80,9 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
     Collectives time out after ``timeout_s`` (default: ``$AUTOPAR_COLLECTIVE_TIMEOUT_S``, else
     ``DEFAULT_COLLECTIVE_TIMEOUT_S`` = 300 s). A group that is already initialised keeps its own.
     On gloo (CPU processes), glibc's malloc is first set for training (``runtime.cpu_malloc``) and
-    each local rank pinned to its own cores (``runtime.cpu_affinity``).
+    each local rank pinned to its own cores (``runtime.cpu_affinity``). NCCL is initialised as
+    ``process_group_backend("nccl")`` = "cpu:gloo,cuda:nccl": CUDA tensors on NCCL, host tensors
+    and object collectives on gloo, in the default group and in every group derived from it.
     """
     if backend == "gloo":
         tune_cpu_malloc()
@@ -95,14 +104,15 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
                 f"the cluster has {world_size} devices but this is a single process: launch with "
                 f"`torchrun --nproc-per-node {world_size} script.py` or autopar.launch(fn, {world_size})"
             )
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs)
+        dist.init_process_group(process_group_backend(backend), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, **kwargs)
     else:
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise AutoparError(
                 f"the cluster spec has {world_size} devices but WORLD_SIZE={os.environ['WORLD_SIZE']}; "
                 "use Cluster.local() or launch that many processes"
             )
-        dist.init_process_group(backend, **_restart_safe_store(world_size, seconds), **kwargs)
+        dist.init_process_group(process_group_backend(backend), **_restart_safe_store(world_size, seconds), **kwargs)
     _GROUP_TIMEOUT.update(group=id(dist.group.WORLD), timeout_s=seconds)
 
 

@@ -70,6 +70,11 @@ class StepMonitor:
     """Records steps for one compiled model; only rank 0 writes."""
 
     def __init__(self, cfg: Monitoring, rank: int):
+        """At compile, on every rank: the run folder is checked writable first (rank 0 writes it;
+        every rank refuses it alike, ``runtime.writable``)."""
+        from autopar.runtime.writable import check_writable
+
+        check_writable(cfg.run_dir, "monitoring folder", every_rank_writes=False)
         self.cfg = cfg
         self.rank = rank
         self.dir = Path(cfg.run_dir)

@@ -306,13 +306,12 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
     def close(self) -> None:
         """Remove hooks and release process-group references (then destroy_process_group is safe).
         Models still open at interpreter exit are closed then (``_close_all``)."""
-        if self.plan is not None:
-            self._grad_sync.close()
-            self.comm.close()
-            if self._pipeline is not None:
-                self._pipeline.close()
-        self._checkpointer.close()  # the save in flight completes (or its failure is raised)
+        parts = [self._grad_sync.close, self.comm.close] if self.plan is not None else []
+        if self.plan is not None and self._pipeline is not None:
+            parts.append(self._pipeline.close)
+        parts.append(self._checkpointer.close)  # the save in flight completes (or its failure is raised)
         _LIVE.discard(self)
+        _all_then_first_failure(parts)
 
     def __enter__(self) -> "ParallelModel":
         return self
@@ -538,10 +537,23 @@ def _close_all() -> None:
     ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
     ``gil_scoped_acquire`` -> ``pthread_exit``). About 1 run in 40 under CPU contention did; the
     pause lets the thread take the GIL and finish first."""
-    for pm in list(_LIVE):
-        pm.close()
-    if _EXIT_STATE["used"]:  # closed by the user or just now: its last collective may still be finishing
-        time.sleep(_EXIT_PAUSE_S)
+    try:
+        _all_then_first_failure([pm.close for pm in list(_LIVE)])  # one model's failure does not skip the others
+    finally:
+        if _EXIT_STATE["used"]:  # closed by the user or just now: its last collective may still be finishing
+            time.sleep(_EXIT_PAUSE_S)
+
+
+def _all_then_first_failure(calls: list) -> None:
+    """Call each of ``calls``, even after one raised; then raise the first failure (if any)."""
+    first = None
+    for call in calls:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the others ran
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 _EXIT_PAUSE_S = 0.05

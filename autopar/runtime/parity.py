@@ -400,8 +400,9 @@ def _sampled_shards(batches: list, replicas: int, rank: int) -> list:
 
 
 def _mean_over_ranks(value: float) -> float:
-    import torch.distributed as dist
+    """The mean of every rank's ``value``: an object all-gather (a host float64 tensor would be
+    refused by an NCCL-only default group)."""
+    from autopar.runtime.agreement import gathered
 
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    every = gathered(float(value))
+    return sum(every) / len(every)

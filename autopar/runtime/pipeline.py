@@ -23,7 +23,9 @@ Invariants:
   so the gradients equal one device's; gradient sync over the submesh runs once per step: a
   bucket is all-reduced as soon as its gradients hold every microbatch, overlapping the rest of
   the schedule, and whatever is left after it (``GradSync.hold(rounds=)``);
-* every rank returns the same global loss (broadcast from the last stage);
+* every rank returns the same global loss (broadcast from the last stage as a tensor on the
+  stage's device: the pipeline group may be NCCL-only); CUDA stages need NCCL (gloo sends CPU
+  tensors only: ``refuse_host_only_sends``);
 * under the split-backward schedules (zero-bubble, zbv, dualpipev) ZeRO-2 gradients accumulate
   whole over the step and are reduce-scattered once after it, and a ZeRO-3 parameter's shard
   takes a zero gradient from its gather (its real one arrives by the gather's reduce-scatter).
@@ -50,7 +52,7 @@ from autopar.passes.split_stages import StageProgram, shared_state, split_stages
 from autopar.runtime.collectives import shard_tensor
 from autopar.runtime.comm import MeshComm, collective_site
 
-__all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages"]
+__all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages", "refuse_host_only_sends"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
                     "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
@@ -289,6 +291,7 @@ class PipelineRunner:
         every ``p`` (the groups that sum a tied parameter's copies join the same position)."""
         from torch.distributed import pipelining
 
+        refuse_host_only_sends(torch.device(device), pp_group)
         self.plan = plan
         self.ranks = plan.pipeline_degree
         self.n_stages = len(plan.stages)
@@ -428,11 +431,25 @@ class PipelineRunner:
         for tied_comm, _ in self._tied:
             tied_comm.close()
 
-    def broadcast_loss(self, value: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss value on every rank of this pipeline."""
-        value = value.reshape(1).float().clone()
+    def broadcast_loss(self, value: torch.Tensor | float) -> torch.Tensor:
+        """The last stage's loss value on every rank of this pipeline, as a tensor on the stage's
+        device: the pipeline group is a device group (NCCL carries no host tensor)."""
+        value = torch.as_tensor(value).detach().reshape(1).to(self.device, torch.float32, copy=True)
         dist.broadcast(value, src=self._last_rank, group=self.pp_group)
         return value
+
+
+def refuse_host_only_sends(device: torch.device, pp_group) -> None:
+    """Pipeline stages send activations and gradients with torch's point-to-point ops, which gloo
+    runs on CPU tensors only (its send hands the tensor's memory to a socket: a CUDA pointer there
+    fails or corrupts). A pipeline of CUDA devices needs NCCL; refused before any send."""
+    from autopar.runtime.comm import backend_for
+
+    if device.type != "cpu" and backend_for(device.type, pp_group) == "gloo":
+        raise AutoparError(
+            f"a pipeline plan on {device.type} devices over gloo: gloo's send and recv take CPU tensors only, "
+            f"and pipeline stages send {device.type} activations; use backend='nccl' (one GPU per rank), or plan "
+            "without pipelining: Constraints(pp=1)")
 
 
 def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store, stats) -> list:
