@@ -171,11 +171,11 @@ class Side:
     def model(self, output: str = "plain", seed: int | None = 0) -> torch.nn.Module:
         return build(self.base, output, seed)
 
-    def _compile(self, model, key: tuple, **kw):
+    def _compile(self, model, key: tuple, *example, **kw):
         plan = self.plans.get(key)
         cons = None if plan is not None or self.constraints is None else autopar.Constraints(**self.constraints)
         # a habit that fails on one rank fails the others within COLLECTIVE_TIMEOUT_S, not 300 s
-        pm = autopar.compile(model, autopar.Cluster.local(), constraints=cons, plan=plan,
+        pm = autopar.compile(model, autopar.Cluster.local(), *example, constraints=cons, plan=plan,
                              collective_timeout_s=COLLECTIVE_TIMEOUT_S, **kw)
         self.compiled.append((pm, key))
         return pm
@@ -186,12 +186,15 @@ class Side:
             return model
         return self._compile(model, ("native", type(model).__name__, getattr(model, "kind", "plain")))
 
-    def fused(self, model, make_opt, loss_fn=None, lr_scheduler=None):
-        """The model for ``train_step``: compiled with ``optimizer=``, or its one-device equivalent."""
+    def fused(self, model, make_opt, loss_fn=None, lr_scheduler=None, ahead: bool = False):
+        """The model for ``train_step``: compiled with ``optimizer=``, or its one-device equivalent.
+        ``ahead``: planned at compile from the first batch (``pm.optimizer`` exists at once)."""
         if self.constraints is None:
             return OneDevice(model, make_opt, loss_fn, lr_scheduler)
         key = ("fused", type(model).__name__, getattr(model, "kind", "plain"), getattr(loss_fn, "__name__", None))
-        return self._compile(model, key, optimizer=make_opt, loss_fn=loss_fn, lr_scheduler=lr_scheduler)
+        x, y = self.batches[0]
+        return self._compile(model, key, *(((x,),) if ahead else ()), optimizer=make_opt, loss_fn=loss_fn,
+                             lr_scheduler=lr_scheduler, **({"example_target": y} if ahead else {}))
 
     def close(self) -> None:
         for pm, key in self.compiled:
@@ -426,8 +429,9 @@ def model_output_kwargs(s: Side, rec: Recorder):
 
 
 def fused_zero_grad_before(s: Side, rec: Recorder):
-    """``pm.optimizer.zero_grad()`` (``set_to_none=True``) before each ``train_step``."""
-    t = s.fused(s.model(), ADAMW[1], base_loss)
+    """``pm.optimizer.zero_grad()`` (``set_to_none=True``) before each ``train_step`` (planned
+    ahead: without example inputs ``pm.optimizer`` is None until the first train_step)."""
+    t = s.fused(s.model(), ADAMW[1], base_loss, ahead=True)
     for x, y in s.batches[:4]:
         t.optimizer.zero_grad(set_to_none=True)
         rec("loss", t.train_step(x, target=y))
@@ -512,17 +516,17 @@ HABITS: dict[str, tuple[str, Callable, str]] = {
     "accumulate_and_clip": ("sgd", accumulate_and_clip, "native"),
     "lr_scheduler": ("adamw", lr_scheduler, "native"),
     "eval_between_steps": ("sgd", eval_between_steps, "native"),
-    "state_dict_dtensor": ("adamw", state_dict_dtensor, "native"),
-    "state_dict_full": ("sgd", state_dict_full, "native"),
     "per_rank_seed": ("adamw", per_rank_seed, "native"),
     "own_loss_tuple": ("sgd", own_loss_tuple, "native"),
     "dict_output": ("adamw", dict_output, "native"),
     "model_output_kwargs": ("sgd", model_output_kwargs, "native"),
+    "state_dict_dtensor": ("adamw", state_dict_dtensor, "native"),
+    "state_dict_full": ("sgd", state_dict_full, "native"),
     "fused_zero_grad_before": ("adamw", fused_zero_grad_before, "fused"),
     "fused_zero_grad_after_keep": ("sgd", fused_zero_grad_after_keep, "fused"),
     "fused_schedule_and_eval": ("adamw", fused_schedule_and_eval, "fused"),
-    "fused_state_dict": ("sgd", fused_state_dict, "fused"),
     "fused_model_output_kwargs": ("adamw", fused_model_output_kwargs, "fused"),
     "fused_dict_output_seeded": ("sgd", fused_dict_output_seeded, "fused"),
+    "fused_state_dict": ("sgd", fused_state_dict, "fused"),
     "native_loop_refused": ("-", native_loop_refused, "refusal"),
 }
