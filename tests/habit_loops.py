@@ -254,7 +254,9 @@ def run_families(scenarios: list[tuple[str, str, dict, str]], refs: dict, out_di
                 result = {"notes": dict(rec.notes)}
             else:
                 result = compare(rec, final_state(trained), refs[(base, name)])
-            result["mesh"] = side.compiled[0][0].plan.mesh if side.compiled and side.compiled[0][0].plan else None
+            plan = side.compiled[0][0].plan if side.compiled else None
+            result["mesh"] = plan.mesh if plan is not None else None
+            result["plan"] = plan_facts(plan) if plan is not None else None
         except Exception as exc:  # noqa: BLE001 - reported to the test that names this habit
             tb = traceback.format_exc().strip().splitlines()
             result = {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "traceback": "\n".join(tb[-12:])[-3000:]}
@@ -264,6 +266,13 @@ def run_families(scenarios: list[tuple[str, str, dict, str]], refs: dict, out_di
             result["close_error"] = repr(exc)[:600]
         with open(result_path(out_dir, rank, family, name), "wb") as f:
             pickle.dump(result, f)
+
+
+def plan_facts(plan) -> dict[str, Any]:
+    """What makes a plan of its family: mesh, stages, ZeRO stages, parameters split by the layout."""
+    return {"mesh": plan.mesh, "stages": len(plan.stages),
+            "zero": sorted({p.zero_stage for p in plan.params.values() if p.zero_axes}),
+            "sharded": sorted(k for k, p in plan.params.items() if "S(" in p.layout)}
 
 
 def result_path(out_dir: str, rank: int, family: str, habit: str) -> str:

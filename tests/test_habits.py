@@ -37,6 +37,16 @@ FAMILIES = {
     "pipeline": ("gpt", {"pp": 2, "dp": 2}),
     "expert": ("moe", {"dp": 4, "ep": 4}),
 }
+# what a plan of each family must show (``habit_loops.plan_facts``): the family is the plan that ran
+IS_FAMILY = {
+    "data": lambda p: p["mesh"] == {"dp": 4, "tp": 1} and not p["sharded"] and not p["zero"],
+    "tensor": lambda p: p["mesh"] == {"dp": 2, "tp": 2} and p["sharded"] and not p["zero"],
+    "zero1": lambda p: p["mesh"] == {"dp": 4, "tp": 1} and p["zero"] == [1] and not p["sharded"],
+    "zero2": lambda p: p["mesh"] == {"dp": 4, "tp": 1} and p["zero"] == [2] and not p["sharded"],
+    "zero3": lambda p: p["mesh"] == {"dp": 4, "tp": 1} and any(k.endswith("mlp.fc.weight") for k in p["sharded"]),
+    "pipeline": lambda p: p["stages"] == 2,
+    "expert": lambda p: any(k.endswith("moe.w_in") for k in p["sharded"]),
+}
 LAUNCHES = [("data", "tensor"), ("zero1", "zero2", "zero3"), ("pipeline", "expert")]
 # what a family refuses, by habit: the recorded series it skips and the refusal it must give instead
 REFUSED = {
@@ -123,6 +133,7 @@ def test_habit_matches_one_device(results, family, habit):
     for rank, r in enumerate(results(family, habit)):
         label = f"{habit} ({HABITS[habit][0]}) under {family} {FAMILIES[family][1]}, rank {rank}"
         assert "error" not in r, f"{label}: {r['error']}\n{r['traceback']}"
+        assert r["plan"] is not None and IS_FAMILY[family](r["plan"]), f"{label}: not a {family} plan: {r['plan']}"
         assert "close_error" not in r, f"{label}: pm.close() raised {r['close_error']}"
         for name, pattern in refused.items():
             assert re.search(pattern, r["notes"].get(name, "")), f"{label}: {name} not refused as expected: {r['notes']}"
