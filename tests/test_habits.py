@@ -84,7 +84,7 @@ def run_launch(group: tuple[str, ...], tmp: str) -> dict:
     done = lambda f, h: all(os.path.exists(result_path(tmp, r, f, h)) for r in range(4))  # noqa: E731
     while todo:
         try:
-            autopar.launch(run_families, 4, todo, refs, tmp, timeout_s=900)
+            autopar.launch(run_families, 4, todo, refs, tmp, timeout_s=600)
         except WorkerFailedError as exc:
             lost = next((s for s in todo if not done(s[0], s[3])), None)
             if lost is None:
