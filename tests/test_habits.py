@@ -16,7 +16,6 @@ native loop is refused with the fix, and ``eval_step`` is refused and training g
 """
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import re
@@ -66,19 +65,18 @@ def habits_of(family: str) -> list[str]:
 CASES = [(family, habit) for family in FAMILIES for habit in habits_of(family)]
 
 
-@functools.lru_cache(maxsize=None)
-def _references(base: str) -> dict:
+def references(base: str) -> dict:
+    """Every habit's single-device run on ``base``: (base, habit) -> values seen and final state."""
     return {(base, name): reference(base, loop) for name, (_, loop, path) in HABITS.items() if path != "refusal"}
 
 
-def run_launch(group: tuple[str, ...], tmp: str) -> dict:
+def run_launch(group: tuple[str, ...], tmp: str, refs: dict) -> dict:
     """Every habit of the families in ``group`` in one world of 4 processes: (family, habit) ->
     every rank's result. A habit that kills the world (a gloo abort) is reported as such, and a
     new world runs the habits after it."""
     from autopar.runtime.launch import WorkerFailedError
     from habit_loops import result_path, run_families
 
-    refs = {k: v for b in sorted({FAMILIES[f][0] for f in group}) for k, v in _references(b).items()}
     todo = [(f, *FAMILIES[f], h) for f in group for h in habits_of(f)]
     crashed: dict = {}
     done = lambda f, h: all(os.path.exists(result_path(tmp, r, f, h)) for r in range(4))  # noqa: E731
@@ -111,11 +109,14 @@ def results(tmp_path_factory):
     """(family, habit) -> every rank's result; each launch (a few families in one world) runs
     once, when a test of one of its families first asks."""
     cache: dict = {}
+    refs: dict = {}  # computed once per model base, here in the parent
 
     def of(family: str, habit: str) -> list[dict]:
         group = next(g for g in LAUNCHES if family in g)
         if group not in cache:
-            cache[group] = run_launch(group, str(tmp_path_factory.mktemp("habits")))
+            for base in {FAMILIES[f][0] for f in group} - {b for b, _ in refs}:
+                refs.update(references(base))
+            cache[group] = run_launch(group, str(tmp_path_factory.mktemp("habits")), refs)
         return cache[group][family, habit]
 
     return of
