@@ -143,7 +143,7 @@ class OneDevice:
         self.optimizer.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        return float(loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def eval_step(self, *inputs, target=None, **kwargs) -> float:
