@@ -109,3 +109,26 @@ def test_zero3_saved_tensors_hooks_keep_no_reference_cycle():
     finally:
         gc.enable()
     assert ref() is None
+
+
+def test_a_dtensor_shard_inside_a_larger_storage_deep_copies(world1):
+    """A ZeRO-1/2 shard is a view into the whole parameter: its DTensor wrapper inherits the view's
+    storage offset and torch's deepcopy then fails ("invalid python storage") on every rank whose
+    shard does not start at 0. ``copyable`` (what pm.state_dict() hands out) deep-copies."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autopar.runtime.copyable_state import copyable
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{autopar.runtime.launch.free_port()}", rank=0,
+                            world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    whole = torch.arange(12.0).reshape(6, 2)
+    shard = DTensor.from_local(whole[3:], mesh, [Shard(0)], run_check=False, shape=torch.Size([3, 2]), stride=(2, 1))
+    with pytest.raises(RuntimeError, match="invalid python storage"):
+        copy.deepcopy(shard)  # torch's behaviour this works around: if it is fixed, copyable can go
+    value = copyable(shard)
+    copied = copy.deepcopy(value)
+    assert torch.equal(copied.to_local(), whole[3:]) and copied.to_local().data_ptr() != whole[3:].data_ptr()
+    assert value.to_local().data_ptr() == whole[3:].data_ptr()  # the state dict's value shares the shard's memory

@@ -56,6 +56,7 @@ from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
+from autopar.runtime.copyable_state import copyable_state_dict_hook
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
@@ -159,6 +160,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         mesh = builder.placeholder_mesh()
         self._tensors = register_tree(self, model, lambda name, t, is_param: (
             torch.nn.Parameter(placeholder(t, mesh), requires_grad=t.requires_grad) if is_param else placeholder(t, mesh)))
+        self.register_state_dict_post_hook(copyable_state_dict_hook)  # deepcopy(pm.state_dict()) on every rank
         _LIVE.add(self)
         _EXIT_STATE["used"] = True
 
