@@ -409,6 +409,35 @@ def test_a_rank_alone_in_train_step_fails_within_the_collective_timeout():
     assert 4 <= waited < 60, waited
 
 
+def lone_rank_on_a_sub_axis_worker():
+    from examples.mlp import example_batch
+
+    x, t = example_batch(64, 16)
+    pm = _mlp(autopar.Cluster.local(), constraints=autopar.Constraints(dp=2, tp=2), collective_timeout_s=5,
+              check_inputs="never")
+    if _rank() == 3:
+        return "rank 3 skipped the step"
+    t0 = time.monotonic()
+    try:
+        pm.train_step(x, target=t)
+    except autopar.AutoparError as exc:
+        raise type(exc)(f"{exc} [after {time.monotonic() - t0:.1f} s]") from None
+    return "trained without rank 3"
+
+
+@pytest.mark.slow
+def test_a_mesh_axis_group_times_out_as_the_default_group():
+    """A mesh axis smaller than the world is its own process group, which torch creates with its
+    default timeout (30 minutes on gloo): a rank waiting there for a peer that skipped the step
+    must fail after autopar's collective timeout like one waiting on the default group, not hang."""
+    with pytest.raises(WorkerFailedError) as info:
+        autopar.launch(lone_rank_on_a_sub_axis_worker, 4, timeout_s=150)
+    text = str(info.value)
+    assert "did not finish within" not in text, text  # no rank still waiting when the launch gave up
+    waited = [float(w) for w in re.findall(r"\[after ([\d.]+) s\]", text)]
+    assert waited and all(w < 60 for w in waited), text
+
+
 @pytest.mark.slow
 def test_a_collective_timeout_names_the_plan_node_it_served():
     """Under tensor parallelism the first collective a lone rank waits in is a reshard: the error

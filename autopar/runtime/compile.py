@@ -21,7 +21,7 @@ from autopar.ir import is_local_batch, mark_local_batch
 from autopar.loss_rewrite import LOSS_REDUCTION_KEY, token_count_program
 from autopar.errors import AutoparError, ConstraintError, InputMismatchError, PlanFormatError, PlanMismatchError
 from autopar.plan import Plan
-from autopar.runtime.launch import init_distributed
+from autopar.runtime.launch import device_mesh, init_distributed
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.monitor import Monitoring, StepMonitor
 from autopar.runtime.input_check_methods import missing_target
@@ -209,15 +209,11 @@ class _Builder:
         self._signature = None
 
     def placeholder_mesh(self):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("world",))
+        return device_mesh(self.device.type, (dist.get_world_size(),), ("world",))
 
     def mesh(self, plan: Plan):
-        from torch.distributed.device_mesh import init_device_mesh
-
         axes = ((("pp", plan.pipeline_degree),) if len(plan.stages) > 1 else ()) + tuple(plan.mesh_axes)
-        return init_device_mesh(self.device.type, tuple(s for _, s in axes), mesh_dim_names=tuple(a for a, _ in axes))
+        return device_mesh(self.device.type, tuple(s for _, s in axes), tuple(a for a, _ in axes))
 
     def _trace(self, inputs: tuple, target, with_loss: bool):
         own = with_loss and self.loss_fn is None

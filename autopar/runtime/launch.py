@@ -21,7 +21,7 @@ from autopar.errors import AutoparError, WorkerFailedError
 from autopar.runtime.cpu_affinity import pin_local_rank
 from autopar.runtime.cpu_malloc import tune_cpu_malloc
 
-__all__ = ["init_distributed", "process_group_backend", "launch", "free_port", "run_script", "collective_timeout_s",
+__all__ = ["init_distributed", "device_mesh", "process_group_backend", "launch", "free_port", "run_script", "collective_timeout_s",
            "DEFAULT_COLLECTIVE_TIMEOUT_S", "software_versions"]
 
 
@@ -115,6 +115,27 @@ def init_distributed(backend: str, world_size: int, timeout_s: float | None = No
         dist.init_process_group(process_group_backend(backend), **_restart_safe_store(world_size, seconds), **kwargs)
     _GROUP_TIMEOUT.update(group=id(dist.group.WORLD), timeout_s=seconds)
 
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh`` whose axis groups time out as the default group autopar initialised:
+    torch makes a mesh's axis groups with its default timeout (30 minutes on gloo), not the default
+    group's, so a rank waiting on an axis for a peer that never comes hung for half an hour past
+    ``collective_timeout_s`` instead of failing with a ``CollectiveError``. A default group the user
+    initialised keeps its own groups' timeouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    seconds = group_timeout_s()
+    if seconds is not None and dist.get_world_size() > 1:
+        # private in torch 2.11-2.13 (public replacement: none); read here only
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for name in names:
+            group = mesh.get_group(name)
+            if group is not dist.group.WORLD:
+                _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+    return mesh
 
 # torch's NCCL flight recorder: the last collectives of every rank, dumped when one times out
 # (read with ``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX``). torch 2.11
