@@ -306,7 +306,9 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
     def close(self) -> None:
         """Remove hooks and release process-group references (then destroy_process_group is safe).
         Models still open at interpreter exit are closed then (``_close_all``)."""
+        self._stop_watching_optimizers()
         if self.plan is not None:
+            self._leave_backward_mesh()
             self._grad_sync.close()
             self.comm.close()
             if self._pipeline is not None:
@@ -427,6 +429,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         return total
 
     def _train_step(self, inputs: tuple, target: Any) -> float:
+        self.store.own_grads()  # pm.optimizer.zero_grad() set .grad to None: the buffers' views again
         if self._pipeline is not None:
             return self._pipelined_train_step(inputs, target)
         micro = self._microbatches(inputs, target)
