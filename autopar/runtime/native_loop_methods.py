@@ -36,7 +36,8 @@ __all__ = ["NativeLoopMethods"]
 
 class NativeLoopMethods:
     """Mixed into ``ParallelModel`` (which holds ``comm``, ``store``, ``training``, ``_builder``,
-    ``_fused``, ``_local``, ``_calls``, ``_state``, ``_grad_sync`` and ``_zero_versions``, and runs
+    ``_fused``, ``_local``, ``_calls``, ``_state``, ``_grad_sync``, ``_zero_versions``,
+    ``_backward_mesh``, ``_optimizer_watch`` and ``_checked_optimizers``, and runs
     ``_ensure_planned``, ``_program_for``, ``_check_batch``, ``_args``, ``_run`` and
     ``ParamStore.gather_zero_params``)."""
 
@@ -140,7 +141,7 @@ class NativeLoopMethods:
         self._backward_mesh = True
 
     def _leave_backward_mesh(self) -> None:
-        if getattr(self, "_backward_mesh", False):
+        if self._backward_mesh:
             self._backward_mesh = False
             leave_mesh(self.comm)
 
@@ -159,7 +160,7 @@ class NativeLoopMethods:
         """From the first backward on: every optimizer's first step is checked for the original
         module's parameters (``_check_user_optimizer``). torch's global step pre-hook, held
         through a weak reference; ``_stop_watching_optimizers`` (at ``close``) removes it."""
-        if getattr(self, "_optimizer_watch", None) is not None:
+        if self._optimizer_watch is not None:
             return
         me = weakref.ref(self)
 
@@ -168,13 +169,11 @@ class NativeLoopMethods:
             if pm is not None:
                 pm._check_user_optimizer(optimizer)
 
-        self._checked_optimizers = weakref.WeakSet()
         self._optimizer_watch = register_optimizer_step_pre_hook(check)
 
     def _stop_watching_optimizers(self) -> None:
-        handle = getattr(self, "_optimizer_watch", None)
-        if handle is not None:
-            handle.remove()
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.remove()
             self._optimizer_watch = None
 
     def _check_user_optimizer(self, optimizer) -> None:

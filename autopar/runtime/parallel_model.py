@@ -146,6 +146,9 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
         self._zero_versions: dict[str, int] = {}
+        self._backward_mesh = False  # the native loop's backward pass entered the plan's mesh
+        self._optimizer_watch = None  # the native loop's check of the user's optimizers (a torch hook)
+        self._checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
         self._tracker: MemoryTracker | None = None  # set by measure_step
         self._checkpointer = Checkpointer(self)
         self._checkpointing: Checkpointing | None = None  # compile(checkpoint=...): train_step saves
