@@ -24,7 +24,7 @@ from autopar.layouts import Layout, Partial, chunk_range, parse_layout
 from autopar.resharding import ReshardStep, reshard_steps_for
 from autopar.runtime.comm import MeshComm, set_site
 
-__all__ = ["active_mesh", "current_mesh", "reshard", "apply_steps", "shard_tensor", "slice_dim",
+__all__ = ["active_mesh", "enter_mesh", "leave_mesh", "current_mesh", "reshard", "apply_steps", "shard_tensor", "slice_dim",
            "gather_dim", "reduce_scatter_dim"]
 
 _ACTIVE: list[MeshComm] = []
@@ -38,6 +38,22 @@ def active_mesh(comm: MeshComm):
         yield comm
     finally:
         _ACTIVE.pop()
+
+
+def enter_mesh(comm: MeshComm) -> None:
+    """Make ``comm`` the active mesh until ``leave_mesh(comm)``, across calls (a backward pass
+    starts in one autograd hook and ends in another); ``active_mesh`` where one block suffices."""
+    _ACTIVE.append(comm)
+
+
+def leave_mesh(comm: MeshComm) -> bool:
+    """Undo the latest ``enter_mesh(comm)`` (found by identity, wherever it sits in the stack);
+    False where ``comm`` was not active."""
+    for i in range(len(_ACTIVE) - 1, -1, -1):
+        if _ACTIVE[i] is comm:
+            del _ACTIVE[i]
+            return True
+    return False
 
 
 def current_mesh() -> MeshComm:

@@ -29,19 +29,21 @@ __all__ = ["ExpertRows", "row_local_name"]
 
 
 class _AllToAllV(torch.autograd.Function):
-    """Rows to ranks by ``in_splits``, rows from ranks by ``out_splits``; backward the reverse."""
+    """Rows to ranks by ``in_splits``, rows from ranks by ``out_splits``; backward the reverse,
+    over the mesh the forward used (backward may run outside any step: the native loop's)."""
 
     @staticmethod
     def forward(ctx, x, axis, out_splits, in_splits):
         ctx.axis, ctx.out_splits, ctx.in_splits = axis, out_splits, in_splits
+        ctx.comm = current_mesh()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        current_mesh().all_to_all_v(out, x.contiguous(), axis, out_splits, in_splits)
+        ctx.comm.all_to_all_v(out, x.contiguous(), axis, out_splits, in_splits)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        current_mesh().all_to_all_v(back, grad.contiguous(), ctx.axis, ctx.in_splits, ctx.out_splits)
+        ctx.comm.all_to_all_v(back, grad.contiguous(), ctx.axis, ctx.in_splits, ctx.out_splits)
         return back, None, None, None
 
 

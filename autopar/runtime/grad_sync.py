@@ -251,14 +251,36 @@ class GradSync:
 
     def prepare_accumulation(self) -> None:
         """Before a backward that adds to gradients already reduced (the native loop without
-        ``zero_grad()``): a bucket is all-reduced in place, so what it already holds (the same on
-        every rank) is divided by the number of ranks summing it first, and comes out unchanged."""
+        ``zero_grad()``, or with ``zero_grad(set_to_none=False)``): a bucket is all-reduced in
+        place, so what it already holds is made to sum, over the ranks that reduce it, to the
+        gradient so far. Where every rank holds it alike it is divided by their number. A ZeRO-1
+        parameter's gradient is only its state chunk's on each rank (the chunk the user's optimizer
+        sees and may have zeroed): each rank keeps its own chunk (divided by the ranks holding the
+        same chunk) and zeroes the rest, so each chunk sums to what its owners hold."""
         for b in self.buckets:
             n = 1
             for a in b.axes:
                 n *= self.comm.sizes[a]
-            if n > 1:
+            if n == 1:
+                continue
+            zero1 = [ph for ph in b.members if self.store.slots[ph].zero_stage == 1]
+            if not zero1:
                 self.store.flat_grad(b.dtype)[b.start: b.start + b.numel].div_(n)
+                continue
+            for ph in b.members:
+                s = self.store.slots[ph]
+                g = s.local.grad
+                if s.zero_stage != 1:
+                    g.div_(n)
+                    continue
+                alike = n
+                for a in s.zero_axes:
+                    if a in b.axes:
+                        alike //= self.comm.sizes[a]
+                own = s.opt.grad  # the state chunk: a view of ``g``
+                kept = own.clone()
+                g.zero_()
+                own.copy_(kept.div_(alike) if alike > 1 else kept)
 
     def finish(self) -> None:
         """After the last backward: launch what never filled, reduce-scatter the ZeRO-2 gradients

@@ -5,9 +5,16 @@ ZeRO-1/2's gathering back of parameters the user's optimizer updated.
 
 Invariants (the whole contract is in ``runtime.parallel_model``'s docstring): outputs are handed
 over whole (global batches) or as this rank's rows (local batches), as the plan priced; cleared
-gradients start from zero and kept ones accumulate; every parameter's ``.grad`` DTensor is set
-once the backward pass ends; a ZeRO-1/2 parameter whose DTensor's version counter moved is
-gathered whole before the next forward.
+gradients start from zero and kept ones accumulate, over any number of ``backward`` calls (a
+graph kept with ``retain_graph=True`` runs the plan's reductions again each time); every
+parameter's ``.grad`` DTensor is set once the backward pass ends; the backward pass runs under
+the plan's mesh (recomputed blocks and expert exchanges communicate in it); a ZeRO-1/2 parameter
+whose DTensor's version counter moved on some rank is gathered whole before the next forward.
+
+Refused, naming the fix (every rank alike, before any collective): a backward with
+``create_graph=True`` (the program's collectives and gradient buffers are first order), and a
+step of an optimizer over the user's original module's parameters (which no backward of the
+compiled model reaches: it would train nothing).
 """
 from __future__ import annotations
 
@@ -15,10 +22,12 @@ import weakref
 
 import torch
 import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import AutoparError
+from autopar.runtime.agreement import any_rank
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.collectives import active_mesh
+from autopar.runtime.collectives import active_mesh, enter_mesh, leave_mesh
 from autopar.runtime.comm import collective_site
 from autopar.runtime.prefetch import drain_gradient_reductions
 
@@ -27,7 +36,8 @@ __all__ = ["NativeLoopMethods"]
 
 class NativeLoopMethods:
     """Mixed into ``ParallelModel`` (which holds ``comm``, ``store``, ``training``, ``_builder``,
-    ``_fused``, ``_local``, ``_calls``, ``_state``, ``_grad_sync`` and ``_zero_versions``, and runs
+    ``_fused``, ``_local``, ``_calls``, ``_state``, ``_grad_sync``, ``_zero_versions``,
+    ``_backward_mesh``, ``_optimizer_watch`` and ``_checked_optimizers``, and runs
     ``_ensure_planned``, ``_program_for``, ``_check_batch``, ``_args``, ``_run`` and
     ``ParamStore.gather_zero_params``)."""
 
@@ -45,6 +55,7 @@ class NativeLoopMethods:
                 "pm.train_step(...); pm(x) serves evaluation here (pm.eval() or torch.no_grad()). For your own training "
                 "loop, compile without optimizer= and build the optimizer over pm.parameters()")
         self._ensure_planned(inputs, None)
+        self._leave_backward_mesh()  # a backward pass that failed midway never left it
         kind = "forward" if self.training else "forward-eval"
         prog = self._program_for(kind, inputs, None)
         with collective_failures("forward"):
@@ -81,27 +92,40 @@ class NativeLoopMethods:
             t.register_hook((lambda g: g / n) if rows else mean_over_shards)
 
     def _arm_backward(self, outputs: list) -> None:
-        """Hook the first gradient that reaches an output: it starts this rank's backward through
-        the program. Then: gradients the user cleared start from zero, gradients kept accumulate
-        (``prepare_accumulation``), and at the end of the backward pass the plan's gradient
-        reductions are finished and every parameter's ``.grad`` DTensor set."""
+        """Hook the first gradient that reaches an output in each backward pass: it starts this
+        rank's backward through the program (``_begin_backward``) and queues its end
+        (``_end_backward``). A graph kept with ``retain_graph=True`` starts again at its next
+        backward, as one device accumulates again."""
         from torch.autograd import Variable
 
         me = weakref.ref(self)
-        fired = [False]
+        running = [False]  # this forward's graph is inside a backward pass
+
+        def end():
+            running[0] = False
+            pm = me()
+            if pm is not None:
+                pm._end_backward()
 
         def start(grad):
             pm = me()
-            if pm is not None and not fired[0]:
-                fired[0] = True
+            if pm is not None and not running[0]:
+                if torch.is_grad_enabled():  # backward(create_graph=True) / autograd.grad(..., create_graph=True)
+                    raise AutoparError(
+                        "backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
+                        "product) is not supported on a compiled model: its collectives and gradient buffers are "
+                        "first order, so second-order terms would be lost. Run backward without create_graph, or "
+                        "compute the second-order term on a model that is not compiled")
                 pm._begin_backward()
-                Variable._execution_engine.queue_callback(pm._end_backward)
+                running[0] = True
+                Variable._execution_engine.queue_callback(end)
             return grad
 
         for t in outputs:
             t.register_hook(start)
 
     def _begin_backward(self) -> None:
+        self.store.own_grads()  # a .grad the user replaced is a buffer's view again
         cleared = set(self._state.user_grads_cleared())
         trainable = [ph for ph, s in self.store.slots.items() if s.trainable]
         if len(cleared) == len(trainable):
@@ -111,13 +135,66 @@ class NativeLoopMethods:
                 self.store.zero_grad_of(ph)
             self._grad_sync.prepare_accumulation()
         self._grad_sync.arm(last_microbatch=True)
+        # recomputed blocks and the expert exchanges' backward communicate over the plan's mesh
+        self._leave_backward_mesh()
+        enter_mesh(self.comm)
+        self._backward_mesh = True
+
+    def _leave_backward_mesh(self) -> None:
+        if self._backward_mesh:
+            self._backward_mesh = False
+            leave_mesh(self.comm)
 
     def _end_backward(self) -> None:
-        with collective_failures("backward"), active_mesh(self.comm):
-            self._grad_sync.finish()
-            drain_gradient_reductions(self.comm)
+        try:
+            with collective_failures("backward"), active_mesh(self.comm):
+                self._grad_sync.finish()
+                drain_gradient_reductions(self.comm)
+        finally:
+            self._leave_backward_mesh()
         self._state.publish_grads()
+        self._watch_user_optimizers()
 
+    # ------------------------------------------------------------------ the user's optimizer
+    def _watch_user_optimizers(self) -> None:
+        """From the first backward on: every optimizer's first step is checked for the original
+        module's parameters (``_check_user_optimizer``). torch's global step pre-hook, held
+        through a weak reference; ``_stop_watching_optimizers`` (at ``close``) removes it."""
+        if self._optimizer_watch is not None:
+            return
+        me = weakref.ref(self)
+
+        def check(optimizer, _args, _kwargs):
+            pm = me()
+            if pm is not None:
+                pm._check_user_optimizer(optimizer)
+
+        self._optimizer_watch = register_optimizer_step_pre_hook(check)
+
+    def _stop_watching_optimizers(self) -> None:
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.remove()
+            self._optimizer_watch = None
+
+    def _check_user_optimizer(self, optimizer) -> None:
+        """Refuse an optimizer over the user's original module (``model.parameters()``, or built
+        before ``compile``): the compiled model trains its own DTensor parameters, so those never
+        get a gradient and the step would silently train nothing. An optimizer whose original
+        parameters do hold gradients (the module trained by itself, e.g. as a reference) is left be."""
+        if optimizer in self._checked_optimizers:
+            return
+        originals = {id(p) for p in self._builder.model.parameters() if p.requires_grad}
+        held = [p for group in optimizer.param_groups for p in group["params"] if id(p) in originals]
+        if held and all(p.grad is None for p in held):
+            raise AutoparError(
+                f"{type(optimizer).__name__}.step(): this optimizer holds {len(held)} parameter(s) of the original "
+                f"{self._model_class} (model.parameters(), or an optimizer built before autopar.compile), which the "
+                "compiled model does not train: its backward sets the gradients of pm.parameters() (DTensors), so this "
+                "step would change nothing. Build the optimizer over the compiled model's parameters after compile: "
+                "opt = torch.optim.AdamW(pm.parameters(), ...)")
+        self._checked_optimizers.add(optimizer)
+
+    # ------------------------------------------------------------------ ZeRO-1/2 parameters
     def _zero_param_versions(self) -> dict[str, int]:
         # the DTensor's own counter: in-place ops reach its local tensor below autograd's
         # ADInplaceOrView key (inside DTensor's dispatch), which leaves the local counter unmoved
@@ -128,8 +205,12 @@ class NativeLoopMethods:
 
     def _sync_zero_params(self) -> None:
         """ZeRO-1/2 in the native loop: the user's optimizer updated the ``Shard(state_dim)`` pieces
-        (the DTensor parameters' version counters moved); gather them back into the whole parameters."""
-        if self._zero_param_versions() != self._zero_versions:
+        (the DTensor parameters' version counters moved); gather them back into the whole parameters.
+        Whether a counter moved is this rank's own state and the gather is a collective: every rank
+        gathers where one rank's moved (``agreement.any_rank``)."""
+        if not self.store.zero_slots():  # the plan's fact, the same on every rank
+            return
+        if any_rank(self._zero_param_versions() != self._zero_versions):
             with active_mesh(self.comm):
                 self.store.gather_zero_params()
             self._note_zero_versions()

@@ -147,6 +147,9 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
         self._zero_versions: dict[str, int] = {}
+        self._backward_mesh = False  # the native loop's backward pass entered the plan's mesh
+        self._optimizer_watch = None  # the native loop's check of the user's optimizers (a torch hook)
+        self._checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
         self._tracker: MemoryTracker | None = None  # set by measure_step
         self._checkpointer = Checkpointer(self)
         self._checkpointing: Checkpointing | None = None  # compile(checkpoint=...): train_step saves
@@ -309,9 +312,11 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
     def close(self) -> None:
         """Remove hooks and release process-group references (then destroy_process_group is safe).
         Models still open at interpreter exit are closed then (``_close_all``)."""
-        parts = [self._grad_sync.close, self.comm.close] if self.plan is not None else []
-        if self.plan is not None and self._pipeline is not None:
-            parts.append(self._pipeline.close)
+        parts = [self._stop_watching_optimizers]
+        if self.plan is not None:
+            parts += [self._leave_backward_mesh, self._grad_sync.close, self.comm.close]
+            if self._pipeline is not None:
+                parts.append(self._pipeline.close)
         parts.append(self._checkpointer.close)  # the save in flight completes (or its failure is raised)
         _LIVE.discard(self)
         _all_then_first_failure(parts)
@@ -429,6 +434,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         return total
 
     def _train_step(self, inputs: tuple, target: Any) -> float:
+        self.store.own_grads()  # pm.optimizer.zero_grad() set .grad to None: the buffers' views again
         if self._pipeline is not None:
             return self._pipelined_train_step(inputs, target)
         micro = self._microbatches(inputs, target)

@@ -11,7 +11,9 @@ Invariants:
   ``local.grad`` is a view, backward accumulates into it in place, and data-parallel buckets are
   contiguous ranges of it: nothing holds a second copy. ZeRO-2 parameters instead accumulate a
   full gradient only until it is reduce-scattered into their shard of a flat shard buffer
-  (``opt.grad`` is a view of it). ``zero_grads()`` zeroes the buffers; grads are never None;
+  (``opt.grad`` is a view of it). ``zero_grads()`` zeroes the buffers; the buffers own ``.grad``:
+  where the user's ``zero_grad(set_to_none=True)`` (or an assignment) took a view away,
+  ``own_grads()`` puts it back (zeroed, or holding what was assigned) before the next backward;
 * replicas start equal: full tensors are broadcast from rank 0 before each rank takes its shard
   (as DDP does), whatever seed each process used.
 """
@@ -103,6 +105,7 @@ class ParamStore:
             self.buffers[ph] = shard_tensor(full, layout, comm).clone()
         self._grad_flat: dict[torch.dtype, torch.Tensor] = {}
         self._shard_flat: dict[torch.dtype, torch.Tensor] = {}
+        self._views: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # ph -> (local.grad, opt.grad)
         self.grad_order = [ph for ph in order if ph in self.slots and self.slots[ph].trainable]
         self._make_grads()
 
@@ -139,6 +142,7 @@ class ParamStore:
                 moved.insert(0, moved.pop(s.state_dim))
                 s.opt.grad = region.view(moved).movedim(0, s.state_dim)
                 shard_offsets[dt] = o + n
+                self._views[ph] = (None, s.opt.grad)
             else:
                 n = s.local.numel()
                 o = offsets[dt]
@@ -150,6 +154,20 @@ class ParamStore:
                     s.opt.grad = s.local.grad.narrow(s.state_dim, start, length)
                 else:
                     s.opt = s.local
+                self._views[ph] = (s.local.grad, s.opt.grad if s.zero_stage == 1 else None)
+
+    def own_grads(self) -> None:
+        """Put every gradient view of the buffers back where ``.grad`` lost it: a torch loop's
+        ``optimizer.zero_grad()`` sets ``.grad`` to None (the view then starts from zero), an
+        assignment puts another tensor there (its values are copied in). Call before a backward:
+        the bucketed all-reduce and the reduce-scatters read and write the buffers, so a ``.grad``
+        cut off them would be neither reduced nor reach the optimizer."""
+        for ph, (local_view, opt_view) in self._views.items():
+            s = self.slots[ph]
+            if local_view is not None:
+                _own(s.local, local_view)
+            if opt_view is not None:
+                _own(s.opt, opt_view)
 
     def _opt_numel(self, s: ParamSlot) -> int:
         _, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
@@ -206,12 +224,16 @@ class ParamStore:
         """ZeRO-1/2, after the optimizer step: all-gather the updated ``Shard(state_dim)`` pieces
         back into the whole parameter. In place where each shard is a contiguous block of it
         (``layouts.zero_gather_in_place``: no buffer, no copy back; on 4 gloo processes an 8 MiB
-        gather so took 8.3 ms against 13.6 into a new buffer copied back), else through a buffer."""
+        gather so took 8.3 ms against 13.6 into a new buffer copied back), else through a buffer.
+        Each parameter's version counter moves, as any in-place write's would (c10d's and a
+        ``no_grad`` copy into a leaf's storage may not move it): a graph saved before the step
+        then refuses to backward through the overwritten values instead of using them."""
         comm = self.comm
         for s in self.zero_slots():
             d = s.state_dim
             if s.local.is_contiguous() and zero_gather_in_place(s.local.shape, d, s.zero_axes, comm.sizes):
                 comm.all_gather(s.local, s.opt.detach(), s.zero_axes[0])
+                _written(s.local)
                 continue
             lengths = [s.local.shape[d]]  # the dim's length before each level of chunking
             for a in sorted(s.zero_axes)[:-1]:
@@ -220,6 +242,25 @@ class ParamStore:
             for a, size in zip(reversed(sorted(s.zero_axes)), reversed(lengths)):
                 x = gather_dim(x, d, comm, a, size if size % comm.sizes[a] else None)
             s.local.copy_(x)
+            _written(s.local)
+
+
+def _written(t: torch.Tensor) -> None:
+    """Move ``t``'s version counter once, whatever the write into its storage already did."""
+    torch.autograd.graph.increment_version(t)
+
+
+def _own(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``view`` (a gradient buffer's) ``param.grad`` again, holding what ``.grad`` held."""
+    g = param.grad
+    if g is view:
+        return
+    with torch.no_grad():
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.stride() != view.stride():
+            view.copy_(g)
+    param.grad = view
 
 
 def _replicate_from_rank0(t: torch.Tensor) -> torch.Tensor:
