@@ -208,7 +208,10 @@ class NativeLoopMethods:
         (the DTensor parameters' version counters moved); gather them back into the whole parameters.
         Whether a counter moved is this rank's own state and the gather is a collective: every rank
         gathers where one rank's moved (``agreement.any_rank``)."""
-        if not self.store.zero_slots():  # the plan's fact, the same on every rank
+        if self._zero12_of is not self.store:  # once per plan: whether ANY rank holds ZeRO-1/2 slots (pipeline
+            # stages and expert groups hold different parameters, so a rank's own slots decide nothing alone)
+            self._zero12_of, self._zero12 = self.store, any_rank(bool(self.store.zero_slots()))
+        if not self._zero12:
             return
         if any_rank(self._zero_param_versions() != self._zero_versions):
             with active_mesh(self.comm):
