@@ -25,9 +25,10 @@ from autopar.runtime.monitor import Monitoring, SlowStepWarning
 from autopar.runtime.compile import compile
 from autopar.runtime.launch import launch
 from autopar.runtime.parallel_model import ParallelModel
+from autopar.runtime.in_place import export_module
 
 __all__ = [
     "Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "Constraints", "annotate", "Plan", "plan",
-    "SolverConfig", "compile", "Checkpointing", "Resumed", "Monitoring", "SlowStepWarning", "CheckpointError", "launch", "ParallelModel", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
+    "SolverConfig", "compile", "Checkpointing", "Resumed", "Monitoring", "SlowStepWarning", "CheckpointError", "launch", "ParallelModel", "export_module", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
     "PlanFormatError", "TraceError",
 ]

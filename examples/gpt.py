@@ -100,6 +100,15 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """nanoGPT's loop, greedy: append the most likely next token ``max_new_tokens`` times
+        (the context cropped to ``block_size``)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])
+            idx = torch.cat([idx, logits[:, -1, :].argmax(dim=-1, keepdim=True)], dim=1)
+        return idx
+
 
 def gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))

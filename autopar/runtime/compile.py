@@ -9,6 +9,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -25,6 +26,7 @@ from autopar.runtime.launch import device_mesh, init_distributed
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.monitor import Monitoring, StepMonitor
 from autopar.runtime.input_check_methods import missing_target
+from autopar.runtime.in_place import is_sharded_in_place, plain_state, shard_in_place
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.trace import trace_model
 
@@ -102,6 +104,10 @@ def compile(
 
     # every argument is checked before the process group starts (each rank checks the same inputs)
     check_cluster_arg(cluster)
+    if is_sharded_in_place(model):
+        raise AutoparError(
+            f"this {type(model).__name__} was compiled already (autopar.compile shards the model in place: its parameters "
+            "are that plan's DTensors); keep using it, or compile a plain copy: autopar.compile(autopar.export_module(model), ...)")
     fused = optimizer is not None
     if isinstance(optimizer, str):
         raise ConstraintError(
@@ -154,6 +160,7 @@ def compile(
     builder = _Builder(model=model, cluster=cluster, constraints=constraints, given_plan=plan, policy=policy,
                        spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer, local=batch == "local", lr_scheduler=lr_scheduler)
     pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
+    shard_in_place(model, pm, builder)  # model holds pm's tensors from here on (``runtime.in_place``)
     if checkpoint is not None:
         _set_up_checkpointing(pm, checkpoint)
     if monitor is not None:
@@ -207,6 +214,16 @@ class _Builder:
         self.lr_scheduler = lr_scheduler
         self.autocast = policy.torch_compute_dtype if policy.mixed else None
         self._signature = None
+        # the model's original tensors: ``source`` (a shallow copy of its tree, ``runtime.in_place``)
+        # holds them until the plan is attached, for the shards to be cut from; weakly remembered after
+        self.source = None
+        self.original_params = weakref.WeakSet(model.parameters())
+
+    def attached(self, pm) -> None:
+        """The plan is attached to ``pm``: the user's module follows its tree, ``source`` is released."""
+        from autopar.runtime.in_place import attached
+
+        attached(self.model, pm, self)
 
     def placeholder_mesh(self):
         return device_mesh(self.device.type, (dist.get_world_size(),), ("world",))
@@ -234,7 +251,7 @@ class _Builder:
             raise InputMismatchError(missing_target("train_step", len(inputs), self.model))
         if agree:
             _agree_on_shapes(inputs, target)
-        with cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
+        with plain_state(self.model), cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
             t0 = time.perf_counter()
             traced = self._trace(inputs, target, with_loss=fused)
             trace_s = time.perf_counter() - t0
@@ -249,8 +266,9 @@ class _Builder:
             else:
                 check_plan_fits_model(plan, traced)
         _check_same_plan(plan)
-        return (plan,) + build_program(self.model, inputs, target, self.loss_fn, traced, plan, self.cluster.device_type,
-                                       self.autocast, own_loss=fused and self.loss_fn is None)
+        with plain_state(self.model):
+            return (plan,) + build_program(self.model, inputs, target, self.loss_fn, traced, plan, self.cluster.device_type,
+                                           self.autocast, own_loss=fused and self.loss_fn is None)
 
     def pinned(self, plan: Plan, kind: str, inputs: tuple, target):
         """(plan, traced, program, loss reduction) of another program over the same shards: the model
@@ -263,7 +281,7 @@ class _Builder:
         was_training = self.model.training
         self.model.train(train)
         try:
-            with cyclic_gc_paused(), torch.no_grad() if not train else contextlib.nullcontext():
+            with plain_state(self.model), cyclic_gc_paused(), torch.no_grad() if not train else contextlib.nullcontext():
                 traced = self._trace(inputs, target, with_loss)
         finally:
             self.model.train(was_training)
@@ -276,8 +294,9 @@ class _Builder:
                                   microbatches=plan.microbatches if with_loss else 1,
                                   recompute=None if train else False, placements=pins)
         other = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec, baseline=False)
-        return (other,) + build_program(self.model, inputs, target, self.loss_fn if with_loss else None, traced, other,
-                                        self.cluster.device_type, self.autocast, own_loss=with_loss and self.loss_fn is None)
+        with plain_state(self.model):
+            return (other,) + build_program(self.model, inputs, target, self.loss_fn if with_loss else None, traced, other,
+                                            self.cluster.device_type, self.autocast, own_loss=with_loss and self.loss_fn is None)
 
     def bind(self, args: tuple, kwargs: dict) -> tuple:
         """The model's inputs as positional arguments: keyword arguments (``labels=``) go to their

@@ -13,8 +13,8 @@ whose DTensor's version counter moved on some rank is gathered whole before the 
 
 Refused, naming the fix (every rank alike, before any collective): a backward with
 ``create_graph=True`` (the program's collectives and gradient buffers are first order), and a
-step of an optimizer over the user's original module's parameters (which no backward of the
-compiled model reaches: it would train nothing).
+step of an optimizer built before ``compile`` over the module's original parameters (which
+``compile`` replaced with the plan's DTensors, ``runtime.in_place``: it would train nothing).
 """
 from __future__ import annotations
 
@@ -177,21 +177,21 @@ class NativeLoopMethods:
             self._optimizer_watch = None
 
     def _check_user_optimizer(self, optimizer) -> None:
-        """Refuse an optimizer over the user's original module (``model.parameters()``, or built
-        before ``compile``): the compiled model trains its own DTensor parameters, so those never
+        """Refuse an optimizer over the user's original parameters (built before ``compile``, which
+        replaced them in the module with the plan's DTensors): the compiled model trains those, so the originals never
         get a gradient and the step would silently train nothing. An optimizer whose original
         parameters do hold gradients (the module trained by itself, e.g. as a reference) is left be."""
         if optimizer in self._checked_optimizers:
             return
-        originals = {id(p) for p in self._builder.model.parameters() if p.requires_grad}
+        originals = {id(p) for p in self._builder.original_params if p.requires_grad}
         held = [p for group in optimizer.param_groups for p in group["params"] if id(p) in originals]
         if held and all(p.grad is None for p in held):
             raise AutoparError(
                 f"{type(optimizer).__name__}.step(): this optimizer holds {len(held)} parameter(s) of the original "
-                f"{self._model_class} (model.parameters(), or an optimizer built before autopar.compile), which the "
-                "compiled model does not train: its backward sets the gradients of pm.parameters() (DTensors), so this "
-                "step would change nothing. Build the optimizer over the compiled model's parameters after compile: "
-                "opt = torch.optim.AdamW(pm.parameters(), ...)")
+                f"{self._model_class} (an optimizer built before autopar.compile, which replaced them with the plan's "
+                "DTensors), which the compiled model does not train: its backward sets the gradients of model.parameters() "
+                "and pm.parameters() (DTensors), so this step would change nothing. Build the optimizer after compile: "
+                "opt = torch.optim.AdamW(model.parameters(), ...) (or pm.parameters(): the same tensors)")
         self._checked_optimizers.add(optimizer)
 
     # ------------------------------------------------------------------ ZeRO-1/2 parameters

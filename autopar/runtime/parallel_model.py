@@ -203,7 +203,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                         if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
         self._param_of_key = _tied_keys(b.model)
         deferred = program.meta.get(GRAD_SYNC_KEY, {})
-        self.store = ParamStore(plan=plan, traced=traced, model=b.model, comm=self.comm, device=self._device,
+        self.store = ParamStore(plan=plan, traced=traced, model=b.source if b.source is not None else b.model, comm=self.comm, device=self._device,
                                 order=_backward_order(program, deferred),
                                 only=stage_state_names(plan, traced, self._stage) if pipelined else None)
         self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
@@ -234,6 +234,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 loss_scale=self._loss_grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
                 stage_ranks=stage_ranks)
         self._note_zero_versions()
+        b.attached(self)  # the user's module follows this tree; the original full tensors are released
         if self._resume_from is not None:
             folder, self._resume_from = self._resume_from, None
             self.resumed = self._checkpointer.load(folder)
