@@ -10,7 +10,8 @@ expects a refusal that names the fix:
   again and accumulate exactly as one device), ``zero_grad`` with and without ``set_to_none``;
 * the native loop on a plan that recomputes, and on dropless experts under ``ep`` (the backward
   pass runs under the plan's mesh);
-* an optimizer over the original module's parameters: refused at its first step;
+* an optimizer built before compile over the module's original parameters: refused at its first
+  step (one built after compile over ``model.parameters()`` trains: the module is sharded in place);
 * ``backward(create_graph=True)``: refused (second-order terms would be lost);
 * ZeRO-1/2 parameters re-gathered after the user's optimizer step: the decision is agreed over
   the ranks (a version counter moved on one rank only), and the gather moves the parameters'
@@ -126,7 +127,9 @@ def original_module_optimizer(built_before_compile: bool) -> dict:
     if not built_before_compile:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn(pm(x), t).backward()
-    out = {"error": _error(opt.step)}
+    out = {"error": _error(opt.step), "before": built_before_compile,
+           # compile shards the module in place: after it, model.parameters() are pm's (runtime.in_place)
+           "same_as_pm": all(a is b for a, b in zip(model.parameters(), pm.parameters()))}
     good = torch.optim.SGD(pm.parameters(), lr=0.05)  # the fix works in the same process
     good.step()
     pm.close()
@@ -262,13 +265,18 @@ def test_native_loop_runs_recompute_and_expert_backward_under_the_mesh(results):
 
 @pytest.mark.slow
 def test_an_optimizer_over_the_original_module_is_refused_at_its_step(results):
+    """Built before compile it holds the original tensors (refused); built after, model.parameters()
+    are the compiled model's own (the module is sharded in place) and it trains."""
     import re
 
     for rank, scenario, r in _each(results, "original"):
+        assert r["same_as_pm"], (rank, scenario, r)
+        if not r["before"]:
+            assert r["error"] == "no error", (rank, scenario, r)
+            continue
         assert re.search(r"AutoparError: (SGD|AdamW)\.step\(\): this optimizer holds \d+ parameter\(s\) of the original GPT "
-                         r"\(model\.parameters\(\), or an optimizer built before autopar\.compile\).*Build the optimizer "
-                         r"over the compiled model's parameters after compile: opt = torch\.optim\.AdamW\(pm\.parameters\(\)",
-                         r["error"]), (rank, scenario, r)
+                         r"\(an optimizer built before autopar\.compile.*Build the optimizer after compile: "
+                         r"opt = torch\.optim\.AdamW\(model\.parameters\(\)", r["error"]), (rank, scenario, r)
 
 
 @pytest.mark.slow

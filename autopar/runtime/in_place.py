@@ -147,8 +147,13 @@ def _in_place_class(cls: type) -> type:
             return original(self, *args, **kwargs)
         return _run(self, pm, original, args, kwargs)
 
-    return type("Autopar" + cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                                   "_autopar_original_class": cls})
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``ParallelModel.load_state_dict``: DTensors, or one device's plain full tensors (each rank
+        copies its shard out of them)."""
+        return self.__dict__[_PM].load_state_dict(state_dict, strict=strict, assign=assign)
+
+    return type("Autopar" + cls.__name__, (cls,), {"forward": forward, "load_state_dict": load_state_dict,
+                                                   "__module__": cls.__module__, "_autopar_original_class": cls})
 
 
 def _holds_dtensors(model: torch.nn.Module) -> bool:

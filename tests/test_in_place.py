@@ -1,0 +1,203 @@
+"""The user's module sharded in place (issue 43, FSDP2's convention; ``runtime.in_place``).
+
+On 2 gloo processes, in one launch, for data parallelism, ZeRO-3 and tensor parallelism:
+
+* after compile the module holds the same parameter objects as ``pm`` (DTensors), and after the
+  first step no tensor storage in the process holds an original full copy of a sharded parameter
+  (every live storage searched for its initial values; the original parameter objects are dead);
+* trained 3 steps (``train_step``, or the native loop ``loss_fn(model(x), y).backward()`` with an
+  optimizer over ``model.parameters()`` built before the first call), ``model.state_dict()``'s
+  full tensors equal the single-device reference trained the same way (fp32, 1e-5 relative);
+* ``model.generate(...)`` (the example GPT's nanoGPT loop, calling ``self(idx)`` with shapes the
+  plan was not compiled for, and with the compiled one) gives the tokens the single-device model
+  with the same weights gives;
+* ``autopar.export_module(model)`` is a plain ``GPT`` whose logits equal the parallel model's
+  (1e-5 relative);
+* refused, naming the fix: compiling a model twice; exporting a pipeline plan.
+"""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+
+TOL = 1e-5
+STEPS = 3
+SCENARIOS = [("dp", {"dp": 2}, "train_step"), ("zero3", {"dp": 2, "zero": 3}, "native"), ("tp", {"tp": 2}, "native"),
+             ("tp_fused", {"tp": 2}, "train_step")]
+
+
+def _fingerprints(model) -> dict:
+    """name -> (numel, the first 8 values) of every parameter: what a stale full copy would hold."""
+    return {k: (p.numel(), p.detach().reshape(-1)[:8].clone()) for k, p in model.named_parameters()}
+
+
+def _copies_alive(prints: dict) -> list[str]:
+    """Names whose initial values (all first 8, at any offset) are in some live float32 tensor storage
+    of at least the parameter's full size."""
+    import gc
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    storages, seen = [], set()
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            continue
+        for t in (obj._local_tensor,) if isinstance(obj, DTensor) else (obj, obj.grad):
+            if t is None or isinstance(t, DTensor) or t.dtype != torch.float32:
+                continue
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                storages.append(torch.empty(0, dtype=torch.float32).set_(s))
+    found = []
+    for name, (numel, head) in prints.items():
+        for flat in storages:
+            if flat.numel() < numel:
+                continue
+            starts = (flat[: flat.numel() - numel + 1] == head[0]).nonzero().flatten().tolist()
+            if any(torch.equal(flat[i: i + len(head)], head) for i in starts):
+                found.append(name)
+                break
+    return found
+
+
+def _train(model, batches, loss_fn, mode: str, cons: dict | None):
+    """3 steps as the user writes them; returns (the model's compiled form or None, losses)."""
+    import torch
+
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)  # noqa: E731
+    x0, t0 = batches[0]
+    pm = None
+    if cons is not None and mode == "train_step":
+        pm = autopar.compile(model, autopar.Cluster.local(), (x0,), loss_fn=loss_fn, optimizer=make,
+                             example_target=t0, constraints=autopar.Constraints(**cons))
+    elif cons is not None:
+        pm = autopar.compile(model, autopar.Cluster.local(), constraints=autopar.Constraints(**cons))
+    opt = make(model.parameters()) if pm is None or mode == "native" else None  # before the first call
+    losses, after_first = [], None
+    for s in range(STEPS):
+        x, t = batches[s]
+        if opt is None:
+            losses.append(pm.train_step(x, target=t))
+        else:
+            loss = loss_fn(model(x), t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        if s == 0 and after_first is None:
+            after_first = True
+            yield pm
+    yield losses
+
+
+def in_place_worker() -> dict:
+    import gc
+    import weakref
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from autopar.runtime.parity import build_case, relative_error
+    from examples.gpt import GPT
+
+    out = {}
+    for label, cons, mode in SCENARIOS:
+        model, batches, loss_fn = build_case("gpt")
+        prints = _fingerprints(model)
+        r = {"scanner_sees_originals": sorted(_copies_alive(prints)) == sorted(prints)}  # the scan can fail
+        originals = [weakref.ref(p) for p in model.parameters()]
+        run = _train(model, batches, loss_fn, mode, cons)
+        pm = next(run)  # compiled, one step taken
+        gc.collect()
+        sharded = sorted(k for k, p in pm.plan.params.items() if "S(" in p.layout)
+        r["sharded"] = sharded
+        r["full_copies"] = sorted(set(_copies_alive({k: prints[k] for k in sharded})))
+        r["originals_alive"] = sum(w() is not None for w in originals)
+        r["same_objects"] = [id(p) for p in model.parameters()] == [id(p) for p in pm.parameters()]
+        r["dtensors"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+        losses = next(run)
+        ref, _, _ = build_case("gpt")  # the same initial weights (seeded), trained the same way
+        ref_run = _train(ref, batches, loss_fn, mode, None)
+        next(ref_run)
+        want = next(ref_run)
+        r["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        r["param_err"] = max(relative_error(full[k], v) for k, v in ref.state_dict().items())
+        r["keys_match"] = list(full) == list(ref.state_dict())
+        # generation: shapes never compiled (eager) and the compiled one; against one device with these weights
+        same = GPT(ref.cfg)
+        same.load_state_dict(full)
+        model.eval()
+        same.eval()
+        prompt = batches[3][0][:, :29]  # grows to 33 tokens: 29, 30, 31 eager, then 32 (compiled) twice
+        got = model.generate(prompt, 4)
+        r["generate_equal"] = torch.equal(got, same.generate(prompt, 4))
+        r["generate_type"] = type(got).__name__
+        plain = autopar.export_module(model)
+        r["export_class"] = type(plain).__name__
+        r["export_plain"] = not any(isinstance(t, DTensor) for t in plain.state_dict().values())
+        x = batches[4][0]
+        with torch.no_grad():
+            logits = model(x)  # the compiled program
+            r["export_err"] = relative_error(plain(x), logits)
+        r["twice"] = _error(lambda: autopar.compile(model, autopar.Cluster.local()))
+        out[label] = r
+        pm.close()
+        del pm, model, plain, run
+        gc.collect()
+    model, batches, loss_fn = build_case("gpt")
+    pm = autopar.compile(model, autopar.Cluster.local(), (batches[0][0],), loss_fn=loss_fn, example_target=batches[0][1],
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), constraints=autopar.Constraints(pp=2))
+    out["pp_keys"] = sorted(model.state_dict()) == sorted(pm.state_dict())
+    out["pp_export"] = _error(lambda: autopar.export_module(model))
+    pm.close()
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def results():
+    return autopar.launch(in_place_worker, 2, timeout_s=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", [s[0] for s in SCENARIOS])
+def test_the_module_holds_the_trained_shards_and_no_full_copy(results, label):
+    for rank, out in enumerate(results):
+        r = out[label]
+        assert r["scanner_sees_originals"], r
+        assert r["same_objects"] and r["dtensors"], (rank, label, r)
+        assert r["originals_alive"] == 0, (rank, label, r)
+        if label != "dp":
+            assert r["sharded"], (rank, label, r)  # the plan shards something: the scan means something
+        assert r["full_copies"] == [], (rank, label, r)
+        assert r["keys_match"] and r["loss_err"] <= TOL and r["param_err"] <= TOL, (rank, label, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", [s[0] for s in SCENARIOS])
+def test_generate_and_export_match_one_device(results, label):
+    for rank, out in enumerate(results):
+        r = out[label]
+        assert r["generate_equal"] and r["generate_type"] == "Tensor", (rank, label, r)
+        assert r["export_class"] == "GPT" and r["export_plain"] and r["export_err"] <= TOL, (rank, label, r)
+
+
+@pytest.mark.slow
+def test_refusals_name_the_fix(results):
+    for out in results:
+        for label, *_ in SCENARIOS:
+            assert out[label]["twice"].startswith("AutoparError: this AutoparGPT was compiled already"), out[label]["twice"]
+            assert "autopar.export_module(model)" in out[label]["twice"]
+        assert out["pp_keys"]
+        assert out["pp_export"].startswith("AutoparError: export_module: the plan pipelines the model over 2 stages"), out
