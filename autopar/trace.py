@@ -143,6 +143,12 @@ def _fake_like(t: torch.Tensor, device: str, requires_grad: bool) -> torch.Tenso
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
+def model_class_name(model: torch.nn.Module) -> str:
+    """The model's class name; for a module ``autopar.compile`` sharded in place (class
+    ``Autopar<Class>``, ``runtime.in_place``), its own class's."""
+    return getattr(type(model), "_autopar_original_class", type(model)).__name__
+
+
 def _sanitize(fqn: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in fqn)
 
@@ -159,7 +165,7 @@ class _ModuleTracker:
 
     def __init__(self, model: torch.nn.Module):
         self.names = {id(m): name for name, m in model.named_modules()}
-        self.classes = {id(m): type(m).__name__ for _, m in model.named_modules()}
+        self.classes = {id(m): model_class_name(m) for _, m in model.named_modules()}
         self.modules = {id(m): m for _, m in model.named_modules()}
         self.stack: list[int] = []
         # module path -> the storage keys (``tensor_key``) of its first call's positional
@@ -344,7 +350,7 @@ def trace_model(
     flat = fakes(fake_mode)
 
     n_p, n_b = len(p_names), len(b_names)
-    finish = _OwnLoss(type(model).__name__) if own_loss else _FlatOutputs(scalar_as_is=not to_user)
+    finish = _OwnLoss(model_class_name(model)) if own_loss else _FlatOutputs(scalar_as_is=not to_user)
 
     def train_fn(*args):
         state = dict(zip(p_names, args[:n_p]))
@@ -468,7 +474,7 @@ def trace_model(
         input_names=input_names,
         target_name=target_name,
         has_loss=is_loss,
-        model_class=type(model).__name__,
+        model_class=model_class_name(model),
         num_params=sum(p.numel() for p in params.values()),
         out_spec=None if (has_target or own_loss) else finish.spec,
         stacked=stacked,

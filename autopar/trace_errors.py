@@ -118,7 +118,7 @@ def refuse_mixed_dtypes(graph: fx.Graph, model: torch.nn.Module, autocast_dtype:
     trace it without a word, and the program would fail (or compute in another precision) later.
     Under autocast (``autocast_dtype``) the operands autocast casts count as that dtype (float64 is
     never cast)."""
-    classes = {path: type(m).__name__ for path, m in model.named_modules()}
+    classes = {path: _class_name(m) for path, m in model.named_modules()}
 
     def as_run(dtype):
         return autocast_dtype if autocast_dtype is not None and dtype != torch.float64 else dtype
@@ -132,7 +132,7 @@ def refuse_mixed_dtypes(graph: fx.Graph, model: torch.nn.Module, autocast_dtype:
             continue
         dtypes = list(dict.fromkeys(floats))
         path = n.meta.get("autopar.module", "")
-        where = f"module '{path}' ({classes.get(path, '?')})" if path else f"the model's top-level forward ({type(model).__name__})"
+        where = f"module '{path}' ({classes.get(path, '?')})" if path else f"the model's top-level forward ({_class_name(model)})"
         inputs = [a for a in n.all_input_nodes if a.meta.get("autopar.kind") in ("input", "target")]
         params = {v.dtype for a in n.all_input_nodes if a.meta.get("autopar.kind") == "param"
                   for v in [a.meta.get("val")] if isinstance(v, torch.Tensor)}
@@ -168,12 +168,12 @@ def raise_data_dependent_size(graph: fx.Graph, model: torch.nn.Module, key: str)
     """Raise the ``TraceError`` for a value whose size depends on tensor values (``key``: the node
     mark ``data_dependent`` writes) left outside any token-wise module: naming the op that made it,
     its module, and the forms that plan."""
-    classes = {path: type(m).__name__ for path, m in model.named_modules()}
+    classes = {path: _class_name(m) for path, m in model.named_modules()}
     n = next(n for n in graph.nodes if n.meta.get(key))
     origin = next((a for a in graph.nodes if a.meta.get(key) and a.op == "call_function"
                    and not any(b.meta.get(key) for b in a.all_input_nodes)), n)
     path = origin.meta.get("autopar.module", "")
-    where = f"module '{path}' ({classes.get(path, '?')})" if path else f"the model's top-level forward ({type(model).__name__})"
+    where = f"module '{path}' ({classes.get(path, '?')})" if path else f"the model's top-level forward ({_class_name(model)})"
     op = _op_name(origin)
     raise TraceError(
         f"autopar cannot plan {where}: it calls {_DATA_DEPENDENT_OPS.get(op, op)} (aten.{op}), whose output size "
@@ -182,3 +182,8 @@ def raise_data_dependent_size(graph: fx.Graph, model: torch.nn.Module, key: str)
         "README's 'Mixture of experts'). Otherwise keep the size fixed (e.g. a fixed number of classes: "
         "torch.bincount(x, minlength=n) or one_hot instead of torch.unique; torch.where(mask, x, 0) instead of "
         "x[mask]), or compute the data-dependent part outside the model and pass it in as an input")
+
+
+def _class_name(m: torch.nn.Module) -> str:
+    """A module's class name (a module sharded in place, ``Autopar<Class>``: its own class's)."""
+    return getattr(type(m), "_autopar_original_class", type(m)).__name__

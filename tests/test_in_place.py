@@ -197,7 +197,7 @@ def test_generate_and_export_match_one_device(results, label):
 def test_refusals_name_the_fix(results):
     for out in results:
         for label, *_ in SCENARIOS:
-            assert out[label]["twice"].startswith("AutoparError: this AutoparGPT was compiled already"), out[label]["twice"]
+            assert out[label]["twice"].startswith("AutoparError: this GPT was compiled already"), out[label]["twice"]
             assert "autopar.export_module(model)" in out[label]["twice"]
         assert out["pp_keys"]
         assert out["pp_export"].startswith("AutoparError: export_module: the plan pipelines the model over 2 stages"), out

@@ -28,7 +28,7 @@ from autopar.runtime.monitor import Monitoring, StepMonitor
 from autopar.runtime.input_check_methods import missing_target
 from autopar.runtime.in_place import is_sharded_in_place, plain_state, shard_in_place
 from autopar.runtime.parallel_model import ParallelModel
-from autopar.trace import trace_model
+from autopar.trace import model_class_name, trace_model
 
 __all__ = ["compile"]
 
@@ -106,7 +106,7 @@ def compile(
     check_cluster_arg(cluster)
     if is_sharded_in_place(model):
         raise AutoparError(
-            f"this {type(model).__name__} was compiled already (autopar.compile shards the model in place: its parameters "
+            f"this {model_class_name(model)} was compiled already (autopar.compile shards the model in place: its parameters "
             "are that plan's DTensors); keep using it, or compile a plain copy: autopar.compile(autopar.export_module(model), ...)")
     fused = optimizer is not None
     if isinstance(optimizer, str):
@@ -311,11 +311,11 @@ class _Builder:
         unknown = [k for k in kwargs if k not in names]
         if unknown:
             raise AutoparError(
-                f"{type(self.model).__name__}.forward has no parameter {unknown[0]!r} that autopar can pass (it passes "
+                f"{model_class_name(self.model)}.forward has no parameter {unknown[0]!r} that autopar can pass (it passes "
                 f"inputs by position: {names[:8]}); pass the inputs positionally")
         last = max(names.index(k) for k in kwargs)
         if len(args) > last:
-            raise AutoparError(f"{type(self.model).__name__}.forward got {names[last]!r} both by position and by keyword")
+            raise AutoparError(f"{model_class_name(self.model)}.forward got {names[last]!r} both by position and by keyword")
         out = list(args)
         for p in positional[len(args): last + 1]:
             if p.name in kwargs:
@@ -323,7 +323,7 @@ class _Builder:
             elif p.default is not p.empty:
                 out.append(p.default)
             else:
-                raise AutoparError(f"{type(self.model).__name__}.forward needs {p.name!r}: pass it")
+                raise AutoparError(f"{model_class_name(self.model)}.forward needs {p.name!r}: pass it")
         return tuple(out)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from autopar.errors import InputMismatchError
 from autopar.layouts import Shard, chunk_range
 from autopar.runtime.input_checks import FIRST_CHECKED_STEPS, Example, checksum, mismatch
-from autopar.trace import TensorMeta
+from autopar.trace import TensorMeta, model_class_name
 
 if TYPE_CHECKING:
     from autopar.runtime.parallel_model import _Program
@@ -193,7 +193,7 @@ def missing_target(where: str, given: int, model: torch.nn.Module) -> str:
     n = sum(1 for p in inspect.signature(model.forward).parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     if given > n:
-        text += f"; it got {given} inputs where {type(model).__name__}.forward takes {n}: was the target passed positionally?"
+        text += f"; it got {given} inputs where {model_class_name(model)}.forward takes {n}: was the target passed positionally?"
     return text
 
 
