@@ -60,6 +60,13 @@ def compile(
     the plan prices AdamW's state for it). ``example_inputs`` (the model's positional inputs)
     plans here instead.
 
+    The model is sharded in place (``runtime.in_place``, FSDP2's convention): from here on
+    ``model`` holds ``pm``'s tensors (the plan's DTensors once it exists; no full copy is kept),
+    so ``model.parameters()``, ``model.state_dict()`` and ``model(x)`` (the sharded program; under
+    ``no_grad`` a batch of other shapes runs the model's own forward eagerly, every rank together,
+    e.g. ``model.generate(...)``) work as on ``pm``; ``autopar.export_module(model)`` gives a plain
+    one-device copy. A model can be compiled once.
+
     ``optimizer=`` (a factory: parameter list -> optimizer) selects the fused path,
     ``pm.train_step(*inputs, target=...)``, with the loss inside the plan: ``loss_fn(output,
     target)``, or with no ``loss_fn`` the loss the model returns itself (a scalar, or ``.loss``:

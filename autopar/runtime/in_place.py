@@ -174,9 +174,12 @@ def _run(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
         pm.train(model.training)
     if pm.plan is None or pm._local or torch.is_grad_enabled():
         return pm(*args, **kwargs)
-    inputs = pm._builder.bind(args, kwargs)
+    try:
+        inputs = pm._builder.bind(args, kwargs)
+    except AutoparError:  # keywords the compiled program cannot take (a generation cache): the model's own code
+        inputs = None
     want = pm._primary.example.inputs
-    compiled = len(inputs) == len(want) and all(mismatch(x, w) is None for x, w in zip(inputs, want))
+    compiled = inputs is not None and len(inputs) == len(want) and all(mismatch(x, w) is None for x, w in zip(inputs, want))
     if pm._check_mode != "never":  # the branch gates collectives: every rank takes the same one
         compiled = every_rank(compiled)
     if compiled:
@@ -189,7 +192,9 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     whole as it is called and put back when it returns (as FSDP unshards one module at a time: at
     most one module's parameters whole beyond the shards), so every op runs on plain tensors; a
     DTensor used outside its module meets plain tensors as replicated (``implicit_replication``).
-    DTensor outputs come back as plain full tensors. Gathers are collectives: every rank calls."""
+    DTensor outputs come back as plain full tensors. Gathers are collectives: every rank calls.
+    A buffer the forward writes (BatchNorm's statistics in train mode) is written to the gathered
+    copy only: evaluate in ``eval()`` mode."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     from autopar.runtime.collective_errors import collective_failures
