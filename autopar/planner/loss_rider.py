@@ -4,7 +4,7 @@ The runtime sums a step's microbatch loss values on each rank and reduces them o
 all-reduce of the gradient bucket that ends the float32 gradient buffer when that bucket syncs
 over exactly the loss's first partial axis, else in an all-reduce of its own. The buffer ends
 with the gradient of the first parameter the forward uses among those the buckets sync
-(``ParallelModel._backward_order``). This module applies the same rule to a plan's layouts, so
+(``grad_sync.backward_order``). This module applies the same rule to a plan's layouts, so
 the step time counts the loss's own all-reduce only where the runtime issues one. The ILP's
 objective and its local search take it as riding (whether it does is decided by another node's
 layout, which the objective cannot see): charging it there had the ILP gather the logits to

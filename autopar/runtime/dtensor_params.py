@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["make_dtensor", "register_tree", "register_stacked", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView"]
+__all__ = ["make_dtensor", "register_tree", "register_stacked", "placeholder", "slot_placements", "swap_in", "drop_registered", "StateView", "tied_keys"]
 
 
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, requires_grad: bool) -> DTensor:
@@ -177,3 +177,14 @@ class StateView:
     def user_grads_cleared(self) -> list[str]:
         """Placeholders whose DTensor ``.grad`` the user set to None (``zero_grad()``)."""
         return [ph for ph, s in self.store.slots.items() if s.trainable and self.params[s.fqn].grad is None]
+
+
+def tied_keys(model: torch.nn.Module) -> dict[str, str]:
+    """state_dict key -> the named_parameters/named_buffers name holding the same tensor."""
+    canonical = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canonical.setdefault(id(t), name)
+    out = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        out[name] = canonical.get(id(t), name)
+    return out

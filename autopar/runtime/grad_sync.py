@@ -32,7 +32,7 @@ from autopar.runtime.collectives import reduce_scatter_dim, slice_dim
 from autopar.runtime.comm import MeshComm, collective_site
 from autopar.runtime.param_store import ParamStore
 
-__all__ = ["GradSync", "plan_buckets", "bucket_full", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT", "WIRE_BUCKETS"]
+__all__ = ["GradSync", "backward_order", "plan_buckets", "bucket_full", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT", "WIRE_BUCKETS"]
 
 BUCKET_BYTES = 4 * 2**20  # DDP uses 25 MiB; smaller buckets overlapped better on gloo here (benchmarks/README.md)
 FIRST_BUCKET_BYTES = 2**20  # as DDP: a small first bucket starts communication early
@@ -313,3 +313,18 @@ def _hook(me: weakref.ref, ph: str):
         if sync is not None:
             sync._ready(ph)
     return hook
+
+
+def backward_order(program: "torch.fx.GraphModule", deferred: dict) -> list[str]:
+    """Parameter placeholders in the order backward produces their gradients (reverse of first
+    use), the data-parallel ones last so that their buckets are contiguous and the last of them
+    ends the flat buffer, next to its rider element (``GradSync.carry``, ``planner.loss_rider``)."""
+    first_use: dict[str, int] = {}
+    for i, n in enumerate(program.graph.nodes):
+        for a in n.all_input_nodes:
+            if a.op == "placeholder" and a.meta.get("autopar.kind") == "param":
+                first_use.setdefault(a.name, i)
+    params = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"]
+    order = sorted(params, key=lambda p: -first_use.get(p, -1))
+    return [p for p in order if p not in deferred] + [p for p in order if p in deferred]
+

@@ -57,8 +57,8 @@ from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import MeshComm
 from autopar.runtime.copyable_state import copyable_state_dict_hook
-from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree
+from autopar.runtime.grad_sync import GradSync, backward_order
+from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree, tied_keys
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
 from autopar.runtime.input_check_methods import InputCheckMethods
 from autopar.runtime.loss_value_methods import LossValueMethods
@@ -201,10 +201,10 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._model_keys = list(b.model.state_dict().keys())
         self._shapes = {n.name: tuple(n.meta["autopar.outputs"][0].shape) for n in traced.graph.nodes
                         if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
-        self._param_of_key = _tied_keys(b.model)
+        self._param_of_key = tied_keys(b.model)
         deferred = program.meta.get(GRAD_SYNC_KEY, {})
         self.store = ParamStore(plan=plan, traced=traced, model=b.source if b.source is not None else b.model, comm=self.comm, device=self._device,
-                                order=_backward_order(program, deferred),
+                                order=backward_order(program, deferred),
                                 only=stage_state_names(plan, traced, self._stage) if pipelined else None)
         self._layouts = dict(self.store.layouts)  # parameters and buffers as stored
         self._gathers_params = any(
@@ -584,28 +584,3 @@ def _stand_ins(ex: Example, inputs: tuple, target: Any) -> tuple[tuple, Any]:
         return inputs, target
     made = tuple(one(spec, x) for spec, x in zip(ex.inputs, inputs))
     return made, (one(ex.target, target) if ex.has_target and target is not None else target)
-
-
-def _backward_order(program: fx.GraphModule, deferred: dict) -> list[str]:
-    """Parameter placeholders in the order backward produces their gradients (reverse of first
-    use), the data-parallel ones last so that their buckets are contiguous and the last of them
-    ends the flat buffer, next to its rider element (``GradSync.carry``, ``planner.loss_rider``)."""
-    first_use: dict[str, int] = {}
-    for i, n in enumerate(program.graph.nodes):
-        for a in n.all_input_nodes:
-            if a.op == "placeholder" and a.meta.get("autopar.kind") == "param":
-                first_use.setdefault(a.name, i)
-    params = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.meta.get("autopar.kind") == "param"]
-    order = sorted(params, key=lambda p: -first_use.get(p, -1))
-    return [p for p in order if p not in deferred] + [p for p in order if p in deferred]
-
-
-def _tied_keys(model: torch.nn.Module) -> dict[str, str]:
-    """state_dict key -> the named_parameters/named_buffers name holding the same tensor."""
-    canonical = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        canonical.setdefault(id(t), name)
-    out = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        out[name] = canonical.get(id(t), name)
-    return out
