@@ -28,8 +28,11 @@ SCENARIOS = [("dp", {"dp": 2}, "train_step"), ("zero3", {"dp": 2, "zero": 3}, "n
 
 
 def _fingerprints(model) -> dict:
-    """name -> (numel, the first 8 values) of every parameter: what a stale full copy would hold."""
-    return {k: (p.numel(), p.detach().reshape(-1)[:8].clone()) for k, p in model.named_parameters()}
+    """name -> (numel, the first 8 values) of every parameter whose first values differ (a constant
+    init, LayerNorm's ones and zeros, would be found in any filled buffer): what a stale full copy
+    would hold."""
+    heads = {k: (p.numel(), p.detach().reshape(-1)[:8].clone()) for k, p in model.named_parameters()}
+    return {k: v for k, v in heads.items() if len(set(v[1].tolist())) > 1}
 
 
 def _copies_alive(prints: dict) -> list[str]:
@@ -40,12 +43,14 @@ def _copies_alive(prints: dict) -> list[str]:
     import torch
     from torch.distributed.tensor import DTensor
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     storages, seen = [], set()
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.device.type != "cpu":
             continue
-        for t in (obj._local_tensor,) if isinstance(obj, DTensor) else (obj, obj.grad):
-            if t is None or isinstance(t, DTensor) or t.dtype != torch.float32:
+        for t in (obj._local_tensor,) if isinstance(obj, DTensor) else (obj, obj.grad if obj.is_leaf else None):
+            if t is None or isinstance(t, (DTensor, FakeTensor)) or t.dtype != torch.float32 or t.device.type != "cpu":
                 continue
             s = t.untyped_storage()
             if s.data_ptr() not in seen:
@@ -113,8 +118,8 @@ def in_place_worker() -> dict:
         pm = next(run)  # compiled, one step taken
         gc.collect()
         sharded = sorted(k for k, p in pm.plan.params.items() if "S(" in p.layout)
-        r["sharded"] = sharded
-        r["full_copies"] = sorted(set(_copies_alive({k: prints[k] for k in sharded})))
+        r["sharded"] = [k for k in sharded if k in prints]  # searched for
+        r["full_copies"] = sorted(set(_copies_alive({k: prints[k] for k in r["sharded"]})))
         r["originals_alive"] = sum(w() is not None for w in originals)
         r["same_objects"] = [id(p) for p in model.parameters()] == [id(p) for p in pm.parameters()]
         r["dtensors"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
