@@ -14,6 +14,7 @@ alike.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from autopar.errors import AutoparError
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.memory import MemoryReport, MemoryTracker
 
-__all__ = ["StepMeasurement", "MeasureMethods"]
+__all__ = ["StepMeasurement", "MeasureMethods", "CUDA_WITHOUT_TENSOR"]
+
+CUDA_WITHOUT_TENSOR = "(CUDA allocations no Python tensor holds)"  # a holder name in unaccounted_by_holder
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class MeasureMethods:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self._device)
         with self._memory_tracked(inputs, target) as tracker:
+            # on CUDA, allocations no Python tensor holds (cuBLAS workspaces, a C++ cache) are in
+            # the allocator's count but in no storage the tracker saw: named apart
+            hidden = int(torch.cuda.memory_allocated(self._device)) - tracker.current_bytes if cuda else 0
             self.comm.stats.reset()
             t0 = time.perf_counter()
             loss = self._checked_train_step(inputs, target)
@@ -84,13 +90,17 @@ class MeasureMethods:
             elapsed = time.perf_counter() - t0
         # on CUDA the caching allocator's peak: every allocation of the process
         device_peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else None
+        memory = tracker.report(device_peak)
+        if hidden > 0:
+            memory = dataclasses.replace(memory, unaccounted_by_holder={
+                **memory.unaccounted_by_holder, CUDA_WITHOUT_TENSOR: hidden})
         pred = self.plan.predicted
         peak = pred.peak_memory_bytes
         if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
             peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
         return StepMeasurement(
             loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
-            memory=tracker.report(device_peak), predicted_peak_bytes=peak,
+            memory=memory, predicted_peak_bytes=peak,
             predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
             predicted_comm_bytes=self._predicted_comm_bytes(),
         )
