@@ -367,7 +367,11 @@ def _warm_up_and_measure_memory(b: _Bench, spec: BenchSpec, inputs, target) -> t
     peaks = {}
     for k, s in b.setups.items():
         pm = b.models.get(k)
-        peaks[k] = (pm.measure_step(*inputs, target=target).memory if pm is not None else measure_setup_memory(s)).peak_bytes
+        if pm is None:
+            peaks[k] = measure_setup_memory(s).peak_bytes
+        else:  # this process holds every setup at once: autopar's own storages, as the baselines' are counted
+            m = pm.measure_step(*inputs, target=target).memory
+            peaks[k] = m.peak_bytes - m.unaccounted_bytes
     return first_loss, peaks
 
 

@@ -2,13 +2,19 @@
 tracker (``runtime.memory``) counts this rank's memory by category and ``runtime.comm`` counts the
 bytes of every collective, and returns them in a ``StepMeasurement`` beside the plan's prediction.
 
-Invariants: the state kept across steps (parameters, gradients, optimizer state) is registered by
-category before the step runs; the cyclic garbage collector is collected before and paused during
-the measured step, so memory is freed when references drop, every run alike.
+Invariants: the measurement counts the whole process, not only what autopar made: the state kept
+across steps (parameters, gradients, optimizer state) is registered by category before the step
+runs, then every other storage alive in the process is counted as ``unaccounted`` and named (the
+user's original model under "the user's model", the step's inputs, anything the caller keeps),
+and again after the step for storages made outside the dispatch mode; on CUDA the peak is the
+caching allocator's (every allocation of the process). The cyclic garbage collector is collected
+before and paused during the measured step, so memory is freed when references drop, every run
+alike.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -21,7 +27,9 @@ from autopar.errors import AutoparError
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.memory import MemoryReport, MemoryTracker
 
-__all__ = ["StepMeasurement", "MeasureMethods"]
+__all__ = ["StepMeasurement", "MeasureMethods", "CUDA_WITHOUT_TENSOR"]
+
+CUDA_WITHOUT_TENSOR = "(CUDA allocations no Python tensor holds)"  # a holder name in unaccounted_by_holder
 
 
 @dataclass(frozen=True)
@@ -70,24 +78,29 @@ class MeasureMethods:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self._device)
-            base = torch.cuda.memory_allocated(self._device)
-        with self._memory_tracked() as tracker:
+        with self._memory_tracked(inputs, target) as tracker:
+            # on CUDA, allocations no Python tensor holds (cuBLAS workspaces, a C++ cache) are in
+            # the allocator's count but in no storage the tracker saw: named apart
+            hidden = int(torch.cuda.memory_allocated(self._device)) - tracker.current_bytes if cuda else 0
             self.comm.stats.reset()
             t0 = time.perf_counter()
             loss = self._checked_train_step(inputs, target)
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
-        device_peak = None
-        if cuda:
-            device_peak = int(torch.cuda.max_memory_allocated(self._device) - base + tracker.report().at_peak.get("params", 0))
+        # on CUDA the caching allocator's peak: every allocation of the process
+        device_peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else None
+        memory = tracker.report(device_peak)
+        if hidden > 0:
+            memory = dataclasses.replace(memory, unaccounted_by_holder={
+                **memory.unaccounted_by_holder, CUDA_WITHOUT_TENSOR: hidden})
         pred = self.plan.predicted
         peak = pred.peak_memory_bytes
         if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
             peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
         return StepMeasurement(
             loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
-            memory=tracker.report(device_peak), predicted_peak_bytes=peak,
+            memory=memory, predicted_peak_bytes=peak,
             predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
             predicted_comm_bytes=self._predicted_comm_bytes(),
         )
@@ -104,9 +117,10 @@ class MeasureMethods:
         return self.measure_step(*inputs, target=target).memory
 
     @contextlib.contextmanager
-    def _memory_tracked(self):
+    def _memory_tracked(self, inputs: tuple = (), target: Any = None):
         """Run a step under the storage tracker (``runtime.memory``), the state it keeps across
-        steps registered by category first; yields the tracker."""
+        steps registered by category first, then every other storage of the process as
+        ``unaccounted`` (``inputs`` and ``target`` named as the step's inputs); yields the tracker."""
         tracker = MemoryTracker(count_unallocated=False)
         gc.collect()  # what earlier steps left to the cyclic collector is gone before we measure,
         with cyclic_gc_paused():  # and it cannot run mid-step: frees happen when references drop, every run alike
@@ -114,12 +128,27 @@ class MeasureMethods:
                 for category, tensors in self.store.persistent_tensors().items():
                     tracker.register(tensors, category)
                 tracker.register(self._optimizer_state(), "optimizer_state")
+                tracker.register_process(self._device.type, self._named_roots(inputs, target))
                 self._tracker = tracker
                 try:
                     yield tracker
                 finally:
                     self._tracker = None
                 tracker.register(self._optimizer_state(), "optimizer_state")
+                tracker.register_process(self._device.type, self._named_roots(inputs, target))
+
+    def _named_roots(self, inputs: tuple, target: Any) -> dict:
+        """What the unaccounted storages are named after first: the module given to ``compile``
+        (while it keeps full tensors of its own) and the step's batch."""
+        batch = torch.nn.Module()
+        for i, x in enumerate([*inputs, target]):
+            if isinstance(x, torch.Tensor):
+                batch.register_buffer(f"input{i}" if i < len(inputs) else "target", x, persistent=False)
+        model = getattr(self._builder, "model", None)
+        roots = {"the step's batch": batch}
+        if isinstance(model, torch.nn.Module) and model is not self:
+            roots[f"the user's model ({type(model).__name__})"] = model
+        return roots
 
     def _optimizer_state(self) -> list[torch.Tensor]:
         return [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

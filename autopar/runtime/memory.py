@@ -11,8 +11,11 @@ Categories: storages that exist before the step are registered with their role (
 parameters and buffers, ``grads``, ``optimizer_state``); storages created during the step are
 named after the phase that created them (``activations`` in forward, ``backward`` and
 ``optimizer_step`` transients), except that the runtime may re-register a persistent one (e.g.
-optimizer state created lazily on the first step). For each category the report gives its
-maximum over the step, and the composition at the moment of the overall peak.
+optimizer state created lazily on the first step). ``register_process()`` then counts every other
+storage alive in the process (``runtime.process_storages``: the user's original model, a tensor the
+loop keeps, the input batch) as ``unaccounted``: memory this rank holds that no category of the
+plan's prediction covers, each such storage named by its owner in the report. For each category
+the report gives its maximum over the step, and the composition at the moment of the overall peak.
 
 Why hand-written: torch's ``torch.distributed._tools.mem_tracker`` does this for modules and
 optimizers, but it is private, changes between releases, and knows nothing of autopar's phases.
@@ -31,9 +34,14 @@ from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MemoryTracker", "MemoryReport", "CATEGORIES"]
+from autopar.runtime.process_storages import StorageRecord, live_storages, owner_names
 
-CATEGORIES = ("params", "grads", "optimizer_state", "activations", "backward", "optimizer_step")
+__all__ = ["MemoryTracker", "MemoryReport", "CATEGORIES", "UNACCOUNTED"]
+
+CATEGORIES = ("params", "grads", "optimizer_state", "activations", "backward", "optimizer_step")  # the plan predicts these
+UNACCOUNTED = "unaccounted"  # alive in the process, in no predicted category
+_TRACKED = CATEGORIES + (UNACCOUNTED,)
+_LARGEST = 20  # unaccounted storages a report lists by name
 _PHASE_CATEGORY = {"forward": "activations", "backward": "backward", "optimizer": "optimizer_step"}
 
 
@@ -41,19 +49,25 @@ _PHASE_CATEGORY = {"forward": "activations", "backward": "backward", "optimizer"
 class MemoryReport:
     """Bytes per rank. ``category_peaks``: each category's maximum over the step; ``at_peak``: the
     composition when the total peaked. ``device_peak_bytes``: the CUDA caching allocator's peak
-    (allocated bytes) when measured on CUDA, else None."""
+    (allocated bytes) when measured on CUDA, else None. ``unaccounted``: the storages counted as
+    ``unaccounted`` (alive in the process, in no predicted category) still alive at the end,
+    largest first (at most ``_LARGEST``); ``unaccounted_by_holder``: their bytes per module or
+    optimizer holding them ("" for none); ``unaccounted_bytes``: the unaccounted bytes at the peak."""
 
     peak_bytes: int
     category_peaks: dict = field(default_factory=dict)
     at_peak: dict = field(default_factory=dict)
     peak_phase: str = ""
     device_peak_bytes: int | None = None
+    unaccounted: tuple[StorageRecord, ...] = ()
+    unaccounted_by_holder: dict = field(default_factory=dict)
+    unaccounted_bytes: int = 0
 
     def table(self, predicted: dict | None = None, predicted_peak: float | None = None) -> str:
         """A text table, with the prediction beside each figure when given."""
         mib = 2.0**20
         rows = [f"{'category':<16} {'measured MiB':>13} {'at peak MiB':>12}" + (f" {'predicted MiB':>14} {'ratio':>6}" if predicted else "")]
-        for c in CATEGORIES:
+        for c in _TRACKED:
             got = self.category_peaks.get(c, 0)
             line = f"{c:<16} {got / mib:>13.3f} {self.at_peak.get(c, 0) / mib:>12.3f}"
             if predicted:
@@ -64,6 +78,11 @@ class MemoryReport:
         if predicted_peak:
             line += f" {predicted_peak / mib:>14.3f} {self.peak_bytes / predicted_peak:>6.2f}"
         rows.append(line)
+        if self.unaccounted_by_holder:
+            held = ", ".join(f"{h or '(no module or optimizer)'} {b / mib:.3f}"
+                             for h, b in sorted(self.unaccounted_by_holder.items(), key=lambda kv: -kv[1]))
+            rows.append(f"unaccounted at the peak {self.unaccounted_bytes / mib:.3f} MiB; held by (MiB): {held}; largest:")
+            rows += [f"  {r.describe()}" for r in self.unaccounted]
         return "\n".join(rows)
 
 
@@ -88,10 +107,11 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.count_unallocated = count_unallocated
         self._live: dict[int, _Entry] = {}
-        self._current = dict.fromkeys(CATEGORIES, 0)
+        self._unaccounted: dict[int, StorageRecord] = {}  # storage key -> what it is, while counted unaccounted
+        self._current = dict.fromkeys(_TRACKED, 0)
         self._total = 0
         self._peak = 0
-        self._peaks = dict.fromkeys(CATEGORIES, 0)
+        self._peaks = dict.fromkeys(_TRACKED, 0)
         self._at_peak: dict[str, int] = {}
         self._phase = "forward"
         self._peak_phase = ""
@@ -114,6 +134,8 @@ class MemoryTracker(TorchDispatchMode):
         entry = self._live.get(key)
         if entry is not None:
             if retag and entry.category != category:
+                if entry.category == UNACCOUNTED:
+                    self._unaccounted.pop(key, None)
                 self._current[entry.category] -= entry.nbytes
                 entry.category = category
                 self._current[category] += entry.nbytes
@@ -141,6 +163,7 @@ class MemoryTracker(TorchDispatchMode):
             entry = me._live.get(key)
             if entry is not None and entry.ref is _ref:
                 del me._live[key]
+                me._unaccounted.pop(key, None)
                 me._current[entry.category] -= entry.nbytes
                 me._total -= entry.nbytes
 
@@ -150,6 +173,25 @@ class MemoryTracker(TorchDispatchMode):
         assert category in CATEGORIES, category
         for t in tensors:
             self._add(t, category, retag=True)
+
+    def register_process(self, device_type: str | None = None, named_roots: dict | None = None) -> int:
+        """Count every storage alive in the process (on ``device_type`` when given) that is not
+        counted yet as ``unaccounted``, each named by its owner (``process_storages.owner_names``;
+        ``named_roots``: modules to name first, e.g. {"the user's model": model}). Call it after
+        registering what the prediction covers, and again after the step for storages made
+        outside the dispatch mode. Returns the bytes it added."""
+        found = live_storages(device_type)
+        fresh = {k: v for k, v in found.items() if k not in self._live}
+        del found
+        names = owner_names(named_roots) if fresh else {}
+        before = self._current[UNACCOUNTED]
+        for key, (st, t) in fresh.items():
+            self._add(t, UNACCOUNTED)
+            if key in self._live:
+                holder, owner = names.get(key, ("", ""))
+                self._unaccounted[key] = StorageRecord(st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                                       owner, holder)
+        return self._current[UNACCOUNTED] - before
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -186,10 +228,19 @@ class MemoryTracker(TorchDispatchMode):
         self._at_peak = dict(self._current)
 
     def report(self, device_peak_bytes: int | None = None) -> MemoryReport:
+        """The step's figures; measured on CUDA (``device_peak_bytes``: the caching allocator's
+        peak, every allocation of the process), that is the peak, the categories this tracker's."""
+        largest = sorted(self._unaccounted.values(), key=lambda r: -r.nbytes)
+        held: dict[str, int] = {}
+        for r in largest:
+            held[r.holder] = held.get(r.holder, 0) + r.nbytes
         return MemoryReport(
-            peak_bytes=int(self._peak),
+            peak_bytes=int(self._peak if device_peak_bytes is None else device_peak_bytes),
             category_peaks={c: int(v) for c, v in self._peaks.items()},
             at_peak={c: int(v) for c, v in self._at_peak.items()},
             peak_phase=self._peak_phase,
             device_peak_bytes=device_peak_bytes,
+            unaccounted=tuple(largest[:_LARGEST]),
+            unaccounted_by_holder=held,
+            unaccounted_bytes=int(self._at_peak.get(UNACCOUNTED, 0)),
         )
