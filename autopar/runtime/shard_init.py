@@ -405,7 +405,8 @@ def initialise_deferred(store, traced, model: torch.nn.Module, mesh, init: Any =
     failure = None
     installed = _install(model, entries)
     try:
-        with _flags_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+        cuda = [torch.cuda.current_device()] if store.device.type == "cuda" else []
+        with _flags_kept(model), torch.random.fork_rng(devices=cuda), torch.no_grad():
             mode = _ShardInitMode([it.entry for it in installed] or list(entries.values()), store.init_seed)
             try:
                 with mode:
