@@ -94,6 +94,22 @@ def test_values_are_the_models_own_init_seeded_by_name(world1):
     assert out.abs().max() <= 3 * std and 0.8 * std < out.std() < std  # trunc_normal_(std, a=-3std, b=3std)
 
 
+def test_stacked_experts_follow_the_seed_rule(world1):
+    from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+    torch.manual_seed(SEED)
+    g = lambda fqn, n=0: torch.Generator().manual_seed(derived_seed(SEED, fqn, n))  # noqa: E731
+    with torch.device("meta"):  # experts called in a loop: stacked into one parameter, each writes its rows
+        moe = MoEGPT(MoEConfig(expert_modules=True))
+    x, y = example_batch(MoEConfig(expert_modules=True), 8)
+    pm = autopar.compile(moe, world1, (x,), example_target=y, loss_fn=moe_loss, optimizer=sgd)
+    assert pm._traced.stacked
+    name = "blocks.1.moe.experts.2.0.weight"
+    want = nn.init.kaiming_uniform_(torch.empty(pm.full_state_dict()[name].shape), a=math.sqrt(5), generator=g(name))
+    assert torch.equal(pm.full_state_dict()[name], want)
+    pm.close()
+
+
 def test_meta_parameter_without_init_is_refused_naming_it_and_the_fix(world1):
     class Bare(nn.Module):
         def __init__(self):
