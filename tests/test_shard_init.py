@@ -149,6 +149,8 @@ def test_init_callable_and_skip(world1):
     pm.close()
     with pytest.raises(DeferredInitError, match="init= takes a callable"):
         autopar.compile(model, world1, (x,), init="none")
+    with pytest.raises(DeferredInitError, match="holds no tensor on the meta device"):
+        autopar.compile(ResetMLP(), world1, (x,), init=fill)
 
 
 def test_real_model_is_broadcast_not_initialised(world1):

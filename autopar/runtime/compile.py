@@ -101,7 +101,7 @@ def compile(
     (torchtitan's convention), else each module's ``reset_parameters()``. The values do not depend
     on the plan or the world size (each parameter's random ops are seeded from rank 0's
     ``torch.initial_seed()`` and its name). ``init="skip"`` leaves the shards uninitialised, for a
-    loader that fills them.
+    loader that fills them. ``init=fn`` with a model holding no meta tensor is refused.
 
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())

@@ -398,6 +398,10 @@ def initialise_deferred(store, traced, model: torch.nn.Module, mesh, init: Any =
     docstring). Call on every rank after the store exists; a no-op where the store defers nothing
     (the set is agreed) or ``init == "skip"``. Works whether the module tree holds its original
     (meta) tensors or the plan's DTensors: they are put back as they were. Returns what ran."""
+    if not store.meta_fqns and callable(init):
+        raise DeferredInitError(
+            f"compile got init= but {type(model).__name__} holds no tensor on the meta device (it is initialised "
+            "already, and rank 0's values are broadcast): build it under torch.device('meta') for init= to run, or drop init=")
     if not store.meta_fqns or init == SKIP:
         return None
     entries = _entries(store, traced, mesh)
