@@ -110,10 +110,14 @@ class _Entry:
 
 
 def _key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (shared by its views); a DTensor's: its local tensor's."""
+    """The identity of ``t``'s storage (shared by its views); a DTensor's: its local tensor's.
+    -1 for a tensor without one (sparse, nested): never a handle."""
     if isinstance(t, DTensor):
-        t = t._local_tensor  # the adapter's one private read: to_local() would record autograd
-    return t.untyped_storage()._cdata
+        t = t._local_tensor  # to_local() would record autograd; copyable_state reads it so too
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return -1
 
 
 def _whole(t: torch.Tensor, e: _Entry) -> bool:
