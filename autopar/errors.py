@@ -17,6 +17,7 @@ __all__ = [
     "WorkerFailedError",
     "CollectiveError",
     "InputMismatchError",
+    "DeferredInitError",
 ]
 
 
@@ -61,6 +62,10 @@ class InputMismatchError(AutoparError):
 
 class PlanMismatchError(PlanFormatError):
     """A plan does not describe the model it is applied to (other parameters, shapes or graph)."""
+
+
+class DeferredInitError(AutoparError):
+    """A model built on the meta device could not be initialised shard by shard (``runtime.shard_init``)."""
 
 
 class CheckpointError(AutoparError):

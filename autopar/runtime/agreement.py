@@ -29,6 +29,9 @@ The runtime's agreed branches (audited; keep this list current):
 * ``compile``: the plan (made on rank 0), the shapes of the first batch, the software versions;
 * writability of the folders at start (``runtime.writable``): the checkpoint root on every rank,
   gathered; the monitoring folder (rank 0 writes it): rank 0 decides.
+* ``param_store`` / ``shard_init``: which tensors are on the meta device (initialised in place, not
+  broadcast) and the init's base seed: rank 0 decides; an init failure or a tensor left
+  uninitialised on one rank: gathered, so that every rank raises;
 * ``input_check_methods``: a batch one rank refuses, or rows that differ within a data shard (local
   batches too): the ranks' checks are all-gathered on the checked steps, so every rank raises.
 """

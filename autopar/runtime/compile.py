@@ -28,6 +28,7 @@ from autopar.runtime.monitor import Monitoring, StepMonitor
 from autopar.runtime.input_check_methods import missing_target
 from autopar.runtime.in_place import is_sharded_in_place, plain_state, shard_in_place
 from autopar.runtime.parallel_model import ParallelModel
+from autopar.runtime.shard_init import check_init_arg
 from autopar.trace import model_class_name, trace_model
 
 __all__ = ["compile"]
@@ -50,6 +51,7 @@ def compile(
     checkpoint: Checkpointing | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     monitor: Monitoring | None = None,
+    init: Callable[[torch.nn.Module], Any] | str | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's sharded program. Call it in every process.
 
@@ -102,6 +104,14 @@ def compile(
     prediction, with tokens/s and MFU, is appended to ``run_dir/steps.jsonl`` (rank 0), and a run
     of steps far slower than predicted warns (``runtime.monitor``); ``autopar report run_dir``.
 
+    A model built on ``torch.device("meta")`` is initialised where its shards live, by its own
+    code, with no broadcast (``runtime.shard_init``): ``init=fn`` (``fn(model)`` initialises the
+    model in place), else Hugging Face's ``_init_weights``, else ``model.init_weights()``
+    (torchtitan's convention), else each module's ``reset_parameters()``. The values do not depend
+    on the plan or the world size (each parameter's random ops are seeded from rank 0's
+    ``torch.initial_seed()`` and its name). ``init="skip"`` leaves the shards uninitialised, for a
+    loader that fills them. ``init=fn`` with a model holding no meta tensor is refused.
+
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())
     >>> # opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -148,6 +158,7 @@ def compile(
         if example_target is not None:
             raise AutoparError("example_target= without example_inputs=: pass both to plan ahead, or neither")
     _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster)
+    check_init_arg(init)
     if monitor is not None and not isinstance(monitor, Monitoring):
         raise AutoparError(f"monitor= takes autopar.Monitoring(run_dir), got a {type(monitor).__name__}")
     if not fused and constraints is not None and (constraints.microbatches or 1) > 1:
@@ -166,6 +177,7 @@ def compile(
     spec = describe_optimizer(optimizer, device.type) if fused else optimizer_spec("adamw")
     builder = _Builder(model=model, cluster=cluster, constraints=constraints, given_plan=plan, policy=policy,
                        spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer, local=batch == "local", lr_scheduler=lr_scheduler)
+    builder.init = init  # meta models: how ``runtime.shard_init`` initialises the shards
     pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
     shard_in_place(model, pm, builder)  # model holds pm's tensors from here on (``runtime.in_place``)
     if checkpoint is not None:
@@ -220,6 +232,7 @@ class _Builder:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.autocast = policy.torch_compute_dtype if policy.mixed else None
+        self.init = None  # compile(init=...): a meta model's init (``runtime.shard_init``); "skip": none
         self._signature = None
         # the model's original tensors: ``source`` (a shallow copy of its tree, ``runtime.in_place``)
         # holds them until the plan is attached, for the shards to be cut from; weakly remembered after

@@ -69,6 +69,7 @@ from autopar.runtime.measure_methods import MeasureMethods, StepMeasurement
 from autopar.runtime.memory import MemoryTracker
 from autopar.runtime.native_loop_methods import NativeLoopMethods
 from autopar.runtime.param_store import ParamStore
+from autopar.runtime.shard_init import initialise_deferred
 from autopar.runtime.prefetch import drain_gradient_reductions
 from autopar.trace import TensorMeta
 
@@ -217,6 +218,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self.lr_scheduler = b.lr_scheduler(self.optimizer) if b.lr_scheduler is not None else None
         self._note_optimizer(self.optimizer if self._fused else self._native_optimizer)
         self._state = StateView(self.store, traced, self.device_mesh)
+        initialise_deferred(self.store, traced, b.model, self.device_mesh, b.init)  # meta tensors, shard by shard
         for name, current in self._tensors.items():
             if self._state.holds(self._param_of_key.get(name, name)):
                 self._state.swap_into(self._param_of_key.get(name, name), current)

@@ -15,11 +15,14 @@ Invariants:
   where the user's ``zero_grad(set_to_none=True)`` (or an assignment) took a view away,
   ``own_grads()`` puts it back (zeroed, or holding what was assigned) before the next backward;
 * replicas start equal: full tensors are broadcast from rank 0 before each rank takes its shard
-  (as DDP does), whatever seed each process used.
+  (as DDP does), whatever seed each process used; a tensor on the meta device (in rank 0's model:
+  the set is agreed, ``meta_fqns``) is not broadcast: its shard is allocated empty (``deferred``)
+  and initialised where it lives by the model's own init (``runtime.shard_init``). Where rank 0
+  holds a real tensor and another rank a meta one (FSDP1's ``sync_module_states`` habit), that rank
+  receives rank 0's.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.layouts import Layout, chunk_range, parse_layout, state_dim, zero_gather_in_place
+from autopar.runtime.agreement import decided_by_rank0
 from autopar.runtime.collectives import gather_dim, shard_tensor
 from autopar.runtime.comm import MeshComm
 
@@ -67,7 +71,8 @@ class ParamStore:
     def __init__(self, *, plan, traced, model: torch.nn.Module, comm: MeshComm, device: torch.device,
                  order: list[str], only: set[str] | None = None):
         """``only``: the placeholders this rank holds (a pipeline stage's); every parameter is still
-        broadcast from rank 0 in the same order on every rank (the collectives must match)."""
+        broadcast from rank 0 in the same order on every rank (the collectives must match), but
+        those on the meta device in rank 0's model, which are left for ``shard_init``."""
         self.comm = comm
         self.device = device
         self.slots: dict[str, ParamSlot] = {}
@@ -75,21 +80,33 @@ class ParamStore:
         self.layouts: dict[str, Layout] = {}
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
+        # agreed: which tensors the init makes (rank 0's meta ones) and the seed it derives from
+        self.meta_fqns, self.init_seed = decided_by_rank0(lambda: (
+            frozenset(f for f, t in list(params.items()) + list(buffers.items()) if t.is_meta), torch.initial_seed()))
+        self.deferred: set[str] = set()  # placeholders whose shard awaits ``shard_init``
         placed = plan.params
         layouts = {n.name: n.outs[0] for n in plan.nodes.values() if n.outs and n.outs[0] != "-"}
         for ph, fqn in traced.param_fqns.items():
             pp = placed[fqn]
             layout = parse_layout(layouts[ph])
             members = traced.stacked.get(fqn, (fqn,))  # experts stacked on dim 0 (autopar.stack_experts)
-            whole = [_materialize(model, f, params[f]).detach().to(device) for f in members]
-            full = _replicate_from_rank0(torch.stack(whole) if fqn in traced.stacked else whole[0])
-            del whole
+            deferred = any(f in self.meta_fqns for f in members)
+            if deferred:
+                full = None
+            else:
+                whole = [_materialize(params[f]).detach().to(device) for f in members]
+                full = _replicate_from_rank0(torch.stack(whole) if fqn in traced.stacked else whole[0])
+                del whole
             if only is not None and ph not in only:
                 continue
             self.layouts[ph] = layout
             trainable = params[members[0]].requires_grad
-            local = torch.nn.Parameter(shard_tensor(full, layout, comm).clone(), requires_grad=trainable)
+            local = _empty_shard(pp.shape, params[members[0]].dtype, layout, comm, device) if deferred else (
+                shard_tensor(full, layout, comm).clone())
+            local = torch.nn.Parameter(local, requires_grad=trainable)
             del full
+            if deferred:
+                self.deferred.add(ph)
             zero_axes = tuple(a for a in (plan.mesh_axes_index(n) for n in pp.zero_axes) if comm.sizes[a] > 1)
             stage = pp.zero_stage if zero_axes else 0
             d = state_dim(pp.shape, layout) if zero_axes else None
@@ -98,11 +115,16 @@ class ParamStore:
             self.slots[ph] = ParamSlot(ph, fqn, tuple(pp.shape), layout, zero_axes, stage, d, local)
         for ph, fqn in traced.buffer_fqns.items():
             layout = parse_layout(layouts[ph])
-            full = _replicate_from_rank0(_materialize(model, fqn, buffers[fqn]).detach().to(device))
+            t = buffers[fqn]
+            deferred = fqn in self.meta_fqns
+            full = None if deferred else _replicate_from_rank0(_materialize(t).detach().to(device))
             if only is not None and ph not in only:
                 continue
             self.layouts[ph] = layout
-            self.buffers[ph] = shard_tensor(full, layout, comm).clone()
+            self.buffers[ph] = _empty_shard(t.shape, t.dtype, layout, comm, device) if deferred else (
+                shard_tensor(full, layout, comm).clone())
+            if deferred:
+                self.deferred.add(ph)
         self._grad_flat: dict[torch.dtype, torch.Tensor] = {}
         self._shard_flat: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # ph -> (local.grad, opt.grad)
@@ -271,18 +293,13 @@ def _replicate_from_rank0(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _materialize(model: torch.nn.Module, fqn: str, t: torch.Tensor) -> torch.Tensor:
-    """A real tensor for ``fqn``: as is, or for a meta tensor, the owning module re-initialised
-    alone on CPU (peak memory: one module, not the model)."""
-    if not t.is_meta:
-        return t
-    path, _, leaf = fqn.rpartition(".")
-    owner = model.get_submodule(path) if path else model
-    if not hasattr(owner, "reset_parameters"):
-        raise AutoparError(
-            f"parameter {fqn!r} is on the meta device and {type(owner).__name__} has no reset_parameters(); "
-            "initialise the model before compile or give the module a reset_parameters()"
-        )
-    clone = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    clone.reset_parameters()
-    return getattr(clone, leaf)
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor for ``t``: as is, or for a meta tensor (rank 0 holds a real one, which
+    ``_replicate_from_rank0`` broadcasts into it) an uninitialised one of its shape."""
+    return torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t
+
+
+def _empty_shard(shape, dtype: torch.dtype, layout: Layout, comm: MeshComm, device: torch.device) -> torch.Tensor:
+    """This rank's shard of a ``shape`` tensor under ``layout``, allocated and uninitialised."""
+    local_shape = shard_tensor(torch.empty(tuple(shape), device="meta"), layout, comm).shape
+    return torch.empty(local_shape, dtype=dtype, device=device)
