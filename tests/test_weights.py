@@ -69,6 +69,28 @@ def _unique_local_bytes(pm, itemsize: int = 4) -> int:
     return total
 
 
+def _hf_reader_bytes(pm, folder: str) -> int:
+    """The tensor bytes torch's ``HuggingFaceStorageReader`` reads loading ``folder`` into ``pm``'s
+    DTensors (what weights.py compares its direct slicing with)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    class Counting(HuggingFaceStorageReader):
+        read = 0
+
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                n = 1
+                for length in item.lengths:
+                    n *= length
+                self.read += n * torch.empty((), dtype=self.storage_data[item.storage_index].dtype).element_size()
+            return super().read_data(plan, planner)
+
+    reader = Counting(folder)
+    dcp.load(pm.state_dict(), storage_reader=reader)
+    return reader.read
+
+
 def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: list[dict]) -> list[dict]:
     """Each layout: load ``pretrained`` into a differently initialised Llama, first-step loss
     against the one-device ``from_pretrained`` model, 3 SGD steps, export; the exported folder's
@@ -86,6 +108,7 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
         pm = autopar.compile(_llama(seed=100 + i), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
                              optimizer=_sgd, constraints=autopar.Constraints(**cons))
         report = autopar.load_weights(pm, pretrained)
+        hf_reader_bytes = None if cons.get("pp") else _hf_reader_bytes(pm, pretrained)
         ref = transformers.LlamaForCausalLM.from_pretrained(pretrained)
         ref_opt = _sgd(ref.parameters())
         losses = []
@@ -104,7 +127,8 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
             with torch.no_grad():
                 pm_logits = pm(x).logits.detach().clone()
         r = {"constraints": cons, "mesh": pm.plan.mesh, "loss_errs": losses, "bytes_read": report.bytes_read,
-             "slice_bytes": report.slice_bytes, "local_bytes": _unique_local_bytes(pm), "loaded": len(report.loaded)}
+             "slice_bytes": report.slice_bytes, "local_bytes": _unique_local_bytes(pm), "loaded": len(report.loaded),
+             "hf_reader_bytes": hf_reader_bytes}
         dist.barrier()
         if rank == 0:
             exported = transformers.LlamaForCausalLM.from_pretrained(folder)
@@ -171,6 +195,8 @@ def test_hf_llama_loads_trains_and_exports(hf_results, index):
         # each rank reads at most its slices' bytes plus 10%, counted by the reader and by the DTensors
         assert r["slice_bytes"] == r["local_bytes"], (label, rank, r["slice_bytes"], r["local_bytes"])
         assert r["bytes_read"] <= 1.1 * r["slice_bytes"], (label, rank, r["bytes_read"], r["slice_bytes"])
+        # torch's HuggingFaceStorageReader reads the same bytes (the claim in weights.py's docstring)
+        assert r["hf_reader_bytes"] in (None, r["bytes_read"]), (label, rank, r["hf_reader_bytes"], r["bytes_read"])
     full = 4 * sum(p.numel() for p in _llama().parameters())
     assert min(r["slice_bytes"] for r in per_rank) < full, f"{label}: no rank reads less than the whole model"
     assert r0["ref_logits_err"] <= TOL and r0["state_errs"] <= TOL, (label, r0["ref_logits_err"], r0["state_errs"])
@@ -189,3 +215,141 @@ def test_tied_weights_load_once_and_export_once(hf_results):
     for r in hf_results:
         assert r[-1]["untied_error"] and "missing from the source: lm_head.weight" in r[-1]["untied_error"]
         assert "tie_word_embeddings=True" in r[-1]["untied_error"]
+
+
+# ----------------------------------------------------------------------------- a torch MLP on 2 processes
+
+
+class BufferedMLP(torch.nn.Module):
+    """Linear layers, a LayerNorm, a persistent buffer (in checkpoints) and a non-persistent one (not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.register_buffer("shift", torch.zeros(16))
+        self.register_buffer("scale", torch.full((16,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x))) + self.shift) * self.scale
+
+
+def _mlp_source(seed: int = 5) -> BufferedMLP:
+    torch.manual_seed(seed)
+    model = BufferedMLP()
+    model.shift.normal_()
+    return model
+
+
+def _mlp_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+MLP_LAYOUTS = [{"dp": 2, "zero": 3}, {"tp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}]
+
+
+def mlp_worker(root: str, layouts: list[dict]) -> dict:
+    """Per layout: each source (a dict of full tensors, a torch.save'd file, the same in bf16, a DCP
+    folder one device saved) loaded into a differently initialised model, its full state compared;
+    the first step's loss against one device; a torch-format export read back. Then the refusals."""
+    import torch.distributed as dist
+
+    source = _mlp_source()
+    x, t = _mlp_batch()
+    sd = source.state_dict()
+    bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    sources = {"dict": sd, "file": os.path.join(root, "mlp.pt"), "bf16": bf16, "dcp": os.path.join(root, "dcp")}
+    out = {"layouts": []}
+    for i, cons in enumerate(layouts):
+        torch.manual_seed(50 + i)
+        pm = autopar.compile(BufferedMLP(), autopar.Cluster.local(2), (x,), example_target=t, loss_fn=F.mse_loss,
+                             optimizer=_sgd, constraints=autopar.Constraints(**cons))
+        r = {"constraints": cons, "mesh": pm.plan.mesh, "errs": {}, "reads": {}}
+        for name, src in sources.items():
+            with torch.no_grad():
+                for p in pm.parameters():
+                    p.to_local().zero_()  # nothing left of the previous source
+            report = autopar.load_weights(pm, src)
+            full = pm.full_state_dict()
+            want = {k: v.float() for k, v in (bf16 if name == "bf16" else sd).items()}
+            r["errs"][name] = max(float((full[k] - want[k]).abs().max()) for k in want)
+            r["reads"][name] = (report.bytes_read, report.slice_bytes, report.source, dict(report.converted))
+        ref = copy.deepcopy(source)
+        r["loss_err"] = abs(pm.train_step(x, target=t) - float(F.mse_loss(ref(x), t))) / float(F.mse_loss(ref(x), t))
+        path = os.path.join(root, f"export{i}.pt")
+        autopar.save_weights(pm, path, format="torch")
+        full = pm.full_state_dict()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            back = torch.load(path, weights_only=True)
+            r["export_keys"] = list(back) == list(full)
+            r["export_err"] = max(float((back[k] - v).abs().max()) for k, v in full.items())
+        out["layouts"].append(r)
+        pm.close()
+    torch.manual_seed(9)
+    pm = autopar.compile(BufferedMLP(), autopar.Cluster.local(2), (x,), example_target=t, loss_fn=F.mse_loss,
+                         optimizer=_sgd, constraints=autopar.Constraints(**layouts[0]))
+    bad = {
+        "missing": {k: v for k, v in sd.items() if k != "up.weight"},
+        "unexpected": {**sd, "extra.weight": torch.zeros(3)},
+        "shape": {**sd, "up.weight": sd["up.weight"].t().contiguous()},
+        "folder": os.path.join(root, "empty"),
+    }
+    out["errors"] = {}
+    for name, src in bad.items():
+        try:
+            autopar.load_weights(pm, src)
+            out["errors"][name] = None
+        except WeightsError as exc:
+            out["errors"][name] = str(exc)
+    report = autopar.load_weights(pm, {**bad["missing"], "extra.weight": torch.zeros(3)}, strict=False)
+    full = pm.full_state_dict()
+    out["lenient"] = {"missing": report.missing, "unexpected": report.unexpected,
+                      "others_loaded": all(torch.equal(full[k], v) for k, v in bad["missing"].items())}
+    pm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mlp_results(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("mlp-weights")
+    sd = _mlp_source().state_dict()
+    torch.save(sd, root / "mlp.pt")
+    dcp.save(sd, checkpoint_id=str(root / "dcp"), no_dist=True)
+    (root / "empty").mkdir()
+    return autopar.launch(mlp_worker, 2, str(root), MLP_LAYOUTS, timeout_s=600)
+
+
+@pytest.mark.slow
+def test_torch_state_dicts_and_dcp_load_into_every_layout(mlp_results):
+    for rank, out in enumerate(mlp_results):
+        for r in out["layouts"]:
+            label = f"rank {rank} {r['constraints']} on {r['mesh']}"
+            assert all(e == 0.0 for e in r["errs"].values()), (label, r["errs"])  # bf16 -> fp32 is exact
+            for name in ("dict", "file", "bf16"):
+                read, slices, kind, _ = r["reads"][name]
+                assert kind == "torch" and read <= 1.1 * slices, (label, name, r["reads"][name])
+            assert r["reads"]["bf16"][3]["up.weight"] == ("torch.bfloat16", "torch.float32")
+            assert r["reads"]["dcp"][2] == "dcp"
+            assert r["loss_err"] <= TOL, (label, r["loss_err"])
+            if rank == 0:
+                assert r["export_keys"] and r["export_err"] == 0.0, (label, r.get("export_err"))
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_fit_are_named(mlp_results):
+    for out in mlp_results:
+        errors = out["errors"]
+        for name, pattern in [("missing", r"missing from the source: up\.weight"),
+                              ("unexpected", r"unexpected in the source \(not keys of the model\): extra\.weight"),
+                              ("shape", r"up\.weight has shape \(16, 64\) in the source, \(64, 16\) in the model"),
+                              ("folder", r"holds no weights: expected model\.safetensors")]:
+            with pytest.raises(WeightsError, match=pattern):
+                if errors[name] is not None:
+                    raise WeightsError(errors[name])
+        assert "strict=False" in errors["missing"] and "strict=False" not in errors["shape"]
+        assert out["lenient"] == {"missing": ("up.weight",), "unexpected": ("extra.weight",), "others_loaded": True}

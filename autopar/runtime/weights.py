@@ -11,9 +11,9 @@ is copied into the plan's shards. Invariants:
   source's dtype (``slice_bytes``);
 * safetensors are sliced directly (``safe_open(...).get_slice(key)[slices]``), not through
   torch's ``HuggingFaceStorageReader``: that reader calls the same ``get_slice`` with the same
-  slices (the same bytes: 27,264 per rank for the tiny Llama of tests/test_weights.py under
-  dp=2 x tp=2, measured both ways), but plans collectively over every rank, and names neither a
-  missing nor an unexpected key, nor a tie; direct slicing needs no collective;
+  slices, so it reads the same bytes (measured equal per rank under dp=2 x tp=2 by
+  tests/test_weights.py), but it plans collectively over every rank and names neither a missing
+  nor an unexpected key nor a tie; direct slicing needs no collective;
 * a DCP folder is read by ``torch.distributed.checkpoint.load`` into the DTensors (its
   ``FileSystemReader`` reads each saved chunk that overlaps a slice whole: the slices when the
   checkpoint was saved sharded as this plan is, whole tensors when one device saved it);
