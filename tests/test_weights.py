@@ -309,6 +309,18 @@ def mlp_worker(root: str, layouts: list[dict]) -> dict:
     out["lenient"] = {"missing": report.missing, "unexpected": report.unexpected,
                       "others_loaded": all(torch.equal(full[k], v) for k, v in bad["missing"].items())}
     pm.close()
+    from autopar.runtime.parity import build_case
+
+    model, batches, loss_fn = build_case("moe_modules")  # experts in a ModuleList: the trace stacks them
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = autopar.compile(model, autopar.Cluster.local(2), (batches[0][0],), example_target=batches[0][1], loss_fn=loss_fn,
+                         optimizer=_sgd, constraints=autopar.Constraints(dp=2))
+    try:
+        autopar.load_weights(pm, sd)
+        out["errors"]["stacked"] = None
+    except WeightsError as exc:
+        out["errors"]["stacked"] = str(exc)
+    pm.close()
     return out
 
 
@@ -347,7 +359,8 @@ def test_weights_that_do_not_fit_are_named(mlp_results):
         for name, pattern in [("missing", r"missing from the source: up\.weight"),
                               ("unexpected", r"unexpected in the source \(not keys of the model\): extra\.weight"),
                               ("shape", r"up\.weight has shape \(16, 64\) in the source, \(64, 16\) in the model"),
-                              ("folder", r"holds no weights: expected model\.safetensors")]:
+                              ("folder", r"holds no weights: expected model\.safetensors"),
+                              ("stacked", r"stacks experts into one parameter .* use pm\.load_state_dict")]:
             with pytest.raises(WeightsError, match=pattern):
                 if errors[name] is not None:
                     raise WeightsError(errors[name])

@@ -78,6 +78,7 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     >>> report = autopar.load_weights(pm, "llama-folder")   # doctest: +SKIP
     """
     pm._require_plan("load_weights")
+    _refuse_stacked(pm, "load_weights", "pm.load_state_dict(full_state_dict) (it stacks the per-expert tensors)")
     kind = _source_kind(source)
     held = _held(pm)
     if kind == "dcp":
@@ -115,6 +116,15 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
                  if entries[s].dtype != held[k].dtype}
     return WeightsLoad(kind, tuple(match.source_of), tuple(match.tied), tuple(match.missing) if not strict else (),
                        tuple(match.unexpected) if not strict else (), bytes_read, slice_bytes, converted)
+
+
+def _refuse_stacked(pm, what: str, instead: str) -> None:
+    """Experts the plan stacked into one parameter (``autopar.stack_experts``) are not sliced per
+    expert here yet: refused, naming the way that works."""
+    if pm._traced.stacked:
+        fqn, members = next(iter(pm._traced.stacked.items()))
+        raise WeightsError(f"{what}: the plan stacks experts into one parameter ({fqn} holds {members[0]} ...), which "
+                           f"{what} does not map to per-expert keys yet; use {instead}")
 
 
 def _source_kind(source: Any) -> str:
@@ -263,6 +273,7 @@ def save_weights(pm, path: str | os.PathLike, *, format: str = "safetensors", ma
     from autopar.runtime.weight_export import export_plan, gather_one
 
     pm._require_plan("save_weights")
+    _refuse_stacked(pm, "save_weights", "pm.full_state_dict() (per-expert keys, gathered on every rank)")
     if format not in ("safetensors", "torch"):
         raise WeightsError(f"save_weights: format={format!r}; the formats are 'safetensors' (Hugging Face) and 'torch'")
     limit = parse_size(max_shard_size)
