@@ -280,12 +280,20 @@ def mlp_worker(root: str, layouts: list[dict]) -> dict:
         r["loss_err"] = abs(pm.train_step(x, target=t) - float(F.mse_loss(ref(x), t))) / float(F.mse_loss(ref(x), t))
         path = os.path.join(root, f"export{i}.pt")
         autopar.save_weights(pm, path, format="torch")
+        half = os.path.join(root, f"export{i}-bf16")
+        autopar.save_weights(pm, half, dtype=torch.bfloat16)  # safetensors of a plain module: no config.json
         full = pm.full_state_dict()
         dist.barrier()
         if dist.get_rank() == 0:
+            from safetensors.torch import load_file
+
             back = torch.load(path, weights_only=True)
             r["export_keys"] = list(back) == list(full)
             r["export_err"] = max(float((back[k] - v).abs().max()) for k, v in full.items())
+            back = load_file(os.path.join(half, "model.safetensors"))
+            r["bf16_files"] = sorted(os.listdir(half))
+            r["bf16_err"] = max(float((back[k].float() - v.to(torch.bfloat16).float()).abs().max()) for k, v in full.items())
+            r["bf16_dtypes"] = {str(v.dtype) for v in back.values()}
         out["layouts"].append(r)
         pm.close()
     torch.manual_seed(9)
@@ -350,6 +358,8 @@ def test_torch_state_dicts_and_dcp_load_into_every_layout(mlp_results):
             assert r["loss_err"] <= TOL, (label, r["loss_err"])
             if rank == 0:
                 assert r["export_keys"] and r["export_err"] == 0.0, (label, r.get("export_err"))
+                assert r["bf16_files"] == ["model.safetensors"] and r["bf16_dtypes"] == {"torch.bfloat16"}, label
+                assert r["bf16_err"] == 0.0, (label, r["bf16_err"])
 
 
 @pytest.mark.slow
