@@ -312,6 +312,11 @@ def mlp_worker(root: str, layouts: list[dict]) -> dict:
             out["errors"][name] = None
         except WeightsError as exc:
             out["errors"][name] = str(exc)
+    try:  # rank 0 cannot make the folder (a file is in the way): every rank raises, none waits
+        autopar.save_weights(pm, os.path.join(root, "mlp.pt", "out"))
+        out["errors"]["save"] = None
+    except WeightsError as exc:
+        out["errors"]["save"] = str(exc)
     report = autopar.load_weights(pm, {**bad["missing"], "extra.weight": torch.zeros(3)}, strict=False)
     full = pm.full_state_dict()
     out["lenient"] = {"missing": report.missing, "unexpected": report.unexpected,
@@ -370,7 +375,8 @@ def test_weights_that_do_not_fit_are_named(mlp_results):
                               ("unexpected", r"unexpected in the source \(not keys of the model\): extra\.weight"),
                               ("shape", r"up\.weight has shape \(16, 64\) in the source, \(64, 16\) in the model"),
                               ("folder", r"holds no weights: expected model\.safetensors"),
-                              ("stacked", r"stacks experts into one parameter .* use pm\.load_state_dict")]:
+                              ("stacked", r"stacks experts into one parameter .* use pm\.load_state_dict"),
+                              ("save", r"save_weights: .*mlp\.pt/out: preparing the files: NotADirectoryError")]:
             with pytest.raises(WeightsError, match=pattern):
                 if errors[name] is not None:
                     raise WeightsError(errors[name])
