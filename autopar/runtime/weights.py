@@ -81,35 +81,35 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     _refuse_stacked(pm, "load_weights", "pm.load_state_dict(full_state_dict) (it stacks the per-expert tensors)")
     kind = _source_kind(source)
     held = _held(pm)
-    if kind == "dcp":
-        from autopar.runtime.weight_dcp import dcp_entries
+    files, entries, others, problem = None, {}, [], None
+    try:
+        if kind == "dcp":
+            from autopar.runtime.weight_dcp import dcp_entries
 
-        entries, others = dcp_entries(Path(source))
-        files = None
-    else:
-        files, entries, others, local_problem = None, {}, [], None
-        try:
+            entries, others = dcp_entries(Path(source))
+        else:
             files = WeightFiles(source)
             entries = files.entries
-        except WeightsError as exc:  # on every rank below: a rank that went on alone would wait in a collective
-            local_problem = str(exc)
-        _raise_everywhere([local_problem] if local_problem else [], "the source does not read")
+    except WeightsError as exc:  # raised on every rank below: a rank that went on alone would wait in a collective
+        problem = str(exc)
+    _raise_everywhere([problem] if problem else [], "the source does not read")
     match = _match(pm, held, entries)
     match.unexpected += others  # a DCP checkpoint's non-tensor entries
     _raise_everywhere(match.problems(strict), "the weights do not fit the model",
                       ". Pass strict=False to load what fits and get the missing and unexpected keys back"
                       if match.missing or match.unexpected else "")
-    try:
-        if kind == "dcp":
-            from autopar.runtime.weight_dcp import load_dcp
+    if kind == "dcp":
+        from autopar.runtime.weight_dcp import load_dcp
 
-            bytes_read = load_dcp(Path(source), {k: (held[k], src) for k, src in match.source_of.items()},
-                                  entries)
-        else:
+        bytes_read = load_dcp(Path(source), {k: (held[k], src) for k, src in match.source_of.items()}, entries)
+    else:
+        try:
             bytes_read = _load_slices(files, held, match.source_of)
-    finally:
-        if files is not None:
+        except Exception as exc:  # noqa: BLE001 - a damaged file met on one rank: every rank raises
+            problem = f"{type(exc).__name__}: {exc}"
+        finally:
             files.close()
+        _raise_everywhere([problem] if problem else [], f"reading {files.path} failed")
     pm._after_state_load()  # ZeRO-1/2: the optimizer shards were written; gather them whole again
     slice_bytes = sum(_local_numel(held[k]) * _itemsize(entries[s].dtype) for k, s in match.source_of.items())
     converted = {k: (str(entries[s].dtype), str(held[k].dtype)) for k, s in match.source_of.items()
