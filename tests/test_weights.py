@@ -382,3 +382,38 @@ def test_weights_that_do_not_fit_are_named(mlp_results):
                     raise WeightsError(errors[name])
         assert "strict=False" in errors["missing"] and "strict=False" not in errors["shape"]
         assert out["lenient"] == {"missing": ("up.weight",), "unexpected": ("extra.weight",), "others_loaded": True}
+
+
+# ----------------------------------------------------------------------------- the file formats, one process
+
+
+def test_streamed_files_read_back_as_safetensors_and_torch_write_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from autopar.runtime.weight_files import Entry, SafetensorsWriter, TorchFileWriter, parse_size, shard_files
+
+    tensors = {"a.weight": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4).to(torch.bfloat16), "s": torch.tensor(2.5)}
+    entries = [(k, Entry(tuple(v.shape), v.dtype)) for k, v in tensors.items()]
+    w = SafetensorsWriter(tmp_path / "x.safetensors", entries)
+    for k, v in tensors.items():
+        w.write(k, v)
+    w.close()
+    back = load_file(tmp_path / "x.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    # the torch file: every key in state_dict order, a tied key sharing its tensor's storage
+    t = TorchFileWriter(tmp_path / "x.pt", entries + [("tied", entries[0][1])], {"tied": "a.weight"})
+    for k, v in tensors.items():
+        t.write(k, v)
+    t.close()
+    back = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert list(back) == [*tensors, "tied"] and all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert back["tied"].data_ptr() == back["a.weight"].data_ptr()
+    # transformers' names and greedy packing; its size spellings
+    assert list(shard_files(entries, 10**6, "model", "safetensors")) == ["model.safetensors"]
+    files = shard_files(entries, 70, "model", "safetensors")  # 60, 56 + 8 + 4 bytes
+    assert files == {"model-00001-of-00002.safetensors": ["a.weight"],
+                     "model-00002-of-00002.safetensors": ["b", "c", "s"]}
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size(123) == 123
+    with pytest.raises(WeightsError, match=r"max_shard_size='lots': give bytes as an int > 0 or a size such as '5GB'"):
+        parse_size("lots")
