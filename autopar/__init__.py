@@ -16,6 +16,7 @@ from autopar.errors import (
     NoFeasiblePlanError,
     PlanFormatError,
     TraceError,
+    WeightsError,
 )
 from autopar.plan import Plan
 from autopar.api import plan
@@ -26,9 +27,10 @@ from autopar.runtime.compile import compile
 from autopar.runtime.launch import launch
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.runtime.in_place import export_module
+from autopar.runtime.weights import WeightsLoad, load_weights, save_weights
 
 __all__ = [
     "Cluster", "DeviceSpec", "LinkSpec", "PeakFlops", "Constraints", "annotate", "Plan", "plan",
     "SolverConfig", "compile", "Checkpointing", "Resumed", "Monitoring", "SlowStepWarning", "CheckpointError", "launch", "ParallelModel", "export_module", "AutoparError", "ClusterSpecError", "ConstraintError", "NoFeasiblePlanError",
-    "PlanFormatError", "TraceError",
+    "PlanFormatError", "TraceError", "load_weights", "save_weights", "WeightsLoad", "WeightsError",
 ]

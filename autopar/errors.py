@@ -71,3 +71,8 @@ class DeferredInitError(AutoparError):
 class CheckpointError(AutoparError):
     """A checkpoint that cannot be saved or loaded: incomplete, altered, of another model, or
     holding state that does not load safely."""
+
+
+class WeightsError(AutoparError):
+    """Weights that do not fit the model (missing, unexpected or misshapen keys), or a weights
+    source or destination that cannot be read or written (``autopar.load_weights``/``save_weights``)."""

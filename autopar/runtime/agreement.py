@@ -34,6 +34,9 @@ The runtime's agreed branches (audited; keep this list current):
   uninitialised on one rank: gathered, so that every rank raises;
 * ``input_check_methods``: a batch one rank refuses, or rows that differ within a data shard (local
   batches too): the ranks' checks are all-gathered on the checked steps, so every rank raises.
+* ``weights``: what a weights folder holds (DCP or files: ``dcp.load`` is a collective): rank 0
+  decides; a source that does not read or weights that do not fit: gathered, every rank raises;
+  ``save_weights``' file failures on rank 0 (which keeps gathering): rank 0 decides at the end.
 """
 from __future__ import annotations
 

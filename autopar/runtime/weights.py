@@ -1,0 +1,346 @@
+"""Pretrained weights into a ParallelModel's shards, and trained weights out.
+
+``load_weights(pm, source)``: a Hugging Face folder (``model.safetensors``, or sharded with
+``model.safetensors.index.json``; ``pytorch_model.bin`` likewise), a DCP checkpoint folder, or a
+torch state dict (a dict of full tensors, or a ``.pt``/``.bin`` file, mapped with ``mmap=True``)
+is copied into the plan's shards. Invariants:
+
+* each rank reads only the slices its DTensors hold (the chunk each DTensor's local tensor is of
+  the global tensor, ``DTensor.__create_chunk_list__``, the protocol DCP plans with); the bytes it
+  read are counted and returned (``WeightsLoad.bytes_read``) beside what its slices hold at the
+  source's dtype (``slice_bytes``);
+* safetensors are sliced directly (``safe_open(...).get_slice(key)[slices]``), not through
+  torch's ``HuggingFaceStorageReader``: that reader calls the same ``get_slice`` with the same
+  slices, so it reads the same bytes (measured equal per rank under dp=2 x tp=2 by
+  tests/test_weights.py), but it plans collectively over every rank and names neither a missing
+  nor an unexpected key nor a tie; direct slicing needs no collective;
+* a DCP folder is read by ``torch.distributed.checkpoint.load`` into the DTensors (its
+  ``FileSystemReader`` reads each saved chunk that overlaps a slice whole: the slices when the
+  checkpoint was saved sharded as this plan is, whole tensors when one device saved it);
+* values are converted to each parameter's dtype; a checkpoint may omit a key tied to another
+  (Hugging Face drops ``lm_head.weight`` tied to ``embed_tokens``): fine where the model ties
+  them, missing where it does not; missing and unexpected keys and shape mismatches are named in
+  one ``WeightsError``, raised on every rank (``strict=False`` returns the missing and unexpected
+  keys instead; a shape mismatch is always an error);
+* ZeRO-1/2 parameters, loaded into their optimizer shard, are gathered whole again afterwards.
+
+``save_weights(pm, path)``: the full weights written by rank 0, gathered one tensor at a time
+(``DTensor.full_tensor()`` on the ranks holding it; every rank takes part), so that no rank holds
+more than its shards plus one full tensor. Pipeline stages: each tensor is gathered over the
+stage that holds it and its first rank sends it to rank 0 (point to point, in one agreed order),
+so one writer writes every file. Tied tensors are written once under the first key, as
+``save_pretrained`` does; formats: ``"safetensors"`` (what ``from_pretrained`` reads, with the
+model's ``config.json`` where it has a Hugging Face config) and ``"torch"`` (one
+``torch.save``-able state dict file, as ``model.state_dict()`` holds it, ties included).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.agreement import decided_by_rank0, gathered
+from autopar.runtime.weight_files import (
+    SAFE_INDEX, Entry, SafetensorsWriter, TorchFileWriter, WeightFiles, WeightsError, parse_size, shard_files,
+)
+
+__all__ = ["load_weights", "save_weights", "WeightsLoad", "WeightsError"]
+
+
+@dataclass(frozen=True)
+class WeightsLoad:
+    """What ``load_weights`` did on this rank."""
+
+    source: str  # "safetensors", "torch" or "dcp"
+    loaded: tuple[str, ...]  # keys copied into this rank's shards
+    tied: tuple[str, ...] = ()  # keys the source omits, filled through the key they are tied to
+    missing: tuple[str, ...] = ()  # keys of the model the source lacks (strict=False only)
+    unexpected: tuple[str, ...] = ()  # keys of the source the model lacks (strict=False only)
+    bytes_read: int = 0  # tensor bytes this rank read from the source
+    slice_bytes: int = 0  # bytes of this rank's slices at the source's dtype (the least it can read)
+    converted: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (source dtype, model dtype)
+
+
+def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
+    """Copy pretrained weights into ``pm``'s shards; each rank reads only its slices. Call on every rank.
+
+    ``source``: a folder ``save_pretrained`` wrote (safetensors, single or sharded with an index;
+    or ``pytorch_model.bin``), a DCP checkpoint folder (``dcp.save`` of a state dict, or an autopar
+    checkpoint's ``step-<n>`` folder: its model entries), a ``torch.save``'d state dict file, or a
+    dict of full tensors. Keys are the model's ``state_dict()`` keys.
+
+    >>> pm = autopar.compile(model, cluster, (ids,), example_target=labels, loss_fn=loss_fn, optimizer=opt)
+    >>> report = autopar.load_weights(pm, "llama-folder")   # doctest: +SKIP
+    """
+    pm._require_plan("load_weights")
+    _refuse_stacked(pm, "load_weights", "pm.load_state_dict(full_state_dict) (it stacks the per-expert tensors)")
+    kind = _source_kind(source)
+    held = _held(pm)
+    files, entries, others, problem = None, {}, [], None
+    try:
+        if kind == "dcp":
+            from autopar.runtime.weight_dcp import dcp_entries
+
+            entries, others = dcp_entries(Path(source))
+        else:
+            files = WeightFiles(source)
+            entries = files.entries
+    except WeightsError as exc:  # raised on every rank below: a rank that went on alone would wait in a collective
+        problem = str(exc)
+    _raise_everywhere([problem] if problem else [], "the source does not read")
+    match = _match(pm, held, entries)
+    match.unexpected += others  # a DCP checkpoint's non-tensor entries
+    _raise_everywhere(match.problems(strict), "the weights do not fit the model",
+                      ". Pass strict=False to load what fits and get the missing and unexpected keys back"
+                      if match.missing or match.unexpected else "")
+    if kind == "dcp":
+        from autopar.runtime.weight_dcp import load_dcp
+
+        bytes_read = load_dcp(Path(source), {k: (held[k], src) for k, src in match.source_of.items()}, entries)
+    else:
+        try:
+            bytes_read = _load_slices(files, held, match.source_of)
+        except Exception as exc:  # noqa: BLE001 - a damaged file met on one rank: every rank raises
+            problem = f"{type(exc).__name__}: {exc}"
+        finally:
+            files.close()
+        _raise_everywhere([problem] if problem else [], f"reading {files.path} failed")
+    pm._after_state_load()  # ZeRO-1/2: the optimizer shards were written; gather them whole again
+    slice_bytes = sum(_local_numel(held[k]) * _itemsize(entries[s].dtype) for k, s in match.source_of.items())
+    converted = {k: (str(entries[s].dtype), str(held[k].dtype)) for k, s in match.source_of.items()
+                 if entries[s].dtype != held[k].dtype}
+    return WeightsLoad(kind, tuple(match.source_of), tuple(match.tied), tuple(match.missing) if not strict else (),
+                       tuple(match.unexpected) if not strict else (), bytes_read, slice_bytes, converted)
+
+
+def _refuse_stacked(pm, what: str, instead: str) -> None:
+    """Experts the plan stacked into one parameter (``autopar.stack_experts``) are not sliced per
+    expert here yet: refused, naming the way that works."""
+    if pm._traced.stacked:
+        fqn, members = next(iter(pm._traced.stacked.items()))
+        raise WeightsError(f"{what}: the plan stacks experts into one parameter ({fqn} holds {members[0]} ...), which "
+                           f"{what} does not map to per-expert keys yet; use {instead}")
+
+
+def _source_kind(source: Any) -> str:
+    if isinstance(source, dict):
+        return "torch"
+    if not isinstance(source, (str, os.PathLike)):
+        raise WeightsError(f"load_weights: source must be a folder, a file or a state dict, got {type(source).__name__}")
+
+    def decide() -> str:
+        p = Path(source)
+        if not p.exists():
+            raise WeightsError(f"load_weights: {p} does not exist")
+        if p.is_dir() and (p / ".metadata").is_file():
+            return "dcp"
+        files = [p] if p.is_file() else list(p.iterdir())
+        return "safetensors" if any(f.suffix == ".safetensors" for f in files) else "torch"
+
+    return decided_by_rank0(decide)  # what a folder holds decides whether dcp.load (a collective) runs
+
+
+def _held(pm) -> dict[str, torch.Tensor]:
+    """This rank's parameters and persistent buffers under their state_dict keys (tied: each key)."""
+    return dict(pm.state_dict(keep_vars=True))
+
+
+@dataclass
+class _Match:
+    source_of: dict[str, str]  # held key (one per tied group) -> source key
+    tied: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    shapes: list[str]
+
+    def problems(self, strict: bool) -> list[str]:
+        out = list(self.shapes)
+        if strict and self.missing:
+            out.append(f"missing from the source: {', '.join(self.missing)}" + _tie_hint(self.missing))
+        if strict and self.unexpected:
+            out.append(f"unexpected in the source (not keys of the model): {', '.join(self.unexpected)}")
+        return out
+
+
+def _tie_hint(missing: list[str]) -> str:
+    if any(k.endswith("lm_head.weight") for k in missing):
+        return (" (a checkpoint omits lm_head.weight when it is tied to the input embedding; this model does not tie "
+                "them: build it with config.tie_word_embeddings=True, or load a checkpoint that has the head)")
+    return ""
+
+
+def _match(pm, held: dict[str, torch.Tensor], entries: dict[str, Entry]) -> _Match:
+    """Which source key fills each held tensor; what the whole model (every stage) misses, what the
+    source has beyond it, and the shapes that differ on this rank."""
+    canon = pm._param_of_key  # every key of the model (all stages) -> the name of the tensor it holds
+    groups: dict[str, list[str]] = {}
+    for key in pm._model_keys:
+        groups.setdefault(canon.get(key, key), []).append(key)
+    missing, tied = [], []
+    for members in groups.values():
+        present = [k for k in members if k in entries]
+        if not present:
+            missing.extend(members)
+        else:
+            tied.extend(k for k in members if k not in entries)
+    unexpected = [k for k in entries if k not in canon and k not in pm._model_keys]
+    source_of, shapes, seen = {}, [], set()
+    for key, t in held.items():
+        if id(t) in seen:
+            continue
+        members = groups.get(canon.get(key, key), [key])
+        src = key if key in entries else next((k for k in members if k in entries), None)
+        if src is None:
+            continue
+        seen.add(id(t))
+        if tuple(entries[src].shape) != tuple(t.shape):
+            shapes.append(f"{src} has shape {tuple(entries[src].shape)} in the source, {tuple(t.shape)} in the model")
+            continue
+        source_of[key] = src
+    return _Match(source_of, sorted(tied), missing, unexpected, shapes)
+
+
+def _raise_everywhere(problems: list[str], what: str, fix: str = "") -> None:
+    """Raise one ``WeightsError`` on every rank naming every rank's problems (pipeline stages check
+    different tensors: a rank without problems must not go on into a collective alone)."""
+    every = gathered(problems)
+    found = list(dict.fromkeys(p for rank in every for p in rank))
+    if found:
+        raise WeightsError(f"load_weights: {what}: " + "; ".join(found) + fix)
+
+
+def _chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the part of the global tensor this rank's local tensor holds."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return (0,) * t.dim(), tuple(t.shape)
+    chunks = t.__create_chunk_list__()
+    assert len(chunks) == 1, f"internal: a DTensor local shard in {len(chunks)} chunks"
+    offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    assert sizes == tuple(_local(t).shape), f"internal: chunk {sizes} but local shard {tuple(_local(t).shape)}"
+    return offsets, sizes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t  # to_local() would record autograd
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    return _local(t).numel()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@torch.no_grad()
+def _load_slices(files: WeightFiles, held: dict[str, torch.Tensor], source_of: dict[str, str]) -> int:
+    for key, src in source_of.items():
+        local = _local(held[key])
+        if local.numel() == 0:
+            continue
+        offsets, sizes = _chunk(held[key])
+        local.copy_(files.read(src, tuple(slice(o, o + n) for o, n in zip(offsets, sizes))))
+    return files.bytes_read
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def save_weights(pm, path: str | os.PathLike, *, format: str = "safetensors", max_shard_size: int | str = "5GB",
+                 dtype: torch.dtype | None = None, config: Any = None) -> str | None:
+    """Write ``pm``'s full weights under the model's ``state_dict()`` keys; call on every rank.
+    Rank 0 writes; returns the path on rank 0, None on the others.
+
+    ``format="safetensors"``: ``path`` is a folder laid out as ``save_pretrained`` lays it out
+    (``model.safetensors``, or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``),
+    plus ``config.json`` when the model has a Hugging Face config (or ``config=`` is given): what
+    ``from_pretrained(path)`` reads. ``format="torch"``: ``path`` is one file that
+    ``model.load_state_dict(torch.load(path))`` reads. ``dtype``: convert floating tensors (e.g.
+    ``torch.bfloat16``). No rank holds more than its shards plus one full tensor.
+
+    >>> autopar.save_weights(pm, "llama-finetuned")   # doctest: +SKIP
+    >>> transformers.LlamaForCausalLM.from_pretrained("llama-finetuned")   # doctest: +SKIP
+    """
+    from autopar.runtime.weight_export import export_plan, gather_one
+
+    pm._require_plan("save_weights")
+    _refuse_stacked(pm, "save_weights", "pm.full_state_dict() (per-expert keys, gathered on every rank)")
+    if format not in ("safetensors", "torch"):
+        raise WeightsError(f"save_weights: format={format!r}; the formats are 'safetensors' (Hugging Face) and 'torch'")
+    limit = parse_size(max_shard_size)
+    plan = export_plan(pm, dtype)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer = _Writer(Path(path), format, plan, limit, config if config is not None else _hf_config(pm)) if rank == 0 else None
+    failure = writer.failure if writer is not None else None
+    held = _held(pm)
+    for item in plan.items:
+        full = gather_one(held, item, rank, pm._device)
+        if writer is not None and full is not None and failure is None:
+            try:
+                writer.write(item.key, full.to(item.entry.dtype))
+            except Exception as exc:  # noqa: BLE001 - the others keep gathering; raised after, on every rank
+                failure = f"writing {item.key}: {type(exc).__name__}: {exc}"
+        del full
+    if writer is not None and failure is None:
+        try:
+            writer.close()
+        except Exception as exc:  # noqa: BLE001
+            failure = f"finishing the files: {type(exc).__name__}: {exc}"
+    verdict = decided_by_rank0(lambda: failure)  # rank 0's writes decide the outcome on every rank
+    if verdict:
+        raise WeightsError(f"save_weights: {path}: {verdict}")
+    return str(path) if rank == 0 else None
+
+
+def _hf_config(pm):
+    model = getattr(pm._builder, "model", None)
+    cfg = getattr(model, "config", None)
+    return cfg if callable(getattr(cfg, "save_pretrained", None)) else None
+
+
+class _Writer:
+    """Rank 0's files of one export (``failure``: why they could not be prepared, else None)."""
+
+    def __init__(self, path: Path, format: str, plan, limit: int, config):
+        self.failure = None
+        self._writers: dict[str, Any] = {}
+        self._file_of: dict[str, str] = {}
+        try:
+            if format == "torch":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                entries = [(k, plan.entry_of(k)) for k in plan.all_keys]
+                self._writers[str(path)] = TorchFileWriter(path, entries, plan.aliases)
+                self._file_of = {i.key: str(path) for i in plan.items}
+                return
+            path.mkdir(parents=True, exist_ok=True)
+            for stale in [*path.glob("model*.safetensors"), path / SAFE_INDEX]:
+                stale.unlink(missing_ok=True)  # a previous export's shards would mix into this one
+            files = shard_files([(i.key, i.entry) for i in plan.items], limit, "model", "safetensors")
+            entry = {i.key: i.entry for i in plan.items}
+            for name, keys in files.items():
+                self._writers[name] = SafetensorsWriter(path / name, [(k, entry[k]) for k in keys])
+                self._file_of.update(dict.fromkeys(keys, name))
+            if len(files) > 1:
+                total = sum(_itemsize(e.dtype) * int(torch.Size(e.shape).numel()) for e in entry.values())
+                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._file_of.items()))}
+                (path / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            if config is not None:
+                config.save_pretrained(str(path))
+        except Exception as exc:  # noqa: BLE001 - agreed after the gathers (save_weights)
+            self.failure = f"preparing the files: {type(exc).__name__}: {exc}"
+
+    def write(self, key: str, t: torch.Tensor) -> None:
+        self._writers[self._file_of[key]].write(key, t)
+
+    def close(self) -> None:
+        for w in self._writers.values():
+            w.close()
