@@ -100,7 +100,7 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
     import torch.distributed as dist
     import transformers
 
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])  # autopar.launch sets it; compile makes the process group
     batches = _batches()
     x, t = batches[0]
     results = []
