@@ -100,7 +100,7 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
     import torch.distributed as dist
     import transformers
 
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])  # autopar.launch sets it; compile makes the process group
     batches = _batches()
     x, t = batches[0]
     results = []
@@ -390,7 +390,8 @@ def test_weights_that_do_not_fit_are_named(mlp_results):
 def test_streamed_files_read_back_as_safetensors_and_torch_write_them(tmp_path):
     from safetensors.torch import load_file
 
-    from autopar.runtime.weight_files import Entry, SafetensorsWriter, TorchFileWriter, parse_size, shard_files
+    from autopar.runtime.weight_files import (Entry, SafetensorsWriter, TorchFileWriter, WeightFiles, parse_size,
+                                              shard_files)
 
     tensors = {"a.weight": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
                "c": torch.randn(4).to(torch.bfloat16), "s": torch.tensor(2.5)}
@@ -401,6 +402,9 @@ def test_streamed_files_read_back_as_safetensors_and_torch_write_them(tmp_path):
     w.close()
     back = load_file(tmp_path / "x.safetensors")
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    files = WeightFiles(tmp_path / "x.safetensors")  # a rank's slices, and only their bytes counted
+    assert torch.equal(files.read("a.weight", (slice(1, 3), slice(2, 5))), tensors["a.weight"][1:3, 2:5])
+    assert torch.equal(files.read("c", (slice(2, 4),)), tensors["c"][2:4]) and files.bytes_read == 6 * 4 + 2 * 2
     # the torch file: every key in state_dict order, a tied key sharing its tensor's storage
     t = TorchFileWriter(tmp_path / "x.pt", entries + [("tied", entries[0][1])], {"tied": "a.weight"})
     for k, v in tensors.items():

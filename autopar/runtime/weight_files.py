@@ -27,7 +27,7 @@ import torch
 
 from autopar.errors import WeightsError
 
-__all__ = ["WeightFiles", "SafetensorsWriter", "TorchFileWriter", "shard_files", "parse_size", "WeightsError",
+__all__ = ["Entry", "WeightFiles", "SafetensorsWriter", "TorchFileWriter", "shard_files", "parse_size", "WeightsError",
            "SAFE_INDEX", "SAFE_SINGLE", "TORCH_INDEX", "TORCH_SINGLE"]
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
