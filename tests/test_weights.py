@@ -105,9 +105,11 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
     x, t = batches[0]
     results = []
     for i, cons in enumerate(layouts):
-        pm = autopar.compile(_llama(seed=100 + i), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
+        model = _llama(seed=100 + i)
+        pm = autopar.compile(model, autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
                              optimizer=_sgd, constraints=autopar.Constraints(**cons))
-        report = autopar.load_weights(pm, pretrained)
+        # the user's module, sharded in place, is what the weights go into (``runtime.in_place``)
+        report = autopar.load_weights(model if not cons.get("pp") else pm, pretrained)
         hf_reader_bytes = None if cons.get("pp") else _hf_reader_bytes(pm, pretrained)
         ref = transformers.LlamaForCausalLM.from_pretrained(pretrained)
         ref_opt = _sgd(ref.parameters())
@@ -122,10 +124,13 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
         folder = os.path.join(out_root, f"layout{i}")
         autopar.save_weights(pm, folder, max_shard_size="100KB" if cons.get("pp") else "5GB")  # pp: sharded
         full = pm.full_state_dict()
-        pm_logits = None
+        pm_logits = generated = module_state = None
         if not cons.get("pp"):
             with torch.no_grad():
                 pm_logits = pm(x).logits.detach().clone()
+                # the model's own methods after training: generate() runs its forward on new shapes
+                generated = model.generate(x[:1, :4], max_new_tokens=3, do_sample=False)
+            module_state = {k: v.full_tensor() for k, v in model.state_dict().items()}
         r = {"constraints": cons, "mesh": pm.plan.mesh, "loss_errs": losses, "bytes_read": report.bytes_read,
              "slice_bytes": report.slice_bytes, "local_bytes": _unique_local_bytes(pm), "loaded": len(report.loaded),
              "hf_reader_bytes": hf_reader_bytes}
@@ -137,6 +142,10 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
                 r["ref_logits_err"] = _rel(logits, ref(x).logits)
                 r["pm_logits_err"] = _rel(logits, pm_logits) if pm_logits is not None else None
             r["state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in full.items())
+            if module_state is not None:  # model.state_dict() after training is what was exported
+                r["module_state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in module_state.items())
+                r["generate_same"] = torch.equal(
+                    generated, exported.generate(x[:1, :4], max_new_tokens=3, do_sample=False))
             r["files"] = sorted(os.listdir(folder))
         results.append(r)
         pm.close()
@@ -202,6 +211,9 @@ def test_hf_llama_loads_trains_and_exports(hf_results, index):
     assert r0["ref_logits_err"] <= TOL and r0["state_errs"] <= TOL, (label, r0["ref_logits_err"], r0["state_errs"])
     if r0["pm_logits_err"] is not None:
         assert r0["pm_logits_err"] <= TOL, (label, r0["pm_logits_err"])
+        # the user's module holds the trained shards and its generate() runs after training
+        assert r0["module_state_errs"] <= TOL, (label, r0["module_state_errs"])
+        assert r0["generate_same"], f"{label}: model.generate differs from the exported model's"
     sharded = bool(r0["constraints"].get("pp"))
     assert "config.json" in r0["files"] and ("model.safetensors.index.json" in r0["files"]) == sharded, r0["files"]
 

@@ -77,6 +77,7 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     >>> pm = autopar.compile(model, cluster, (ids,), example_target=labels, loss_fn=loss_fn, optimizer=opt)
     >>> report = autopar.load_weights(pm, "llama-folder")   # doctest: +SKIP
     """
+    pm = _parallel_model(pm)
     pm._require_plan("load_weights")
     _refuse_stacked(pm, "load_weights", "pm.load_state_dict(full_state_dict) (it stacks the per-expert tensors)")
     kind = _source_kind(source)
@@ -252,6 +253,14 @@ def _load_slices(files: WeightFiles, held: dict[str, torch.Tensor], source_of: d
     return files.bytes_read
 
 
+def _parallel_model(model):
+    """The ``ParallelModel`` behind ``model``: itself, or the one the user's module (sharded in
+    place by ``autopar.compile``) runs."""
+    from autopar.runtime.in_place import is_sharded_in_place, parallel_model_of
+
+    return parallel_model_of(model) if is_sharded_in_place(model) else model
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -272,6 +281,7 @@ def save_weights(pm, path: str | os.PathLike, *, format: str = "safetensors", ma
     """
     from autopar.runtime.weight_export import export_plan, gather_one
 
+    pm = _parallel_model(pm)
     pm._require_plan("save_weights")
     _refuse_stacked(pm, "save_weights", "pm.full_state_dict() (per-expert keys, gathered on every rank)")
     if format not in ("safetensors", "torch"):
