@@ -29,6 +29,8 @@ The runtime's agreed branches (audited; keep this list current):
 * ``compile``: the plan (made on rank 0), the shapes of the first batch, the software versions;
 * writability of the folders at start (``runtime.writable``): the checkpoint root on every rank,
   gathered; the monitoring folder (rank 0 writes it): rank 0 decides.
+* ``in_place``: whether a ``model(x)`` batch under ``no_grad`` has the compiled shapes (the program)
+  or not (the model's own forward, eagerly): ``every_rank`` (skipped with ``check_inputs="never"``);
 * ``input_check_methods``: a batch one rank refuses, or rows that differ within a data shard (local
   batches too): the ranks' checks are all-gathered on the checked steps, so every rank raises.
 """
