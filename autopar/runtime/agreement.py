@@ -32,6 +32,8 @@ The runtime's agreed branches (audited; keep this list current):
 * ``param_store`` / ``shard_init``: which tensors are on the meta device (initialised in place, not
   broadcast) and the init's base seed: rank 0 decides; an init failure or a tensor left
   uninitialised on one rank: gathered, so that every rank raises;
+* ``in_place``: whether a ``model(x)`` batch under ``no_grad`` has the compiled shapes (the program)
+  or not (the model's own forward, eagerly): ``every_rank`` (skipped with ``check_inputs="never"``);
 * ``input_check_methods``: a batch one rank refuses, or rows that differ within a data shard (local
   batches too): the ranks' checks are all-gathered on the checked steps, so every rank raises.
 * ``weights``: what a weights folder holds (DCP or files: ``dcp.load`` is a collective): rank 0
