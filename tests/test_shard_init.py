@@ -43,7 +43,8 @@ def _initialised(name: str, world: int, constraints: dict | None = None) -> dict
 def layouts_worker() -> dict:
     """Every model under every layout, in one world of 4 processes; each rank seeded apart (only
     rank 0's seed may matter)."""
-    torch.manual_seed(SEED if dist.get_rank() == 0 else 99 + dist.get_rank())
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(SEED if rank == 0 else 99 + rank)
     return {(name, label): _initialised(name, 4, c) for name in MODELS for label, c in LAYOUTS}
 
 
@@ -60,7 +61,7 @@ def test_full_state_is_bitwise_the_same_on_1_process_and_under_dp_tp_pp(world1):
             assert r["state"].keys() == ref["state"].keys(), where
             for k, v in ref["state"].items():
                 assert torch.equal(r["state"][k], v), f"{where}: {k} differs from 1 process"
-            assert r["buffers"], where
+            assert bool(r["buffers"]) == (name != "reset") or rank >= 2 and label.startswith("pp"), where  # stage 1 may hold none
             for k, v in r["buffers"].items():
                 assert torch.equal(v, ref["buffers"][k]), f"{where}: buffer {k} differs from 1 process"
             assert math.isclose(r["loss"], ref["loss"], rel_tol=1e-5), f"{where}: first loss {r['loss']} vs {ref['loss']}"
