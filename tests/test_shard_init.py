@@ -45,7 +45,20 @@ def layouts_worker() -> dict:
     rank 0's seed may matter)."""
     rank = int(os.environ["RANK"])
     torch.manual_seed(SEED if rank == 0 else 99 + rank)
-    return {(name, label): _initialised(name, 4, c) for name in MODELS for label, c in LAYOUTS}
+    out = {(name, label): _initialised(name, 4, c) for name in MODELS for label, c in LAYOUTS}
+    # FSDP1's sync_module_states habit: real weights on rank 0, meta elsewhere: rank 0's are broadcast
+    if rank == 0:
+        model = ResetMLP()
+        for m in model.modules():
+            if m is not model and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    else:
+        model = build_on_meta("reset")
+    want = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    pm = autopar.compile(model, autopar.Cluster.local(4), (batch()[0],), constraints=autopar.Constraints(dp=4))
+    out["rank0_real"] = (pm.full_state_dict(), want)
+    pm.close()
+    return out
 
 
 @pytest.mark.slow
@@ -54,7 +67,10 @@ def test_full_state_is_bitwise_the_same_on_1_process_and_under_dp_tp_pp(world1):
     one = {name: _initialised(name, 1) for name in MODELS}
     dist.destroy_process_group()
     ranks = autopar.launch(layouts_worker, 4, timeout_s=900)
+    rank0_weights = ranks[0]["rank0_real"][1]
     for rank, got in enumerate(ranks):
+        full, _ = got.pop("rank0_real")
+        assert all(torch.equal(full[k], v) for k, v in rank0_weights.items()), f"rank {rank}: not rank 0's weights"
         for (name, label), r in got.items():
             ref = one[name]
             where = f"{name} under {label} (rank {rank})"
