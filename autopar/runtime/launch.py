@@ -207,6 +207,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, conn, r
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
+    if isinstance(args, bytes):  # pickled by value (forkserver): see launch
+        args = pickle.loads(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -314,9 +316,12 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0, start
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     env = dict(os.environ) if start_method == "forkserver" else None
+    # forkserver: the arguments go by value, as the results come back (torch's pickler would send a
+    # file descriptor per tensor through the server, which takes at most 256 per process)
+    sent = pickle.dumps(args) if start_method == "forkserver" else args
     release = ctx.Event()
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, pipes[r][1], release, timeout_s, env))
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, sent, pipes[r][1], release, timeout_s, env))
              for r in range(nproc)]
     ok = False
     try:
