@@ -162,13 +162,18 @@ class Side:
     """Where a habit runs: ``constraints is None`` is the single-device reference; otherwise each
     model is compiled under them on this rank (a plan of the same graph is reused: ``plans``)."""
 
-    def __init__(self, base: str, rank: int = 0, constraints: dict | None = None, plans: dict | None = None):
+    def __init__(self, base: str, rank: int = 0, constraints: dict | None = None, plans: dict | None = None,
+                 reused: dict | None = None):
         self.base, self.rank, self.constraints = base, rank, constraints
         self.plans = plans if plans is not None else {}
+        # (graph key) -> a compiled model of the native loop that later habits reuse (``native``)
+        self.reused = reused if reused is not None else {}
         self.batches = batches(base)
         self.compiled: list = []  # to close after the habit
+        self.seeded_per_rank = False
 
     def model(self, output: str = "plain", seed: int | None = 0) -> torch.nn.Module:
+        self.seeded_per_rank |= seed is None
         return build(self.base, output, seed)
 
     def _compile(self, model, key: tuple, *example, **kw):
@@ -181,10 +186,27 @@ class Side:
         return pm
 
     def native(self, model):
-        """The model for the torch-native loop: itself, or compiled (planned at its first call)."""
+        """The model for the torch-native loop: itself, or compiled (planned at its first call).
+
+        A compiled model of the same graph that an earlier habit of this family trained is reused
+        (one compile per graph per family, not one per habit): ``model``'s values are loaded into
+        it (``load_state_dict`` of full tensors), its gradients set to None and ``train()`` called,
+        so the habit starts where a fresh compile would; its own optimizer is new. Not for a model
+        seeded per rank (its compile broadcasts rank 0's values: that is what the habit checks)."""
         if self.constraints is None:
             return model
-        return self._compile(model, ("native", type(model).__name__, getattr(model, "kind", "plain")))
+        key = ("native", type(model).__name__, getattr(model, "kind", "plain"))
+        pm = None if self.seeded_per_rank else self.reused.get(key)
+        if pm is None:
+            pm = self._compile(model, key)
+            if not self.seeded_per_rank:
+                self.reused[key] = pm
+            return pm
+        self.compiled.append((pm, key))
+        pm.load_state_dict(model.state_dict())
+        pm.zero_grad(set_to_none=True)
+        pm.train()
+        return pm
 
     def fused(self, model, make_opt, loss_fn=None, lr_scheduler=None, ahead: bool = False):
         """The model for ``train_step``: compiled with ``optimizer=``, or its one-device equivalent.
@@ -196,11 +218,17 @@ class Side:
         return self._compile(model, key, *(((x,),) if ahead else ()), optimizer=make_opt, loss_fn=loss_fn,
                              lr_scheduler=lr_scheduler, **({"example_target": y} if ahead else {}))
 
-    def close(self) -> None:
+    def close(self, keep: bool = True) -> None:
+        """Close what this habit compiled, but the models later habits reuse (``keep``; else
+        those too: after a habit that failed, the next one compiles afresh)."""
+        kept = {id(pm) for pm in self.reused.values()} if keep else set()
+        if not keep:
+            self.reused.clear()
         for pm, key in self.compiled:
             if pm.plan is not None:
                 self.plans.setdefault(key, pm.plan)
-            pm.close()
+            if id(pm) not in kept:
+                pm.close()
         self.compiled.clear()
 
 
@@ -243,11 +271,14 @@ def run_families(scenarios: list[tuple[str, str, dict, str]], refs: dict, out_di
     end of its traceback; the next one still runs."""
     rank = int(os.environ.get("RANK", "0"))
     plans: dict = {}  # (family, graph key) -> plan: a graph planned once per family
+    reused: dict = {}  # family -> the native loop's compiled models that its habits share (Side.native)
     for family, base, constraints, name in scenarios:
         if rank == 0:
             with open(os.path.join(out_dir, "started"), "a") as f:
                 f.write(f"{family} {name}\n")
-        side, rec = Side(base, rank, constraints, plans.setdefault(family, {})), Recorder()
+        side = Side(base, rank, constraints, plans.setdefault(family, {}), reused.setdefault(family, {}))
+        rec = Recorder()
+        failed = False
         try:
             trained = HABITS[name][1](side, rec)
             if HABITS[name][2] == "refusal":
@@ -260,12 +291,16 @@ def run_families(scenarios: list[tuple[str, str, dict, str]], refs: dict, out_di
         except Exception as exc:  # noqa: BLE001 - reported to the test that names this habit
             tb = traceback.format_exc().strip().splitlines()
             result = {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "traceback": "\n".join(tb[-12:])[-3000:]}
+            failed = True
         try:
-            side.close()
+            side.close(keep=not failed)
         except Exception as exc:  # noqa: BLE001
             result["close_error"] = repr(exc)[:600]
         with open(result_path(out_dir, rank, family, name), "wb") as f:
             pickle.dump(result, f)
+    for models in reused.values():
+        for pm in models.values():
+            pm.close()
 
 
 def plan_facts(plan) -> dict[str, Any]:

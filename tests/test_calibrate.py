@@ -310,22 +310,33 @@ def test_no_spare_cpu_core_means_no_overlap():
     assert roomy.exposed_comm_share == pytest.approx(0.9)
 
 
-def test_the_planner_prices_the_training_probe_as_measured():
-    """The probe's ops, counted as the calibration counts them (``probe_units``), are the ops the
-    planner charges: planning the probe itself on the fitted spec predicts its measured forward,
-    backward and AdamW update (arithmetic and the streaming of its tiny tensors aside)."""
-    from autopar.calibration.training_probe import PROBE_ROWS, PROBE_WIDTH, _probe_model
+def test_the_planner_counts_the_ops_the_calibration_counts():
+    """The training probe's measurements (made here by known constants: 30 us per op of forward
+    and backward, 5 us per op of the update, plus arithmetic) fit those constants exactly; then a
+    model that is not the probe (6 layers of width 32 over 16 rows, not 24 of 16 over 8) planned
+    on the fitted spec pays them for exactly the ops ``probe_units``' rules count in it (a linear
+    one op forward and ``BWD_OPS["matmul"]`` backward, a GELU one and ``BWD_OPS["pointwise"]``, the
+    loss's sum one and one; ``update_ops(2)`` per parameter): its predicted compute less the same
+    plan's with both constants at zero. A planner that charged the per-op constants for other ops
+    than the calibration divided them by would miss here (the probe itself only checks the sum)."""
+    from autopar.calibration.training_probe import PROBE_LAYERS, PROBE_WIDTH
+    from autopar.planner.costing import BWD_OPS, update_ops
 
     measured = _synthetic_measurements()
     measured.pop("collectives"), measured.pop("overlap")
     one = fit_cluster(dict(measured, world=1), Cluster.local(1, calibrated=False))
-    x = torch.randn(PROBE_ROWS, PROBE_WIDTH)
-    plan = autopar.plan(_probe_model(torch.device("cpu")), one, x, loss_fn=lambda out, _: out.sum(),
-                        example_target=torch.zeros(()), optimizer="adamw")
-    t = measured["training"]
-    per_element = one.device.update_element_s[0] + 2 * one.device.update_element_s[1]
-    update = t["step_s"] + per_element * sum(p.numel() for p in _probe_model(torch.device("cpu")).parameters())
-    assert plan.predicted.compute_s == pytest.approx(t["fwd_bwd_s"] + update, rel=0.05)
+    per_op, per_update_op = 1.05 * 30e-6, 1.05 * 5e-6  # the mean of the two ranks' (1.0x and 1.1x)
+    assert one.device.op_overhead == pytest.approx(per_op) and one.device.update_op_overhead == pytest.approx(per_update_op)
+    free = dataclasses.replace(one, device=dataclasses.replace(one.device, op_overhead=0.0, update_op_overhead=0.0))
+    layers, width, rows = 6, 32, 16
+    assert (layers, width) != (PROBE_LAYERS, PROBE_WIDTH)
+    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
+    x = torch.randn(rows, width)
+    compute = [autopar.plan(model, c, x, loss_fn=lambda out, _: out.sum(), example_target=torch.zeros(()),
+                            optimizer="adamw").predicted.compute_s for c in (one, free)]
+    fb_units = layers * ((1 + BWD_OPS["matmul"]) + (1 + BWD_OPS["pointwise"])) + 2
+    up_units = update_ops(2) * 2 * layers
+    assert compute[0] - compute[1] == pytest.approx(fb_units * per_op + up_units * per_update_op, rel=1e-6)
 
 
 def test_local_reads_the_calibrated_spec_and_refuses_a_bad_one(tmp_path, monkeypatch):

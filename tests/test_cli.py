@@ -114,6 +114,7 @@ def test_the_hugging_face_example_trains_under_autopar_run():
     assert "trained 3 steps; full state dict: 21 tensors, keys as model.state_dict()" in done.stdout
 
 
+@pytest.mark.slow
 def test_run_restarts_failed_workers_by_default(tmp_path, monkeypatch):
     """``autopar run`` hands torchrun --max-restarts (3 unless told): with Checkpointing a killed
     worker costs the steps since the last save, not the run."""

@@ -102,6 +102,7 @@ def _every_kind_worker():
     return out, dict(mesh.stats.calls), {k: v > 0 for k, v in mesh.stats.seconds.items()}
 
 
+@pytest.mark.slow
 def test_every_collective_kind_gives_the_same_result_polled_or_blocked(monkeypatch):
     """Two gloo processes, each kind synchronously and an asynchronous all-reduce: the results,
     the counted calls and the counted seconds blocked do not depend on how the rank waits."""

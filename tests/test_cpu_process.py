@@ -69,6 +69,7 @@ def _affinity_worker():
     return before, pin_local_rank(), _thread_cores(), node_cores()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="sched_setaffinity: Linux only")
 def test_local_ranks_are_pinned_to_their_own_cores(monkeypatch):
     from autopar.runtime.cpu_affinity import container_cpus, rank_cores

@@ -9,7 +9,8 @@ keyword inputs, and models returning tuples, dicts and ``ModelOutput``s; in the 
 loop and in ``train_step``. SGD and AdamW alternate between habits (every family sees both).
 
 Every family runs every habit in one world of 4 gloo processes (three launches for the seven
-families); each rank compares the values its loop saw and its final parameters with the
+families); the native-loop habits of one graph share one compiled model per family, reset to the
+fresh model's values before each (``habit_loops.Side.native``); each rank compares the values its loop saw and its final parameters with the
 single-device loop, computed once here in the parent, within 1e-5 relative (fp32). Pipeline
 plans run in ``train_step`` only: their native-loop habits are replaced by the check that the
 native loop is refused with the fix, and ``eval_step`` is refused and training goes on.

@@ -27,6 +27,7 @@ def _monitored_run(run_dir, steps):
             "predicted": pm.plan.predicted.step_time_s, "tokens": int(x.numel())}
 
 
+@pytest.mark.slow
 def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys):
     results = autopar.launch(_monitored_run, 2, str(tmp_path), 3)
     lines = [json.loads(s) for s in (tmp_path / "steps.jsonl").read_text().splitlines()]
@@ -44,7 +45,8 @@ def test_monitored_run_records_every_step_beside_the_prediction(tmp_path, capsys
     # beside the plan's figure and by category (the other steps measure none)
     assert [s.get("memory_tracked", False) for s in lines] == [False, False, True]
     assert lines[0]["peak_bytes"] is None and lines[2]["peak_bytes"] > 0
-    assert 0.5 < lines[2]["peak_bytes"] / lines[2]["predicted_peak_bytes"] < 2.0, lines[2]
+    # the goal of memory fidelity (issue 7, benchmarks/README.md): the peak within 15% of the prediction
+    assert abs(lines[2]["peak_bytes"] / lines[2]["predicted_peak_bytes"] - 1) <= 0.15, lines[2]
     assert lines[2]["memory_bytes"]["params"] == pytest.approx(lines[2]["predicted_memory_bytes"]["params"], rel=0.05)
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["fingerprint"] == r["fingerprint"] and run["world_size"] == 2 and run["versions"]["torch"]

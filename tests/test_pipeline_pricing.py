@@ -186,19 +186,18 @@ def test_zero_per_stage_in_the_free_plans_pipeline_search():
     over = max(range(2), key=lambda i: free.stages[i].peak_memory_bytes)
     assert any(p.zero_axes for p in weighed.stages[over].params)
     assert weighed.fingerprint == plan.fingerprint
-    # a plan to beat that the pipeline before ZeRO does not beat: not tried (the shrunk plan, or none)
-    try:
-        bounded = search(free.predicted.step_time_s * 0.5)
-    except autopar.NoFeasiblePlanError:
-        return
-    assert bounded.fingerprint != weighed.fingerprint
+    # a plan to beat that the pipeline before ZeRO does not beat: ZeRO per stage is not tried, and
+    # the pipeline with its memory shrunk alike for both stages is all that is left; here it does
+    # not fit (its last rank over the device), so the search refuses rather than return it
+    with pytest.raises(autopar.NoFeasiblePlanError, match=r"pp=2: pipeline rank \d needs .* but a device has"):
+        search(free.predicted.step_time_s * 0.5)
 
 
 def _per_stage_zero_suite(plan_json: str):
     from autopar.runtime.parity import parity_worker
 
     out = []
-    for opt in ("sgd", "adamw"):
+    for opt in ("sgd",):  # one optimizer per case (parity_suite): SGD shows a wrong gradient scale
         r = parity_worker("gpt", None, 5, opt=opt, lr=0.05 if opt == "sgd" else 1e-3, plan=autopar.Plan.from_json(plan_json))
         r.pop("plan"), r.pop("program")
         r["case"], r["constraints"], r["optimizer"] = "gpt", {"pp": 2, "dp": 2, "zero": "per stage"}, opt

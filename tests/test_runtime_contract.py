@@ -250,6 +250,7 @@ def _bucket_worker(constraints):
     return calls, buckets
 
 
+@pytest.mark.slow
 def test_a_zero2_weight_between_biases_cuts_no_gradient_bucket():
     """The biases' gradients (summed in buckets) lie in the flat buffer next to each other; the
     ZeRO-2 weights between them keep theirs in the shard buffer: one bucket, one all-reduce a step
@@ -293,6 +294,7 @@ def _zero1_gather_worker():
     return finals
 
 
+@pytest.mark.slow
 def test_a_zero1_weight_cut_evenly_along_dim_0_is_gathered_in_place():
     """ZeRO-1: a weight whose shards are blocks of dim 0 (32 rows over 2 ranks) is all-gathered
     straight into itself, its own block being what the optimizer updated; the 7-row weight, cut

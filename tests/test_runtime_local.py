@@ -70,6 +70,7 @@ def test_meta_model_materialises_its_parameters(world1):
     assert full["layers.0.up.weight"].shape == (256, 64) and full["layers.0.up.weight"].abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_compile_errors_are_clear(world1):
     x, t = mlp_batch()
     with pytest.raises(autopar.AutoparError, match="example_target"):

@@ -1,10 +1,11 @@
 """Parity of the sharded program with single-device training, on real gloo processes.
 
-Each rank compiles the model under a forced plan family, trains 5 steps with AdamW and again with
-SGD with momentum (SGD only for the nanoGPT-style model, see ``parity_suite``) on the global
-batches, and also trains a single-device reference; the loss at every step and every parameter
-after the last step must agree within 1e-5 relative (per tensor, see ``relative_error``).
-All families of one world size share one launch to keep CI time down.
+Each rank compiles the model under a forced plan family and trains 5 steps on the global batches,
+with SGD with momentum or AdamW by turns (``parity_suite``: each list holds both for every model
+and most families; SGD only for the nanoGPT-style model); rank 0 also trains a single-device
+reference; the loss at every step and every parameter after the last step must agree within 1e-5
+relative (per tensor, see ``relative_error``). All families of one world size share one launch to
+keep CI time down.
 """
 from __future__ import annotations
 

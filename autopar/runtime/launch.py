@@ -197,11 +197,18 @@ def _restart_safe_store(world_size: int, timeout_s: float) -> dict:
             "world_size": world_size}
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, conn, release, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, conn, release, timeout_s: float,
+            env: dict[str, str] | None = None) -> None:
     """One rank: run ``fn``, send (rank, ok, pickled result or traceback) to the parent, then tear
     the process group down. The closing barrier runs only once the parent says every rank has
     returned (``release``): a barrier entered while a peer is still inside ``fn`` could pair with
-    that peer's collective, and after a failure the peers may never arrive."""
+    that peer's collective, and after a failure the peers may never arrive. ``env``: the caller's
+    environment, which a rank forked from the forkserver takes in place of the server's."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if isinstance(args, bytes):  # pickled by value (forkserver): see launch
+        args = pickle.loads(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -278,7 +285,10 @@ def _collect(procs: list, readers: list, timeout_s: float) -> dict[int, Any]:
     return results
 
 
-def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0, start_method: str = "spawn") -> list[Any]:
+START_METHOD_ENV = "AUTOPAR_LAUNCH_START_METHOD"
+
+
+def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0, start_method: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local processes (ranks 0..nproc-1); return their results.
 
     ``fn`` must be importable (a module-level function). Never hangs: a rank that raises, or dies
@@ -286,24 +296,32 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_s: float = 600.0, start
     seconds stop every rank and raise ``WorkerFailedError`` (a ``RuntimeError``) naming the
     ranks, with the failing rank's traceback or its exit code and signal.
 
-    ``start_method``: "spawn" (each rank a fresh interpreter that imports ``fn``'s module and sees
-    the environment of this call), or "forkserver": ranks forked from one server process that
-    imported ``fn``'s module once, where start-up time matters (``autopar calibrate``: 4 ranks
-    importing autopar took 5.3-5.5 s on 2 cores, forked 1.9 s). The server is started once per
-    process and keeps the environment it started with.
+    ``start_method``: "spawn" (each rank a fresh interpreter that imports ``fn``'s module), or
+    "forkserver": ranks forked from one server process that imported autopar and ``fn``'s module
+    once, where start-up time matters (``autopar calibrate``, the test suite: 4 ranks importing
+    autopar took 5.3-5.5 s on 2 cores, forked 1.9 s). The server is started once per process;
+    either way each rank sees the environment of this call (a forked rank takes it in place of
+    the server's; only what a module read from the environment when the server imported it is
+    the server's). None: ``$AUTOPAR_LAUNCH_START_METHOD``, else "spawn".
 
     >>> # autopar.launch(worker, 2, timeout_s=120)  # [worker() on rank 0, worker() on rank 1]
     """
+    if start_method is None:
+        start_method = os.environ.get(START_METHOD_ENV, "").strip() or "spawn"
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"launch: start_method must be 'spawn' or 'forkserver', got {start_method!r}")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload([fn.__module__])
+        ctx.set_forkserver_preload(["autopar", fn.__module__])
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    env = dict(os.environ) if start_method == "forkserver" else None
+    # forkserver: the arguments go by value, as the results come back (torch's pickler would send a
+    # file descriptor per tensor through the server, which takes at most 256 per process)
+    sent = pickle.dumps(args) if start_method == "forkserver" else args
     release = ctx.Event()
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, pipes[r][1], release, timeout_s))
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, sent, pipes[r][1], release, timeout_s, env))
              for r in range(nproc)]
     ok = False
     try:
