@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,13 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     except WeightsError as exc:  # raised on every rank below: a rank that went on alone would wait in a collective
         problem = str(exc)
     _raise_everywhere([problem] if problem else [], "the source does not read")
+    unfilled = _never_loaded(pm, held)
+    if unfilled:  # a warning, not a refusal: the user may fill them after compile (no collective depends on it)
+        warnings.warn(f"load_weights: compile(init='skip') left {', '.join(unfilled)} uninitialised and no checkpoint "
+                      "holds them (they are not in state_dict()): write them yourself before the first step (e.g. "
+                      "as the module's __init__ computes them), or let the model's own init run (compile without "
+                      "init='skip'; the loaded weights then overwrite its parameters)", UninitialisedBufferWarning,
+                      stacklevel=2)
     match = _match(pm, held, entries)
     match.unexpected += others  # a DCP checkpoint's non-tensor entries
     _raise_everywhere(match.problems(strict), "the weights do not fit the model",
@@ -144,6 +152,24 @@ def _source_kind(source: Any) -> str:
         return "safetensors" if any(f.suffix == ".safetensors" for f in files) else "torch"
 
     return decided_by_rank0(decide)  # what a folder holds decides whether dcp.load (a collective) runs
+
+
+class UninitialisedBufferWarning(UserWarning):
+    """``load_weights`` into a model compiled with ``init="skip"`` left buffers no checkpoint holds
+    uninitialised (their shards are empty memory until the user writes them)."""
+
+
+def _never_loaded(pm, held: dict) -> list[str]:
+    """Buffers of a meta-built model left uninitialised (``compile(init="skip")``) that are not in
+    ``state_dict()`` (non-persistent, e.g. a rotary ``inv_freq``): no checkpoint can fill them, and
+    an empty shard would silently poison the step (a NaN loss)."""
+    from autopar.runtime.shard_init import SKIP
+
+    if getattr(pm._builder, "init", None) != SKIP:
+        return []  # the model's own init ran over every deferred tensor (``runtime.shard_init``)
+    store = pm.store
+    return [f"{fqn} (a non-persistent buffer)" for ph, fqn in pm._traced.buffer_fqns.items()
+            if ph in store.deferred and fqn not in held]
 
 
 def _held(pm) -> dict[str, torch.Tensor]:
