@@ -140,16 +140,22 @@ def fill_rotary_buffers(model: torch.nn.Module) -> list[str]:
     compute them as the module's own ``__init__`` does, into whatever tensor the module now holds."""
     from torch.distributed.tensor import DTensor
 
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     filled = []
     for name, mod in model.named_modules():
-        if hasattr(mod, "rope_init_fn") and "inv_freq" in mod._buffers:
-            inv, _ = mod.rope_init_fn(mod.config, torch.device("cpu"))
-            buf = mod._buffers["inv_freq"]
-            local = buf.to_local() if isinstance(buf, DTensor) else buf
-            assert tuple(local.shape) == tuple(inv.shape), (name, local.shape, inv.shape)
-            with torch.no_grad():
-                local.copy_(inv)
-            filled.append(f"{name}.inv_freq")
+        if "inv_freq" in mod._buffers and hasattr(mod, "rope_type"):
+            fn = mod.compute_default_rope_parameters if mod.rope_type == "default" else ROPE_INIT_FUNCTIONS[mod.rope_type]
+            inv, _ = fn(mod.config)
+            for leaf in ("inv_freq", "original_inv_freq"):
+                buf = mod._buffers.get(leaf)
+                if buf is None:
+                    continue
+                local = buf.to_local() if isinstance(buf, DTensor) else buf
+                assert tuple(local.shape) == tuple(inv.shape), (name, leaf, local.shape, inv.shape)
+                with torch.no_grad():
+                    local.copy_(inv)
+                filled.append(f"{name}.{leaf}")
     return filled
 
 
