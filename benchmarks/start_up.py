@@ -136,7 +136,7 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int) -> dict:
 
 def fill_rotary_buffers(model: torch.nn.Module) -> list[str]:
     """Workaround: ``init="skip"`` leaves the non-persistent buffers no checkpoint holds (Hugging Face
-    Llama's ``rotary_emb.inv_freq``) uninitialised (the first loss is NaN) and nothing says so;
+    Llama's ``rotary_emb.inv_freq``) uninitialised (the first loss is NaN; load_weights warns of it);
     compute them as the module's own ``__init__`` does, into whatever tensor the module now holds."""
     from torch.distributed.tensor import DTensor
 
