@@ -147,7 +147,7 @@ def test_init_callable_and_skip(world1):
     calls = []
 
     def fill(model):
-        calls.append(type(model).__name__)
+        calls.append(model)
         for p in model.parameters():
             nn.init.constant_(p, 0.5)
         model.freqs_cis = _precompute_freqs_cis(DIM // 4, 16)
@@ -156,7 +156,8 @@ def test_init_callable_and_skip(world1):
     with torch.device("meta"):
         model = TitanLM()
     pm = autopar.compile(model, world1, (x,), init=fill)
-    assert calls == ["TitanLM"]
+    # the user's own module (sharded in place, so of class Autopar<TitanLM>: ``runtime.in_place``), once
+    assert len(calls) == 1 and calls[0] is model and isinstance(model, TitanLM)
     assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in pm.full_state_dict().values())
     pm.close()
     with torch.device("meta"):
@@ -164,6 +165,8 @@ def test_init_callable_and_skip(world1):
     pm = autopar.compile(model, world1, (x,), init="skip")  # a loader fills the shards: nothing runs, nothing refused
     assert pm.store.deferred and pm.store.meta_fqns
     pm.close()
+    with torch.device("meta"):
+        model = ResetMLP()
     with pytest.raises(DeferredInitError, match="init= takes a callable"):
         autopar.compile(model, world1, (x,), init="none")
     with pytest.raises(DeferredInitError, match="holds no tensor on the meta device"):
