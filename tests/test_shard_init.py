@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -209,3 +210,151 @@ def test_start_up_peak_is_the_shards_plus_one_parameter(world1):
     assert resident + largest / 2 < peak <= resident + largest, (peak, resident, largest)
     full = pm.full_state_dict()
     assert torch.equal(full["2.weight"], torch.ones(256)) and full["0.weight"].std() > 0
+
+
+# ----------------------------------------------------------------------------- init="skip": buffers only
+
+
+def _poisoned(empty_shard):
+    """``ParamStore``'s shard allocator, filling each new shard with NaN (-1 for integers): a shard
+    the init writes no longer holds it, one it skips still does."""
+    def allocate(*args):
+        t = empty_shard(*args)
+        return t.fill_(float("nan")) if t.is_floating_point() or t.is_complex() else t.fill_(-1)
+    return allocate
+
+
+def _untouched(t: torch.Tensor) -> bool:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return bool(local.isnan().all()) if local.is_floating_point() or local.is_complex() else bool((local == -1).all())
+
+
+def _activations(monkeypatch) -> list[str]:
+    """The tensors whose full value the init makes, in order (``_ShardInitMode.activate``)."""
+    from autopar.runtime import shard_init
+
+    made, activate = [], shard_init._ShardInitMode.activate
+
+    def spy(mode, e):
+        if mode.active is not e:
+            made.append(e.fqn)
+        return activate(mode, e)
+
+    monkeypatch.setattr(shard_init._ShardInitMode, "activate", spy)
+    return made
+
+
+def test_skip_initialises_only_the_buffers_no_checkpoint_holds(world1, monkeypatch):
+    """init="skip": Hugging Face's rotary ``inv_freq`` (``_init_weights``' ``init.copy_``) and
+    torchtitan's ``freqs_cis`` (reassigned in ``init_weights``) get the full init's values, while
+    no parameter's full value is made and every parameter shard keeps its allocation's bytes; the
+    state loaded after, the first loss is the eagerly built model's (no buffer filled by hand)."""
+    from autopar.runtime import param_store
+
+    monkeypatch.setattr(param_store, "_empty_shard", _poisoned(param_store._empty_shard))
+    made = _activations(monkeypatch)
+    x, t = batch()
+    for name, unsaved in (("hf_llama", ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]),
+                          ("titan", [])):  # titan's init reassigns freqs_cis: taken whole, no full value made
+        full_init = _initialised(name, 1)["buffers"]  # the default path's buffers
+        dist.destroy_process_group()
+        torch.manual_seed(SEED)
+        eager = MODELS[name]()
+        with torch.no_grad():
+            want = float(lm_loss(eager(x), t))
+        made.clear()
+        pm = autopar.compile(build_on_meta(name), world1, (x,), example_target=t, loss_fn=lm_loss, optimizer=sgd,
+                             init="skip")
+        assert made == unsaved, (name, made)
+        state = pm.state_dict(keep_vars=True)
+        assert state and all(_untouched(v) for v in state.values()), f"{name}: init='skip' wrote a parameter"
+        buffers = {n: b.full_tensor() for n, b in pm._state.buffers.items()}
+        assert buffers.keys() == full_init.keys() and set(buffers) - set(state), name
+        for n, b in buffers.items():
+            assert torch.equal(b, full_init[n]) and torch.equal(b, dict(eager.named_buffers())[n]), f"{name}: {n}"
+        unsaved_phs = {ph for ph, n in pm._traced.buffer_fqns.items() if n not in state}
+        assert unsaved_phs and not unsaved_phs & pm.store.deferred, f"{name}: a written buffer is still deferred"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no UninitialisedBufferWarning: nothing is left unwritten
+            autopar.load_weights(pm, eager.state_dict())
+        got = pm.train_step(x, target=t)
+        assert math.isclose(got, want, rel_tol=1e-5), (name, got, want)
+        pm.close()
+        dist.destroy_process_group()
+
+
+def test_skip_refuses_a_buffer_computed_from_a_skipped_parameter(world1):
+    class Derived(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(DIM, DIM))
+            self.register_buffer("col_norm", torch.empty(DIM), persistent=False)
+
+        def init_weights(self):
+            nn.init.normal_(self.w)
+            self.col_norm.copy_(self.w.norm(dim=0))  # needs w's value, which the loader brings later
+
+        def forward(self, x):
+            return x @ self.w / self.col_norm
+
+    with torch.device("meta"):
+        model = Derived()
+    with pytest.raises(DeferredInitError, match=r"init='skip': the model's init computes col_norm .* from a value "
+                                                r"computed from a parameter .* compute the buffer from constants"):
+        autopar.compile(model, world1, (torch.randn(4, DIM),), init="skip")
+
+
+def skip_then_load_worker(folder: str) -> dict:
+    """dp=2 x tp=2: each model built on meta, compiled init="skip" over shards filled with NaN,
+    then loaded (the Hugging Face Llama from the folder ``save_pretrained`` wrote, the torchtitan
+    one from the eagerly built model's state dict); nothing filled by hand."""
+    import transformers
+
+    from autopar.runtime import param_store
+
+    param_store._empty_shard = _poisoned(param_store._empty_shard)  # this process only
+    x, t = batch()
+    out = {}
+    for name in ("hf_llama", "titan"):
+        torch.manual_seed(SEED)
+        eager = transformers.LlamaForCausalLM.from_pretrained(folder) if name == "hf_llama" else TitanLM()
+        with torch.no_grad():
+            want = float(lm_loss(eager(x), t))
+        pm = autopar.compile(build_on_meta(name), autopar.Cluster.local(4), (x,), example_target=t, loss_fn=lm_loss,
+                             optimizer=sgd, constraints=autopar.Constraints(dp=2, tp=2), init="skip")
+        r = {"mesh": pm.plan.mesh, "sharded": sorted(f for f, p in pm.plan.params.items() if "S(" in p.layout),
+             "untouched": all(_untouched(v) for v in pm.state_dict(keep_vars=True).values())}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autopar.load_weights(pm, folder if name == "hf_llama" else eager.state_dict())
+        r["warned"] = [str(w.message) for w in caught if type(w.message).__name__ == "UninitialisedBufferWarning"]
+        full = pm.full_state_dict()
+        r["state_equal"] = all(torch.equal(full[k], v) for k, v in eager.state_dict().items())
+        eager_buffers = dict(eager.named_buffers())
+        r["buffers_equal"] = {n: torch.equal(b.full_tensor(), eager_buffers[n]) for n, b in pm._state.buffers.items()}
+        r["loss"], r["want"] = pm.train_step(x, target=t), want
+        out[name] = r
+        pm.close()
+    return out
+
+
+@pytest.mark.slow
+def test_skip_then_load_gives_the_pretrained_first_loss_on_4_processes(tmp_path):
+    """Issue 43: a meta-built Hugging Face Llama compiled init="skip" and loaded by load_weights
+    starts from from_pretrained's first-step loss (within 1e-5) with its rotary buffers computed
+    by its own _init_weights, under dp=2 x tp=2; a torchtitan-style model with freqs_cis equals
+    the eagerly built one. No parameter shard was written by the init (still NaN after compile)."""
+    import transformers
+
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(MODELS["hf_llama"]().config).save_pretrained(tmp_path / "llama")
+    ranks = autopar.launch(skip_then_load_worker, 4, str(tmp_path / "llama"), timeout_s=600)
+    for rank, out in enumerate(ranks):
+        for name, r in out.items():
+            where = f"{name} rank {rank} on {r['mesh']}"
+            assert r["mesh"].get("dp") == 2 and r["mesh"].get("tp") == 2 and r["sharded"], where
+            assert r["untouched"], f"{where}: init='skip' wrote a parameter"
+            assert r["warned"] == [], (where, r["warned"])
+            assert r["state_equal"], where
+            assert r["buffers_equal"] and all(r["buffers_equal"].values()), (where, r["buffers_equal"])
+            assert math.isclose(r["loss"], r["want"], rel_tol=1e-5), (where, r["loss"], r["want"])

@@ -109,8 +109,10 @@ def compile(
     model in place), else Hugging Face's ``_init_weights``, else ``model.init_weights()``
     (torchtitan's convention), else each module's ``reset_parameters()``. The values do not depend
     on the plan or the world size (each parameter's random ops are seeded from rank 0's
-    ``torch.initial_seed()`` and its name). ``init="skip"`` leaves the shards uninitialised, for a
-    loader that fills them. ``init=fn`` with a model holding no meta tensor is refused.
+    ``torch.initial_seed()`` and its name). ``init="skip"`` leaves the parameters and persistent
+    buffers uninitialised, for a loader that fills them (``autopar.load_weights``), and runs the
+    same init for the buffers no state dict holds only (a rotary ``inv_freq``, ``freqs_cis``).
+    ``init=fn`` with a model holding no meta tensor is refused.
 
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())
@@ -232,7 +234,7 @@ class _Builder:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.autocast = policy.torch_compute_dtype if policy.mixed else None
-        self.init = None  # compile(init=...): a meta model's init (``runtime.shard_init``); "skip": none
+        self.init = None  # compile(init=...): a meta model's init (``runtime.shard_init``); "skip": buffers only
         self._signature = None
         # the model's original tensors: ``source`` (a shallow copy of its tree, ``runtime.in_place``)
         # holds them until the plan is attached, for the shards to be cut from; weakly remembered after

@@ -30,10 +30,21 @@ init code sees the real shapes: fan-in, std), runs the model's own init once ove
 Which init runs (``choose_init``): ``init=`` given to ``autopar.compile`` (a callable taking the
 model); else Hugging Face's ``initialize_weights()`` (``_init_weights`` per module); else the
 model's ``init_weights()`` (torchtitan's convention, given ``buffer_device`` where it takes one);
-else each module's ``reset_parameters()`` in module order. ``init="skip"`` runs none (a loader
-fills the shards). A meta tensor that no init wrote is refused on every rank (``DeferredInitError``),
-naming it and the fix. Ops reading a tensor's *full* value after it was flushed while writing
-another's (``q.copy_(p)`` with ``p`` done) are refused too: the full value is gone.
+else each module's ``reset_parameters()`` in module order. A meta tensor that no init wrote is
+refused on every rank (``DeferredInitError``), naming it and the fix. Ops reading a tensor's *full*
+value after it was flushed while writing another's (``q.copy_(p)`` with ``p`` done) are refused too:
+the full value is gone.
+
+``init="skip"`` (a loader fills the state dict: ``autopar.load_weights``): the same init runs, with
+only the tensors no state dict carries as its *targets*: the meta non-persistent buffers (Hugging
+Face's rotary ``inv_freq``, torchtitan's ``freqs_cis``), agreed from rank 0's model. Every other
+tensor (parameters, persistent buffers) is *skipped*: the init sees a meta tensor of its full
+shape, so its ops make no value and draw no random number (``trunc_normal_`` of a meta tensor
+returns at once) and its shard is left as allocated, for the loader. A target's own values and
+random ops are the full init's (its seed depends on its name and its own count only), so it gets
+exactly the value the full init gives it; a target computed from a skipped tensor's value is
+refused, naming both. A target the init does not write stays deferred (``ParamStore.deferred``)
+and ``load_weights`` warns of it. Without a target (no such buffer) nothing runs.
 """
 from __future__ import annotations
 
@@ -49,13 +60,13 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import DeferredInitError
-from autopar.runtime.agreement import gathered
+from autopar.runtime.agreement import decided_by_rank0, gathered
 from autopar.runtime.collectives import shard_tensor
 from autopar.runtime.dtensor_params import make_dtensor
 
-__all__ = ["SKIP", "initialise_deferred", "choose_init", "derived_seed", "check_init_arg"]
+__all__ = ["SKIP", "initialise_deferred", "choose_init", "derived_seed", "check_init_arg", "unsaved_buffers"]
 
-SKIP = "skip"  # compile(init="skip"): meta tensors keep their uninitialised shards (a loader fills them)
+SKIP = "skip"  # compile(init="skip"): only the buffers no state dict holds are initialised (a loader fills the rest)
 
 
 def check_init_arg(init: Any) -> None:
@@ -107,6 +118,8 @@ class _Entry:
     full: torch.Tensor | None = None  # while active: the full value every op runs on
     dirty: bool = False  # the full value was written while active
     random_ops: int = 0
+    skipped: bool = False  # init="skip" and a state dict carries it: its handle is a meta tensor
+    ph: str = ""  # its placeholder in the program
 
 
 def _key(t: torch.Tensor) -> int:
@@ -127,9 +140,10 @@ def _whole(t: torch.Tensor, e: _Entry) -> bool:
 class _ShardInitMode(TorchDispatchMode):
     """Runs the init's ops on full values one tensor at a time (see the module docstring)."""
 
-    def __init__(self, entries: list[_Entry], base_seed: int):
+    def __init__(self, entries: list[_Entry], base_seed: int, skip: bool = False):
         super().__init__()
         self.base = base_seed
+        self.skip = skip  # init="skip": some entries are skipped (run on meta values)
         self.by_key: dict[int, _Entry] = {}
         for e in entries:
             self.by_key.setdefault(_key(e.handle), e)
@@ -171,6 +185,8 @@ class _ShardInitMode(TorchDispatchMode):
             if e is None:
                 continue
             entries[i] = e
+            if e.skipped:
+                continue  # its handle is a meta tensor: the op runs on it as is
             if not isinstance(a, DTensor):
                 continue  # a view of the active full value: the op runs on it as is
             overwrite = random and id(a) in written and _whole(a, e) and torch.Tag.inplace in func.tags
@@ -188,8 +204,12 @@ class _ShardInitMode(TorchDispatchMode):
                         f"deferred init: {func} on {e.fqn} (an expert stacked into one parameter) after its init: "
                         "initialise each expert's tensors in one go")
                 subs[i] = self.activate(e)
+        if self.skip and any(isinstance(a, torch.Tensor) and a.is_meta for a in flat):
+            _refuse_from_skipped(func, flat, entries, written)
         generator = self._seed(func, flat, entries, written, kwargs) if random else None
         for i, e in entries.items():
+            if e.skipped:
+                continue  # left for the loader: still deferred
             if id(flat[i]) in written:
                 if e is self.active:
                     e.dirty = True
@@ -237,8 +257,9 @@ class _ShardInitMode(TorchDispatchMode):
             seed = derived_seed(self.base, owner.fqn, owner.random_ops)
             owner.random_ops += 1
         device = kwargs.get("device") or next(
-            (torch.device("cpu") if i in entries else a.device for i, a in enumerate(flat) if isinstance(a, torch.Tensor)),
-            torch.device("cpu"))  # a handle's op runs on its full value, on CPU
+            (torch.device("meta" if entries[i].skipped else "cpu") if i in entries else a.device
+             for i, a in enumerate(flat) if isinstance(a, torch.Tensor)),
+            torch.device("cpu"))  # a handle's op runs on its full value, on CPU (a skipped one's on meta)
         device = torch.device(device)
         if device.type == "meta":
             return None
@@ -257,6 +278,21 @@ def _written_args(schema, args, kwargs) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor):
                 out.append(v)
     return out
+
+
+def _refuse_from_skipped(func, flat, entries, written) -> None:
+    """init="skip": an op writing a target (a buffer no state dict holds) from a skipped tensor's
+    value (a parameter or persistent buffer, here a meta tensor) cannot compute it: refused."""
+    targets = [e.fqn for i, e in entries.items() if id(flat[i]) in written and not e.skipped]
+    if not targets:
+        return
+    sources = sorted({e.fqn for i, e in entries.items() if e.skipped} - set(targets)) or [
+        "a value computed from a parameter or persistent buffer (a meta tensor here)"]
+    if any(a.is_meta for a in flat if isinstance(a, torch.Tensor) and id(a) not in written):
+        raise DeferredInitError(
+            f"init='skip': the model's init computes {', '.join(targets)} (a buffer no state dict holds, so initialised "
+            f"here) from {', '.join(sources)} ({func}), which the loader fills later and has no value yet: compute the "
+            "buffer from constants in the init, or compile without init='skip' (the model's own init, then load)")
 
 
 def _read_after_flush(entries, flat, subs, func) -> str:
@@ -296,18 +332,24 @@ def _member_writer(local: torch.Tensor, layout, comm, index: int, stacked_shape)
     return write
 
 
-def _entries(store, traced, mesh) -> dict[str, _Entry]:
+def _entries(store, traced, mesh, targets: frozenset[str] | None = None) -> dict[str, _Entry]:
     """fqn -> entry for every parameter and buffer of the plan (this rank's, and the others'),
     each with its handle: a DTensor of the global shape over this rank's shard, or for a tensor
-    with no shard of its own shape here (another stage's, a stacked expert) over an empty tensor."""
+    with no shard of its own shape here (another stage's, a stacked expert) over an empty tensor.
+    ``targets`` (init="skip"): the only tensors the init writes; every other entry is skipped."""
     comm = store.comm
     out: dict[str, _Entry] = {}
     held = {s.fqn: s for s in store.slots.values()}
     meta = {n.name: n.meta["autopar.outputs"][0] for n in traced.graph.nodes
             if n.op == "placeholder" and (n.meta.get("autopar.outputs") or (None,))[0] is not None}
 
-    def entry(fqn, shape, dtype, write, deferred, local=None, layout=None):
-        e = _Entry(fqn, torch.Size(shape), dtype, write, written=not deferred, always_full=local is None)
+    def entry(fqn, shape, dtype, write, deferred, local=None, layout=None, ph=""):
+        e = _Entry(fqn, torch.Size(shape), dtype, write, written=not deferred, always_full=local is None,
+                   skipped=targets is not None and fqn not in targets, ph=ph)
+        if e.skipped:  # left for the loader: the init sees a meta tensor of its shape (sampling it is a no-op)
+            e.handle = torch.empty(e.shape, dtype=dtype, device="meta")
+            out[fqn] = e
+            return
         if local is None:
             local, layout = torch.empty(0, dtype=dtype, device=store.device), [Replicate()] * mesh.ndim
         e.handle = make_dtensor(local, mesh, layout, e.shape, False)
@@ -318,18 +360,18 @@ def _entries(store, traced, mesh) -> dict[str, _Entry]:
         if fqn in traced.stacked:  # experts stacked on dim 0: each member writes its rows
             for k, member in enumerate(traced.stacked[fqn]):
                 write = _member_writer(s.local, s.layout, comm, k, shape) if s is not None else None
-                entry(member, shape[1:], dtype, write, ph in store.deferred or s is None)
+                entry(member, shape[1:], dtype, write, ph in store.deferred or s is None, ph=ph)
         elif s is not None:
-            entry(fqn, shape, dtype, _slot_writer(s.local, s.layout, comm), ph in store.deferred, s.local, s.layout)
+            entry(fqn, shape, dtype, _slot_writer(s.local, s.layout, comm), ph in store.deferred, s.local, s.layout, ph)
         else:
-            entry(fqn, shape, dtype, None, True)
+            entry(fqn, shape, dtype, None, True, ph=ph)
     for ph, fqn in traced.buffer_fqns.items():
         shape, dtype = tuple(meta[ph].shape), meta[ph].dtype
         if ph in store.buffers:
             local, layout = store.buffers[ph], store.layouts[ph]
-            entry(fqn, shape, dtype, _slot_writer(local, layout, comm), ph in store.deferred, local, layout)
+            entry(fqn, shape, dtype, _slot_writer(local, layout, comm), ph in store.deferred, local, layout, ph)
         else:
-            entry(fqn, shape, dtype, None, True)
+            entry(fqn, shape, dtype, None, True, ph=ph)
     return out
 
 
@@ -360,8 +402,8 @@ def _take_reassigned(installed: list[_Installed]) -> list[str]:
     bad = []
     for it in installed:
         now = (it.module._parameters if it.is_param else it.module._buffers).get(it.leaf)
-        if now is it.entry.handle or now is None:
-            continue
+        if now is it.entry.handle or now is None or it.entry.skipped:
+            continue  # a skipped tensor's reassignment is dropped with the rest of its init
         e = it.entry
         if isinstance(now, DTensor) or now.is_meta or not _broadcasts(now.shape, e.shape):
             bad.append(f"{e.fqn} (reassigned to a {type(now).__name__} {tuple(now.shape)} on {now.device})")
@@ -397,25 +439,47 @@ def _flags_kept(model: torch.nn.Module):
 _MISSING = object()
 
 
+def unsaved_buffers(model: torch.nn.Module) -> frozenset[str]:
+    """The names of ``model``'s buffers that no state dict carries (non-persistent under each of
+    their names): what a loader cannot fill, so what ``init="skip"`` initialises."""
+    saved = set(model.state_dict(keep_vars=True))
+    names: dict[int, list[str]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for leaf, t in mod._buffers.items():
+            if t is not None:
+                names.setdefault(id(t), []).append(f"{mod_name}.{leaf}" if mod_name else leaf)
+    return frozenset(n for group in names.values() if not saved.intersection(group) for n in group)
+
+
 def initialise_deferred(store, traced, model: torch.nn.Module, mesh, init: Any = None) -> str | None:
     """Initialise every deferred (meta) tensor of ``store`` by ``model``'s own init (module
-    docstring). Call on every rank after the store exists; a no-op where the store defers nothing
-    (the set is agreed) or ``init == "skip"``. Works whether the module tree holds its original
-    (meta) tensors or the plan's DTensors: they are put back as they were. Returns what ran."""
+    docstring); with ``init == "skip"`` only the meta buffers no state dict holds (the rest stays
+    deferred for a loader). Call on every rank after the store exists; a no-op where the store
+    defers nothing (the set is agreed), or under "skip" where no such buffer is deferred. Works
+    whether the module tree holds its original (meta) tensors or the plan's DTensors: they are put
+    back as they were. The placeholders written leave ``store.deferred``. Returns what ran."""
     if not store.meta_fqns and callable(init):
         raise DeferredInitError(
             f"compile got init= but {type(model).__name__} holds no tensor on the meta device (it is initialised "
             "already, and rank 0's values are broadcast): build it under torch.device('meta') for init= to run, or drop init=")
-    if not store.meta_fqns or init == SKIP:
+    if not store.meta_fqns:
         return None
-    entries = _entries(store, traced, mesh)
-    what, run = choose_init(model, init, torch.device("cpu"))
+    skip = init == SKIP
+    targets = None
+    if skip:  # agreed: whether the init runs at all decides whether the verdict's collective runs
+        targets = decided_by_rank0(lambda: frozenset(traced.buffer_fqns.values()) & store.meta_fqns & unsaved_buffers(model))
+        if not targets:
+            return None
+    entries = _entries(store, traced, mesh, targets)
+    what, run = choose_init(model, None if skip else init, torch.device("cpu"))
+    if skip:
+        what = f"{what} for the buffers no state dict holds ({', '.join(sorted(targets))}), init='skip'"
     failure = None
     installed = _install(model, entries)
     try:
         cuda = [torch.cuda.current_device()] if store.device.type == "cuda" else []
         with _flags_kept(model), torch.random.fork_rng(devices=cuda), torch.no_grad():
-            mode = _ShardInitMode([it.entry for it in installed] or list(entries.values()), store.init_seed)
+            mode = _ShardInitMode([it.entry for it in installed] or list(entries.values()), store.init_seed, skip)
             try:
                 with mode:
                     run()
@@ -428,7 +492,7 @@ def initialise_deferred(store, traced, model: torch.nn.Module, mesh, init: Any =
     finally:
         for it in installed:
             (it.module._parameters if it.is_param else it.module._buffers)[it.leaf] = it.original
-    missing = sorted(e.fqn for e in entries.values() if e.write is not None and not e.written)
+    missing = sorted(e.fqn for e in entries.values() if e.write is not None and not e.written and not e.skipped)
     verdicts = gathered((None if failure is None else f"{type(failure).__name__}: {failure}"
                          if isinstance(failure, BaseException) else failure, missing))
     if isinstance(failure, DeferredInitError):
@@ -439,8 +503,11 @@ def initialise_deferred(store, traced, model: torch.nn.Module, mesh, init: Any =
     others = next((f for f, _ in verdicts if f is not None), None)
     if others is not None:
         raise DeferredInitError(f"deferred init of {type(model).__name__} ({what}) failed on another rank: {others}")
+    for ph in {e.ph for e in entries.values()} & store.deferred:  # written: no longer awaits an init (or a loader)
+        if all(e.written for e in entries.values() if e.ph == ph):
+            store.deferred.discard(ph)
     unset = sorted({n for _, names in verdicts for n in names})
-    if unset:
+    if unset and not skip:  # under "skip" they stay deferred: load_weights names them (the user may write them)
         raise DeferredInitError(
             f"{type(model).__name__} was built on the meta device and {what} did not initialise {len(unset)} of its "
             f"tensors: {', '.join(unset[:6])}{' ...' if len(unset) > 6 else ''}. Give the model an init_weights() "

@@ -97,10 +97,11 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     _raise_everywhere([problem] if problem else [], "the source does not read")
     unfilled = _never_loaded(pm, held)
     if unfilled:  # a warning, not a refusal: the user may fill them after compile (no collective depends on it)
-        warnings.warn(f"load_weights: compile(init='skip') left {', '.join(unfilled)} uninitialised and no checkpoint "
-                      "holds them (they are not in state_dict()): write them yourself before the first step (e.g. "
-                      "as the module's __init__ computes them), or let the model's own init run (compile without "
-                      "init='skip'; the loaded weights then overwrite its parameters)", UninitialisedBufferWarning,
+        warnings.warn(f"load_weights: compile(init='skip') left {', '.join(unfilled)} uninitialised: the model's own "
+                      "init did not write them and no checkpoint holds them (they are not in state_dict()): write "
+                      "them yourself before the first step (e.g. as the module's __init__ computes them), or compute "
+                      "them in the model's init (a module's reset_parameters() or init_weights(), Hugging Face's "
+                      "_init_weights), which init='skip' runs for such buffers", UninitialisedBufferWarning,
                       stacklevel=2)
     match = _match(pm, held, entries)
     match.unexpected += others  # a DCP checkpoint's non-tensor entries
@@ -156,13 +157,15 @@ def _source_kind(source: Any) -> str:
 
 class UninitialisedBufferWarning(UserWarning):
     """``load_weights`` into a model compiled with ``init="skip"`` left buffers no checkpoint holds
-    uninitialised (their shards are empty memory until the user writes them)."""
+    and the model's own init did not write uninitialised (their shards are empty memory until the
+    user writes them)."""
 
 
 def _never_loaded(pm, held: dict) -> list[str]:
-    """Buffers of a meta-built model left uninitialised (``compile(init="skip")``) that are not in
-    ``state_dict()`` (non-persistent, e.g. a rotary ``inv_freq``): no checkpoint can fill them, and
-    an empty shard would silently poison the step (a NaN loss)."""
+    """Buffers of a meta-built model still uninitialised after ``compile(init="skip")`` (which runs
+    the model's init for them, ``runtime.shard_init``) that are not in ``state_dict()``
+    (non-persistent): no checkpoint can fill them, and an empty shard would silently poison the
+    step (a NaN loss)."""
     from autopar.runtime.shard_init import SKIP
 
     if getattr(pm._builder, "init", None) != SKIP:
