@@ -5,8 +5,9 @@
 For each size, a Hugging Face ``LlamaForCausalLM`` (hidden 1024, vocab 32000, layers chosen for the
 size) is written once by this process with ``save_pretrained(max_shard_size="200MB")`` (cached under
 ``$TMPDIR/autopar-start-up/<size>``). Then every rank builds it on ``torch.device("meta")``, compiles
-it planned ``dp=nproc, zero=3`` with ``init="skip"``, loads the folder with ``autopar.load_weights``
-and runs one AdamW step (``measure_step``). Per rank:
+it planned ``dp=nproc, zero=3`` with ``init="skip"`` (the model's own ``_init_weights`` computes the
+rotary ``inv_freq`` buffers no checkpoint holds; nothing else is initialised), loads the folder with
+``autopar.load_weights`` and runs one AdamW step (``measure_step``). Per rank:
 
 * peak of every live tensor storage in the process during compile + load (``MemoryTracker`` entered
   before ``compile``, the whole process registered before and after each phase), and during the first
@@ -31,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -112,8 +114,9 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int) -> dict:
                              optimizer=adamw, constraints=autopar.Constraints(dp=nproc, zero=3), init="skip")
         t_compile = time.perf_counter() - t0
         tracker.register_process("cpu", {"the user's model": model, "the step's batch": _batch_module(x, t)})
-        report = autopar.load_weights(pm, folder)
-        rope = fill_rotary_buffers(model)
+        with warnings.catch_warnings(record=True) as caught:  # init="skip" initialises the rotary buffers itself
+            warnings.simplefilter("always")
+            report = autopar.load_weights(pm, folder)
         t_load = time.perf_counter() - t0 - t_compile
         tracker.register_process("cpu", {"the user's model": model, "the step's batch": _batch_module(x, t)})
     start = tracker.report()
@@ -127,36 +130,12 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int) -> dict:
         "start_unaccounted": [r.describe() for r in start.unaccounted[:5]],
         "step_peak": step.memory.peak_bytes, "step_at_peak": step.memory.at_peak,
         "step_unaccounted": [r.describe() for r in step.memory.unaccounted[:5]],
-        "start_peak_where": tracker.where, "rope_filled": rope,
+        "start_peak_where": tracker.where,
+        "uninitialised": [str(w.message) for w in caught if type(w.message).__name__ == "UninitialisedBufferWarning"],
         "bytes_read": report.bytes_read, "slice_bytes": report.slice_bytes,
         "loss": step.loss, "compile_s": t_compile, "load_s": t_load, "step_s": t_step,
         "step_only_s": step.step_time_s,
     }
-
-
-def fill_rotary_buffers(model: torch.nn.Module) -> list[str]:
-    """Workaround: ``init="skip"`` leaves the non-persistent buffers no checkpoint holds (Hugging Face
-    Llama's ``rotary_emb.inv_freq``) uninitialised (the first loss is NaN; load_weights warns of it);
-    compute them as the module's own ``__init__`` does, into whatever tensor the module now holds."""
-    from torch.distributed.tensor import DTensor
-
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    filled = []
-    for name, mod in model.named_modules():
-        if "inv_freq" in mod._buffers and hasattr(mod, "rope_type"):
-            fn = mod.compute_default_rope_parameters if mod.rope_type == "default" else ROPE_INIT_FUNCTIONS[mod.rope_type]
-            inv, _ = fn(mod.config)
-            for leaf in ("inv_freq", "original_inv_freq"):
-                buf = mod._buffers.get(leaf)
-                if buf is None:
-                    continue
-                local = buf.to_local() if isinstance(buf, DTensor) else buf
-                assert tuple(local.shape) == tuple(inv.shape), (name, leaf, local.shape, inv.shape)
-                with torch.no_grad():
-                    local.copy_(inv)
-                filled.append(f"{name}.{leaf}")
-    return filled
 
 
 def _peak_tracker_class():
@@ -223,7 +202,8 @@ def main() -> int:
         print("  start-up unaccounted (largest):", w["start_unaccounted"])
         print("  step unaccounted (largest):", w["step_unaccounted"])
         print("  start-up peak made at:", " <- ".join(reversed(w["start_peak_where"])))
-        print("  rotary buffers filled by the benchmark (init='skip' leaves them empty):", len(w["rope_filled"]))
+        print("  buffers load_weights left uninitialised (init='skip' initialises the rotary ones):",
+              w["uninitialised"] or "none")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1, default=str)
