@@ -335,7 +335,8 @@ def mlp_worker(root: str, layouts: list[dict]) -> dict:
     out["lenient"] = {"missing": report.missing, "unexpected": report.unexpected,
                       "others_loaded": all(torch.equal(full[k], v) for k, v in bad["missing"].items())}
     pm.close()
-    with torch.device("meta"):  # built on meta, init="skip": the non-persistent ``scale`` is in no checkpoint
+    with torch.device("meta"):  # built on meta, init="skip": the non-persistent ``scale`` is in no checkpoint and
+        # no init writes it (BufferedMLP computes it in __init__ only; init="skip" runs the Linears' reset_parameters)
         meta_model = BufferedMLP()
     pm = autopar.compile(meta_model, autopar.Cluster.local(2), (x,), example_target=t, loss_fn=F.mse_loss,
                          optimizer=_sgd, constraints=autopar.Constraints(**layouts[0]), init="skip")
@@ -403,7 +404,8 @@ def test_weights_that_do_not_fit_are_named(mlp_results):
                 if errors[name] is not None:
                     raise WeightsError(errors[name])
         assert "strict=False" in errors["missing"] and "strict=False" not in errors["shape"]
-        # init="skip" on a meta model: its non-persistent buffer is in no checkpoint, and load_weights says so
+        # init="skip" on a meta model: its non-persistent buffer is in no checkpoint and its init does not write it,
+        # so load_weights says so
         assert len(out["never_loaded"]) == 1 and "left scale (a non-persistent buffer) uninitialised" in out["never_loaded"][0]
         assert out["lenient"] == {"missing": ("up.weight",), "unexpected": ("extra.weight",), "others_loaded": True}
 

@@ -30,7 +30,8 @@ The runtime's agreed branches (audited; keep this list current):
 * writability of the folders at start (``runtime.writable``): the checkpoint root on every rank,
   gathered; the monitoring folder (rank 0 writes it): rank 0 decides.
 * ``param_store`` / ``shard_init``: which tensors are on the meta device (initialised in place, not
-  broadcast) and the init's base seed: rank 0 decides; an init failure or a tensor left
+  broadcast) and the init's base seed, and under ``init="skip"`` which buffers no state dict holds
+  (the init's only targets; none: no init runs): rank 0 decides; an init failure or a tensor left
   uninitialised on one rank: gathered, so that every rank raises;
 * ``in_place``: whether a ``model(x)`` batch under ``no_grad`` has the compiled shapes (the program)
   or not (the model's own forward, eagerly): ``every_rank`` (skipped with ``check_inputs="never"``);
