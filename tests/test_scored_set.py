@@ -75,6 +75,29 @@ def test_every_drawn_configuration_plans_under_its_constraints():
             assert max(stages) == int(config.kind[4:]), (config.label, stages)
 
 
+def test_the_fit_sets_pipeline_plans_plan_on_a_spec_calibrated_for_their_world():
+    """calibration.py's fit set on 4 processes after ``autopar calibrate --nproc 4``: its pipeline
+    plans price each stage on a 2-process view of the 4-process spec, which is not a spec
+    calibrated for 2 (``check_calibrated_world`` refused that view: every pp plan failed)."""
+    import dataclasses
+
+    from benchmarks.calibration import CONFIGS
+    from autopar.bench import load_bench_model
+
+    said = ("autopar calibrate on 2026-12-07: 4 cpu process(es) measured together",)
+    plain = autopar.Cluster.local(4, calibrated=False)
+    cluster = dataclasses.replace(plain, sources=tuple(plain.sources) + said)
+    with pytest.raises(autopar.errors.ClusterSpecError, match="calibrated with 4 processes"):
+        dataclasses.replace(cluster, devices_per_node=2)  # a spec of its own for 2 is still refused
+    piped = [(name, c) for name, c in CONFIGS[4] if c.get("pp", 1) > 1]
+    assert piped
+    for name, constraints in piped:
+        model, inputs, loss_fn, target = load_bench_model(name)
+        plan = autopar.plan(model, cluster, inputs, loss_fn=loss_fn, example_target=target,
+                            constraints=autopar.Constraints(**constraints))
+        assert len(plan.stages) == constraints["pp"] and plan.predicted.step_time_s > 0
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="world >= 2"):
         scored_set(0, 5, world=1)
