@@ -26,6 +26,7 @@ microbatch count of the fastest.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -53,14 +54,26 @@ GiB = 2**30
 _INNER: OrderedDict = OrderedDict()
 
 
+def _stage_view(cluster: Cluster, **changes) -> Cluster:
+    """``cluster`` with ``changes`` (one stage's ``nodes`` or ``devices_per_node``; its device's
+    memory): a view of the validated spec to plan a stage on, not a spec of its own, so not
+    validated again. A CPU spec that ``autopar calibrate`` measured with the whole world's processes
+    (``cluster_json.check_calibrated_world`` refuses it for fewer) holds for a stage's processes:
+    they share the machine with the other stages' as the calibration's processes did."""
+    view = copy.copy(cluster)
+    for name, value in changes.items():
+        object.__setattr__(view, name, value)
+    return view
+
+
 def stage_cluster(cluster: Cluster, pp: int):
     """(the cluster one stage plans on, the bandwidth between consecutive stages in bytes/s, the
     seconds of one message of n bytes between them: ``message_seconds``)."""
     if cluster.nodes % pp == 0:
-        sub = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
+        sub = _stage_view(cluster, nodes=cluster.nodes // pp)
         link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
     elif cluster.nodes == 1 and cluster.devices_per_node % pp == 0:
-        sub = dataclasses.replace(cluster, devices_per_node=cluster.devices_per_node // pp)
+        sub = _stage_view(cluster, devices_per_node=cluster.devices_per_node // pp)
         link = cluster.intra_node
     else:
         raise ConstraintError(
@@ -385,7 +398,7 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
 
     def priced_at(scale: float, inner_c: Constraints) -> _Priced:
         """The pipeline over a submesh plan made with ``scale`` devices' worth of memory."""
-        roomy = dataclasses.replace(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
+        roomy = _stage_view(sub, device=dataclasses.replace(sub.device, memory_bytes=int(sub.device.memory_bytes * scale)))
         inner, att = _inner_plan(traced, roomy, inner_c, precision, optimizer, solver, progress, inner_search, pp)
         return _price(traced, blocks, inner, att, pp, v, m, schedule, link_bw, send_s, budget,
                       per_rank_recompute=c.recompute is None)
