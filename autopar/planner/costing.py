@@ -418,7 +418,7 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
     full bucket's collective,
     a larger one its own (with an alpha-beta model: its bandwidth in full and its share of one
     latency)."""
-    from autopar.runtime.grad_sync import BUCKET_BYTES
+    from autopar.sync_settings import BUCKET_BYTES
 
     if src == dst:
         return {}
@@ -449,7 +449,7 @@ def bucketed_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContex
     its time is, less the last bucket's (the runtime starts it when backward ends): of the
     model's ``ctx.grad_bytes / BUCKET_BYTES`` buckets, all but one (counted over the whole
     model's gradients: a rank's share, under tensor parallelism, fills fewer)."""
-    from autopar.runtime.grad_sync import BUCKET_BYTES
+    from autopar.sync_settings import BUCKET_BYTES
 
     if src == dst:
         return 0.0
