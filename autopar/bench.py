@@ -91,9 +91,9 @@ def load_bench_model(name: str):
 
     if name in BENCH_MODELS:
         return BENCH_MODELS[name]()
-    from autopar.cli import _made
+    from autopar.factory import call_factory
 
-    model, inputs, loss_fn, target = _made(name)
+    model, inputs, loss_fn, target = call_factory(name)
     if loss_fn is None:
         raise AutoparError(f"autopar bench needs a loss: {name} must return (model, example_inputs, loss_fn, "
                            "example_target), the global batch, so that every setup trains the same step")
