@@ -18,7 +18,7 @@ layouts:
   the op's backward temporaries, and the release of its saved tensors and output gradients;
 * the optimizer step: its temporaries (``OptimizerSpec``) and ZeRO-1/2's parameter all-gathers.
 
-It reports the same categories ``runtime.memory.MemoryTracker`` measures: persistent
+It reports the same categories ``memory_tracker.MemoryTracker`` measures: persistent
 ``params``, ``grads`` and ``optimizer_state``; the maxima over the step of what forward
 (``activations``), backward (``backward``) and the optimizer (``optimizer_step``) allocated; and
 the peak. With ``m`` microbatches one microbatch runs at a time: batch-derived values are 1/m.

@@ -66,7 +66,7 @@ from autopar.runtime.input_checks import (
     CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, example_spec, refuse_uneven_inputs,
 )
 from autopar.runtime.measure_methods import MeasureMethods, StepMeasurement
-from autopar.runtime.memory import MemoryTracker
+from autopar.memory_tracker import MemoryTracker
 from autopar.runtime.native_loop_methods import NativeLoopMethods
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.shard_init import initialise_deferred
