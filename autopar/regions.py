@@ -51,7 +51,7 @@ REGION_EXPERTS_KEY = "autopar.region_experts"  # its expert weights (parameter n
 REGION_GROUPED_KEY = "autopar.region_grouped"
 # Ops that act on each row alone: under expert parallelism the rows of a grouped matmul's result
 # stay on the experts' ranks through them, into the next grouped matmul over the same routing
-# (``runtime.expert_dispatch``); the names as ``strategies.op_view._op_name`` gives them for the
+# (``runtime.expert_dispatch``); the names as ``node_view.op_name`` gives them for the
 # traced graph and as ``row_local_name`` gives them for torch functions. Split and chunk: along
 # the last dim only. Every tensor operand must itself be such rows.
 ROW_LOCAL_OPS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg", "to",
@@ -242,7 +242,7 @@ def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | 
 def _only_grouped_weight(param: fx.Node, inside: set) -> bool:
     """Whether every use of ``param`` in the region is the weight of a grouped matmul (through
     transposes, views and casts): what expert parallelism can split over experts."""
-    from autopar.strategies.rules import _op_name
+    from autopar.node_view import op_name
 
     meta = param.meta["autopar.outputs"][0]
     if meta is None or len(meta.shape) != 3:
@@ -257,7 +257,7 @@ def _only_grouped_weight(param: fx.Node, inside: set) -> bool:
                 if u.args[1] is not n:
                     return False
                 seen = True
-            elif _op_name(u) in ("transpose", "permute", "view", "reshape", "to", "_to_copy", "contiguous"):
+            elif op_name(u) in ("transpose", "permute", "view", "reshape", "to", "_to_copy", "contiguous"):
                 frontier.append(u)
             else:
                 return False
@@ -273,7 +273,7 @@ def grouped_exchanges(members: list[fx.Node], out: fx.Node) -> tuple:
     matmul over that routing; they come back where anything else (or the region's output) takes
     them, the value there being brought back. The rules of ``runtime.expert_dispatch``, on the
     traced ops."""
-    from autopar.strategies.rules import _op_name
+    from autopar.node_view import op_name
 
     inside = set(members)
     routing_of: dict = {}  # value -> the routing (offs node) whose rows it is, on the experts' ranks
@@ -281,7 +281,7 @@ def grouped_exchanges(members: list[fx.Node], out: fx.Node) -> tuple:
         if _is_grouped_mm(n):
             routing_of[n] = n.args[2]
             continue
-        name = _op_name(n)
+        name = op_name(n)
         if name not in ROW_LOCAL_OPS or (name in _LAST_DIM_OPS and not _splits_last_dim(n)):
             continue
         sources = {routing_of.get(a) for a in n.all_input_nodes}

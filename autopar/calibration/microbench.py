@@ -297,7 +297,7 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
 
 # Ops whose cost per element is measured (forward, and forward + backward, at two sizes: the
 # slope is the per-element cost, the fixed cost is op_overhead's): the traced graph's op names
-# (``strategies.op_view._op_name``) of the common non-matmul ops of training graphs.
+# (``node_view.op_name``) of the common non-matmul ops of training graphs.
 OP_SIZES = ((16, 1024), (256, 1024))  # (rows, width): 16 Ki and 256 Ki elements
 OP_SIZES_GPU = ((1024, 1024), (8192, 1024))  # 1 Mi and 8 Mi: a GPU's kernels launch-bound below that
 OP_REPEATS = 3  # windows per op and size (a slope over two sizes; ``autopar calibrate`` stays within a minute)

@@ -23,9 +23,8 @@ from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
 from autopar.regions import REGION_FLOPS_KEY, REGION_GROUPED_KEY
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
+from autopar.node_view import OpView, op_name, single_meta
 from autopar.strategies import Strategy
-from autopar.strategies.op_view import _single_meta
-from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "gradient_buffer_time",
@@ -88,7 +87,7 @@ def node_flops(node: fx.Node) -> tuple[float, str]:
         return 0.0, "other"
     if REGION_FLOPS_KEY in node.meta:  # a token-wise region: its ops' forward FLOPs, mostly grouped matmuls
         return float(node.meta[REGION_FLOPS_KEY]), "matmul"
-    name = _op_name(node)
+    name = op_name(node)
     outs = node.meta["autopar.outputs"]
     out = outs[0] if outs else None
     if out is None or name in VIEW_OPS:
@@ -123,7 +122,7 @@ def node_flops(node: fx.Node) -> tuple[float, str]:
 
 def node_bytes(node: fx.Node, ctx: CostContext) -> float:
     """Global bytes a node reads and writes in forward (0 for views)."""
-    if node.op != "call_function" or _op_name(node) in VIEW_OPS:
+    if node.op != "call_function" or op_name(node) in VIEW_OPS:
         return 0.0
     total = 0.0
     for m in OpView(node).in_metas:
@@ -150,7 +149,7 @@ def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple
         a = ctx.cluster.device.attention_costs
         measured = (a[0], a[2], float(math.prod(OpView(node).in_metas[0].shape[:-2])), a[1], a[3])
     elif kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
-        per = ctx.cluster.device.op_cost(_op_name(node))
+        per = ctx.cluster.device.op_cost(op_name(node))
         if per is not None:
             metas = [m for m in OpView(node).in_metas if m is not None] + [m for m in node.meta["autopar.outputs"]
                                                                               if m is not None]
@@ -238,7 +237,7 @@ def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int
     """(batch, m, k, n) of the local matmul(s) a linear / mm / bmm / matmul node runs under
     ``strategy`` (its left operand's and its output's local shapes); None for other matmul-like
     ops (einsum, convolutions, grouped matmuls: priced by their FLOPs) or unknown layouts."""
-    name = _op_name(node)
+    name = op_name(node)
     left = _GEMM_OPS.get(name)
     if left is None or left >= len(strategy.ins) or strategy.ins[left] is None or not strategy.outs \
             or strategy.outs[0] is None:
@@ -257,18 +256,18 @@ def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int
 def _right_transposed(node: fx.Node) -> bool:
     """Whether a matmul's right operand is a transposed view ([m, k] x [n, k].T): nn.Linear's
     weight, or an explicit ``t`` / ``transpose`` of the last two dims (``q @ k.transpose(-2, -1)``)."""
-    name = _op_name(node)
+    name = op_name(node)
     if name == "linear":
         return True
     ins = OpView(node).inputs
     right = ins[_GEMM_OPS[name] + 1] if name in _GEMM_OPS and len(ins) > _GEMM_OPS[name] + 1 else None
     if right is None or right.op != "call_function":
         return False
-    op = _op_name(right)
+    op = op_name(right)
     if op == "t":
         return True
     if op in ("transpose", "swapaxes"):
-        meta = _single_meta(right)
+        meta = single_meta(right)
         dims = [a for a in right.args[1:3] if isinstance(a, int)]
         return meta is not None and len(dims) == 2 and {d % len(meta.shape) for d in dims} == \
             {len(meta.shape) - 1, len(meta.shape) - 2}
@@ -277,7 +276,7 @@ def _right_transposed(node: fx.Node) -> bool:
 
 def _has_bias(node: fx.Node) -> bool:
     """Whether a linear adds a bias (its third input)."""
-    if _op_name(node) != "linear":
+    if op_name(node) != "linear":
         return False
     metas = OpView(node).in_metas
     return len(metas) >= 3 and metas[2] is not None

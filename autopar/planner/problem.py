@@ -19,6 +19,7 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.layouts import local_numel, local_shape, split_factor
+from autopar.node_view import op_name
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (CostContext, VIEW_OPS, gradient_buffer_time, node_compute_time, node_work,
                                      optimizer_update_time, param_memory, reshard_time)
@@ -26,7 +27,6 @@ from autopar.planner.edge_tables import REFUSED_RESHARD_S, EdgeTable, build_edge
 from autopar.planner.op_memory import op_memory, warnings_silenced
 from autopar.planner.sync_pricing import own_sync_time, post_step_gather_time
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
-from autopar.strategies.rules import _op_name
 from autopar.trace import TracedGraph, tensor_inputs
 
 __all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter", "batch_derived", "producer_of",
@@ -278,7 +278,7 @@ def _is_follower_op(n: fx.Node) -> bool:
         return False
     if len(tensor_inputs(n)) != 1:
         return False
-    name = _op_name(n)
+    name = op_name(n)
     if name in VIEW_OPS:
         return True
     import torch

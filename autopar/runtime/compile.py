@@ -518,7 +518,7 @@ _LOSS_OPS = {"cross_entropy_loss", "nll_loss_nd", "nll_loss", "mse_loss", "l1_lo
 def _loss_reduction(traced) -> str:
     """How the loss reduces over the batch ("mean" or "sum"), from the reductions feeding the
     output; microbatch losses combine the same way. Anything else is refused, not guessed."""
-    from autopar.strategies.rules import OpView, _op_name
+    from autopar.node_view import OpView, op_name
     from autopar.trace import tensor_inputs
 
     out = next(n for n in traced.graph.nodes if n.op == "output")
@@ -528,7 +528,7 @@ def _loss_reduction(traced) -> str:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        name = _op_name(n)
+        name = op_name(n)
         if n.meta.get(LOSS_REDUCTION_KEY):  # a loss rewritten as sum / count (``loss_rewrite``)
             kinds.add(n.meta[LOSS_REDUCTION_KEY])
         elif name in _LOSS_OPS:
