@@ -1,16 +1,25 @@
-"""Reading a traced node: ``OpView`` (an fx node's schema-bound arguments and tensor metadata) and
-``op_name`` (its op's name). The sharding rules (``strategies``), the IR's helpers, the regions
-and the planner read nodes through these.
+"""Reading a traced node: ``OpView`` (an fx node's schema-bound arguments and tensor metadata),
+``op_name`` (its op's name) and ``node_flops`` (its forward FLOPs). The sharding rules
+(``strategies``), the IR's helpers, the regions and the planner read nodes through these.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch.fx as fx
 
+from autopar.meta_keys import REGION_FLOPS_KEY
 from autopar.trace import TensorMeta, tensor_inputs
 
-__all__ = ["OpView", "op_name", "single_meta"]
+__all__ = ["OpView", "op_name", "single_meta", "node_flops", "VIEW_OPS"]
+
+# Ops that only re-describe memory (no data moved, no new storage).
+VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split",
+    "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "unsqueeze", "squeeze",
+    "flatten", "unflatten", "alias", "detach", "getitem", "view_as", "swapaxes", "_reshape_alias",
+}
 
 
 class OpView:
@@ -80,3 +89,42 @@ def op_name(node: fx.Node) -> str:
     if hasattr(t, "overloadpacket"):
         return t.overloadpacket.__name__
     return getattr(t, "__name__", str(t))
+
+
+def node_flops(node: fx.Node) -> tuple[float, str]:
+    """Global forward FLOPs of ``node`` and its kind ("matmul", "attention", "pointwise", ...)."""
+    if node.op != "call_function":
+        return 0.0, "other"
+    if REGION_FLOPS_KEY in node.meta:  # a token-wise region: its ops' forward FLOPs, mostly grouped matmuls
+        return float(node.meta[REGION_FLOPS_KEY]), "matmul"
+    name = op_name(node)
+    outs = node.meta["autopar.outputs"]
+    out = outs[0] if outs else None
+    if out is None or name in VIEW_OPS:
+        return 0.0, "other"
+    op = OpView(node)
+    if name == "linear":
+        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
+    if name == "grouped_mm":  # every row times its group's [k, n] weight
+        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
+    if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
+        a = op.in_metas[1] if name in ("addmm", "baddbmm") else op.in_metas[0]
+        return 2.0 * out.numel * a.shape[-1], "matmul"
+    if name in ("conv1d", "conv2d", "conv3d"):
+        w = op.in_metas[1]
+        return 2.0 * out.numel * math.prod(w.shape[1:]), "matmul"  # per output: C/g x kernel MACs
+    if name == "einsum":
+        eq = op.arg("equation").replace(" ", "").split("->")[0].split(",")
+        sizes: dict[str, int] = {}
+        for spec, m in zip(eq, op.in_metas):
+            for c, s in zip(spec, m.shape if m else ()):
+                sizes[c] = max(sizes.get(c, 1), s)
+        return 2.0 * math.prod(sizes.values()), "matmul"
+    if name == "scaled_dot_product_attention":
+        q, k = op.in_metas[0], op.in_metas[1]
+        b_h = math.prod(q.shape[:-2])
+        flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
+        if op.arg("is_causal", False):
+            flops *= 0.5  # flash kernels skip the masked upper triangle
+        return flops, "attention"
+    return float(out.numel), "pointwise"

@@ -41,14 +41,11 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.grouped_mm import redirect_grouped_mm
+from autopar.meta_keys import REGION_EXPERTS_KEY, REGION_FLOPS_KEY, REGION_GROUPED_KEY
 
 __all__ = ["TokenRegion", "outline_token_regions", "grouped_exchanges", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY",
            "REGION_GROUPED_KEY", "ROW_LOCAL_OPS"]
 
-REGION_FLOPS_KEY = "autopar.region_flops"
-REGION_EXPERTS_KEY = "autopar.region_experts"  # its expert weights (parameter node names): split over experts
-# its grouped matmuls: (rows, k, n, bytes per element, whether its row counts are new) each
-REGION_GROUPED_KEY = "autopar.region_grouped"
 # Ops that act on each row alone: under expert parallelism the rows of a grouped matmul's result
 # stay on the experts' ranks through them, into the next grouped matmul over the same routing
 # (``runtime.expert_dispatch``); the names as ``node_view.op_name`` gives them for the
@@ -99,7 +96,7 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
     (a module called more than once is not outlined); ``call_outputs``: module path -> the keys
     of its call's output leaves (a module with side outputs is outlined only where its token
     output is found among them)."""
-    from autopar.planner.costing import node_flops
+    from autopar.node_view import node_flops
 
     from autopar.data_dependent import DATA_DEPENDENT_KEY
 

@@ -20,10 +20,10 @@ from autopar.cost_models.communication import (CommGroup, axis_group, blocking_c
 from autopar.cost_models.compute import matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
-from autopar.regions import REGION_FLOPS_KEY, REGION_GROUPED_KEY
+from autopar.regions import REGION_GROUPED_KEY
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
-from autopar.node_view import OpView, op_name, single_meta
+from autopar.node_view import VIEW_OPS, OpView, node_flops, op_name, single_meta
 from autopar.strategies import Strategy
 from autopar.trace import TensorMeta
 
@@ -33,13 +33,6 @@ __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optim
            "bucketed_latency",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
-
-# Ops that only re-describe memory (no data moved, no new storage).
-VIEW_OPS = {
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split",
-    "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "unsqueeze", "squeeze",
-    "flatten", "unflatten", "alias", "detach", "getitem", "view_as", "swapaxes", "_reshape_alias",
-}
 
 # backward / forward cost ratios by op kind
 _BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
@@ -79,45 +72,6 @@ class CostContext:
 @lru_cache(maxsize=256)
 def _groups(mesh_shape: tuple[int, ...], devices_per_node: int) -> tuple[CommGroup, ...]:
     return tuple(axis_group(mesh_shape, a, devices_per_node) for a in range(len(mesh_shape)))
-
-
-def node_flops(node: fx.Node) -> tuple[float, str]:
-    """Global forward FLOPs of ``node`` and its kind ("matmul", "attention", "pointwise", ...)."""
-    if node.op != "call_function":
-        return 0.0, "other"
-    if REGION_FLOPS_KEY in node.meta:  # a token-wise region: its ops' forward FLOPs, mostly grouped matmuls
-        return float(node.meta[REGION_FLOPS_KEY]), "matmul"
-    name = op_name(node)
-    outs = node.meta["autopar.outputs"]
-    out = outs[0] if outs else None
-    if out is None or name in VIEW_OPS:
-        return 0.0, "other"
-    op = OpView(node)
-    if name == "linear":
-        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
-    if name == "grouped_mm":  # every row times its group's [k, n] weight
-        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
-    if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
-        a = op.in_metas[1] if name in ("addmm", "baddbmm") else op.in_metas[0]
-        return 2.0 * out.numel * a.shape[-1], "matmul"
-    if name in ("conv1d", "conv2d", "conv3d"):
-        w = op.in_metas[1]
-        return 2.0 * out.numel * math.prod(w.shape[1:]), "matmul"  # per output: C/g x kernel MACs
-    if name == "einsum":
-        eq = op.arg("equation").replace(" ", "").split("->")[0].split(",")
-        sizes: dict[str, int] = {}
-        for spec, m in zip(eq, op.in_metas):
-            for c, s in zip(spec, m.shape if m else ()):
-                sizes[c] = max(sizes.get(c, 1), s)
-        return 2.0 * math.prod(sizes.values()), "matmul"
-    if name == "scaled_dot_product_attention":
-        q, k = op.in_metas[0], op.in_metas[1]
-        b_h = math.prod(q.shape[:-2])
-        flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
-        if op.arg("is_causal", False):
-            flops *= 0.5  # flash kernels skip the masked upper triangle
-        return flops, "attention"
-    return float(out.numel), "pointwise"
 
 
 def node_bytes(node: fx.Node, ctx: CostContext) -> float:
