@@ -32,7 +32,7 @@ from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
 from autopar.regions import outline_token_regions
 from autopar.loss_rewrite import exact_token_mean
-from autopar.trace_errors import _describe_output, _is_data_dependent, _raise_trace_error, raise_data_dependent_size
+from autopar.trace_errors import describe_output, is_data_dependent, raise_trace_error, raise_data_dependent_size
 
 # ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
 # here); importing it with autopar keeps that one-time import out of the first plan's time, where
@@ -160,7 +160,7 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return (StorageWeakRef(t.untyped_storage()), tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
-class _ModuleTracker:
+class ModuleTracker:
     """Global forward hooks that remember which user module is running (for error messages)."""
 
     def __init__(self, model: torch.nn.Module):
@@ -257,7 +257,7 @@ def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, t
     return gm
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
+def as_tuple(example_inputs: Any) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     if isinstance(example_inputs, (list, tuple)):
@@ -327,7 +327,7 @@ def trace_model(
 
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = _as_tuple(example_inputs)
+    inputs = as_tuple(example_inputs)
     if loss_fn is not None and example_target is None:
         raise TraceError("loss_fn was given without an example target: pass example_target=")
 
@@ -369,7 +369,7 @@ def trace_model(
             warnings.simplefilter("ignore")
             return make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
 
-    tracker = _ModuleTracker(model)
+    tracker = ModuleTracker(model)
     module_prefix = ""
     sized_by_values = None  # (the static trace's error, its tracker) where sizes depend on values
     try:
@@ -379,20 +379,20 @@ def trace_model(
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure becomes one clear error
-        if not isinstance(exc, _UseExport) and _is_data_dependent(exc):
+        if not isinstance(exc, _UseExport) and is_data_dependent(exc):
             # sizes that depend on values (experts computing on their tokens): traced with unbacked
             # sizes, for the token-wise module holding them to be outlined (``autopar.data_dependent``)
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            sized_by_values, tracker = (exc, tracker), _ModuleTracker(model)
+            sized_by_values, tracker = (exc, tracker), ModuleTracker(model)
             fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
             flat = fakes(fake_mode)
             try:
                 gm = capture_make_fx(fake_mode, flat, tracker)
             except Exception:  # noqa: BLE001 - the static trace's error says what is wrong
-                _raise_trace_error(*sized_by_values)
+                raise_trace_error(*sized_by_values)
         elif capture == "make_fx":
-            _raise_trace_error(exc, tracker)
+            raise_trace_error(exc, tracker)
         else:
             gm, static_error = None, exc
     if gm is None:
@@ -401,7 +401,7 @@ def trace_model(
                 gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker, finish)
             module_prefix = "model."
         except Exception as exc2:  # noqa: BLE001
-            _raise_trace_error(static_error if not isinstance(static_error, _UseExport) else exc2, tracker)
+            raise_trace_error(static_error if not isinstance(static_error, _UseExport) else exc2, tracker)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
@@ -532,7 +532,7 @@ class _OwnLoss:
         loss = model_loss(out)
         if loss is None:
             raise TraceError(
-                f"{self.model_class} returned {_describe_output(out)}, not a loss: train_step without loss_fn needs a model "
+                f"{self.model_class} returned {describe_output(out)}, not a loss: train_step without loss_fn needs a model "
                 "that returns a scalar loss, or an output with .loss (for Hugging Face models pass labels=); otherwise "
                 "pass loss_fn= (and target=) to compile")
         return loss
@@ -556,7 +556,7 @@ def model_loss(out):
 def _data_dependent_error(sized_by_values, gm: fx.GraphModule, model: torch.nn.Module):
     """The static trace's error where there was one, else the op that made a value-dependent size."""
     if sized_by_values is not None:
-        _raise_trace_error(*sized_by_values)
+        raise_trace_error(*sized_by_values)
     raise_data_dependent_size(gm.graph, model, DATA_DEPENDENT_KEY)
 
 

@@ -416,7 +416,7 @@ def _search_single_stage(
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         recompute = bool(blocks.blocks) if c.recompute is None else c.recompute
         for mesh in meshes:
-            for micro in _microbatch_counts(batch, data_degree(mesh)):
+            for micro in microbatch_counts(batch, data_degree(mesh)):
                 label = f"{describe(mesh)} recompute={recompute} microbatches={micro}"
                 if progress:
                     progress(label)
@@ -562,7 +562,7 @@ def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solve
     return Baseline("naive data parallel", pred, fits, note)
 
 
-def _microbatch_counts(batch: int, dp: int) -> list[int]:
+def microbatch_counts(batch: int, dp: int) -> list[int]:
     """Gradient-accumulation counts 2, 4, 8, ... that cut ``batch`` into equal microbatches which
     still split evenly over ``dp`` (fewest steps first)."""
     counts, m = [], 2

@@ -449,7 +449,7 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
         weighed = token_count_program(traced.gm) is not None
         if any(n.meta.get(LOSS_REDUCTION_KEY) for n in traced.graph.nodes) and not weighed:
             # the runtime weighs each microbatch's mean by its share of the count where it can
-            # compute the count per microbatch (``_Program.token_count``; local batches: summed over 'dp')
+            # compute the count per microbatch (``RankProgram.token_count``; local batches: summed over 'dp')
             warnings.warn(
                 f"the loss is a mean over the targets not ignored (ignore_index) beside other terms; with "
                 f"microbatches={m} each microbatch's mean is weighted 1/{m}, which is one device's loss only where every microbatch holds "

@@ -77,7 +77,7 @@ __all__ = ["ParallelModel", "StepMeasurement", "CHECK_INPUTS_MODES", "FIRST_CHEC
 
 
 @dataclass(frozen=True)
-class _Program:
+class RankProgram:
     """A per-rank program with what running it needs (training, or evaluation in eval mode)."""
 
     plan: Any
@@ -110,7 +110,7 @@ class _Program:
         return [isinstance(v, fx.Node) and v.name in rows for v in values]
 
     @classmethod
-    def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> "_Program":
+    def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> "RankProgram":
         """With the layouts the plan gives the inputs and target, and the loss's layout.
         ``example``: (inputs, target) as compiled, or None (the traced shapes)."""
         layouts = {n.name: n.outs[0] for n in plan.nodes.values() if n.outs and n.outs[0] != "-"}
@@ -143,7 +143,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self.step = 0
         self.optimizer = None
         self.lr_scheduler = None  # compile(lr_scheduler=...): stepped by train_step after each optimizer step
-        self._programs: dict[str, _Program] = {}
+        self._programs: dict[str, RankProgram] = {}
         self._state: StateView | None = None
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
@@ -174,7 +174,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         from autopar.cost_models.memory import precision_policy
 
         kind = "step" if self._fused else "forward"
-        prog = _Program.of(plan, traced, program, loss_reduction, example)
+        prog = RankProgram.of(plan, traced, program, loss_reduction, example)
         # before any collective (every rank refuses alike): a batch share no rank can hold evenly
         refuse_uneven_inputs(plan, prog)
         b = self._builder
@@ -248,11 +248,11 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         return self._primary.program
 
     @property
-    def _primary(self) -> "_Program":
+    def _primary(self) -> "RankProgram":
         return self._programs["step" if self._fused else "forward"]
 
     @property
-    def _train(self) -> "_Program":  # the fused training step's program
+    def _train(self) -> "RankProgram":  # the fused training step's program
         return self._programs["step"]
 
     def _require_plan(self, what: str) -> None:
@@ -268,7 +268,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             plan, traced, program, reduction = self._builder.primary(inputs, target)
         self._attach(plan, traced, program, reduction, None)
 
-    def _program_for(self, kind: str, inputs: tuple, target: Any) -> "_Program":
+    def _program_for(self, kind: str, inputs: tuple, target: Any) -> "RankProgram":
         """The program of ``kind`` ("step", "step-eval", "forward", "forward-eval"), built at its first
         use with every parameter pinned where the plan stores it (the shards serve every program)."""
         prog = self._programs.get(kind)
@@ -281,7 +281,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             inputs, target = _stand_ins(self._primary.example, inputs, target)
             with collective_failures("planning"):
                 built = self._builder.pinned(self.plan, kind, inputs, target)
-            prog = _Program.of(*built, None)
+            prog = RankProgram.of(*built, None)
             refuse_uneven_inputs(prog.plan, prog)
             self._programs[kind] = prog
         return prog
@@ -332,7 +332,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self.close()
 
     # ------------------------------------------------------------------ steps
-    def _args(self, inputs: tuple, target: Any, prog: "_Program | None" = None, where: str = "train_step") -> list:
+    def _args(self, inputs: tuple, target: Any, prog: "RankProgram | None" = None, where: str = "train_step") -> list:
         prog = prog or self._train
         names = prog.traced.input_names
         if len(inputs) != len(names):
@@ -519,7 +519,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._calls["eval_step"] += 1
         return total
 
-    def _eval_step(self, inputs: tuple, target: Any, prog: "_Program") -> float:
+    def _eval_step(self, inputs: tuple, target: Any, prog: "RankProgram") -> float:
         micro = self._microbatches(inputs, target)
         weights = self._microbatch_weights(micro, prog)
         total = 0.0
