@@ -57,3 +57,24 @@ def test_a_function_local_upward_import_breaks_the_contract(tmp_path):
     run = _lint(tmp_path)
     assert run.returncode != 0
     assert "autopar.errors -> autopar.runtime.launch" in run.stdout, run.stdout
+
+
+def _private_imports() -> list[str]:
+    """``from autopar... import _name`` statements in the package (function-local ones included)."""
+    import ast
+
+    found = []
+    for root in [REPO / "autopar", *MAPPED.values()]:
+        for path in sorted(root.rglob("*.py")):
+            if path.is_relative_to(REPO / "autopar") and any(p.name in MAPPED for p in path.parents):
+                continue  # the mapped subpackages' links, walked as themselves
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autopar"):
+                    found += [f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}.{a.name}"
+                              for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    """A name another module needs is public: no module imports another's ``_name``."""
+    assert _private_imports() == []
