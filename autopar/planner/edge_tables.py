@@ -11,7 +11,6 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch.fx as fx
@@ -24,10 +23,8 @@ from autopar.planner.costing import CostContext, bucketed_latency, bucketed_time
 from autopar.planner.loss_rider import may_ride
 from autopar.planner.op_memory import op_memory
 from autopar.planner.sync_pricing import zero2_reduce_latency, zero2_reduce_time
+from autopar.planner.variables import NodeVar
 from autopar.trace import tensor_inputs
-
-if TYPE_CHECKING:  # annotations only: planner.problem imports this module
-    from autopar.planner.problem import NodeVar
 
 __all__ = ["EdgeTable", "REFUSED_RESHARD_S", "build_edges", "early_leads", "is_alias_getitem", "producer_of"]
 
