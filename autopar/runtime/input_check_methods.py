@@ -22,7 +22,7 @@ from autopar.runtime.input_checks import FIRST_CHECKED_STEPS, Example, checksum,
 from autopar.trace import TensorMeta, model_class_name
 
 if TYPE_CHECKING:
-    from autopar.runtime.parallel_model import RankProgram
+    from autopar.runtime.rank_program import RankProgram
 
 __all__ = ["InputCheckMethods", "missing_target"]
 
