@@ -131,7 +131,7 @@ def batch_only_values(graph: fx.Graph) -> set[str]:
     import torch
 
     from autopar.functionalize import written_edges
-    from autopar.trace import tensor_inputs
+    from autopar.traced_graph import tensor_inputs
 
     writes = written_edges(graph)
     by_name = {n.name: n for n in graph.nodes}

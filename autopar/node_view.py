@@ -10,7 +10,7 @@ from typing import Any
 import torch.fx as fx
 
 from autopar.meta_keys import REGION_FLOPS_KEY
-from autopar.trace import TensorMeta, tensor_inputs
+from autopar.traced_graph import TensorMeta, tensor_inputs
 
 __all__ = ["OpView", "op_name", "single_meta", "node_flops", "VIEW_OPS"]
 

@@ -209,7 +209,7 @@ def _side_output_error(module: torch.nn.Module, path: str, side: fx.Node) -> Tra
 def _output_leaf(out: fx.Node, keys: list | None, single: bool) -> int | None:
     """Which leaf of the module's output ``out`` is (``TokenRegion.leaf``); None where it is not
     found. A module with one output node returning one tensor: leaf 0."""
-    from autopar.trace import tensor_key
+    from autopar.traced_graph import tensor_key
 
     val = out.meta.get("val")
     if keys and isinstance(val, torch.Tensor) and tensor_key(val) in keys:
@@ -220,7 +220,7 @@ def _output_leaf(out: fx.Node, keys: list | None, single: bool) -> int | None:
 def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | None:
     """``inputs`` ordered as the module's positional arguments; None unless they are exactly the
     call's tensor arguments."""
-    from autopar.trace import tensor_key
+    from autopar.traced_graph import tensor_key
 
     if not args or any(a is None for a in args):
         return None

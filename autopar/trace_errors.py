@@ -18,7 +18,7 @@ import torch.fx as fx
 from autopar.errors import TraceError
 
 if TYPE_CHECKING:
-    from autopar.trace import ModuleTracker
+    from autopar.module_tracker import ModuleTracker
 
 
 def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
