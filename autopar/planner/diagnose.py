@@ -10,13 +10,13 @@ import math
 
 from autopar.constraints import Constraints
 from autopar.errors import NoFeasiblePlanError
+from autopar.planner.candidates import USABLE_MEMORY_FRACTION, mesh_candidates, microbatch_counts
 from autopar.planner.constraint_filter import make_filter
 from autopar.planner.meshes import data_degree
 from autopar.planner.evaluate import evaluate
 from autopar.planner.ilp import InfeasibleProblem, solve
 from autopar.planner.problem import build_problem
 from autopar.planner.contexts import cost_context
-from autopar.planner.search import USABLE_MEMORY_FRACTION, microbatch_counts, mesh_candidates
 from autopar.trace import TracedGraph
 
 __all__ = ["raise_no_plan"]
