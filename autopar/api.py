@@ -193,17 +193,17 @@ def trace_checked(model, example_inputs, *, loss_fn=None, example_target=None, d
     """``trace_model``, with a loss function that fails named as the culprit, a loss that is not
     one scalar refused (training needs one number to differentiate), and what eager torch would
     refuse but fake tensors trace refused too: an empty batch, operands of mixed floating dtypes."""
-    from autopar.trace import _as_tuple
-    from autopar.trace_errors import _is_data_dependent, refuse_empty_batch, refuse_mixed_dtypes
+    from autopar.trace import as_tuple
+    from autopar.trace_errors import is_data_dependent, refuse_empty_batch, refuse_mixed_dtypes
 
-    refuse_empty_batch(_as_tuple(example_inputs))
+    refuse_empty_batch(as_tuple(example_inputs))
     probe = _LossProbe(loss_fn) if loss_fn is not None else None
     try:
         traced = trace_model(model, example_inputs, loss_fn=probe, example_target=example_target,
                              device_type=device_type, autocast_dtype=autocast_dtype, own_loss=own_loss,
                              to_user=to_user)
     except TraceError as exc:
-        if probe is None or probe.failure is None or _is_data_dependent(probe.failure[0]):
+        if probe is None or probe.failure is None or is_data_dependent(probe.failure[0]):
             raise
         err, out, tgt = probe.failure
         name = _name_of(loss_fn)
@@ -308,7 +308,7 @@ def _check_pin_dims(traced: TracedGraph, params: dict, c: Constraints) -> None:
     """Every dim a pin shards exists in the tensors the pin matches."""
     import fnmatch
 
-    from autopar.planner.constraint_filter import _output_nodes_of
+    from autopar.planner.constraint_filter import output_nodes_of
 
     def matches(name: str, pattern: str) -> bool:
         return name == pattern or fnmatch.fnmatchcase(name, pattern)
@@ -336,7 +336,7 @@ def _check_pin_dims(traced: TracedGraph, params: dict, c: Constraints) -> None:
                 "goes to the loss. Pin the output of the submodule that produces it instead, e.g. "
                 "annotate(model.head, output=...) for a last layer named head"
             )
-        names = _output_nodes_of(traced, pattern)
+        names = output_nodes_of(traced, pattern)
         if not names:
             raise ConstraintError(
                 f"output pin for module {pattern!r} matches no module of the model that computes a value; "

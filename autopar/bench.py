@@ -14,7 +14,7 @@ step after a barrier. One row per setup:
 * step time: the slowest rank's median, ms;
 * peak memory per rank: the worst rank's peak over one step, MiB, measured with the same
   ``MemoryTracker`` for every row (tensor storages: parameters, gradients, optimizer state and
-  everything a step allocates; DTensors by their local shards, ``runtime.memory.MemoryTracker``);
+  everything a step allocates; DTensors by their local shards, ``memory_tracker.MemoryTracker``);
 * communication share: seconds blocked in collectives over step time, mean over ranks, where it
   can be measured honestly (autopar's ``CommStats``; naive DP's timed all-reduces; DDP by
   difference with ``no_sync()``), otherwise "n/a" with the reason as a footnote;
@@ -91,9 +91,9 @@ def load_bench_model(name: str):
 
     if name in BENCH_MODELS:
         return BENCH_MODELS[name]()
-    from autopar.cli import _made
+    from autopar.factory import call_factory
 
-    model, inputs, loss_fn, target = _made(name)
+    model, inputs, loss_fn, target = call_factory(name)
     if loss_fn is None:
         raise AutoparError(f"autopar bench needs a loss: {name} must return (model, example_inputs, loss_fn, "
                            "example_target), the global batch, so that every setup trains the same step")
@@ -462,8 +462,8 @@ def bench_worker(spec: BenchSpec) -> dict[str, Any]:
         footer.append(f"every row trains the same model from the same weights on the same global batch: first-step "
                       f"loss {losses[0]:.6f} ({len(losses)} setups, relative spread {spread:.1e})")
     footer.append("step time: the slowest rank's median; peak: the worst rank, one step, every tensor storage "
-                  "(the same tracker for every row: autopar.runtime.memory.MemoryTracker, for DTensors their local "
-                  "shards, runtime.memory.MemoryTracker); comm %: mean over the ranks")
+                  "(the same tracker for every row: autopar.memory_tracker.MemoryTracker, for DTensors their local "
+                  "shards, memory_tracker.MemoryTracker); comm %: mean over the ranks")
     return {"rows": rows, "title": title, "limit_bytes": limit, "footer": tuple(footer)}
 
 

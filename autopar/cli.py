@@ -9,26 +9,12 @@ big shapes without allocating them.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
+from autopar.factory import call_factory, load_factory
+
 __all__ = ["main"]
-
-
-def _load_factory(spec: str):
-    if ":" not in spec:
-        raise SystemExit(f"autopar: expected MODULE:FACTORY (e.g. examples.gpt:gpt_small), got {spec!r}")
-    mod_name, fn_name = spec.split(":", 1)
-    sys.path.insert(0, ".")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise SystemExit(f"autopar: cannot import module {mod_name!r}: {exc}") from None
-    fn = getattr(mod, fn_name, None)
-    if fn is None or not callable(fn):
-        raise SystemExit(f"autopar: module {mod_name!r} has no callable {fn_name!r}")
-    return fn
 
 
 def _cmd_plan(args) -> int:
@@ -45,7 +31,7 @@ def _cmd_plan(args) -> int:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ConstraintError(f"--output {args.output!r}: cannot write there (folder {folder!r} does not exist or is "
                                   "not writable); create it or choose another path")
-    model, inputs, loss_fn, target = _made(args.factory)
+    model, inputs, loss_fn, target = call_factory(args.factory)
     if args.cluster == "local":
         cluster = autopar.Cluster.local(4 if args.nproc is None else args.nproc)
     else:
@@ -158,19 +144,11 @@ def main(argv: list[str] | None = None) -> int:
 DEFAULT_MAX_RESTARTS = 3
 
 
-def _made(factory: str):
-    """(model, example_inputs, loss_fn, example_target) from a MODULE:FACTORY."""
-    made = _load_factory(factory)()
-    if not isinstance(made, tuple) or len(made) not in (2, 4):
-        raise SystemExit("autopar: the factory must return (model, example_inputs) or (model, example_inputs, loss_fn, example_target)")
-    return (made[0], made[1]) + ((made[2], made[3]) if len(made) == 4 else (None, None))
-
-
 def _cmd_replay(args) -> int:
     from autopar.replay import read_record, replay
 
     record = read_record(args.record)
-    model, inputs, loss_fn, target = _made(args.factory)
+    model, inputs, loss_fn, target = call_factory(args.factory)
     result = replay(record, model, inputs, loss_fn=loss_fn, example_target=target)
     print(result)
     return 0 if result.identical else 1
@@ -207,7 +185,7 @@ def _cmd_bench(args) -> int:
     limited = args.memory_limited or args.memory is not None
     model = args.model or ("mlp" if limited else "gpt")
     if ":" in model:
-        _load_factory(model)  # a bad MODULE:FACTORY is said here, not in every worker
+        load_factory(model)  # a bad MODULE:FACTORY is said here, not in every worker
     elif model not in ("gpt", "mlp"):
         raise SystemExit(f"autopar: --model is gpt, mlp or MODULE:FACTORY, got {model!r}")
     spec = BenchSpec(model=model, steps=args.steps, memory_limited=limited, also=tuple(args.also),

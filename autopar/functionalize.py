@@ -64,7 +64,7 @@ def written_edges(graph: fx.Graph) -> dict[str, frozenset[int]]:
     view later. Moving such an input to another layout hands the op a copy, and the write would
     miss the tensor the rest of the graph reads: the planner prices these moves out and the
     passes refuse them."""
-    from autopar.trace import tensor_inputs
+    from autopar.traced_graph import tensor_inputs
 
     out: dict[str, set[int]] = {}
     for n in graph.nodes:

@@ -93,10 +93,10 @@ class _Redirect(TorchFunctionMode):
                     return self.rows.grouped_mm(x, w, offs)
                 func, args, kwargs = grouped_mm, (x, w, offs), {}
         elif self.rows is not None:
-            from autopar.runtime.expert_dispatch import _NOT_ROW_LOCAL
+            from autopar.runtime.expert_dispatch import NOT_ROW_LOCAL
 
             out = self.rows.row_local(func, args, kwargs)
-            if out is not _NOT_ROW_LOCAL:
+            if out is not NOT_ROW_LOCAL:
                 return out
         if self.rows is not None:  # anything else takes held expert rows back as token rows
             args, kwargs = self.rows.bring_back_all((args, kwargs))

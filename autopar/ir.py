@@ -131,7 +131,7 @@ def batch_only_values(graph: fx.Graph) -> set[str]:
     import torch
 
     from autopar.functionalize import written_edges
-    from autopar.trace import tensor_inputs
+    from autopar.traced_graph import tensor_inputs
 
     writes = written_edges(graph)
     by_name = {n.name: n for n in graph.nodes}
@@ -225,10 +225,10 @@ def batch_norm_split(layout: Layout, mesh_shape) -> tuple[tuple[int, ...], tuple
 def training_batch_norms(graph: fx.Graph) -> list[str]:
     """The modules of ``graph``'s batch norms in training mode (their statistics are the
     batch's: a microbatch's differ, so they cannot be split into microbatches exactly)."""
-    from autopar.strategies.rules import OpView, _op_name
+    from autopar.node_view import OpView, op_name
 
     return [n.meta.get("autopar.module") or n.name for n in graph.nodes
-            if n.op == "call_function" and _op_name(n) == "batch_norm" and OpView(n).arg("training", False)]
+            if n.op == "call_function" and op_name(n) == "batch_norm" and OpView(n).arg("training", False)]
 
 
 def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tuple[str, int, float, bool]]:
@@ -241,9 +241,9 @@ def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tu
     and the planner prices their time (blocking), from this one list."""
     import math
 
-    from autopar.strategies.rules import OpView, _op_name
+    from autopar.node_view import OpView, op_name
 
-    if layout is None or node.op != "call_function" or _op_name(node) != "batch_norm":
+    if layout is None or node.op != "call_function" or op_name(node) != "batch_norm":
         return []
     view = OpView(node)
     if not view.arg("training", False):

@@ -23,6 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from autopar.errors import PlanFormatError
+from autopar.plan_fields import NOT_SERIALISED
 
 __all__ = ["Plan", "Stage", "NodePlacement", "ParamPlacement", "Alternative", "Predicted", "Baseline", "SolverReport", "SCHEMA_VERSION"]
 
@@ -247,7 +248,7 @@ class Plan:
     def to_json(self) -> str:
         """The record: every serialised field and ``checksum``, a hash of all of them (``from_json``
         tells a record edited by hand from one autopar wrote)."""
-        d = {f.name: _encode(getattr(self, f.name)) for f in fields(self) if f.name not in _NOT_SERIALISED}
+        d = {f.name: _encode(getattr(self, f.name)) for f in fields(self) if f.name not in NOT_SERIALISED}
         d["checksum"] = _checksum(d)
         return json.dumps(d, sort_keys=True, indent=1)
 
@@ -321,8 +322,6 @@ class Plan:
                 or n.module.startswith(module_glob + ".")]
 
 
-_NOT_SERIALISED = ("timings", "edited", "observed")
-
 
 def _checksum(d: dict) -> str:
     """The hash of a record's fields (``d``: ``to_json``'s object without ``checksum``)."""
@@ -364,7 +363,7 @@ def _decisions_json(plan: "Plan") -> str:
 
 def _encode(v: Any) -> Any:
     if hasattr(v, "__dataclass_fields__"):
-        return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name not in _NOT_SERIALISED}
+        return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name not in NOT_SERIALISED}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars
@@ -387,7 +386,7 @@ def _decode_plan(d: dict) -> Plan:
         kwargs = {}
         check_known_fields(obj, cls, where)
         for f in fields(cls):
-            if f.name in _NOT_SERIALISED + ("inputs_fingerprint",):
+            if f.name in NOT_SERIALISED + ("inputs_fingerprint",):
                 continue
             if f.name not in obj and (f.name == "stopped" or f.default is not MISSING):
                 continue  # plans written before the field existed: its default (``stopped``: set below)

@@ -14,7 +14,9 @@ from typing import Any
 
 from autopar.errors import PlanFormatError
 
-__all__ = ["check_known_fields", "check_plan_fields"]
+__all__ = ["check_known_fields", "check_plan_fields", "NOT_SERIALISED"]
+
+NOT_SERIALISED = ("timings", "edited", "observed")  # Plan fields (and its parts') that to_json leaves out
 
 _FIX = "re-plan with autopar.plan (or autopar plan -o) instead of editing the record"
 
@@ -24,9 +26,7 @@ def check_known_fields(obj: Any, cls: type, where: str) -> None:
     schema, or a typo in an edited one)."""
     if not isinstance(obj, dict):
         raise PlanFormatError(f"plan JSON field '{where[:-1] or '<top level>'}' must be an object, got {obj!r}")
-    from autopar.plan import _NOT_SERIALISED
-
-    known = {f.name for f in fields(cls)} - set(_NOT_SERIALISED)
+    known = {f.name for f in fields(cls)} - set(NOT_SERIALISED)
     unknown = sorted(k for k in obj if k not in known and not (k == "schema_version" and not where))
     if unknown:
         raise PlanFormatError(

@@ -41,17 +41,14 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.grouped_mm import redirect_grouped_mm
+from autopar.meta_keys import REGION_EXPERTS_KEY, REGION_FLOPS_KEY, REGION_GROUPED_KEY
 
 __all__ = ["TokenRegion", "outline_token_regions", "grouped_exchanges", "REGION_FLOPS_KEY", "REGION_EXPERTS_KEY",
            "REGION_GROUPED_KEY", "ROW_LOCAL_OPS"]
 
-REGION_FLOPS_KEY = "autopar.region_flops"
-REGION_EXPERTS_KEY = "autopar.region_experts"  # its expert weights (parameter node names): split over experts
-# its grouped matmuls: (rows, k, n, bytes per element, whether its row counts are new) each
-REGION_GROUPED_KEY = "autopar.region_grouped"
 # Ops that act on each row alone: under expert parallelism the rows of a grouped matmul's result
 # stay on the experts' ranks through them, into the next grouped matmul over the same routing
-# (``runtime.expert_dispatch``); the names as ``strategies.op_view._op_name`` gives them for the
+# (``runtime.expert_dispatch``); the names as ``node_view.op_name`` gives them for the
 # traced graph and as ``row_local_name`` gives them for torch functions. Split and chunk: along
 # the last dim only. Every tensor operand must itself be such rows.
 ROW_LOCAL_OPS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg", "to",
@@ -99,7 +96,7 @@ def outline_token_regions(gm: fx.GraphModule, model: torch.nn.Module, call_args:
     (a module called more than once is not outlined); ``call_outputs``: module path -> the keys
     of its call's output leaves (a module with side outputs is outlined only where its token
     output is found among them)."""
-    from autopar.planner.costing import node_flops
+    from autopar.node_view import node_flops
 
     from autopar.data_dependent import DATA_DEPENDENT_KEY
 
@@ -212,7 +209,7 @@ def _side_output_error(module: torch.nn.Module, path: str, side: fx.Node) -> Tra
 def _output_leaf(out: fx.Node, keys: list | None, single: bool) -> int | None:
     """Which leaf of the module's output ``out`` is (``TokenRegion.leaf``); None where it is not
     found. A module with one output node returning one tensor: leaf 0."""
-    from autopar.trace import tensor_key
+    from autopar.traced_graph import tensor_key
 
     val = out.meta.get("val")
     if keys and isinstance(val, torch.Tensor) and tensor_key(val) in keys:
@@ -223,7 +220,7 @@ def _output_leaf(out: fx.Node, keys: list | None, single: bool) -> int | None:
 def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | None:
     """``inputs`` ordered as the module's positional arguments; None unless they are exactly the
     call's tensor arguments."""
-    from autopar.trace import tensor_key
+    from autopar.traced_graph import tensor_key
 
     if not args or any(a is None for a in args):
         return None
@@ -242,7 +239,7 @@ def _in_call_order(inputs: list[fx.Node], args: list | None) -> list[fx.Node] | 
 def _only_grouped_weight(param: fx.Node, inside: set) -> bool:
     """Whether every use of ``param`` in the region is the weight of a grouped matmul (through
     transposes, views and casts): what expert parallelism can split over experts."""
-    from autopar.strategies.rules import _op_name
+    from autopar.node_view import op_name
 
     meta = param.meta["autopar.outputs"][0]
     if meta is None or len(meta.shape) != 3:
@@ -257,7 +254,7 @@ def _only_grouped_weight(param: fx.Node, inside: set) -> bool:
                 if u.args[1] is not n:
                     return False
                 seen = True
-            elif _op_name(u) in ("transpose", "permute", "view", "reshape", "to", "_to_copy", "contiguous"):
+            elif op_name(u) in ("transpose", "permute", "view", "reshape", "to", "_to_copy", "contiguous"):
                 frontier.append(u)
             else:
                 return False
@@ -273,7 +270,7 @@ def grouped_exchanges(members: list[fx.Node], out: fx.Node) -> tuple:
     matmul over that routing; they come back where anything else (or the region's output) takes
     them, the value there being brought back. The rules of ``runtime.expert_dispatch``, on the
     traced ops."""
-    from autopar.strategies.rules import _op_name
+    from autopar.node_view import op_name
 
     inside = set(members)
     routing_of: dict = {}  # value -> the routing (offs node) whose rows it is, on the experts' ranks
@@ -281,7 +278,7 @@ def grouped_exchanges(members: list[fx.Node], out: fx.Node) -> tuple:
         if _is_grouped_mm(n):
             routing_of[n] = n.args[2]
             continue
-        name = _op_name(n)
+        name = op_name(n)
         if name not in ROW_LOCAL_OPS or (name in _LAST_DIM_OPS and not _splits_last_dim(n)):
             continue
         sources = {routing_of.get(a) for a in n.all_input_nodes}

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.trace import TensorMeta, tensor_inputs
+from autopar.traced_graph import TensorMeta, tensor_inputs
 
 __all__ = ["stack_expert_modules", "stacked_fqn", "unstack_entries"]
 

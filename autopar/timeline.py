@@ -67,7 +67,7 @@ def _interleaved_order(rank: int, ranks: int, virtual: int, m: int) -> list[tupl
 def simulate(stage_times: list[float], rank_of: list[int], microbatches: int, schedule: str) -> list[TimelineOp]:
     """The operations of one step (see the module docstring); ``stage_times[s]``: stage ``s``'s
     forward + backward for one microbatch; ``rank_of[s]``: the pipeline rank running it."""
-    from autopar.planner.stages import V_SCHEDULES, in_flight
+    from autopar.schedules import V_SCHEDULES, in_flight
 
     n, m = len(stage_times), microbatches
     ranks = max(rank_of) + 1

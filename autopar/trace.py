@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -32,101 +31,15 @@ from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
 from autopar.regions import outline_token_regions
 from autopar.loss_rewrite import exact_token_mean
-from autopar.trace_errors import _describe_output, _is_data_dependent, _raise_trace_error, raise_data_dependent_size
+from autopar.module_tracker import ModuleTracker, model_class_name
+from autopar.trace_errors import describe_output, is_data_dependent, raise_trace_error, raise_data_dependent_size
+from autopar.traced_graph import TensorMeta, TracedGraph, tensor_inputs, tensor_key
 
 # ``torch._dynamo.config`` above: FakeTensorMode imports it on its first construction (0.5-0.7 s
 # here); importing it with autopar keeps that one-time import out of the first plan's time, where
 # ``benchmarks/plan_speed.py`` would count it as planning (it reports import time separately).
 
-__all__ = ["TensorMeta", "TracedGraph", "trace_model", "tensor_inputs"]
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Global (unsharded) shape and dtype of one tensor value in the graph."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-    @property
-    def is_floating(self) -> bool:
-        return self.dtype.is_floating_point or self.dtype.is_complex
-
-
-@dataclass
-class TracedGraph:
-    """A traced training graph. ``gm`` computes the loss (or the model output when no loss).
-
-    Placeholders come in this order: parameters, buffers, model inputs, then the target (if any).
-    ``param_fqns``/``buffer_fqns`` map placeholder node names to ``state_dict`` keys, but for
-    experts written as a list of modules (``autopar.stack_experts``): their weights are one
-    placeholder per weight position, of fqn ``P.*.suffix``, and ``stacked`` maps that fqn to the
-    member fqns (``P.0.suffix`` ..., stacked on dim 0 in that order).
-    """
-
-    gm: fx.GraphModule
-    param_fqns: dict[str, str]
-    buffer_fqns: dict[str, str]
-    input_names: list[str]
-    target_name: str | None
-    has_loss: bool
-    model_class: str
-    num_params: int
-    # without a loss: the model output's structure; ``gm`` returns its tensor leaves as a flat list
-    # (``pytree.tree_unflatten(program(*args), out_spec)`` rebuilds what the model returned)
-    out_spec: Any = None
-    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
-
-    @property
-    def graph(self) -> fx.Graph:
-        return self.gm.graph
-
-    @property
-    def global_batch(self) -> int | None:
-        """Dim 0 of the first input with a shape (what data parallel splits); None if no input has one."""
-        for name in self.input_names:
-            m = self.node(name).meta["autopar.outputs"][0]
-            if m is not None and m.shape:
-                return m.shape[0]
-        return None
-
-    def node(self, name: str) -> fx.Node:
-        for n in self.gm.graph.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
-
-
-_INPUTS_KEY = "autopar.tensor_inputs"  # node.meta memo: (args, kwargs, inputs)
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's fx-Node arguments in positional order, duplicates kept (``x * x`` gives two).
-
-    Memoised in ``node.meta`` (so it dies with the graph) while the node's ``args``/``kwargs``
-    objects stay the same (fx stores new ones on every rewrite); the planner asks tens of
-    thousands of times per plan."""
-    hit = node.meta.get(_INPUTS_KEY)
-    if hit is not None and hit[0] is node.args and hit[1] is node.kwargs:
-        return list(hit[2])
-    found = [leaf for leaf in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
-    node.meta[_INPUTS_KEY] = (node.args, node.kwargs, tuple(found))
-    return found
+__all__ = ["TensorMeta", "TracedGraph", "trace_model", "tensor_inputs", "tensor_key", "ModuleTracker", "model_class_name"]
 
 
 def _meta_of(value: Any, hints: dict | None = None) -> TensorMeta | None:
@@ -143,68 +56,8 @@ def _fake_like(t: torch.Tensor, device: str, requires_grad: bool) -> torch.Tenso
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
-def model_class_name(model: torch.nn.Module) -> str:
-    """The model's class name; for a module ``autopar.compile`` sharded in place (class
-    ``Autopar<Class>``, ``runtime.in_place``), its own class's."""
-    return getattr(type(model), "_autopar_original_class", type(model)).__name__
-
-
 def _sanitize(fqn: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in fqn)
-
-
-def tensor_key(t: torch.Tensor) -> tuple:
-    """What identifies a (fake) tensor value across detached views: storage, shape, strides, offset."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return (StorageWeakRef(t.untyped_storage()), tuple(t.shape), tuple(t.stride()), t.storage_offset())
-
-
-class _ModuleTracker:
-    """Global forward hooks that remember which user module is running (for error messages)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.names = {id(m): name for name, m in model.named_modules()}
-        self.classes = {id(m): model_class_name(m) for _, m in model.named_modules()}
-        self.modules = {id(m): m for _, m in model.named_modules()}
-        self.stack: list[int] = []
-        # module path -> the storage keys (``tensor_key``) of its first call's positional
-        # arguments, None where an argument is not a tensor; calls counted in ``calls``;
-        # ``call_outputs``: the same keys of its first call's output leaves (``pytree.tree_leaves``)
-        self.call_args: dict[str, list] = {}
-        self.call_outputs: dict[str, list] = {}
-        self.calls: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def active(self):
-        def pre(mod, args):
-            if id(mod) in self.names:
-                self.stack.append(id(mod))
-                name = self.names[id(mod)]
-                self.calls[name] = self.calls.get(name, 0) + 1
-                if name not in self.call_args:
-                    self.call_args[name] = [tensor_key(a) if isinstance(a, torch.Tensor) else None for a in args]
-
-        def post(mod, args, out):
-            if id(mod) in self.names and self.names[id(mod)] not in self.call_outputs:
-                self.call_outputs[self.names[id(mod)]] = [
-                    tensor_key(a) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(out)]
-            if id(mod) in self.names and self.stack and self.stack[-1] == id(mod):
-                self.stack.pop()
-
-        h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-        h2 = torch.nn.modules.module.register_module_forward_hook(post)
-        try:
-            yield self
-        finally:
-            h1.remove()
-            h2.remove()
-
-    def current(self) -> tuple[str, str]:
-        if not self.stack:
-            return "", "model"
-        mid = self.stack[-1]
-        return self.names[mid], self.classes[mid]
 
 
 class _UseExport(Exception):
@@ -257,7 +110,7 @@ def _capture_with_export(model, inputs, loss_fn, target, n_state, device_type, t
     return gm
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
+def as_tuple(example_inputs: Any) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     if isinstance(example_inputs, (list, tuple)):
@@ -327,7 +180,7 @@ def trace_model(
 
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = _as_tuple(example_inputs)
+    inputs = as_tuple(example_inputs)
     if loss_fn is not None and example_target is None:
         raise TraceError("loss_fn was given without an example target: pass example_target=")
 
@@ -369,7 +222,7 @@ def trace_model(
             warnings.simplefilter("ignore")
             return make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
 
-    tracker = _ModuleTracker(model)
+    tracker = ModuleTracker(model)
     module_prefix = ""
     sized_by_values = None  # (the static trace's error, its tracker) where sizes depend on values
     try:
@@ -379,20 +232,20 @@ def trace_model(
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure becomes one clear error
-        if not isinstance(exc, _UseExport) and _is_data_dependent(exc):
+        if not isinstance(exc, _UseExport) and is_data_dependent(exc):
             # sizes that depend on values (experts computing on their tokens): traced with unbacked
             # sizes, for the token-wise module holding them to be outlined (``autopar.data_dependent``)
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            sized_by_values, tracker = (exc, tracker), _ModuleTracker(model)
+            sized_by_values, tracker = (exc, tracker), ModuleTracker(model)
             fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
             flat = fakes(fake_mode)
             try:
                 gm = capture_make_fx(fake_mode, flat, tracker)
             except Exception:  # noqa: BLE001 - the static trace's error says what is wrong
-                _raise_trace_error(*sized_by_values)
+                raise_trace_error(*sized_by_values)
         elif capture == "make_fx":
-            _raise_trace_error(exc, tracker)
+            raise_trace_error(exc, tracker)
         else:
             gm, static_error = None, exc
     if gm is None:
@@ -401,7 +254,7 @@ def trace_model(
                 gm = _capture_with_export(model, inputs, loss_fn, example_target, n_p + n_b, device_type, tracker, finish)
             module_prefix = "model."
         except Exception as exc2:  # noqa: BLE001
-            _raise_trace_error(static_error if not isinstance(static_error, _UseExport) else exc2, tracker)
+            raise_trace_error(static_error if not isinstance(static_error, _UseExport) else exc2, tracker)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
@@ -532,7 +385,7 @@ class _OwnLoss:
         loss = model_loss(out)
         if loss is None:
             raise TraceError(
-                f"{self.model_class} returned {_describe_output(out)}, not a loss: train_step without loss_fn needs a model "
+                f"{self.model_class} returned {describe_output(out)}, not a loss: train_step without loss_fn needs a model "
                 "that returns a scalar loss, or an output with .loss (for Hugging Face models pass labels=); otherwise "
                 "pass loss_fn= (and target=) to compile")
         return loss
@@ -556,7 +409,7 @@ def model_loss(out):
 def _data_dependent_error(sized_by_values, gm: fx.GraphModule, model: torch.nn.Module):
     """The static trace's error where there was one, else the op that made a value-dependent size."""
     if sized_by_values is not None:
-        _raise_trace_error(*sized_by_values)
+        raise_trace_error(*sized_by_values)
     raise_data_dependent_size(gm.graph, model, DATA_DEPENDENT_KEY)
 
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from autopar.errors import TraceError
 
 if TYPE_CHECKING:
-    from autopar.trace import _ModuleTracker
+    from autopar.module_tracker import ModuleTracker
 
 
 def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
@@ -43,12 +43,12 @@ _DATA_DEPENDENT_HINTS = (
 )
 
 
-def _is_data_dependent(exc: BaseException) -> bool:
+def is_data_dependent(exc: BaseException) -> bool:
     text = f"{type(exc).__name__}: {exc}"
     return any(h in text for h in _DATA_DEPENDENT_HINTS)
 
 
-def _raise_trace_error(exc: BaseException, tracker: _ModuleTracker) -> None:
+def raise_trace_error(exc: BaseException, tracker: ModuleTracker) -> None:
     path, cls = tracker.current()
     frame = _user_frame(exc)
     where = f" at {frame[0]}:{frame[1]}: `{frame[2]}`" if frame else ""
@@ -92,7 +92,7 @@ def _looks_like_experts(module: torch.nn.Module) -> bool:
     return False
 
 
-def _describe_output(out) -> str:
+def describe_output(out) -> str:
     if isinstance(out, torch.Tensor):
         return f"a tensor of shape {tuple(out.shape)}"
     if isinstance(out, dict):

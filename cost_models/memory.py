@@ -177,7 +177,7 @@ def describe_optimizer(factory: Callable[[list], Any], device: str = "cpu") -> O
     ``(cur + prev + 4 total) a``)."""
     import torch
 
-    from autopar.runtime.memory import MemoryTracker
+    from autopar.memory_tracker import MemoryTracker
 
     if isinstance(factory, torch.optim.Optimizer):
         raise ConstraintError(

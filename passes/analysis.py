@@ -9,7 +9,7 @@ from autopar.layouts import parse_layout
 from autopar.resharding import reshard_steps_for
 from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard, reshard_start
 
-__all__ = ["count_collectives", "collective_nodes"]
+__all__ = ["count_collectives", "collective_nodes", "outlined_graph"]
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -46,3 +46,10 @@ def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = N
                 if step.is_collective:
                     counts[("backward", step.kind)] += 1
     return counts
+
+
+def outlined_graph(program: fx.GraphModule, node: fx.Node) -> fx.Graph | None:
+    """The graph a ``call_module`` node of ``program`` runs (through ``Checkpointed``): for an
+    outlined run, its nodes under their original names; None when the module has no graph."""
+    sub = program.get_submodule(node.target)
+    return getattr(getattr(sub, "inner", sub), "graph", None)

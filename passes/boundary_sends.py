@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from autopar.ir import reshard
 from autopar.layouts import format_layout, grad_layout, parse_layout
-from autopar.passes.outline_recompute import outlined_graph
+from autopar.passes.analysis import outlined_graph
 from autopar.passes.split_stages import shared_state, stage_of_nodes
 
 __all__ = ["insert_boundary_sends"]

@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layouts import local_shape, parse_layout
-from autopar.strategies.rules import _op_name
+from autopar.node_view import op_name
 from autopar.passes.context import PassContext
 
 __all__ = ["localize_shapes_pass", "SHAPE_ARG_OPS"]
@@ -18,12 +18,12 @@ _CONV_OPS = {"conv1d": 6, "conv2d": 6, "conv3d": 6}  # op name -> position of ``
 
 
 def _conv_groups(node: fx.Node) -> int:
-    idx = _CONV_OPS[_op_name(node)]
+    idx = _CONV_OPS[op_name(node)]
     return int(node.args[idx]) if len(node.args) > idx else int(node.kwargs.get("groups", 1))
 
 
 def _set_conv_groups(node: fx.Node, groups: int) -> None:
-    idx = _CONV_OPS[_op_name(node)]
+    idx = _CONV_OPS[op_name(node)]
     if len(node.args) > idx:
         node.args = node.args[:idx] + (groups,) + node.args[idx + 1:]
     else:
@@ -39,7 +39,7 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("autopar.kind") != "op":
             continue
-        name = _op_name(node)
+        name = op_name(node)
         meta = node.meta["autopar.outputs"][0] if node.meta.get("autopar.outputs") else None
         if meta is None:
             continue

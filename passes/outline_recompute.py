@@ -30,13 +30,6 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
 
 
-def outlined_graph(program: fx.GraphModule, node: fx.Node) -> fx.Graph | None:
-    """The graph a ``call_module`` node of ``program`` runs (through ``Checkpointed``): for an
-    outlined run, its nodes under their original names; None when the module has no graph."""
-    sub = program.get_submodule(node.target)
-    return getattr(getattr(sub, "inner", sub), "graph", None)
-
-
 def _instance_of(module: str, instances: tuple[str, ...]) -> str | None:
     for p in instances:
         if module == p or module.startswith(p + "."):

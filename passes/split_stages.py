@@ -101,7 +101,7 @@ def stage_of_nodes(program: fx.GraphModule, planned: dict[str, int], state: set[
 def _planned_inside(program: fx.GraphModule, n: fx.Node, planned: dict[str, int]) -> int | None:
     """The stage of an outlined submodule (``outline_recompute``: its nodes keep their names and
     never span stages): that of the planned nodes it runs, None if it runs none."""
-    from autopar.passes.outline_recompute import outlined_graph
+    from autopar.passes.analysis import outlined_graph
 
     graph = outlined_graph(program, n)
     stages = {planned[m.name] for m in graph.nodes if m.name in planned and m.op != "placeholder"} if graph else set()

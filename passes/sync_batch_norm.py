@@ -5,8 +5,8 @@ import torch.fx as fx
 
 from autopar.ir import batch_norm_split, sharded_batch_norm
 from autopar.layouts import R, Shard, format_layout, parse_layout
+from autopar.node_view import op_name
 from autopar.passes.context import PassContext
-from autopar.strategies.rules import _op_name
 
 __all__ = ["sync_batch_norm_pass"]
 
@@ -18,7 +18,7 @@ def sync_batch_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     statistics equal on every rank. Why: a local batch norm over a shard normalises with that
     shard's statistics, which is not the single-device program (``rules.batch_norm``)."""
     for node in gm.graph.nodes:
-        if node.op != "call_function" or _op_name(node) != "batch_norm":
+        if node.op != "call_function" or op_name(node) != "batch_norm":
             continue
         training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
         text = ctx.node(node.name).ins[0]

@@ -269,7 +269,7 @@ def pipeline_microbatch_seconds(excess: list[float], message_s: float) -> float:
     """What a pipeline schedule costs per microbatch and stage beyond the stage's compute and its
     two messages (activation forward, gradient back): the median over the probe's passes of each
     pass's slope of step time over the microbatch counts less that pass's compute (``excess``,
-    ``comm_probes._pipeline``), less those messages; never below 0.
+    ``comm_probes.probe_pipeline``), less those messages; never below 0.
 
     >>> round(pipeline_microbatch_seconds([6e-4, 9e-4, 1e-3], 2e-4), 6)
     0.0005

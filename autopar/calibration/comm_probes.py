@@ -3,7 +3,7 @@ runs them after the compute half): each collective the runtime issues over messa
 group shapes, a stage-to-stage message, a collective overlapped with compute, a collective after
 compute (the ranks' skew), and a two-stage pipeline schedule's work per microbatch. Every rank
 runs each at once, through ``runtime.comm.MeshComm`` as the program does; times are per call on
-the slowest rank (``microbench._per_op``).
+the slowest rank (``timing.per_op``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from autopar.calibration.fit import exposed_share
-from autopar.calibration.microbench import MicrobenchSpec, _per_op, _per_op_spread, _progress, _spread_runs
+from autopar.calibration.timing import MicrobenchSpec, per_op, per_op_spread, progress, spread_runs
 
 # the sizes each collective is timed at (nccl-tests bytes): a scalar-sized message (gloo and NCCL
 # switch protocols for small ones) up to a large gradient bucket; quick mode times _QUICK_BYTES
@@ -61,7 +61,7 @@ def _send_recv_call(comm, nbytes: int, axis: int, device: torch.device) -> Calla
     return call
 
 
-def _meshes(world: int, device: torch.device):
+def probe_meshes(world: int, device: torch.device):
     """(group size, MeshComm, axis): the whole world and, with 4 or more ranks (an even count),
     pairs of rank r and r + world / 2: the pairs a two-stage pipeline's stages form (the
     outermost mesh axis), and, where ranks outnumber cores, ranks on different cores
@@ -79,11 +79,11 @@ def _meshes(world: int, device: torch.device):
     return meshes
 
 
-def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
+def probe_collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     # quick: the smallest, a middle and the largest size: the largest is what resolves bandwidth
     # from latency (with small sizes only, the noise can outweigh the bandwidth term)
     sizes = _QUICK_BYTES if spec.quick else _COMM_BYTES
-    _progress(f"collectives ({', '.join(_COMM_KINDS)}) over {meshes[0][0]} ranks" + (" and pairs" if len(meshes) > 1 else ""))
+    progress(f"collectives ({', '.join(_COMM_KINDS)}) over {meshes[0][0]} ranks" + (" and pairs" if len(meshes) > 1 else ""))
     points, calls = [], []  # (kind, group size, nccl-tests bytes), its closure: timed in passes over all
     for p, comm, axis in meshes:
         for kind in _COMM_KINDS:
@@ -94,7 +94,7 @@ def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: li
             for nbytes in sizes:
                 points.append(("send_recv", 2, float(max(1, nbytes // 4) * 4)))
                 calls.append(_send_recv_call(comm, nbytes, axis, device))
-    seconds = _per_op_spread(calls, device, min(spec.repeats, COLLECTIVE_REPEATS), barrier,
+    seconds = per_op_spread(calls, device, min(spec.repeats, COLLECTIVE_REPEATS), barrier,
                              min_calls=COLLECTIVE_MIN_CALLS)
     out: dict = {k: [] for k in _COMM_KINDS + ("send_recv",)}
     for (kind, p, nbytes), t in zip(points, seconds):
@@ -102,7 +102,7 @@ def _collectives(spec: MicrobenchSpec, device: torch.device, barrier, meshes: li
     return {k: v for k, v in out.items() if v}
 
 
-def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+def probe_overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
     """Seconds of a block of matmuls, of an all-reduce, and of both with the all-reduce in flight
     (issued asynchronously, waited after the matmuls), as the runtime overlaps gradient sync and
     waits for it (``runtime.comm.wait_for``)."""
@@ -110,7 +110,7 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
 
     from autopar.runtime.comm import polls, wait_for
 
-    _progress("overlap of an all-reduce with compute")
+    progress("overlap of an all-reduce with compute")
     buf = torch.randn((1 << 21) // 4, device=device)  # 2 MiB
     a = torch.randn(256, 256, device=device)
     poll = polls("all_reduce", buf)
@@ -118,8 +118,8 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
     def comm():
         wait_for(dist.all_reduce(buf, async_op=True), poll)
 
-    t_comm = _per_op(comm, device, spec.repeats, barrier=barrier)
-    t_mm = _per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
+    t_comm = per_op(comm, device, spec.repeats, barrier=barrier)
+    t_mm = per_op(lambda: torch.mm(a, a), device, 3, barrier=barrier, min_s=0.005)
     n_mm = max(1, int(t_comm / t_mm))
 
     def compute():
@@ -135,9 +135,9 @@ def _overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: int) ->
     # machine; the round with the median share of OVERLAP_ROUNDS, each timing all three anew
     rounds, repeats = [], min(spec.repeats, 3)  # (the rounds' median is the estimate: fewer runs each)
     for r in range(OVERLAP_ROUNDS):
-        alone = t_comm if r == 0 else _per_op(comm, device, repeats, barrier=barrier)
-        rounds.append({"comm_s": alone, "compute_s": _per_op(compute, device, repeats, barrier=barrier),
-                       "together_s": _per_op(both, device, repeats, barrier=barrier)})
+        alone = t_comm if r == 0 else per_op(comm, device, repeats, barrier=barrier)
+        rounds.append({"comm_s": alone, "compute_s": per_op(compute, device, repeats, barrier=barrier),
+                       "together_s": per_op(both, device, repeats, barrier=barrier)})
     shares = [exposed_share(x["compute_s"], x["comm_s"], x["together_s"]) for x in rounds]
     middle = sorted(range(len(rounds)), key=shares.__getitem__)[len(rounds) // 2]
     return {**rounds[middle], "shares": shares}
@@ -154,7 +154,7 @@ SKEW_BYTES = 128 << 10  # each collective's size: a small model's activation
 SKEW_REPEATS = 5
 
 
-def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
+def probe_skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     """Seconds of a block of small layers forward and backward (``SKEW_LAYERS``), and per
     collective kind the runtime issues, of one ``SKEW_BYTES`` call alone (back to back) and after
     the block, each waited for as the runtime waits (``runtime.comm.wait_for``): what a
@@ -171,7 +171,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     offline over two calibrations and their 23 measured plans, a skew of 250 us on 2 processes
     and 400 on 4 gave a median error of 6.6% and 5.1%; the skews those calibrations had read
     (0 and 48 us on 2, 0 and 202 on 4) 9.9% and 10.8%."""
-    _progress("what a collective waits for ranks arriving from compute")
+    progress("what a collective waits for ranks arriving from compute")
     layer = torch.nn.Linear(SKEW_WIDTH, SKEW_WIDTH).to(device)
     h0 = torch.randn(SKEW_ROWS, SKEW_WIDTH, device=device, requires_grad=True)
 
@@ -194,7 +194,7 @@ def _skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> 
     # alone) taken from its own windows: a median over kinds of each kind's medians read 0, 82 and
     # 179 us in three calibrations of a 2-process machine back to back (a collective's time there
     # is 80 us or 4 ms, by chance)
-    _, runs = _spread_runs(fns, device, min(spec.repeats, SKEW_REPEATS), barrier)
+    _, runs = spread_runs(fns, device, min(spec.repeats, SKEW_REPEATS), barrier)
     excess = [both - compute_s - alone for i in range(len(_COMM_KINDS))
               for compute_s, alone, both in zip(runs[0], runs[1 + 2 * i], runs[2 + 2 * i])]
     t = [statistics.median(r) for r in runs]
@@ -221,7 +221,7 @@ class _ProbeStage(torch.nn.Module):
         return h
 
 
-def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
+def probe_pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     """A two-stage ``torch.distributed.pipelining`` 1F1B step on every pair of ranks at once, at
     ``PIPELINE_MICROBATCHES``; and one stage's forward + backward of one microbatch alone. The
     slope over the microbatch count, less that compute and the two messages a microbatch sends
@@ -235,7 +235,7 @@ def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list)
     probe of one ``Linear(16, 16)`` per stage priced 5.8."""
     from torch.distributed import pipelining
 
-    _progress("a two-stage pipeline schedule's work per microbatch")
+    progress("a two-stage pipeline schedule's work per microbatch")
     _, comm, axis = meshes[-1]
     group, stage = comm._group(axis), comm.coords[axis]
     width, rows = 64, 16
@@ -258,7 +258,7 @@ def _pipeline(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list)
     # the stage's compute and both schedules in passes, each pass's slope less its own compute:
     # measured apart, the two ~1 ms figures' drift swamped their ~0.5 ms difference (0 and 634 us
     # in two calibrations back to back)
-    _, runs = _spread_runs([lambda: mod(x1).sum().backward(), *steps], device, spec.repeats, barrier)
+    _, runs = spread_runs([lambda: mod(x1).sum().backward(), *steps], device, spec.repeats, barrier)
     lo, hi = PIPELINE_MICROBATCHES[0], PIPELINE_MICROBATCHES[-1]
     out = {"m": list(PIPELINE_MICROBATCHES), "compute_s": statistics.median(runs[0]),
            "step_s": [statistics.median(r) for r in runs[1:]],

@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from autopar.calibration.microbench import MicrobenchSpec, _per_op_spread, _progress
+from autopar.calibration.timing import MicrobenchSpec, per_op_spread, progress
 
 __all__ = ["collective_host_s", "host_time_fit", "HOST_ROWS"]
 
@@ -50,7 +50,7 @@ def collective_host_s(spec: MicrobenchSpec, device: torch.device, barrier, world
     ``{"collective_host_s": ..., "collective_host_byte_s": ...}``. Each of ``_HOST_RESHARDS`` at
     each of ``HOST_ROWS`` is timed forward and backward through ``_NullNetwork``, less the same
     loss on an input of its shape alone, all in passes over every one of them
-    (``microbench._per_op_spread``), every rank at once as ranks that share cores run. Per
+    (``timing.per_op_spread``), every rank at once as ranks that share cores run. Per
     reshard, the slope over its two sizes is its time per byte it copies
     (``planner.costing.reshard_copy_bytes``, ``_copied_bytes``), what is left at the smaller its
     time per collective; each figure is the median over the reshards. On 4
@@ -60,7 +60,7 @@ def collective_host_s(spec: MicrobenchSpec, device: torch.device, barrier, world
 
     from autopar.runtime.collectives import active_mesh, reshard
 
-    _progress("the host's own time per collective")
+    progress("the host's own time per collective")
     comm = _NullNetwork(world, dist.get_rank())
     cases = [(r, rows) for r in _HOST_RESHARDS for rows in HOST_ROWS]
     inputs = {shape: torch.randn(shape, device=device, requires_grad=True)
@@ -71,7 +71,7 @@ def collective_host_s(spec: MicrobenchSpec, device: torch.device, barrier, world
                 for (src, dst, gsrc, gdst, shape, _), rows in cases]
     per_call = [_copied_bytes(r, rows, world) / r[5] for r, rows in cases]  # bytes copied per collective
     with active_mesh(comm):
-        seconds = _per_op_spread(alone + reshards, device, spec.repeats, barrier)
+        seconds = per_op_spread(alone + reshards, device, spec.repeats, barrier)
     base = dict(zip(inputs, seconds[:len(alone)]))
     host = [max(t - base[r[4](world, rows)], 0.0) / r[5] for (r, rows), t in zip(cases, seconds[len(alone):])]
     n = len(HOST_ROWS)  # per reshard: its smaller and larger size

@@ -31,20 +31,19 @@ measured, per rank (``measure_rank``):
   beyond compute and messages.
 
 Times are per call on the slowest rank: back-to-back calls between two barriers for at least
-20 ms, less what the barriers alone take (``_per_op``); each measurement is the median of
+20 ms, less what the barriers alone take (``timing.per_op``); each measurement is the median of
 ``repeats`` such windows (for a table of points, taken in passes over all of them:
-``_per_op_spread``).
+``timing.per_op_spread``).
 """
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
+from autopar.calibration.timing import MicrobenchSpec, SpreadProbe, agreed_barrier, per_op, per_op_spread, progress
+
 __all__ = ["MicrobenchSpec", "measure_rank", "MATMUL_SHAPES"]
+
+_agreed_barrier = agreed_barrier  # (tests/test_calibrate.py imports it from here)
 
 # (m, k, n): from dispatch-bound to compute-bound on one CPU core
 MATMUL_SHAPES = ((16, 64, 64), (64, 64, 256), (128, 256, 256), (256, 256, 1024), (256, 1024, 1024),
@@ -57,156 +56,6 @@ _ATTENTION_SHAPES = ((2, 4, 32, 16), (16, 8, 32, 16), (4, 4, 128, 32), (4, 8, 12
 _ATTENTION_SHAPES_GPU = ((4, 8, 256, 64), (64, 16, 256, 64), (4, 8, 1024, 64), (8, 16, 2048, 64))
 ATTENTION_REPEATS = 3  # windows per attention shape and direction (``autopar calibrate`` stays within a minute)
 _STREAM_NUMELS = (256, 4096, 65536, 1 << 20, 1 << 22)
-
-
-@dataclass(frozen=True)
-class MicrobenchSpec:
-    """``repeats``: runs per measurement (their median is kept); ``quick``: the smallest grids
-    (tests); ``dtypes``: matmul dtypes measured beside fp32; ``backend``: "gloo" (CPU processes)
-    or "nccl" (one GPU per process)."""
-
-    repeats: int = 5
-    quick: bool = False
-    dtypes: tuple[str, ...] = ("bfloat16",)
-    backend: str = "gloo"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _per_op(fn: Callable[[], object], device: torch.device, repeats: int, barrier, min_s: float = 0.02,
-            min_calls: int = 1) -> float:
-    """Median over ``repeats`` of the seconds per call of ``fn`` on the slowest rank: each run
-    calls it back to back for about ``min_s``, and at least ``min_calls`` times (every rank the
-    same count), between two barriers, less what the barriers alone take. The window is long
-    enough for the processes that share a core to take turns inside it, so what they share is
-    in the figure."""
-    return _per_op_spread([fn], device, repeats, barrier, min_s, min_calls)[0]
-
-
-def _per_op_spread(fns: list[Callable[[], object]], device: torch.device, repeats: int, barrier,
-                   min_s: float = 0.02, min_calls: int = 1) -> list[float]:
-    """``_per_op`` of each of ``fns``, its ``repeats`` windows taken in as many passes over all of
-    them: each figure's median spans the whole measurement, not a moment of it. A shared machine's
-    speed moves from second to second (a 4 KiB all-reduce of 2 of 4 processes read 1.6 to 3.6 ms
-    over 100 s, in runs of 20 calls 3 s apart): windows back to back all land in one moment."""
-    return [statistics.median(r) for r in _spread_runs(fns, device, repeats, barrier, min_s, min_calls)[1]]
-
-
-def _spread_runs(fns: list[Callable[[], object]], device: torch.device, repeats: int, barrier,
-                 min_s: float = 0.02, min_calls: int = 1) -> tuple[list[int], list[list[float]]]:
-    """(calls per window of each of ``fns``, its ``repeats`` windows' seconds per call), the
-    windows taken in passes over all of them (``_per_op_spread``'s, before their medians)."""
-    calls = [_calls_for(fn, device, barrier, min_s, min_calls) for fn in fns]
-    runs: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        _pass(fns, calls, runs, device, barrier)
-    return calls, runs
-
-
-def _pass(fns: list[Callable[[], object]], calls: list[int], runs: list[list[float]], device: torch.device,
-          barrier) -> None:
-    """One window of each of ``fns`` (``calls`` calls each), its seconds per call appended to ``runs``."""
-    idle = statistics.median(_window(lambda: None, 0, device, barrier) for _ in range(3))
-    for fn, n, out in zip(fns, calls, runs):
-        w = _window(fn, n, device, barrier)
-        # the barriers' own time is taken off each window, at most half of it: on a shared
-        # machine their jitter can exceed a short window's work, and a run is never priced at nothing
-        out.append(max(w - idle, w / 2) / n)
-
-
-class SpreadProbe:
-    """Windows of a few probes taken again between the later parts of a calibration
-    (``sample``): each figure's median spans the whole measurement, not the seconds of its own
-    part. The figures that price a dispatch-bound model (an op's cost in a training step) moved
-    most between calibrations: 13.0 and 18.2 us per op on 2 processes an hour apart, 33 and 56
-    us on 4, while the GPT plans they priced ran within 10% of each other."""
-
-    def __init__(self, device: torch.device, barrier):
-        self.device, self.barrier = device, barrier
-        self.fns: list[Callable[[], object]] = []
-        self.calls: list[int] = []
-        self.runs: list[list[float]] = []
-        self.names: list[str] = []
-
-    def add(self, name: str, fn: Callable[[], object], repeats: int, min_s: float) -> None:
-        """Time ``fn`` now (``repeats`` windows of about ``min_s``), and again at each ``sample``."""
-        calls, runs = _spread_runs([fn], self.device, repeats, self.barrier, min_s)
-        self.names.append(name)
-        self.fns.append(fn)
-        self.calls += calls
-        self.runs += runs
-
-    def sample(self) -> None:
-        """One more window of every probe (every rank calls it at the same points)."""
-        if self.fns:
-            _pass(self.fns, self.calls, self.runs, self.device, self.barrier)
-
-    def medians(self) -> dict[str, float]:
-        """Seconds per call of each probe: the median of all its windows."""
-        return {name: statistics.median(r) for name, r in zip(self.names, self.runs)}
-
-
-def _calls_for(fn: Callable[[], object], device: torch.device, barrier, min_s: float, min_calls: int) -> int:
-    """How many calls of ``fn`` fill ``min_s`` (at least ``min_calls``), the largest count of any rank."""
-    fn()
-    _sync(device)
-    singles = []
-    for _ in range(3):  # one call's time, from the median of three (one slow call would shorten every window)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        singles.append(time.perf_counter() - t0)
-    one = max(statistics.median(singles), 1e-7)
-    return barrier(max(min_calls, min(100_000, int(min_s / one))))  # every rank runs the largest count
-
-
-def _window(fn: Callable[[], object], calls: int, device: torch.device, barrier) -> float:
-    """Seconds from one barrier to the next with ``calls`` calls of ``fn`` between them."""
-    barrier(None)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    _sync(device)
-    barrier(None)
-    return time.perf_counter() - t0
-
-
-def _agreed_barrier(world: int):
-    """A barrier that, given a count, returns the largest count of every rank (one rank: no-op).
-    On gloo it is an all-reduce waited for as the runtime waits (``runtime.comm.wait_for``): a
-    rank that slept in ``dist.barrier`` could wake a timer tick late, and every timing window
-    ends at a barrier (on a 2-core VM, 2 processes' table read a 128 KiB all-reduce at 1.26 ms
-    between sleeping barriers, where it averaged 0.34-0.52 ms in long loops)."""
-    import torch.distributed as dist
-
-    from autopar.runtime.comm import polls, runs_nccl, wait_for
-
-    polled = world > 1 and not runs_nccl() and polls("all_reduce", torch.empty(0, dtype=torch.int64))
-
-    def barrier(count):
-        if world == 1:
-            return count
-        if count is None and not polled:  # NCCL, or AUTOPAR_COLLECTIVE_WAIT=block: torch's own barrier
-            dist.barrier()
-            return None
-        t = torch.tensor([0 if count is None else count], dtype=torch.int64)
-        wait_for(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), polled)
-        return None if count is None else int(t.item())
-
-    return barrier
-
-
-def _progress(text: str) -> None:
-    """One line on rank 0's stderr: what is being measured (calibration takes tens of seconds)."""
-    import os
-    import sys
-
-    if os.environ.get("RANK", "0") == "0":
-        print(f"  calibrate: {text}", file=sys.stderr, flush=True)
 
 
 GEMM_DIMS = (8, 64, 512, 2048)  # m, k and n of the shape grid (fp32); larger corners are not timed
@@ -236,7 +85,7 @@ def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str
     a training step meets each weight once per pass, long evicted from cache. With the same
     operands every call, a skinny matmul (a microbatch's few rows against a 4 MiB weight) reads
     its weight from cache and runs at twice the speed it has in training."""
-    _progress(f"{len(gemm_grid(spec.quick))} matmul shapes, as torch.mm and as nn.Linear's forward")
+    progress(f"{len(gemm_grid(spec.quick))} matmul shapes, as torch.mm and as nn.Linear's forward")
     pool = torch.randn(COLD_BYTES // 4 + (2048 * 2048 * 2), device=device)
     keys, calls = [], []  # ((table, m, k, n), closure): timed in passes over all of them
     for m, k, n in gemm_grid(spec.quick):
@@ -256,13 +105,13 @@ def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str
             keys.append((key, m, k, n))
             calls.append(call)
     rows: dict[str, list] = {"gemm": [], "gemm_linear": []}
-    for (key, m, k, n), t in zip(keys, _per_op_spread(calls, device, min(spec.repeats, GEMM_REPEATS), barrier)):
+    for (key, m, k, n), t in zip(keys, per_op_spread(calls, device, min(spec.repeats, GEMM_REPEATS), barrier)):
         rows[key].append((m, k, n, t))
     return rows
 
 
 def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
-    _progress("matmuls, attention and streaming ops")
+    progress("matmuls, attention and streaming ops")
     shapes = MATMUL_SHAPES[:4] if spec.quick else MATMUL_SHAPES
     out: dict = {"matmul": {}, "attention": [], "attention_grad": [], "stream": [], **_gemm_table(spec, device, barrier)}
     for dtype_name in ("float32",) + tuple(spec.dtypes):
@@ -271,7 +120,7 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
         for m, k, n in shapes:
             a = torch.randn(m, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
-            rows.append((2.0 * m * k * n, _per_op(lambda: torch.mm(a, b), device, spec.repeats, barrier=barrier)))
+            rows.append((2.0 * m * k * n, per_op(lambda: torch.mm(a, b), device, spec.repeats, barrier=barrier)))
         out["matmul"][dtype_name] = rows
     sdpa = torch.nn.functional.scaled_dot_product_attention
     shapes, att_dtype = (_ATTENTION_SHAPES, torch.float32) if device.type == "cpu" else (_ATTENTION_SHAPES_GPU,
@@ -281,23 +130,23 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
         grad = torch.randn(b, h, s, d, device=device, dtype=att_dtype)
         flops = 4.0 * b * h * s * s * d * 0.5  # causal: as planner.costing counts it
         with torch.no_grad():
-            fwd = _per_op(lambda: sdpa(q, k, v, is_causal=True), device, min(spec.repeats, ATTENTION_REPEATS),
+            fwd = per_op(lambda: sdpa(q, k, v, is_causal=True), device, min(spec.repeats, ATTENTION_REPEATS),
                           barrier=barrier)
         # autograd.grad: the backward kernel without accumulating into leaves' .grad
-        both = _per_op(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device,
+        both = per_op(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device,
                        min(spec.repeats, ATTENTION_REPEATS), barrier=barrier)
         out["attention"].append((flops, fwd))
         out["attention_grad"].append((float(b * h), flops, fwd, both))
     for numel in _STREAM_NUMELS[:4] if spec.quick else _STREAM_NUMELS:
         x, y, z = (torch.randn(numel, device=device) for _ in range(3))
-        out["stream"].append((3.0 * numel * 4, _per_op(lambda: torch.add(x, y, out=z), device, spec.repeats,
+        out["stream"].append((3.0 * numel * 4, per_op(lambda: torch.add(x, y, out=z), device, spec.repeats,
                                                        barrier=barrier)))
     return out
 
 
 # Ops whose cost per element is measured (forward, and forward + backward, at two sizes: the
 # slope is the per-element cost, the fixed cost is op_overhead's): the traced graph's op names
-# (``strategies.op_view._op_name``) of the common non-matmul ops of training graphs.
+# (``node_view.op_name``) of the common non-matmul ops of training graphs.
 OP_SIZES = ((16, 1024), (256, 1024))  # (rows, width): 16 Ki and 256 Ki elements
 OP_SIZES_GPU = ((1024, 1024), (8192, 1024))  # 1 Mi and 8 Mi: a GPU's kernels launch-bound below that
 OP_REPEATS = 3  # windows per op and size (a slope over two sizes; ``autopar calibrate`` stays within a minute)
@@ -353,7 +202,7 @@ def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     """Per op of ``MEASURED_OPS``: [(elements, forward seconds, forward + backward seconds)] at
     each of ``OP_SIZES`` (a GPU: ``OP_SIZES_GPU``)."""
     names = MEASURED_OPS[:3] if spec.quick else MEASURED_OPS
-    _progress(f"{len(names)} common ops, forward and backward")
+    progress(f"{len(names)} common ops, forward and backward")
     out = {}
     sizes_here = OP_SIZES if device.type == "cpu" else OP_SIZES_GPU
     # at least one operand set of the largest size (a GPU's: 64 MiB, what COLD_BYTES holds)
@@ -371,7 +220,7 @@ def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
             sizes.append(elements)
         # an op's four timings in passes: one set of idle windows per pass, not per timing (on 4
         # processes a barrier takes milliseconds)
-        times = _per_op_spread(fns, device, min(spec.repeats, OP_REPEATS), barrier)
+        times = per_op_spread(fns, device, min(spec.repeats, OP_REPEATS), barrier)
         out[name] = [(e, times[2 * i], times[2 * i + 1]) for i, e in enumerate(sizes)]
     return out
 
@@ -383,7 +232,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
 
     import torch.distributed as dist
 
-    from autopar.calibration.comm_probes import _collectives, _meshes, _overlap, _pipeline, _skew
+    from autopar.calibration.comm_probes import probe_collectives, probe_meshes, probe_overlap, probe_pipeline, probe_skew
     from autopar.calibration.cpu_cache import last_level_cache_bytes
     from autopar.calibration.host_probe import collective_host_s
     from autopar.calibration.training_probe import training_ops
@@ -396,7 +245,7 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     init_distributed(spec.backend, int(os.environ.get("WORLD_SIZE", "1")))
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if runs_nccl() else torch.device("cpu")
-    barrier = _agreed_barrier(world)
+    barrier = agreed_barrier(world)
     cores = node_cores()  # the node's, before init_distributed pinned this rank to its share
     spread = SpreadProbe(device, barrier)  # sampled again after each later part
     out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
@@ -406,19 +255,19 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
            "training": training_ops(spec, device, barrier, spread), "ops": _op_costs(spec, device, barrier)}
     spread.sample()
     if world > 1:
-        meshes = _meshes(world, device)  # built once: each mesh of pairs is a new set of process groups
-        out["collectives"] = _collectives(spec, device, barrier, meshes)
+        meshes = probe_meshes(world, device)  # built once: each mesh of pairs is a new set of process groups
+        out["collectives"] = probe_collectives(spec, device, barrier, meshes)
         spread.sample()
-        out["overlap"] = _overlap(spec, device, barrier, world)
+        out["overlap"] = probe_overlap(spec, device, barrier, world)
         spread.sample()
-        out["skew"] = _skew(spec, device, barrier, meshes)
+        out["skew"] = probe_skew(spec, device, barrier, meshes)
         spread.sample()
         # a GPU's host runs ahead of its streams: its time per collective is hidden, not priced
         if device.type == "cpu":
             out.update(collective_host_s(spec, device, barrier, world))
             spread.sample()
         if world % 2 == 0:
-            out["pipeline"] = _pipeline(spec, device, barrier, meshes)
+            out["pipeline"] = probe_pipeline(spec, device, barrier, meshes)
             spread.sample()
     out["training"].update(spread.medians())
     return out

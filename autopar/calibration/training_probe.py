@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from autopar.calibration.microbench import MicrobenchSpec, SpreadProbe, _per_op_spread, _progress
+from autopar.calibration.timing import MicrobenchSpec, SpreadProbe, per_op_spread, progress
 
 __all__ = ["PROBE_LAYERS", "PROBE_WIDTH", "PROBE_ROWS", "UPDATE_NUMEL", "probe_units", "training_ops"]
 
@@ -62,7 +62,7 @@ def _probe_model(device: torch.device) -> torch.nn.Module:
 def training_ops(spec: MicrobenchSpec, device: torch.device, barrier, spread: SpreadProbe | None = None) -> dict:
     """Seconds of the probe's forward + backward, and of its optimizer step, on the slowest rank
     (with ``spread``: registered there, timed again between the calibration's later parts)."""
-    _progress("a training step's per-op costs (autograd, optimizer)")
+    progress("a training step's per-op costs (autograd, optimizer)")
     model = _probe_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
@@ -89,7 +89,7 @@ def training_ops(spec: MicrobenchSpec, device: torch.device, barrier, spread: Sp
     for numel, suffix in ((UPDATE_NUMEL, ""), (WARM_NUMEL, "_warm")):
         fns += _update_calls(numel, device)
         names += [f"{k}{suffix}" for k in ("sgd_update_s", "adamw_update_s", "grad_zero_s", "grad_add_s")]
-    out.update(zip(names, _per_op_spread(fns, device, UPDATE_REPEATS * spec.repeats, barrier)))
+    out.update(zip(names, per_op_spread(fns, device, UPDATE_REPEATS * spec.repeats, barrier)))
     out["update_numel_warm"] = WARM_NUMEL
     return out
 

@@ -88,7 +88,7 @@ def check_heads(traced: TracedGraph, c: Constraints) -> None:
                 )
 
 
-def _output_nodes_of(traced: TracedGraph, pattern: str) -> set[str]:
+def output_nodes_of(traced: TracedGraph, pattern: str) -> set[str]:
     """Per module instance matching ``pattern``: its last op node (the module's output)."""
     last: dict[str, str] = {}
     for n in traced.graph.nodes:
@@ -141,7 +141,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
     data = [a for a in data_axes(mesh) if mesh[a] > 1]
     out_pins = {}
     for pattern, axes in c.outputs:
-        for name in _output_nodes_of(traced, pattern):
+        for name in output_nodes_of(traced, pattern):
             out_pins[name] = axes
 
     data_nodes: set[str] = set()  # values computed from the batch (inputs / target)

@@ -20,12 +20,11 @@ from autopar.cost_models.communication import (CommGroup, axis_group, blocking_c
 from autopar.cost_models.compute import matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
-from autopar.regions import REGION_FLOPS_KEY, REGION_GROUPED_KEY
+from autopar.regions import REGION_GROUPED_KEY
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
+from autopar.node_view import VIEW_OPS, OpView, node_flops, op_name, single_meta
 from autopar.strategies import Strategy
-from autopar.strategies.op_view import _single_meta
-from autopar.strategies.rules import OpView, _op_name
 from autopar.trace import TensorMeta
 
 __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optimizer_update_time", "gradient_buffer_time",
@@ -34,13 +33,6 @@ __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optim
            "bucketed_latency",
            "reshard_staging_bytes", "param_memory",
            "param_state_bytes", "VIEW_OPS"]
-
-# Ops that only re-describe memory (no data moved, no new storage).
-VIEW_OPS = {
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split",
-    "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "unsqueeze", "squeeze",
-    "flatten", "unflatten", "alias", "detach", "getitem", "view_as", "swapaxes", "_reshape_alias",
-}
 
 # backward / forward cost ratios by op kind
 _BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
@@ -82,48 +74,9 @@ def _groups(mesh_shape: tuple[int, ...], devices_per_node: int) -> tuple[CommGro
     return tuple(axis_group(mesh_shape, a, devices_per_node) for a in range(len(mesh_shape)))
 
 
-def node_flops(node: fx.Node) -> tuple[float, str]:
-    """Global forward FLOPs of ``node`` and its kind ("matmul", "attention", "pointwise", ...)."""
-    if node.op != "call_function":
-        return 0.0, "other"
-    if REGION_FLOPS_KEY in node.meta:  # a token-wise region: its ops' forward FLOPs, mostly grouped matmuls
-        return float(node.meta[REGION_FLOPS_KEY]), "matmul"
-    name = _op_name(node)
-    outs = node.meta["autopar.outputs"]
-    out = outs[0] if outs else None
-    if out is None or name in VIEW_OPS:
-        return 0.0, "other"
-    op = OpView(node)
-    if name == "linear":
-        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
-    if name == "grouped_mm":  # every row times its group's [k, n] weight
-        return 2.0 * out.numel * op.in_metas[0].shape[-1], "matmul"
-    if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
-        a = op.in_metas[1] if name in ("addmm", "baddbmm") else op.in_metas[0]
-        return 2.0 * out.numel * a.shape[-1], "matmul"
-    if name in ("conv1d", "conv2d", "conv3d"):
-        w = op.in_metas[1]
-        return 2.0 * out.numel * math.prod(w.shape[1:]), "matmul"  # per output: C/g x kernel MACs
-    if name == "einsum":
-        eq = op.arg("equation").replace(" ", "").split("->")[0].split(",")
-        sizes: dict[str, int] = {}
-        for spec, m in zip(eq, op.in_metas):
-            for c, s in zip(spec, m.shape if m else ()):
-                sizes[c] = max(sizes.get(c, 1), s)
-        return 2.0 * math.prod(sizes.values()), "matmul"
-    if name == "scaled_dot_product_attention":
-        q, k = op.in_metas[0], op.in_metas[1]
-        b_h = math.prod(q.shape[:-2])
-        flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
-        if op.arg("is_causal", False):
-            flops *= 0.5  # flash kernels skip the masked upper triangle
-        return flops, "attention"
-    return float(out.numel), "pointwise"
-
-
 def node_bytes(node: fx.Node, ctx: CostContext) -> float:
     """Global bytes a node reads and writes in forward (0 for views)."""
-    if node.op != "call_function" or _op_name(node) in VIEW_OPS:
+    if node.op != "call_function" or op_name(node) in VIEW_OPS:
         return 0.0
     total = 0.0
     for m in OpView(node).in_metas:
@@ -150,7 +103,7 @@ def node_work(node: fx.Node, ctx: CostContext) -> tuple[float, str, float, tuple
         a = ctx.cluster.device.attention_costs
         measured = (a[0], a[2], float(math.prod(OpView(node).in_metas[0].shape[:-2])), a[1], a[3])
     elif kind in ("pointwise", "other") and node.op == "call_function" and ctx.cluster.device.op_costs:
-        per = ctx.cluster.device.op_cost(_op_name(node))
+        per = ctx.cluster.device.op_cost(op_name(node))
         if per is not None:
             metas = [m for m in OpView(node).in_metas if m is not None] + [m for m in node.meta["autopar.outputs"]
                                                                               if m is not None]
@@ -238,7 +191,7 @@ def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int
     """(batch, m, k, n) of the local matmul(s) a linear / mm / bmm / matmul node runs under
     ``strategy`` (its left operand's and its output's local shapes); None for other matmul-like
     ops (einsum, convolutions, grouped matmuls: priced by their FLOPs) or unknown layouts."""
-    name = _op_name(node)
+    name = op_name(node)
     left = _GEMM_OPS.get(name)
     if left is None or left >= len(strategy.ins) or strategy.ins[left] is None or not strategy.outs \
             or strategy.outs[0] is None:
@@ -257,18 +210,18 @@ def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int
 def _right_transposed(node: fx.Node) -> bool:
     """Whether a matmul's right operand is a transposed view ([m, k] x [n, k].T): nn.Linear's
     weight, or an explicit ``t`` / ``transpose`` of the last two dims (``q @ k.transpose(-2, -1)``)."""
-    name = _op_name(node)
+    name = op_name(node)
     if name == "linear":
         return True
     ins = OpView(node).inputs
     right = ins[_GEMM_OPS[name] + 1] if name in _GEMM_OPS and len(ins) > _GEMM_OPS[name] + 1 else None
     if right is None or right.op != "call_function":
         return False
-    op = _op_name(right)
+    op = op_name(right)
     if op == "t":
         return True
     if op in ("transpose", "swapaxes"):
-        meta = _single_meta(right)
+        meta = single_meta(right)
         dims = [a for a in right.args[1:3] if isinstance(a, int)]
         return meta is not None and len(dims) == 2 and {d % len(meta.shape) for d in dims} == \
             {len(meta.shape) - 1, len(meta.shape) - 2}
@@ -277,7 +230,7 @@ def _right_transposed(node: fx.Node) -> bool:
 
 def _has_bias(node: fx.Node) -> bool:
     """Whether a linear adds a bias (its third input)."""
-    if _op_name(node) != "linear":
+    if op_name(node) != "linear":
         return False
     metas = OpView(node).in_metas
     return len(metas) >= 3 and metas[2] is not None
@@ -418,7 +371,7 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
     full bucket's collective,
     a larger one its own (with an alpha-beta model: its bandwidth in full and its share of one
     latency)."""
-    from autopar.runtime.grad_sync import BUCKET_BYTES
+    from autopar.sync_settings import BUCKET_BYTES
 
     if src == dst:
         return {}
@@ -449,7 +402,7 @@ def bucketed_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContex
     its time is, less the last bucket's (the runtime starts it when backward ends): of the
     model's ``ctx.grad_bytes / BUCKET_BYTES`` buckets, all but one (counted over the whole
     model's gradients: a rank's share, under tensor parallelism, fills fewer)."""
-    from autopar.runtime.grad_sync import BUCKET_BYTES
+    from autopar.sync_settings import BUCKET_BYTES
 
     if src == dst:
         return 0.0

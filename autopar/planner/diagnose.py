@@ -10,13 +10,13 @@ import math
 
 from autopar.constraints import Constraints
 from autopar.errors import NoFeasiblePlanError
+from autopar.planner.candidates import USABLE_MEMORY_FRACTION, mesh_candidates, microbatch_counts
 from autopar.planner.constraint_filter import make_filter
 from autopar.planner.meshes import data_degree
 from autopar.planner.evaluate import evaluate
 from autopar.planner.ilp import InfeasibleProblem, solve
 from autopar.planner.problem import build_problem
 from autopar.planner.contexts import cost_context
-from autopar.planner.search import USABLE_MEMORY_FRACTION, _microbatch_counts, mesh_candidates
 from autopar.trace import TracedGraph
 
 __all__ = ["raise_no_plan"]
@@ -64,7 +64,7 @@ def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -
         return c.microbatches
     if training_batch_norms(traced.graph):
         return 1
-    counts = _microbatch_counts(traced.global_batch or 1, data_degree(mesh))
+    counts = microbatch_counts(traced.global_batch or 1, data_degree(mesh))
     return counts[-1] if counts else 1
 
 

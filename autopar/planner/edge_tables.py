@@ -11,7 +11,6 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch.fx as fx
@@ -23,11 +22,9 @@ from autopar.layouts import replicated
 from autopar.planner.costing import CostContext, bucketed_latency, bucketed_time, reshard_latency, reshard_time
 from autopar.planner.loss_rider import may_ride
 from autopar.planner.op_memory import op_memory
-from autopar.planner.sync_pricing import _zero2_reduce_latency, _zero2_reduce_time
+from autopar.planner.sync_pricing import zero2_reduce_latency, zero2_reduce_time
+from autopar.planner.variables import NodeVar
 from autopar.trace import tensor_inputs
-
-if TYPE_CHECKING:  # annotations only: planner.problem imports this module
-    from autopar.planner.problem import NodeVar
 
 __all__ = ["EdgeTable", "REFUSED_RESHARD_S", "build_edges", "early_leads", "is_alias_getitem", "producer_of"]
 
@@ -346,8 +343,8 @@ def _cell(value: tuple, ukey, vkey, meta, ctx: CostContext) -> tuple:
         if gsrc is not None:
             summed = pure_all_reduce_axes(src, dst, gsrc, gdst)
             if summed is not None and zero_stage == 2:
-                add(_zero2_reduce_time(meta, lu, summed, zero_axes, ctx), "overlap_bwd", m,
-                    _zero2_reduce_latency(summed, zero_axes, ctx))
+                add(zero2_reduce_time(meta, lu, summed, zero_axes, ctx), "overlap_bwd", m,
+                    zero2_reduce_latency(summed, zero_axes, ctx))
             elif summed is not None:  # GradSync sums in the policy's reduce dtype
                 wire = float(ctx.policy.torch_reduce_dtype.itemsize if ctx.policy.mixed else meta.itemsize)
                 add(bucketed_time(meta, gsrc, gdst, ctx, wire), "overlap_last", 1.0,

@@ -18,8 +18,8 @@ import torch.fx as fx
 
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
+from autopar.node_view import op_name
 from autopar.planner.meshes import axis_names, describe
-from autopar.strategies.op_view import _op_name
 
 __all__ = ["expert_params", "expert_axis", "check_experts", "expert_module_lists"]
 
@@ -28,7 +28,7 @@ _CONTRACTIONS = ("einsum", "bmm", "matmul")
 
 def _dim0_is_batch(user: fx.Node, param: fx.Node) -> bool:
     """Whether ``user`` (a contraction) treats ``param``'s dim 0 as a batch dim."""
-    name = _op_name(user)
+    name = op_name(user)
     if name == "einsum":
         equation, operands = user.args[0], list(user.args[1])
         if param not in operands:
@@ -47,7 +47,7 @@ def expert_params(graph: fx.Graph) -> dict[str, str]:
     (``autopar.regions``: weights only its grouped matmuls use)."""
     from autopar.regions import REGION_EXPERTS_KEY
 
-    if not any(n.op == "call_function" and _op_name(n) == "topk" for n in graph.nodes):
+    if not any(n.op == "call_function" and op_name(n) == "topk" for n in graph.nodes):
         return {}
     out = {}
     for n in graph.nodes:
@@ -59,7 +59,7 @@ def expert_params(graph: fx.Graph) -> dict[str, str]:
         meta = n.meta["autopar.outputs"][0]
         if meta is None or len(meta.shape) < 3 or meta.shape[0] < 2:
             continue
-        if any(u.op == "call_function" and _op_name(u) in _CONTRACTIONS and _dim0_is_batch(u, n) for u in n.users):
+        if any(u.op == "call_function" and op_name(u) in _CONTRACTIONS and _dim0_is_batch(u, n) for u in n.users):
             out[n.name] = n.meta["autopar.fqn"]
     return out
 
@@ -71,7 +71,7 @@ def expert_module_lists(graph: fx.Graph) -> list[str]:
     from autopar.regions import TokenRegion
 
     routers = {n.meta.get("autopar.module", "") for n in graph.nodes if n.op == "call_function" and (
-        isinstance(n.target, TokenRegion) or _op_name(n) == "topk")}
+        isinstance(n.target, TokenRegion) or op_name(n) == "topk")}
     members: dict[tuple[str, str], dict[int, tuple]] = {}
     for n in graph.nodes:
         if n.meta.get("autopar.kind") != "param":

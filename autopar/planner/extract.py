@@ -170,7 +170,7 @@ def _autopar_version() -> str:
 
 def _per_shard_mean(node) -> bool:
     """A cross-entropy / NLL loss still reduced by mean (``loss_rewrite`` left it: weights or smoothing)."""
-    from autopar.strategies.rules import OpView
+    from autopar.node_view import OpView
 
     if not ("cross_entropy" in str(node.target) or "nll_loss" in str(node.target)):
         return False

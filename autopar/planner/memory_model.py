@@ -18,7 +18,7 @@ layouts:
   the op's backward temporaries, and the release of its saved tensors and output gradients;
 * the optimizer step: its temporaries (``OptimizerSpec``) and ZeRO-1/2's parameter all-gathers.
 
-It reports the same categories ``runtime.memory.MemoryTracker`` measures: persistent
+It reports the same categories ``memory_tracker.MemoryTracker`` measures: persistent
 ``params``, ``grads`` and ``optimizer_state``; the maxima over the step of what forward
 (``activations``), backward (``backward``) and the optimizer (``optimizer_step``) allocated; and
 the peak. With ``m`` microbatches one microbatch runs at a time: batch-derived values are 1/m.
@@ -42,8 +42,8 @@ from autopar.trace import TensorMeta, tensor_inputs
 
 __all__ = ["MemoryEstimate", "simulate_step_memory", "persistent_bytes"]
 
-from autopar.runtime.grad_sync import MAX_INFLIGHT as _ZERO2_INFLIGHT  # noqa: E402
-from autopar.runtime.prefetch import MAX_INFLIGHT as _ZERO3_INFLIGHT  # noqa: E402
+from autopar.sync_settings import ZERO2_MAX_INFLIGHT as _ZERO2_INFLIGHT  # noqa: E402
+from autopar.sync_settings import ZERO3_MAX_INFLIGHT as _ZERO3_INFLIGHT  # noqa: E402
 
 
 @dataclass
@@ -531,7 +531,7 @@ def _prefetched(inp: _In, src, s, i: int, sizes: _Sizes) -> bool:
 def _wire_bytes(sk: _Skeleton, strat: dict, problem: Problem, sizes: _Sizes, wire_itemsize: int) -> float:
     """Peak bytes of ``GradSync``'s reduce-dtype copies: its buckets (data-parallel gradients in
     reverse order of first use, cut as ``grad_sync.bucket_full`` cuts them), ``WIRE_BUCKETS`` alive."""
-    from autopar.runtime.grad_sync import WIRE_BUCKETS, bucket_full
+    from autopar.sync_settings import WIRE_BUCKETS, bucket_full
 
     first_use: dict[str, int] = {}
     deferred: dict[str, set] = {}

@@ -6,7 +6,7 @@ Why measured rather than tabled: what an op saves depends on the op, its argumen
 ``scaled_dot_product_attention`` saves its output and a log-sum-exp; ``gelu`` its input); a table
 drifts from torch, a run on fake tensors cannot. Each distinct op signature (target, input
 shapes, dtypes, gradient flags, non-tensor arguments, autocast dtype) runs once, forward and
-backward, at the traced global shapes under ``runtime.memory.MemoryTracker``; repeated layers
+backward, at the traced global shapes under ``memory_tracker.MemoryTracker``; repeated layers
 share signatures, so a 96-layer model profiles one layer's ops.
 
 Saved entries: ``("in", i)`` input i itself (or a view of it), ``("cast", i, itemsize)`` a copy
@@ -95,7 +95,7 @@ def op_memory(node: fx.Node, autocast_dtype: torch.dtype | None = None, device_t
 def _measure(node: fx.Node, inputs: list[fx.Node], autocast_dtype, device_type: str) -> OpMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autopar.runtime.memory import MemoryTracker
+    from autopar.memory_tracker import MemoryTracker
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes: dict[fx.Node, torch.Tensor] = {}

@@ -371,7 +371,8 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
     constraints fix recompute, only the ranks that overflow without it recompute (``_price``)."""
     from autopar.planner.blocks import find_repeated_blocks
     from autopar.planner.constraint_filter import pin_key
-    from autopar.planner.search import USABLE_MEMORY_FRACTION, naive_dp_baseline
+    from autopar.planner.candidates import USABLE_MEMORY_FRACTION
+    from autopar.planner.search import naive_dp_baseline
 
     c = constraints
     pp = c.pp
@@ -468,8 +469,8 @@ def _zero_per_stage(unshrunk, budget: float, pp: int, price) -> "_Priced | None"
 def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimizer, solver, progress, inner_search,
                 stages: int = 1):
     """(the per-operator plan of one stage's submesh, the search's attempt behind it); a rank of
-    the ``stages`` will hold its stage's share of the parameters (``search.PIPELINE_STAGES``)."""
-    from autopar.planner.search import PIPELINE_STAGES
+    the ``stages`` will hold its stage's share of the parameters (``candidates.PIPELINE_STAGES``)."""
+    from autopar.planner.candidates import PIPELINE_STAGES
 
     key = (id(traced), traced.gm.code, roomy.to_json(), repr(inner_c), repr(precision), repr(optimizer), repr(solver),
            stages)

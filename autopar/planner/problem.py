@@ -19,14 +19,15 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.layouts import local_numel, local_shape, split_factor
+from autopar.node_view import op_name
 from autopar.planner.blocks import BlockInfo
 from autopar.planner.costing import (CostContext, VIEW_OPS, gradient_buffer_time, node_compute_time, node_work,
                                      optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.edge_tables import REFUSED_RESHARD_S, EdgeTable, build_edges, is_alias_getitem, producer_of
 from autopar.planner.op_memory import op_memory, warnings_silenced
 from autopar.planner.sync_pricing import own_sync_time, post_step_gather_time
+from autopar.planner.variables import NodeVar
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
-from autopar.strategies.rules import _op_name
 from autopar.trace import TracedGraph, tensor_inputs
 
 __all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter", "batch_derived", "producer_of",
@@ -34,32 +35,6 @@ __all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter",
 
 # (node, strategy) -> None if allowed, else the reason it is not
 StrategyFilter = Callable[[fx.Node, Strategy], "str | None"]
-
-
-@dataclass
-class NodeVar:
-    name: str
-    node: fx.Node
-    count: int
-    strategies: list[Strategy]
-    fwd_s: np.ndarray
-    bwd_s: np.ndarray
-    static_bytes: np.ndarray  # parameters, grads, optimizer state (already x count)
-    saved_bytes: np.ndarray  # activations kept for backward (x count, or x1 under recompute)
-    in_block: bool
-    excluded: list[tuple[str, str]] = field(default_factory=list)
-    fallback: bool = False
-    root: str | None = None  # set for followers: strategy i is paired with strategy i of ``root``
-    transient_bytes: np.ndarray | None = None  # the op's working set while it runs (not x count: one runs at a time)
-    # blocking communication of the strategy itself, seconds per collective kind (ZeRO-1/2's
-    # post-step all-gather, a batch norm's statistics sync); None: none
-    comm_kinds: dict[str, np.ndarray] | None = None
-
-    @property
-    def comm_s(self) -> np.ndarray | None:
-        """``comm_kinds`` summed over the kinds: per strategy, seconds (None: none)."""
-        return None if self.comm_kinds is None else sum(self.comm_kinds.values())
-
 
 
 @dataclass
@@ -278,7 +253,7 @@ def _is_follower_op(n: fx.Node) -> bool:
         return False
     if len(tensor_inputs(n)) != 1:
         return False
-    name = _op_name(n)
+    name = op_name(n)
     if name in VIEW_OPS:
         return True
     import torch

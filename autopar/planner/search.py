@@ -21,7 +21,9 @@ from autopar.plan import Baseline, Plan, fingerprint_of
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.planner.experts import check_experts
-from autopar.planner.meshes import data_degree, describe, expert_data_mesh
+from autopar.planner.candidates import (PIPELINE_STAGES, USABLE_MEMORY_FRACTION, mesh_candidates,
+                                       microbatch_counts)
+from autopar.planner.meshes import data_degree, describe
 from autopar.cost_models.communication import axis_group
 from autopar.planner.contexts import (MEMO_LOCK, cost_context, estimated_state_numel, memo, plan_state_numel,
                                       update_costs_moved)
@@ -34,60 +36,10 @@ from autopar.trace import TracedGraph
 
 __all__ = ["search_plan", "mesh_candidates", "naive_dp_baseline", "USABLE_MEMORY_FRACTION", "AXES"]
 
-# Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
-# CUDA context and library workspaces (cuBLAS, NCCL buffers).
-USABLE_MEMORY_FRACTION = 0.9
 # per planning inputs (graph, cluster, precision, optimizer, solver), the results that do not
 # depend on the constraints: the naive data-parallel baseline and the free plan's step time
 _RESULTS: OrderedDict = OrderedDict()
 _MEMORY_ROUNDS = 4  # ILP re-solves with a tightened budget when the simulated peak exceeds it
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
-    """(dp, tp) shapes of one stage's submesh to try (the whole cluster without pipelining, a
-    ``1/pp`` share of it with ``Constraints(pp=)``), validated against the constraints (errors
-    name the constraint)."""
-    pp = c.pp or 1
-    if c.schedule is not None and pp == 1:
-        raise ConstraintError(f"schedule={c.schedule!r} applies to pipeline plans (pp > 1); leave schedule unset for pp=1")
-    if cluster.world_size % pp:
-        raise ConstraintError(
-            f"pp={pp} does not divide the {cluster.world_size} devices of the cluster; choose a divisor of "
-            f"{cluster.world_size} (e.g. {', '.join(str(d) for d in _divisors(cluster.world_size) if d <= 64)})")
-    world = cluster.world_size // pp
-    for name in ("dp", "tp"):
-        v = getattr(c, name)
-        if v is not None and world % v:
-            raise ConstraintError(
-                f"{name}={v} does not divide the {world} devices of {'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world} "
-                f"(e.g. {', '.join(str(d) for d in _divisors(world) if d <= 64)})"
-            )
-    if c.dp is not None and c.tp is not None and c.dp * c.tp != world:
-        raise ConstraintError(f"dp={c.dp} x tp={c.tp} = {c.dp * c.tp} but {'a pipeline stage' if pp > 1 else 'the cluster'} has "
-                              f"{world} devices; the product must equal {'the world size / pp' if pp > 1 else 'the world size'}")
-    if c.tp is not None:
-        tps = [c.tp]
-    elif c.dp is not None:
-        tps = [world // c.dp]
-    else:
-        tps = [t for t in _divisors(min(cluster.devices_per_node, world)) if world % t == 0]
-    if c.ep is not None and world % c.ep:
-        raise ConstraintError(f"ep={c.ep} does not divide the {world} devices of "
-                              f"{'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world}")
-    meshes = [(world // t, t) for t in tps]
-    if c.ep is not None and c.ep > 1:
-        # experts over fewer devices than the data parallelism: the data axis split in two, the
-        # inner one 'ep' ('dp', 'ep'), beside a 'tp' axis where tensor parallelism has devices
-        # (meshes.py); with dp given, those are the only meshes that honour it
-        inner = [expert_data_mesh(world // t, c.ep, tp=t) for t in tps
-                 if 1 < c.ep < world // t and (world // t) % c.ep == 0]
-        if inner:
-            meshes = inner if c.dp is not None else meshes + inner
-    return meshes
 
 
 @dataclass
@@ -128,11 +80,6 @@ def _graph_key(traced: TracedGraph) -> str:
             del _GRAPH_KEYS[k]
         _GRAPH_KEYS[id(traced)] = (weakref.ref(traced), key)
     return key
-
-
-# the ``_cache`` key under which ``pipeline_search`` tells the search of a submesh plan how many
-# stages will split it: a rank then holds that share of the model's parameters and states
-PIPELINE_STAGES = "pipeline_stages"
 
 
 def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, micro, c, budget, solver_cfg, cache):
@@ -416,7 +363,7 @@ def _search_single_stage(
         # gradient accumulation: smaller microbatches hold fewer activations (fewest steps first)
         recompute = bool(blocks.blocks) if c.recompute is None else c.recompute
         for mesh in meshes:
-            for micro in _microbatch_counts(batch, data_degree(mesh)):
+            for micro in microbatch_counts(batch, data_degree(mesh)):
                 label = f"{describe(mesh)} recompute={recompute} microbatches={micro}"
                 if progress:
                     progress(label)
@@ -560,13 +507,3 @@ def _naive_dp_baseline(traced, blocks, cluster, policy, optimizer, budget, solve
         f"does not fit: needs {format_bytes(att.evaluation.peak_bytes)} per device, has {format_bytes(budget)} usable"
     )
     return Baseline("naive data parallel", pred, fits, note)
-
-
-def _microbatch_counts(batch: int, dp: int) -> list[int]:
-    """Gradient-accumulation counts 2, 4, 8, ... that cut ``batch`` into equal microbatches which
-    still split evenly over ``dp`` (fewest steps first)."""
-    counts, m = [], 2
-    while batch % m == 0 and (batch // m) % dp == 0:
-        counts.append(m)
-        m *= 2
-    return counts

@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from autopar.errors import ConstraintError
 from autopar.layouts import parse_layout
+from autopar.schedules import V_SCHEDULES, in_flight
 
 __all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", "schedule_step_time", "in_flight", "held_per_stage", "torch_rank_actions", "stage_rank",
            "message_seconds", "messages_seconds",
@@ -44,7 +45,6 @@ __all__ = ["StageCut", "CutModel", "BoundaryChoice", "cut_model", "cut_stages", 
 # the schedules a pipeline plan can run today (``Constraints(schedule=)``); the first is the default
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")  # several stages per rank
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r
 # schedules that run the weight gradients apart from the input gradients (torch's split backward)
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 
@@ -328,24 +328,6 @@ def schedule_step_time(stage_times: list[float], microbatches: int, schedule: st
         step = m * max(per_rank) + (p - 1) * tail
     busy = sum(stage_times) / p  # what an average rank computes
     return step, (1.0 - busy / step) if step > 0 else 0.0
-
-
-def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, virtual: int = 1) -> float:
-    """Microbatches whose activations rank ``rank`` holds at its peak, in units of one microbatch
-    through all of the rank's stages: GPipe ``m``; 1F1B ``min(m, p - r)``; interleaved and
-    interleaved zero bubble, torch's warm-up depth ``2 (p - 1 - r) + (v - 1) p + 1`` stage
-    chunks, each ``1/v`` of the rank's stages; ZBV ``p`` (Qi et al.: ZB-V holds 2p chunks);
-    DualPipeV ``p + 1/2`` (the DeepSeek-V3 report's ``PP + 1`` chunks of activations, two per rank)."""
-    m, p, v, r = microbatches, ranks, virtual, rank
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(m, p - r))
-    if schedule == "zbv":
-        return float(min(m, p))
-    if schedule == "dualpipev":
-        return min(float(m), p + 0.5)
-    return min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) / v
 
 
 

@@ -40,7 +40,7 @@ def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, 
     return out
 
 
-def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[str, float]:
+def zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[str, float]:
     """ZeRO-2's gradient sync of a whole local gradient: reduce-scatter over its zero axes,
     all-reduce over the others it is summed over (``runtime.grad_sync``)."""
     from autopar.cost_models.communication import collective_time
@@ -53,8 +53,8 @@ def _zero2_reduce_time(meta, layout, axes, zero_axes, ctx: CostContext) -> dict[
     return out
 
 
-def _zero2_reduce_latency(axes, zero_axes, ctx: CostContext) -> float:
-    """The waiting part of ``_zero2_reduce_time`` (``collective_latency`` of each collective)."""
+def zero2_reduce_latency(axes, zero_axes, ctx: CostContext) -> float:
+    """The waiting part of ``zero2_reduce_time`` (``collective_latency`` of each collective)."""
     from autopar.cost_models.communication import collective_latency
 
     return sum(collective_latency("reduce_scatter" if a in zero_axes else "all_reduce", ctx.groups[a], ctx.cluster)

@@ -451,7 +451,7 @@ def build_program(model, inputs: tuple, target, loss_fn, traced, plan: Plan, dev
         weighed = token_count_program(traced.gm) is not None
         if any(n.meta.get(LOSS_REDUCTION_KEY) for n in traced.graph.nodes) and not weighed:
             # the runtime weighs each microbatch's mean by its share of the count where it can
-            # compute the count per microbatch (``_Program.token_count``; local batches: summed over 'dp')
+            # compute the count per microbatch (``RankProgram.token_count``; local batches: summed over 'dp')
             warnings.warn(
                 f"the loss is a mean over the targets not ignored (ignore_index) beside other terms; with "
                 f"microbatches={m} each microbatch's mean is weighted 1/{m}, which is one device's loss only where every microbatch holds "
@@ -520,7 +520,7 @@ _LOSS_OPS = {"cross_entropy_loss", "nll_loss_nd", "nll_loss", "mse_loss", "l1_lo
 def _loss_reduction(traced) -> str:
     """How the loss reduces over the batch ("mean" or "sum"), from the reductions feeding the
     output; microbatch losses combine the same way. Anything else is refused, not guessed."""
-    from autopar.strategies.rules import OpView, _op_name
+    from autopar.node_view import OpView, op_name
     from autopar.trace import tensor_inputs
 
     out = next(n for n in traced.graph.nodes if n.op == "output")
@@ -530,7 +530,7 @@ def _loss_reduction(traced) -> str:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        name = _op_name(n)
+        name = op_name(n)
         if n.meta.get(LOSS_REDUCTION_KEY):  # a loss rewritten as sum / count (``loss_rewrite``)
             kinds.add(n.meta[LOSS_REDUCTION_KEY])
         elif name in _LOSS_OPS:

@@ -86,7 +86,7 @@ def row_local_name(func) -> str:
     return _REFLECTED.get(name, name)
 
 
-_NOT_ROW_LOCAL = object()
+NOT_ROW_LOCAL = object()
 
 
 class ExpertRows:
@@ -121,20 +121,20 @@ class ExpertRows:
 
     def row_local(self, func, args: tuple, kwargs: dict):
         """``func`` run on held rows where it acts on each row alone (its result held too), or on
-        metadata; ``_NOT_ROW_LOCAL`` otherwise (and where it touches no held value)."""
+        metadata; ``NOT_ROW_LOCAL`` otherwise (and where it touches no held value)."""
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         keys = {self.held[id(t)][1] if id(t) in self.held else None for t in tensors}
         if not tensors or keys == {None}:
-            return _NOT_ROW_LOCAL
+            return NOT_ROW_LOCAL
         name = row_local_name(func)
         if name in _METADATA:
             return func(*args, **kwargs)
         if name not in ROW_LOCAL_OPS or len(keys) != 1 or None in keys:
-            return _NOT_ROW_LOCAL
+            return NOT_ROW_LOCAL
         if name in ("chunk", "split"):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if dim % args[0].dim() != args[0].dim() - 1:
-                return _NOT_ROW_LOCAL
+                return NOT_ROW_LOCAL
         key, tokens = keys.pop(), self.held[id(tensors[0])][2]
         out = func(*args, **kwargs)
         for t in pytree.tree_leaves(out):

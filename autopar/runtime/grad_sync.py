@@ -31,13 +31,10 @@ import torch
 from autopar.runtime.collectives import reduce_scatter_dim, slice_dim
 from autopar.runtime.comm import MeshComm, collective_site
 from autopar.runtime.param_store import ParamStore
+from autopar.sync_settings import BUCKET_BYTES, FIRST_BUCKET_BYTES, WIRE_BUCKETS, bucket_full
+from autopar.sync_settings import ZERO2_MAX_INFLIGHT as MAX_INFLIGHT
 
 __all__ = ["GradSync", "backward_order", "plan_buckets", "bucket_full", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MAX_INFLIGHT", "WIRE_BUCKETS"]
-
-BUCKET_BYTES = 4 * 2**20  # DDP uses 25 MiB; smaller buckets overlapped better on gloo here (benchmarks/README.md)
-FIRST_BUCKET_BYTES = 2**20  # as DDP: a small first bucket starts communication early
-MAX_INFLIGHT = 2  # ZeRO-2 reduce-scatters pending at once (each holds one full gradient)
-WIRE_BUCKETS = 2  # buckets alive at once as copies in a narrower reduce dtype
 
 
 class _Bucket:
@@ -53,11 +50,6 @@ class _Bucket:
 
     def span(self) -> slice:
         return slice(self.start, self.start + self.numel + self.rider)
-
-
-def bucket_full(nbytes: int, buckets: int) -> bool:
-    """Whether a bucket holding ``nbytes`` takes no more gradients, when ``buckets`` exist."""
-    return nbytes >= (FIRST_BUCKET_BYTES if buckets <= 1 else BUCKET_BYTES)
 
 
 def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> list[_Bucket]:

@@ -22,7 +22,7 @@ from autopar.runtime.input_checks import FIRST_CHECKED_STEPS, Example, checksum,
 from autopar.trace import TensorMeta, model_class_name
 
 if TYPE_CHECKING:
-    from autopar.runtime.parallel_model import _Program
+    from autopar.runtime.rank_program import RankProgram
 
 __all__ = ["InputCheckMethods", "missing_target"]
 
@@ -91,7 +91,7 @@ class InputCheckMethods:
                 f"(a model that branches on the batch size would silently keep the compiled branch): {fix}")
         return None
 
-    def _check_batch(self, where: str, inputs: tuple, target: Any, step: int, prog: "_Program") -> None:
+    def _check_batch(self, where: str, inputs: tuple, target: Any, step: int, prog: "RankProgram") -> None:
         """Raise if the batch does not match the compiled example; on the steps ``check_inputs``
         names, compare every input's checksum across the ranks (one small all-gather over every
         rank), so that a rank holding a different or mis-shaped batch is reported on every rank.
@@ -108,7 +108,7 @@ class InputCheckMethods:
         if problem is not None:
             raise problem
 
-    def _local_example(self, prog: "_Program") -> tuple[Example, dict[str, tuple[int, int]]]:
+    def _local_example(self, prog: "RankProgram") -> tuple[Example, dict[str, tuple[int, int]]]:
         """The example as this rank passes it with local batches (rows of the batch inputs on "dp"),
         and per label split by rows: (global rows, this rank's rows)."""
         ex = prog.example

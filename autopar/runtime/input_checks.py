@@ -122,7 +122,7 @@ def checksum(x: Any) -> list[int]:
 
 def refuse_uneven_inputs(plan, prog) -> None:
     """Every input the plan shards must divide evenly over its shards at the size the program
-    runs (one microbatch; ``prog``: the ``parallel_model._Program`` that runs it): an uneven share would be weighted as an even one in the loss and the
+    runs (one microbatch; ``prog``: the ``parallel_model.RankProgram`` that runs it): an uneven share would be weighted as an even one in the loss and the
     gradients, training wrong without a word. Raised alike on every rank (it reads the plan)."""
     names = [a for a, _ in plan.mesh_axes]
     sizes = [n for _, n in plan.mesh_axes]

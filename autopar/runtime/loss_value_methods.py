@@ -35,7 +35,7 @@ class LossValueMethods:
 
     def _microbatch_weights(self, micro: list, prog) -> list[float]:
         """Per microbatch, the weight of its loss in the step's: 1 for a sum; for a mean, its share
-        of the count a token mean divides by (``_Program.token_count``, evaluated on each
+        of the count a token mean divides by (``RankProgram.token_count``, evaluated on each
         microbatch's whole tensors: the batch's mean whatever each holds; with local batches
         each rank's counts summed over 'dp'), else 1/m."""
         m = len(micro)

@@ -1,5 +1,5 @@
 """``ParallelModel``'s measurement: ``measure_step`` runs one ``train_step`` while the storage
-tracker (``runtime.memory``) counts this rank's memory by category and ``runtime.comm`` counts the
+tracker (``memory_tracker``) counts this rank's memory by category and ``runtime.comm`` counts the
 bytes of every collective, and returns them in a ``StepMeasurement`` beside the plan's prediction.
 
 Invariants: the measurement counts the whole process, not only what autopar made: the state kept
@@ -25,7 +25,7 @@ import torch
 from autopar.api import cyclic_gc_paused
 from autopar.errors import AutoparError
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.memory import MemoryReport, MemoryTracker
+from autopar.memory_tracker import MemoryReport, MemoryTracker
 
 __all__ = ["StepMeasurement", "MeasureMethods", "CUDA_WITHOUT_TENSOR"]
 
@@ -118,7 +118,7 @@ class MeasureMethods:
 
     @contextlib.contextmanager
     def _memory_tracked(self, inputs: tuple = (), target: Any = None):
-        """Run a step under the storage tracker (``runtime.memory``), the state it keeps across
+        """Run a step under the storage tracker (``memory_tracker``), the state it keeps across
         steps registered by category first, then every other storage of the process as
         ``unaccounted`` (``inputs`` and ``target`` named as the step's inputs); yields the tracker."""
         tracker = MemoryTracker(count_unallocated=False)

@@ -6,7 +6,7 @@ ran: plan fingerprint, mesh, cluster spec, world size, package versions, command
 the step, measured wall time and the predicted step time, their ratio, the loss, samples and
 tokens per second, MFU (the plan's model FLOPs over wall time x devices x peak FLOP/s) and the
 step's peak memory beside the predicted peak: on CUDA every step (the allocator's peak); elsewhere
-every ``memory_every``-th step, run under the storage tracker (``runtime.memory``: live tensor
+every ``memory_every``-th step, run under the storage tracker (``memory_tracker``: live tensor
 storages by category, as ``ParallelModel.measure_step``), which slows that step (its line says
 ``memory_tracked``; it does not count towards the slow-step warning). A step that ran
 ``slow_factor`` times its prediction ``slow_steps`` times in a row raises a ``SlowStepWarning``

@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,9 +46,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import AutoparError
-from autopar.ir import GRAD_SYNC_KEY, LOCAL_OUTPUTS_KEY, LOSS_LAYOUT_KEY, gather_param_start, reshard
-from autopar.layouts import Replicate, Shard, parse_layout
-from autopar.loss_rewrite import token_count_program
+from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
+from autopar.layouts import Replicate, Shard
 from autopar.runtime.collectives import active_mesh, shard_tensor
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
@@ -63,61 +60,18 @@ from autopar.runtime.pipeline import PipelineRunner, stage_state_names
 from autopar.runtime.input_check_methods import InputCheckMethods
 from autopar.runtime.loss_value_methods import LossValueMethods
 from autopar.runtime.input_checks import (
-    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, example_spec, refuse_uneven_inputs,
+    CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, refuse_uneven_inputs,
 )
 from autopar.runtime.measure_methods import MeasureMethods, StepMeasurement
-from autopar.runtime.memory import MemoryTracker
+from autopar.memory_tracker import MemoryTracker
 from autopar.runtime.native_loop_methods import NativeLoopMethods
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.shard_init import initialise_deferred
 from autopar.runtime.prefetch import drain_gradient_reductions
+from autopar.runtime.rank_program import RankProgram
 from autopar.trace import TensorMeta
 
 __all__ = ["ParallelModel", "StepMeasurement", "CHECK_INPUTS_MODES", "FIRST_CHECKED_STEPS"]
-
-
-@dataclass(frozen=True)
-class _Program:
-    """A per-rank program with what running it needs (training, or evaluation in eval mode)."""
-
-    plan: Any
-    traced: Any
-    program: fx.GraphModule
-    loss_reduction: str
-    input_layouts: dict
-    loss_layout: Any
-    example: Example  # what every call's batch is checked against
-
-    @property
-    def placeholders(self) -> list[str]:
-        return [n.name for n in self.program.graph.nodes if n.op == "placeholder"]
-
-    @functools.cached_property
-    def token_count(self) -> fx.GraphModule | None:
-        """The count the loss's token mean divides by, as a program of a microbatch's whole batch
-        tensors (``loss_rewrite.token_count_program``), where there are microbatches to weigh."""
-        if self.plan.microbatches == 1 or self.loss_reduction != "mean":
-            return None
-        return token_count_program(self.traced.gm)
-
-    @property
-    def rows_mask(self) -> list[bool]:
-        """Per returned value (the flat output list): whether it is handed over as this rank's rows
-        (local batches, ``ir.LOCAL_OUTPUTS_KEY``) rather than whole."""
-        out = next(n for n in self.traced.graph.nodes if n.op == "output")
-        rows = out.meta.get(LOCAL_OUTPUTS_KEY, ())
-        values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-        return [isinstance(v, fx.Node) and v.name in rows for v in values]
-
-    @classmethod
-    def of(cls, plan, traced, program: fx.GraphModule, loss_reduction: str, example: tuple | None) -> "_Program":
-        """With the layouts the plan gives the inputs and target, and the loss's layout.
-        ``example``: (inputs, target) as compiled, or None (the traced shapes)."""
-        layouts = {n.name: n.outs[0] for n in plan.nodes.values() if n.outs and n.outs[0] != "-"}
-        inputs = {name: parse_layout(layouts[name]) for name in traced.input_names + [traced.target_name]
-                  if name and name in layouts}  # not a tensor (None for an optional argument): no layout
-        loss = parse_layout(program.meta[LOSS_LAYOUT_KEY]) if LOSS_LAYOUT_KEY in program.meta else None
-        return cls(plan, traced, program, loss_reduction, inputs, loss, example_spec(traced, plan.microbatches, example))
 
 
 class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, MeasureMethods, NativeLoopMethods,
@@ -143,7 +97,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self.step = 0
         self.optimizer = None
         self.lr_scheduler = None  # compile(lr_scheduler=...): stepped by train_step after each optimizer step
-        self._programs: dict[str, _Program] = {}
+        self._programs: dict[str, RankProgram] = {}
         self._state: StateView | None = None
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
@@ -174,7 +128,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         from autopar.cost_models.memory import precision_policy
 
         kind = "step" if self._fused else "forward"
-        prog = _Program.of(plan, traced, program, loss_reduction, example)
+        prog = RankProgram.of(plan, traced, program, loss_reduction, example)
         # before any collective (every rank refuses alike): a batch share no rank can hold evenly
         refuse_uneven_inputs(plan, prog)
         b = self._builder
@@ -248,11 +202,11 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         return self._primary.program
 
     @property
-    def _primary(self) -> "_Program":
+    def _primary(self) -> "RankProgram":
         return self._programs["step" if self._fused else "forward"]
 
     @property
-    def _train(self) -> "_Program":  # the fused training step's program
+    def _train(self) -> "RankProgram":  # the fused training step's program
         return self._programs["step"]
 
     def _require_plan(self, what: str) -> None:
@@ -268,7 +222,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             plan, traced, program, reduction = self._builder.primary(inputs, target)
         self._attach(plan, traced, program, reduction, None)
 
-    def _program_for(self, kind: str, inputs: tuple, target: Any) -> "_Program":
+    def _program_for(self, kind: str, inputs: tuple, target: Any) -> "RankProgram":
         """The program of ``kind`` ("step", "step-eval", "forward", "forward-eval"), built at its first
         use with every parameter pinned where the plan stores it (the shards serve every program)."""
         prog = self._programs.get(kind)
@@ -281,7 +235,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             inputs, target = _stand_ins(self._primary.example, inputs, target)
             with collective_failures("planning"):
                 built = self._builder.pinned(self.plan, kind, inputs, target)
-            prog = _Program.of(*built, None)
+            prog = RankProgram.of(*built, None)
             refuse_uneven_inputs(prog.plan, prog)
             self._programs[kind] = prog
         return prog
@@ -332,7 +286,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self.close()
 
     # ------------------------------------------------------------------ steps
-    def _args(self, inputs: tuple, target: Any, prog: "_Program | None" = None, where: str = "train_step") -> list:
+    def _args(self, inputs: tuple, target: Any, prog: "RankProgram | None" = None, where: str = "train_step") -> list:
         prog = prog or self._train
         names = prog.traced.input_names
         if len(inputs) != len(names):
@@ -519,7 +473,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._calls["eval_step"] += 1
         return total
 
-    def _eval_step(self, inputs: tuple, target: Any, prog: "_Program") -> float:
+    def _eval_step(self, inputs: tuple, target: Any, prog: "RankProgram") -> float:
         micro = self._microbatches(inputs, target)
         weights = self._microbatch_weights(micro, prog)
         total = 0.0

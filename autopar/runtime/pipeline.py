@@ -46,7 +46,7 @@ import torch.fx as fx
 from autopar.errors import AutoparError
 from autopar.layouts import Layout
 from autopar.planner.stages import SPLIT_BACKWARD_SCHEDULES, carrier_dtype
-from autopar.passes.outline_recompute import outlined_graph
+from autopar.passes.analysis import outlined_graph
 from autopar.passes.boundary_sends import insert_boundary_sends
 from autopar.passes.split_stages import StageProgram, shared_state, split_stages
 from autopar.runtime.collectives import shard_tensor

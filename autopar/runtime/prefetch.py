@@ -15,10 +15,9 @@ import torch
 
 from autopar.runtime.collectives import current_mesh
 from autopar.runtime.comm import MeshComm, collective_site
+from autopar.sync_settings import ZERO3_MAX_INFLIGHT as MAX_INFLIGHT
 
 __all__ = ["gather_param_start", "gather_param_finish", "start_gather", "drain_gradient_reductions", "MAX_INFLIGHT"]
-
-MAX_INFLIGHT = 1  # gradient reduce-scatters pending at once (each keeps a whole gradient alive)
 
 
 class PendingGather:

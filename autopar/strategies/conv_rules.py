@@ -4,7 +4,8 @@ pooling, batch norm. Registered in ``strategies.rules.RULES``; semantics as stat
 from __future__ import annotations
 
 from autopar.layouts import Partial, R, Shard
-from autopar.strategies.op_view import AxisOption, OpView, _op_name
+from autopar.node_view import OpView, op_name
+from autopar.strategies.op_view import AxisOption
 
 __all__ = ["convolution", "pooling", "batch_norm"]
 
@@ -46,7 +47,7 @@ def _conv_is_pointwise(op: OpView) -> bool:
 def pooling(op: OpView) -> list[AxisOption]:
     """Pooling over the trailing spatial dims: batch and channel shards pass through."""
     x = op.in_metas[0]
-    spatial = {"1d": 1, "2d": 2, "3d": 3}.get(_op_name(op.node)[-2:], 2)
+    spatial = {"1d": 1, "2d": 2, "3d": 3}.get(op_name(op.node)[-2:], 2)
     lead = len(x.shape) - spatial
     return [AxisOption((Shard(d),), (Shard(d),) * len(op.out_metas)) for d in range(lead) if x.shape[d] != 1]
 

@@ -22,13 +22,14 @@ import torch
 import torch.fx as fx
 
 from autopar.layouts import Partial, R, Shard
+from autopar.node_view import OpView, op_name
 from autopar.regions import REGION_EXPERTS_KEY
 from autopar.strategies.conv_rules import batch_norm, convolution, pooling
-from autopar.strategies.op_view import AxisOption, OpView, _op_name
+from autopar.strategies.op_view import AxisOption
 from autopar.strategies.reshape import reshape_dim_map
 from autopar.trace import TensorMeta
 
-# ``AxisOption``, ``OpView`` and ``_op_name`` are re-exported: callers import the vocabulary with the rules
+# ``AxisOption``, ``OpView`` and ``op_name`` are re-exported: callers import the vocabulary with the rules
 __all__ = ["AxisOption", "OpView", "RULES", "rule_for", "FACTORY_OPS"]
 
 aten = torch.ops.aten
@@ -68,7 +69,7 @@ def pointwise(op: OpView) -> list[AxisOption]:
 
 def _partial_passthrough(op: OpView) -> list[AxisOption]:
     """Linear elementwise ops keep a pending reduction pending (Partial in, Partial out)."""
-    name = _op_name(op.node)
+    name = op_name(op.node)
     n = len(op.inputs)
     opts = []
     for kind in ("sum",):  # Partial(avg) only arises at the loss; it is not carried further
@@ -257,7 +258,7 @@ def _reduction_options(op: OpView, partial_kind: str | None) -> list[AxisOption]
 
 
 def sum_mean(op: OpView) -> list[AxisOption]:
-    kind = "avg" if _op_name(op.node) == "mean" else "sum"
+    kind = "avg" if op_name(op.node) == "mean" else "sum"
     options = _reduction_options(op, kind)
     options.append(AxisOption((Partial("sum"),), (Partial("sum"),)))  # mean of a sum of parts
     return options
@@ -332,7 +333,7 @@ def reshape(op: OpView) -> list[AxisOption]:
 
 
 def permute_like(op: OpView) -> list[AxisOption]:
-    name = _op_name(op.node)
+    name = op_name(op.node)
     x = op.in_metas[0]
     nd = len(x.shape)
     if name == "t":
@@ -378,7 +379,7 @@ def _slicing_dim_rule(op: OpView, dim: int, removes_dim: bool) -> list[AxisOptio
 
 
 def slice_like(op: OpView) -> list[AxisOption]:
-    name = _op_name(op.node)
+    name = op_name(op.node)
     dim = op.arg("dim", 0)
     return _slicing_dim_rule(op, dim, removes_dim=name in ("select", "unbind"))
 
@@ -393,7 +394,7 @@ def cat_like(op: OpView) -> list[AxisOption]:
     """cat / stack: shard any dim other than the joined one on every operand; legacy empty
     operands (see ``_is_legacy_empty``) stay replicated (they hold nothing)."""
     metas = op.in_metas
-    name = _op_name(op.node)
+    name = op_name(op.node)
     full = [m for m in metas if m is not None and not (name != "stack" and _is_legacy_empty(m))]
     if not full:
         return []
@@ -589,7 +590,7 @@ def rule_for(node: fx.Node) -> Callable[[OpView], list[AxisOption]] | None:
     """The rule for ``node`` (None: no rule, the op runs replicated)."""
     if node.target is operator.getitem:
         return None
-    name = _op_name(node)
+    name = op_name(node)
     if name in FACTORY_OPS:
         return replicated_only
     if name in RULES:
