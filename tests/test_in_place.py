@@ -13,7 +13,10 @@ On 2 gloo processes, in one launch, for data parallelism, ZeRO-3 and tensor para
   with the same weights gives;
 * ``autopar.export_module(model)`` is a plain ``GPT`` whose logits equal the parallel model's
   (1e-5 relative);
-* refused, naming the fix: compiling a model twice; exporting a pipeline plan.
+* under pp=2 (tied embedding and head) each rank's module holds its stage's DTensors (the union is
+  the model, trained as one device trains it); ``export_module`` gives every rank the whole plain
+  model, tie kept; ``model(x)`` and ``model.generate`` run on every rank as one device does;
+* refused, naming the fix: compiling a model twice.
 """
 from __future__ import annotations
 
@@ -153,13 +156,57 @@ def in_place_worker() -> dict:
         pm.close()
         del pm, model, plain, run
         gc.collect()
-    model, batches, loss_fn = build_case("gpt")
-    pm = autopar.compile(model, autopar.Cluster.local(), (batches[0][0],), loss_fn=loss_fn, example_target=batches[0][1],
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), constraints=autopar.Constraints(pp=2))
-    out["pp_keys"] = sorted(model.state_dict()) == sorted(pm.state_dict())
-    out["pp_export"] = _error(lambda: autopar.export_module(model))
-    pm.close()
+    out["pp"] = _pipelined(build_case, relative_error, GPT)
     return out
+
+
+def _tie(model):
+    model.lm_head.weight = model.wte.weight  # a parameter in both pipeline stages
+    return model
+
+
+def _pipelined(build_case, relative_error, GPT) -> dict:
+    """pp=2 (tied embedding and head): 3 train_steps; this rank's ``model.state_dict()`` against the
+    one-device model trained alike; ``export_module`` (all stages, on every rank), ``model(x)`` and
+    ``model.generate`` against it."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    model, batches, loss_fn = build_case("gpt")
+    run = _train(_tie(model), batches, loss_fn, "train_step", {"pp": 2})
+    pm = next(run)
+    losses = next(run)
+    ref, _, _ = build_case("gpt")
+    ref_run = _train(_tie(ref), batches, loss_fn, "train_step", None)
+    next(ref_run)
+    want = next(ref_run)
+    r = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want)), "stages": len(pm.plan.stages)}
+    mine = {k: v.full_tensor() for k, v in model.state_dict().items()}  # this stage's
+    r["keys"] = sorted(mine)
+    r["dtensors"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+    r["all_keys"] = sorted(ref.state_dict())
+    r["param_err"] = max(relative_error(v, ref.state_dict()[k]) for k, v in mine.items())
+    plain = autopar.export_module(model)
+    r["export_class"] = type(plain).__name__
+    r["export_plain"] = not any(isinstance(t, DTensor) for t in plain.state_dict().values())
+    r["export_keys"] = list(plain.state_dict()) == list(ref.state_dict())
+    r["export_tied"] = plain.lm_head.weight is plain.wte.weight
+    r["export_err"] = max(relative_error(plain.state_dict()[k], v) for k, v in ref.state_dict().items())
+    r["keys_after"] = sorted(model.state_dict()) == r["keys"]  # export leaves the stage's tree as it was
+    model.eval()
+    plain.eval()
+    ref.eval()
+    x = batches[4][0]
+    with torch.no_grad():
+        logits = model(x)  # the compiled batch: a pipeline plan runs it eagerly, on every rank
+        r["logits_err"] = relative_error(logits, ref(x))
+        r["logits_type"] = type(logits).__name__
+    prompt = batches[3][0][:, :29]
+    got = model.generate(prompt, 4)
+    r["generate_equal"] = torch.equal(got, ref.generate(prompt, 4)) and torch.equal(got, plain.generate(prompt, 4))
+    r["keys_after_generate"] = sorted(model.state_dict()) == r["keys"]
+    pm.close()
+    return r
 
 
 def _error(fn) -> str:
@@ -204,5 +251,22 @@ def test_refusals_name_the_fix(results):
         for label, *_ in SCENARIOS:
             assert out[label]["twice"].startswith("AutoparError: this GPT was compiled already"), out[label]["twice"]
             assert "autopar.export_module(model)" in out[label]["twice"]
-        assert out["pp_keys"]
-        assert out["pp_export"].startswith("AutoparError: export_module: the plan pipelines the model over 2 stages"), out
+
+
+@pytest.mark.slow
+def test_pipelined_module_exports_evaluates_and_generates(results):
+    """Under pp=2 each rank's module holds its stage's trained DTensors (their union is the model);
+    export_module gives every rank the whole plain model, ties kept; model(x) and model.generate
+    run the model's own forward on every rank, equal to one device with the same weights."""
+    keys = [set(out["pp"]["keys"]) for out in results]
+    for rank, out in enumerate(results):
+        r = out["pp"]
+        assert r["stages"] == 2 and r["dtensors"] and r["loss_err"] <= TOL and r["param_err"] <= TOL, (rank, r)
+        assert set(r["keys"]) < set(r["all_keys"]), (rank, r["keys"])  # a stage's part only
+        assert r["keys_after"] and r["keys_after_generate"], (rank, r)
+        assert r["export_class"] == "GPT" and r["export_plain"] and r["export_keys"] and r["export_tied"], (rank, r)
+        assert r["export_err"] <= TOL, (rank, r["export_err"])
+        assert r["logits_type"] == "Tensor" and r["logits_err"] <= TOL, (rank, r["logits_err"])
+        assert r["generate_equal"], (rank, r)
+    assert set().union(*keys) == set(results[0]["pp"]["all_keys"])
+    assert "lm_head.weight" in keys[0] & keys[1] or "wte.weight" in keys[0] & keys[1], keys  # the tie: both stages

@@ -4,7 +4,8 @@ A tiny Hugging Face Llama saved by ``save_pretrained`` (sharded, with an index) 
 ``autopar.load_weights`` under dp=2 x tp=2 and pp=2 x dp=2 on 4 gloo processes: each rank reads
 at most its slices' bytes plus 10%, the first step's loss is the one-device ``from_pretrained``
 model's, and after 3 steps ``autopar.save_weights`` writes a folder whose ``from_pretrained`` model
-gives the parallel model's logits (and weights). A small MLP with buffers on 2 processes loads a
+gives the parallel model's logits (and weights); ``model.state_dict()`` after training (under pp:
+each stage's, their union) equals the export and ``model.generate`` runs. A small MLP with buffers on 2 processes loads a
 torch state dict (in memory, a file, bf16), a DCP folder and refuses what does not fit.
 """
 from __future__ import annotations
@@ -93,10 +94,11 @@ def _hf_reader_bytes(pm, folder: str) -> int:
 
 
 def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: list[dict]) -> list[dict]:
-    """Each layout: load ``pretrained`` into a differently initialised Llama, first-step loss
-    against the one-device ``from_pretrained`` model, 3 SGD steps, export; the exported folder's
-    model (rank 0) against the parallel model's logits where ``pm(x)`` runs (no pipeline) and
-    against a one-device model trained alike. Then tied weights in and out, and an untied model
+    """Each layout: load ``pretrained`` into the user's differently initialised Llama (sharded in
+    place), first-step loss against the one-device ``from_pretrained`` model, 3 SGD steps, export;
+    on every rank the exported folder's model against the parallel model's logits (``pm(x)``; under
+    pp ``model(x)``, see below), against a one-device model trained alike, against
+    ``model.state_dict()`` and ``model.generate``. Then tied weights in and out, and an untied model
     refusing the tied checkpoint (no ``lm_head.weight``)."""
     import torch.distributed as dist
     import transformers
@@ -110,7 +112,7 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
         pm = autopar.compile(model, autopar.Cluster.local(4), (x,), example_target=t, loss_fn=_lm_loss,
                              optimizer=_sgd, constraints=autopar.Constraints(**cons))
         # the user's module, sharded in place, is what the weights go into (``runtime.in_place``)
-        report = autopar.load_weights(model if not cons.get("pp") else pm, pretrained)
+        report = autopar.load_weights(model, pretrained)
         hf_reader_bytes = None if cons.get("pp") else _hf_reader_bytes(pm, pretrained)
         ref = transformers.LlamaForCausalLM.from_pretrained(pretrained)
         ref_opt = _sgd(ref.parameters())
@@ -125,28 +127,31 @@ def hf_worker(pretrained: str, tied_pretrained: str, out_root: str, layouts: lis
         folder = os.path.join(out_root, f"layout{i}")
         autopar.save_weights(pm, folder, max_shard_size="100KB" if cons.get("pp") else "5GB")  # pp: sharded
         full = pm.full_state_dict()
-        pm_logits = generated = module_state = None
-        if not cons.get("pp"):
-            with torch.no_grad():
-                pm_logits = pm(x).logits.detach().clone()
-                # the model's own methods after training: generate() runs its forward on new shapes
-                generated = model.generate(x[:1, :4], max_new_tokens=3, do_sample=False)
-            module_state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            # the parallel model's logits: the compiled forward (pm(x)); a pipeline plan's program is its
+            # training step, so model(x) runs the model's own forward, each module's weights fetched
+            # whole from the stage holding them (``in_place._eager``), on every rank
+            pm_logits = (model(x) if cons.get("pp") else pm(x)).logits.detach().clone()
+            # the model's own methods after training: generate() runs its forward on new shapes
+            generated = model.generate(x[:1, :4], max_new_tokens=3, do_sample=False)
+        # this rank's state_dict (under pp: its stage's DTensors); the union over ranks is the model
+        module_state = {k: v.full_tensor() for k, v in model.state_dict().items()}
         r = {"constraints": cons, "mesh": pm.plan.mesh, "loss_errs": losses, "bytes_read": report.bytes_read,
              "slice_bytes": report.slice_bytes, "local_bytes": _unique_local_bytes(pm), "loaded": len(report.loaded),
              "hf_reader_bytes": hf_reader_bytes}
         dist.barrier()
+        exported = transformers.LlamaForCausalLM.from_pretrained(folder)  # on every rank
+        with torch.no_grad():
+            logits = exported(x).logits
+            r["ref_logits_err"] = _rel(logits, ref(x).logits)
+            r["pm_logits_err"] = _rel(logits, pm_logits)
+        r["state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in full.items())
+        # model.state_dict() after training is what was exported
+        r["module_keys"] = sorted(module_state)
+        r["exported_keys"] = sorted(exported.state_dict())
+        r["module_state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in module_state.items())
+        r["generate_same"] = torch.equal(generated, exported.generate(x[:1, :4], max_new_tokens=3, do_sample=False))
         if rank == 0:
-            exported = transformers.LlamaForCausalLM.from_pretrained(folder)
-            with torch.no_grad():
-                logits = exported(x).logits
-                r["ref_logits_err"] = _rel(logits, ref(x).logits)
-                r["pm_logits_err"] = _rel(logits, pm_logits) if pm_logits is not None else None
-            r["state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in full.items())
-            if module_state is not None:  # model.state_dict() after training is what was exported
-                r["module_state_errs"] = max(_rel(exported.state_dict()[k], v) for k, v in module_state.items())
-                r["generate_same"] = torch.equal(
-                    generated, exported.generate(x[:1, :4], max_new_tokens=3, do_sample=False))
             r["files"] = sorted(os.listdir(folder))
         results.append(r)
         pm.close()
@@ -209,12 +214,17 @@ def test_hf_llama_loads_trains_and_exports(hf_results, index):
         assert r["hf_reader_bytes"] in (None, r["bytes_read"]), (label, rank, r["hf_reader_bytes"], r["bytes_read"])
     full = 4 * sum(p.numel() for p in _llama().parameters())
     assert min(r["slice_bytes"] for r in per_rank) < full, f"{label}: no rank reads less than the whole model"
-    assert r0["ref_logits_err"] <= TOL and r0["state_errs"] <= TOL, (label, r0["ref_logits_err"], r0["state_errs"])
-    if r0["pm_logits_err"] is not None:
-        assert r0["pm_logits_err"] <= TOL, (label, r0["pm_logits_err"])
+    for rank, r in enumerate(per_rank):
+        assert r["ref_logits_err"] <= TOL and r["state_errs"] <= TOL, (label, rank, r["ref_logits_err"], r["state_errs"])
+        # from_pretrained on the exported folder gives the parallel model's logits (on every rank)
+        assert r["pm_logits_err"] <= TOL, (label, rank, r["pm_logits_err"])
         # the user's module holds the trained shards and its generate() runs after training
-        assert r0["module_state_errs"] <= TOL, (label, r0["module_state_errs"])
-        assert r0["generate_same"], f"{label}: model.generate differs from the exported model's"
+        assert r["module_state_errs"] <= TOL, (label, rank, r["module_state_errs"])
+        assert r["generate_same"], f"{label}: rank {rank}'s model.generate differs from the exported model's"
+    # model.state_dict(): the whole model on each rank (dp x tp), this stage's part under pp (the union is whole)
+    keys = [set(r["module_keys"]) for r in per_rank]
+    assert set().union(*keys) == set(r0["exported_keys"]), (label, set(r0["exported_keys"]) - set().union(*keys))
+    assert all(k == set(r0["exported_keys"]) for k in keys) == (not r0["constraints"].get("pp")), (label, keys)
     sharded = bool(r0["constraints"].get("pp"))
     assert "config.json" in r0["files"] and ("model.safetensors.index.json" in r0["files"]) == sharded, r0["files"]
 

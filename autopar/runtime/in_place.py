@@ -7,8 +7,12 @@ Invariants:
   plan's DTensors (``runtime.dtensor_params``; placeholders are swapped in place, so an optimizer
   built over ``model.parameters()`` before the first call holds the planned parameters). So
   ``model.state_dict()`` is ``pm.state_dict()`` (DCP-ready DTensors) and an optimizer over
-  ``model.parameters()`` trains what the plan trains. A pipeline stage holds only its own
-  parameters (as ``pm`` does); experts the plan stacks appear in ``pm.state_dict()`` only;
+  ``model.parameters()`` trains what the plan trains. Under a pipeline plan a rank's module holds
+  only its stage's parameters and buffers (as ``pm`` does, torchtitan's and
+  ``torch.distributed.pipelining``'s convention): ``model.state_dict()`` is this stage's DTensors,
+  the union over the stages is the whole model (a tied parameter in each stage using it), and
+  ``load_weights(model, ...)`` fills each stage's; the names the module had are kept (``_Tree``),
+  for ``_eager`` and ``export_module``. Experts the plan stacks appear in ``pm.state_dict()`` only;
 * the original full tensors live only in the compile builder's ``source`` (a shallow copy of the
   module tree, what ``ParamStore`` takes its shards from), released once the plan is attached:
   afterwards no full copy of a sharded parameter is left in the process;
@@ -17,20 +21,22 @@ Invariants:
   does not (tracing: ``functional_call`` with fake tensors, or the builder's plain stand-ins,
   ``plain_state``), so nothing recurses;
 * under ``torch.no_grad()``, a batch of shapes no program was compiled for runs the original
-  ``forward`` eagerly, each module's parameters gathered whole while it runs (``_eager``), and
-  returns plain full tensors:
-  a ``generate()`` helper calling ``self(idx)`` with growing ``idx`` works. Whether the batch has
-  the compiled shapes is agreed over the ranks (``agreement.every_rank``) unless
-  ``check_inputs="never"``.
+  ``forward`` eagerly, each module's parameters gathered whole while it runs (``_eager``; under a
+  pipeline plan fetched from the stage holding them), and returns plain full tensors on every
+  rank: a ``generate()`` helper calling ``self(idx)`` with growing ``idx`` works. Whether the
+  batch has the compiled shapes is agreed over the ranks (``agreement.every_rank``) unless
+  ``check_inputs="never"``. A pipeline plan's program is its training step (the last stage
+  returns the loss, no logits): under ``no_grad`` every batch runs eagerly, so ``model(x)`` gives
+  the trained model's outputs on every rank.
 
-``export_module`` is the way back to one device.
+``export_module`` is the way back to one device (every stage's weights, on every rank).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
-import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,6 +47,38 @@ from autopar.errors import AutoparError
 __all__ = ["shard_in_place", "plain_state", "export_module", "parallel_model_of", "is_sharded_in_place"]
 
 _PM = "_autopar_parallel_model"  # the model's __dict__ entry holding its ParallelModel (not a submodule)
+_TREE = "_autopar_tree"  # the model's __dict__ entry holding its ``_Tree`` (the names it had before compile)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """One entry of a module's ``_parameters`` or ``_buffers`` as the model had it before compile."""
+
+    leaf: str
+    is_param: bool
+    name: str | None  # the tensor's name (a tie's first name, ``dtensor_params.tied_keys``); None: registered as None
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """Per module path (``named_modules(remove_duplicate=False)`` order), its entries in order: what
+    ``adopt`` may delete on a pipeline rank (another stage's, a stacked expert's), restored by name
+    while a module runs eagerly (``_eager``) and in ``export_module``."""
+
+    leaves: dict[str, tuple[_Leaf, ...]]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "_Tree":
+        from autopar.runtime.dtensor_params import tied_keys
+
+        canon = tied_keys(model)
+        out = {}
+        for path, mod in model.named_modules(remove_duplicate=False):
+            pre = f"{path}." if path else ""
+            out[path] = tuple(_Leaf(leaf, is_param, canon.get(pre + leaf, pre + leaf) if t is not None else None)
+                              for is_param, own in ((True, mod._parameters), (False, mod._buffers))
+                              for leaf, t in own.items())
+        return cls(out)
 
 
 def is_sharded_in_place(model: torch.nn.Module) -> bool:
@@ -75,7 +113,8 @@ def _shadow(model: torch.nn.Module) -> torch.nn.Module:
 
 def adopt(model: torch.nn.Module, pm: torch.nn.Module) -> None:
     """Make ``model``'s tree hold ``pm``'s parameter and buffer objects under the same names;
-    an entry ``pm`` does not hold (another pipeline stage's, a stacked expert's) leaves ``model``."""
+    an entry ``pm`` does not hold (another pipeline stage's, a stacked expert's) leaves ``model``
+    (``_Tree`` remembers it)."""
     for path, mod in model.named_modules(remove_duplicate=False):
         holder = pm.get_submodule(path) if path else pm
         for own, theirs in ((mod._parameters, holder._parameters), (mod._buffers, holder._buffers)):
@@ -87,11 +126,12 @@ def adopt(model: torch.nn.Module, pm: torch.nn.Module) -> None:
 
 
 def shard_in_place(model: torch.nn.Module, pm: torch.nn.Module, builder) -> None:
-    """At compile: ``builder.source`` takes the original tensors, ``model`` takes ``pm``'s
-    placeholders and becomes ``Autopar<Class>`` (see the module docstring)."""
+    """At compile: ``builder.source`` takes the original tensors, ``model`` records its names
+    (``_Tree``), takes ``pm``'s placeholders and becomes ``Autopar<Class>`` (see the module docstring)."""
     from autopar.runtime.copyable_state import copyable_state_dict_hook
 
     builder.source = _shadow(model)
+    model.__dict__[_TREE] = _Tree.of(model)
     adopt(model, pm)
     model.__class__ = _in_place_class(type(model))
     model.__dict__[_PM] = pm
@@ -166,7 +206,9 @@ def _holds_dtensors(model: torch.nn.Module) -> bool:
 def _run(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     """``model(*args, **kwargs)`` of a model sharded in place: the compiled program where the batch
     has the compiled shapes (or grad is enabled, where pm refuses other shapes with its error), else
-    the original forward eagerly on the DTensors (``_eager``). Every rank calls it together."""
+    the original forward eagerly on the DTensors (``_eager``). A pipeline plan's program is its
+    training step only (it returns the loss, on the last stage): under ``no_grad`` every batch runs
+    eagerly. Every rank calls it together."""
     from autopar.runtime.agreement import every_rank
     from autopar.runtime.input_checks import mismatch
 
@@ -174,6 +216,8 @@ def _run(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
         pm.train(model.training)
     if pm.plan is None or pm._local or torch.is_grad_enabled():
         return pm(*args, **kwargs)
+    if pm._pipeline is not None:  # the plan's, so the same branch on every rank
+        return _eager(model, pm, original, args, kwargs)
     try:
         inputs = pm._builder.bind(args, kwargs)
     except AutoparError:  # keywords the compiled program cannot take (a generation cache): the model's own code
@@ -187,37 +231,88 @@ def _run(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     return _eager(model, pm, original, args, kwargs)
 
 
+class _Whole:
+    """Any parameter or buffer of the model, whole, by name (a tie's first name), on every rank:
+    ``DTensor.full_tensor()`` where every rank holds it; under a pipeline plan gathered by the
+    stage holding it and broadcast from there (``weight_export.fetch_whole``); a stacked expert's
+    row of its stacked tensor. Every rank fetches the same names in the same order."""
+
+    def __init__(self, pm):
+        self.pm = pm
+        canon = pm._param_of_key
+        self.held = {canon.get(n, n): t for n, t in [*pm.named_parameters(remove_duplicate=False),
+                                                     *pm.named_buffers(remove_duplicate=False)]}
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.owners = None
+        if pm._pipeline is not None:
+            from autopar.runtime.weight_export import owners
+
+            self.owners = owners(pm, self.held)  # one all-gather of what each rank holds
+        self.row_of = {m: (fqn, i) for fqn, members in pm._traced.stacked.items() for i, m in enumerate(members)}
+
+    def fetch(self, name: str) -> tuple[torch.Tensor | None, bool]:
+        """(the full tensor, whether it trains); it may share storage with this rank's shard. None
+        for a name no rank holds (the plan dropped it: the model had it, its traced program did not)."""
+        if name in self.row_of:
+            fqn, i = self.row_of[name]
+            full, grad = self.fetch(fqn)
+            return (full[i].clone() if full is not None else None), grad
+        t = self.held.get(name)
+        if self.owners is None:
+            if t is None:
+                return None, False
+            return (t.full_tensor() if isinstance(t, DTensor) else t.detach()), t.requires_grad
+        from autopar.runtime.weight_export import fetch_whole
+
+        owner = self.owners.get(name)
+        if owner is None:
+            return None, False
+        return fetch_whole(t, owner, self.rank, self.pm._device), owner.requires_grad
+
+    def shares_storage(self, full: torch.Tensor, name: str) -> bool:
+        """Whether ``full`` is this rank's own shard's storage (a replicated DTensor's local tensor)."""
+        t = self.held.get(name)
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        return local is not None and full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+
+
 def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
-    """The original forward, eagerly, under ``no_grad``: each module's own DTensors are gathered
-    whole as it is called and put back when it returns (as FSDP unshards one module at a time: at
-    most one module's parameters whole beyond the shards), so every op runs on plain tensors; a
-    DTensor used outside its module meets plain tensors as replicated (``implicit_replication``).
-    DTensor outputs come back as plain full tensors. Gathers are collectives: every rank calls.
-    A buffer the forward writes (BatchNorm's statistics in train mode) is written to the gathered
-    copy only: evaluate in ``eval()`` mode."""
+    """The original forward, eagerly, under ``no_grad``: each module's own parameters and buffers
+    are gathered whole as it is called and put back when it returns (as FSDP unshards one module at
+    a time: at most one module's parameters whole beyond the shards), so every op runs on plain
+    tensors; a DTensor used outside its module meets plain tensors as replicated
+    (``implicit_replication``). Under a pipeline plan a module's entries another stage holds (which
+    this rank's tree lacks, ``adopt``) are fetched from that stage the same way (by the names
+    ``_Tree`` kept) and removed again on return, so every rank runs the whole forward. DTensor
+    outputs come back as plain full tensors. Gathers are collectives: every rank calls, and runs
+    the same modules in the same order. A buffer the forward writes (BatchNorm's statistics in
+    train mode) is written to the gathered copy only: evaluate in ``eval()`` mode."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     from autopar.runtime.collective_errors import collective_failures
 
-    if pm._pipeline is not None:
-        raise AutoparError(
-            f"the plan pipelines the model over {len(pm.plan.stages)} stages, so this rank holds only its stage's "
-            "parameters and cannot run the whole forward for a batch of other shapes than compiled: export the model "
-            "(autopar.export_module(model)) and run it on one device, or plan without pp")
-    gathered: dict[int, list] = {}  # module id -> a stack of (dict, name, DTensor) it put back on return
+    tree: _Tree = model.__dict__[_TREE]
+    entries = {}  # module id -> its leaves (a module shared under several paths: its first)
+    for path, mod in model.named_modules(remove_duplicate=False):
+        entries.setdefault(id(mod), tree.leaves.get(path, ()))
+    gathered: dict[int, list] = {}  # module id -> a stack of (dict, name, what it held: a DTensor or None)
+    whole_of = _Whole(pm)  # on every rank before any fetch (a pipeline plan's: an all-gather)
 
     def whole(mod, *_):
         put = []
-        for own in (mod._parameters, mod._buffers):
-            for leaf, t in list(own.items()):
-                if isinstance(t, DTensor):
-                    put.append((own, leaf, t))
-                    own[leaf] = t.full_tensor()
+        for e in entries.get(id(mod), ()):
+            own = mod._parameters if e.is_param else mod._buffers
+            t = own.get(e.leaf)
+            if e.name is None or not (isinstance(t, DTensor) or e.leaf not in own):
+                continue  # registered as None, or plain already
+            full = whole_of.fetch(e.name)[0]
+            if full is not None:
+                put.append((own, e.leaf, t))
+                own[e.leaf] = full
         gathered.setdefault(id(mod), []).append(put)
 
     def back(mod, *_):
-        for own, leaf, t in gathered[id(mod)].pop():
-            own[leaf] = t
+        _put_back(gathered[id(mod)].pop())
 
     handles = []
     mixed = pm._policy.mixed
@@ -235,8 +330,15 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
             h.remove()
         for stack in gathered.values():  # what a failure left whole
             while stack:
-                for own, leaf, t in stack.pop():
-                    own[leaf] = t
+                _put_back(stack.pop())
+
+
+def _put_back(put: list) -> None:
+    for own, leaf, t in put:
+        if t is None:  # another stage's: this rank's tree does not hold it
+            del own[leaf]
+        else:
+            own[leaf] = t
 
 
 # ---------------------------------------------------------------------------- back to one device
@@ -247,8 +349,10 @@ def export_module(model) -> torch.nn.Module:
 
     Every rank must call it (each parameter is gathered with a collective, one parameter at a time,
     in the same order everywhere), and every rank gets the module (on the device the shards live
-    on). Ties (a shared embedding and head) stay tied. Pipeline plans are refused: a rank holds one
-    stage's parameters only.
+    on), with every parameter and buffer the model had before compile, in their order. Ties (a
+    shared embedding and head) stay tied; experts the plan stacked are unstacked. Pipeline plans:
+    each tensor is gathered by the stage holding it and broadcast to every rank
+    (``weight_export.fetch_whole``), so every rank gets all stages.
 
     >>> # pm = autopar.compile(model, cluster); ... train ...
     >>> # plain = autopar.export_module(model)   # on every rank
@@ -261,29 +365,33 @@ def export_module(model) -> torch.nn.Module:
         model = model._builder.model
     pm = parallel_model_of(model)
     pm._require_plan("export_module")
-    if pm._pipeline is not None:
-        raise AutoparError(
-            f"export_module: the plan pipelines the model over {len(pm.plan.stages)} stages and each rank holds only its "
-            "stage's parameters; save a checkpoint (pm.save) and load its full state dict on one device, or plan without pp")
-    memo: dict[int, object] = {id(pm): None}
+    tree: _Tree = model.__dict__[_TREE]
+    fulls: dict[str, torch.Tensor] = {}  # name -> its plain tensor in the copy (a Parameter for parameters)
     with collective_failures("export_module"), torch.no_grad():
         pm._sync_zero_params()  # ZeRO-1/2: the whole parameters the user's optimizer updated
-        for _, mod in model.named_modules(remove_duplicate=False):
-            for is_param, own in ((True, mod._parameters), (False, mod._buffers)):
-                for t in own.values():
-                    if t is None or id(t) in memo:
-                        continue
-                    full = t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-                    memo[id(t)] = torch.nn.Parameter(full, requires_grad=t.requires_grad) if is_param else full
-        stacked = {fqn: (pm._state.params[fqn].full_tensor(), pm._state.params[fqn].requires_grad)
-                   for fqn in pm._traced.stacked if pm._state.holds(fqn)}
+        whole = _Whole(pm)
+        for leaves in tree.leaves.values():
+            for e in leaves:
+                if e.name is None or e.name in fulls:
+                    continue
+                full, grad = whole.fetch(e.name)
+                if full is None:
+                    continue
+                if whole.shares_storage(full, e.name):
+                    full = full.clone()  # a replicated shard's own storage: the copy must not alias it
+                fulls[e.name] = torch.nn.Parameter(full, requires_grad=grad) if e.is_param else full
+    memo: dict[int, object] = {id(pm): None, id(tree): None}
+    for path, mod in model.named_modules(remove_duplicate=False):  # what the tree holds now: not deep-copied
+        for e in tree.leaves.get(path, ()):
+            t = (mod._parameters if e.is_param else mod._buffers).get(e.leaf)
+            if t is not None:
+                memo[id(t)] = fulls[e.name]
     out = copy.deepcopy(model, memo)
     out.__class__ = type(model)._autopar_original_class
-    del out.__dict__[_PM]
-    for fqn, members in pm._traced.stacked.items():  # experts the plan stacked: each member its row
-        for i, member in enumerate(members):
-            path, _, leaf = member.rpartition(".")
-            owner = out.get_submodule(path) if path else out
-            full, grad = stacked[fqn]
-            owner._parameters[leaf] = torch.nn.Parameter(full[i].clone(), requires_grad=grad)
+    del out.__dict__[_PM], out.__dict__[_TREE]
+    for path, mod in out.named_modules(remove_duplicate=False):  # each module's entries, in the order it had them
+        leaves = tree.leaves.get(path, ())
+        kept = [e for e in leaves if e.name is None or e.name in fulls]
+        mod._parameters = {e.leaf: fulls.get(e.name) for e in kept if e.is_param}
+        mod._buffers = {e.leaf: fulls.get(e.name) for e in kept if not e.is_param}
     return out

@@ -229,7 +229,9 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if prog is None and self._pipeline is not None:
             raise AutoparError(
                 f"the plan pipelines the model over {len(self.plan.stages)} stages; only train_step runs it for now "
-                "(no evaluation or forward-only program yet): evaluate with a plan without pp")
+                "(no evaluation or forward-only program yet): evaluate with a plan without pp, or call the module "
+                "autopar.compile sharded in place under torch.no_grad() (model(x) runs its own forward on every rank, "
+                "each module's weights fetched from its stage)")
         if prog is None:
             # traced at the planned batch's shapes (the call's batch is then checked against them)
             inputs, target = _stand_ins(self._primary.example, inputs, target)

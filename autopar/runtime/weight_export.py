@@ -1,12 +1,19 @@
-"""The full weights of a ParallelModel, one tensor at a time, for ``weights.save_weights``.
+"""The full tensors of a ParallelModel, one at a time, wherever their shards live: for
+``weights.save_weights`` (to rank 0) and for ``in_place`` (``export_module`` and the eager
+``model(x)``: to every rank).
 
-``export_plan(pm)``: the same ordered list of tensors on every rank (the model's ``state_dict``
-order, one key per tied group: the first, as ``save_pretrained`` keeps it), each with the ranks
-that take part in gathering it: those of the lowest pipeline stage holding it (every rank without
-pipelining). ``gather_one``: on those ranks ``DTensor.full_tensor()`` (a collective over the
-stage's mesh; each rank holds the full tensor until the caller drops it); the first of them sends
-it to rank 0 where that is another rank (pipeline stages but the first). Every rank walks the same
-list, so the collectives and sends match: no rank holds more than its shards plus one full tensor.
+``owners(pm, held)``: per tensor name, its global shape, dtype and the ranks holding it: those of
+the lowest pipeline stage holding it (every rank without pipelining); the same on every rank (one
+small all-gather of what each rank holds). ``fetch_whole``: on those ranks
+``DTensor.full_tensor()`` (a collective over the stage's mesh); the first of them sends it to rank
+0 (``to=0``) or broadcasts it to every rank (``to=None``) where the others do not hold it (pipeline
+stages): a receiver allocates it from the shape and dtype ``owners`` gave. Every rank calls it for
+the same tensors in the same order, so the collectives and sends match: no rank holds more than its
+shards plus the full tensors its caller keeps.
+
+``export_plan(pm)``: the ordered list ``save_weights`` writes (the model's ``state_dict`` order, one
+key per tied group: the first, as ``save_pretrained`` keeps it), each with its owner; ``gather_one``
+fetches one item to rank 0.
 """
 from __future__ import annotations
 
@@ -18,15 +25,76 @@ import torch.distributed as dist
 from autopar.runtime.agreement import gathered
 from autopar.runtime.weight_files import Entry
 
-__all__ = ["ExportItem", "ExportPlan", "export_plan", "gather_one"]
+__all__ = ["Owner", "owners", "fetch_whole", "ExportItem", "ExportPlan", "export_plan", "gather_one"]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Where one tensor lives: its global shape, dtype and ``requires_grad``, and the ranks holding
+    it (one pipeline stage's, in rank order: ``ranks[0]`` sends it to the others)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    ranks: tuple[int, ...]
+
+
+def owners(pm, held: dict[str, torch.Tensor]) -> dict[str, Owner]:
+    """name -> ``Owner`` for every name some rank holds (``held``: this rank's tensors by name),
+    in one order on every rank. A collective: every rank calls it."""
+    stage = pm._stage if pm._stage is not None else 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = {k: (tuple(t.shape), t.dtype, bool(t.requires_grad)) for k, t in held.items()}
+    every = gathered((rank, stage, mine))
+    out = {}
+    for key in dict.fromkeys(k for _, _, meta in every for k in meta):
+        holders = [(s, r, meta[key]) for r, s, meta in every if key in meta]
+        first = min(s for s, _, _ in holders)
+        shape, dtype, grad = holders[0][2]
+        out[key] = Owner(shape, dtype, grad, tuple(sorted(r for s, r, _ in holders if s == first)))
+    return out
+
+
+@torch.no_grad()
+def fetch_whole(t: torch.Tensor | None, owner: Owner, rank: int, device, to: int | None = None) -> torch.Tensor | None:
+    """The full tensor ``t`` (this rank's DTensor or plain tensor; None where this rank does not
+    hold it) on rank ``to``, or on every rank where ``to`` is None; None on the other ranks. Every
+    rank calls it (see the module docstring). The result may share storage with ``t`` (a replicated
+    DTensor's local tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    full = None
+    if rank in owner.ranks:
+        assert t is not None, f"internal: rank {rank} owns a tensor it does not hold"
+        full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    sender = owner.ranks[0]
+    if to is None:
+        if len(owner.ranks) < (dist.get_world_size() if dist.is_initialized() else 1):
+            if full is None:
+                full = torch.empty(owner.shape, dtype=owner.dtype, device=device)
+            full = full.contiguous()
+            # gloo broadcasts no bool: its bytes as uint8
+            dist.broadcast(full.view(torch.uint8) if full.dtype is torch.bool else full, src=sender)
+        return full
+    if to in owner.ranks:
+        return full if rank == to else None
+    if rank == sender:
+        dist.send(full.contiguous(), dst=to)
+    elif rank == to:
+        full = torch.empty(owner.shape, dtype=owner.dtype, device=device)
+        dist.recv(full, src=sender)
+    return full if rank == to else None
 
 
 @dataclass(frozen=True)
 class ExportItem:
     key: str
     entry: Entry  # the shape and the dtype written
-    held_dtype: torch.dtype  # the dtype the model holds (what is gathered and sent)
-    ranks: tuple[int, ...]  # the ranks gathering it (one stage's); ranks[0] sends it to rank 0
+    owner: Owner  # where it lives, at the dtype the model holds (what is gathered and sent)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:  # the ranks gathering it (one stage's); ranks[0] sends it to rank 0
+        return self.owner.ranks
 
 
 @dataclass(frozen=True)
@@ -50,40 +118,21 @@ def export_plan(pm, dtype: torch.dtype | None = None) -> ExportPlan:
     name_of = {}  # tensor name -> the key written: the first state_dict key holding it
     for key in pm._model_keys:
         name_of.setdefault(canon.get(key, key), key)
-    mine = {first_of[id(t)]: (tuple(t.shape), t.dtype) for key, t in held.items() if first_of.get(id(t)) == key}
-    stage = pm._stage if pm._stage is not None else 0
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    every = gathered((rank, stage, mine))
+    where = owners(pm, {key: t for key, t in held.items() if first_of.get(id(t)) == key})
     items = []
     for key in pm._model_keys:
         if name_of[canon.get(key, key)] != key:
             continue
-        holders = [(s, r, meta[key]) for r, s, meta in every if key in meta]
-        assert holders, f"internal: no rank holds {key}"
-        owner = min(s for s, _, _ in holders)
-        ranks = tuple(sorted(r for s, r, _ in holders if s == owner))
-        shape, held_dtype = holders[0][2]
-        written = dtype if dtype is not None and held_dtype.is_floating_point else held_dtype
-        items.append(ExportItem(key, Entry(shape, written), held_dtype, ranks))
+        assert key in where, f"internal: no rank holds {key}"
+        o = where[key]
+        written = dtype if dtype is not None and o.dtype.is_floating_point else o.dtype
+        items.append(ExportItem(key, Entry(o.shape, written), o))
     aliases = {k: name_of[canon.get(k, k)] for k in pm._model_keys if name_of[canon.get(k, k)] != k}
     return ExportPlan(items, aliases, list(pm._model_keys))
 
 
-@torch.no_grad()
 def gather_one(held: dict[str, torch.Tensor], item: ExportItem, rank: int, device) -> torch.Tensor | None:
     """``item``'s full tensor on rank 0 (on CPU), None elsewhere; every rank calls it in plan order.
     ``held``: this rank's ``pm.state_dict(keep_vars=True)``."""
-    from torch.distributed.tensor import DTensor
-
-    full = None
-    if rank in item.ranks:
-        t = held[item.key]
-        full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
-        sender = item.ranks[0]
-        if rank == sender and sender != 0:
-            dist.send(full.contiguous(), dst=0)
-            return None
-    elif rank == 0:
-        full = torch.empty(item.entry.shape, dtype=item.held_dtype, device=device)
-        dist.recv(full, src=item.ranks[0])
-    return full.cpu() if rank == 0 else None
+    full = fetch_whole(held.get(item.key), item.owner, rank, device, to=0)
+    return full.cpu() if full is not None else None
