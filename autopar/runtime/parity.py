@@ -329,18 +329,12 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
     shard through a ``DistributedSampler(num_replicas=pm.data_parallel_size,
     rank=pm.data_parallel_rank)``; the reference reads the same samples as global batches.
     ``accumulate=k``: each step accumulates the gradients of k batches (each loss divided by k,
-    ``backward`` k times) before ``clip_grad_norm_`` and the optimizer step, on both sides.
-
-    The reference trains on rank 0 only (as in ``parity_worker``): only rank 0's result holds the
-    comparisons (the ``*_err`` entries and ``dcp_keys_match``: None on the other ranks, which run
-    every collective of the compiled model all the same)."""
+    ``backward`` k times) before ``clip_grad_norm_`` and the optimizer step, on both sides."""
     import autopar
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model, batches, loss_fn = build_case(case)
-    compare = not dist.is_initialized() or dist.get_rank() == 0
-    ref = copy.deepcopy(model) if compare else None
+    ref = copy.deepcopy(model)
     cons = autopar.Constraints(**constraints) if constraints else None
     if batch == "local":
         x0 = batches[0][0]
@@ -350,7 +344,7 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
     else:
         pm = autopar.compile(model, autopar.Cluster.local(), constraints=cons)
     runs = []
-    for m in (pm, ref) if compare else (pm,):
+    for m in (pm, ref):
         opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
         runs.append((m, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)))
     loss_err = norm_err = 0.0
@@ -370,43 +364,36 @@ def native_loop_worker(case: str, constraints: dict | None, steps: int = 4, lr: 
             sched.step()
             opt.zero_grad()
             got.append((value, float(norm)))
-        l1, n1 = got[0]
-        if batch == "local":  # this rank's loss is over its shard: the global batch's is their mean (a collective)
+        (l1, n1), (l0, n0) = got
+        if batch == "local":  # this rank's loss is over its shard: the global batch's is their mean
             l1 = _mean_over_ranks(l1)
-        if compare:
-            l0, n0 = got[1]
-            loss_err = max(loss_err, abs(l1 - l0) / max(abs(l0), 1e-12))
-            norm_err = max(norm_err, abs(n1 - n0) / max(abs(n0), 1e-12))
+        loss_err = max(loss_err, abs(l1 - l0) / max(abs(l0), 1e-12))
+        norm_err = max(norm_err, abs(n1 - n0) / max(abs(n0), 1e-12))
+    ref_sd = ref.state_dict()
     full = pm.full_state_dict()
+    errs = {k: relative_error(full[k], v) for k, v in ref_sd.items()}
     dcp = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True))
     # pm.eval() and torch.no_grad() as on a module: the evaluation graph (BatchNorm's running
     # statistics, no dropout), planned at its first use over the same shards
     pm.eval()
+    ref.eval()
     x, _ = batches[0]
     xm = local_batches[0][0] if batch == "local" else x
     with torch.no_grad():
-        got_out = pm(*(xm if isinstance(xm, tuple) else (xm,)))
+        got_out, want_out = pm(*(xm if isinstance(xm, tuple) else (xm,))), ref(*(x if isinstance(x, tuple) else (x,)))
     got_out = got_out.logits if hasattr(got_out, "logits") else got_out
-    pm.train()
-    out = {"case": case, "constraints": constraints, "batch": batch, "mesh": pm.plan.mesh,
-           "dtensor_params": all(type(p).__name__ == "DTensor" for p in pm.parameters()),
-           "eval_no_grad": not got_out.requires_grad, "loss_err": None, "norm_err": None, "param_err": None,
-           "worst": None, "dcp_keys_match": None, "dcp_err": None, "eval_err": None}
-    if not compare:
-        return out
-    ref_sd = ref.state_dict()
-    errs = {k: relative_error(full[k], v) for k, v in ref_sd.items()}
-    ref.eval()
-    with torch.no_grad():
-        want_out = ref(*(x if isinstance(x, tuple) else (x,)))
     want_out = want_out.logits if hasattr(want_out, "logits") else want_out
     if batch == "local":  # this rank's rows: the sampler's, r, r + shards, ...
         want_out = want_out[pm.data_parallel_rank::pm.data_parallel_size]
-    out.update(loss_err=loss_err, norm_err=norm_err, param_err=max(errs.values()),
-               worst=sorted(errs.items(), key=lambda kv: -kv[1])[:3], dcp_keys_match=list(dcp) == list(ref_sd),
-               dcp_err=max(relative_error(dcp[k], v) for k, v in ref_sd.items()) if list(dcp) == list(ref_sd) else None,
-               eval_err=relative_error(got_out, want_out))
-    return out
+    eval_err = relative_error(got_out, want_out)
+    pm.train()
+    return {"case": case, "constraints": constraints, "batch": batch, "mesh": pm.plan.mesh, "loss_err": loss_err,
+            "norm_err": norm_err,
+            "param_err": max(errs.values()), "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:3],
+            "dcp_keys_match": list(dcp) == list(ref_sd),
+            "dcp_err": max(relative_error(dcp[k], v) for k, v in ref_sd.items()) if list(dcp) == list(ref_sd) else None,
+            "dtensor_params": all(type(p).__name__ == "DTensor" for p in pm.parameters()), "eval_err": eval_err,
+            "eval_no_grad": not got_out.requires_grad}
 
 
 def native_loop_suite(cases: list[tuple], steps: int = 4) -> list[dict[str, Any]]:
