@@ -36,6 +36,7 @@ def _faults(mode: str, **env) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
 def test_tuned_malloc_reuses_large_blocks_instead_of_faulting_fresh_pages():
     tuned, tuned_faults = _faults("tune")

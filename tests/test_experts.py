@@ -206,6 +206,7 @@ def test_experts_that_differ_stay_modules_and_ep_says_why():
                      constraints=autopar.Constraints(ep=2))
 
 
+@pytest.mark.slow
 def test_an_optimizer_over_the_per_expert_placeholders_is_refused(world1):
     """compile without example inputs plans at the first call: an optimizer built over
     pm.parameters() before it holds the per-expert parameters the plan merged, which no step would
@@ -240,6 +241,7 @@ def test_ep_must_divide_the_experts():
         _plan("moe", 8, ep=8)
 
 
+@pytest.mark.slow
 def test_free_plan_puts_many_experts_on_an_expert_axis():
     """16 experts on 2 nodes of 8 H100s: the free plan splits the experts over a mesh axis and
     reaches them by all-to-all, while attention stays data or tensor parallel on that axis (its
@@ -363,6 +365,7 @@ def test_dropless_experts_become_one_token_wise_node():
     assert node.outs == ("[S(0), R]",) and node.ins[:3] == ("[S(0), R]",) * 3 and node.ins[3:] == ("[R, R]",) * 2
 
 
+@pytest.mark.slow
 def test_routing_imbalance_prices_the_busiest_expert_rank():
     """Cluster.expert_imbalance (max / mean tokens per expert rank) stretches an expert-parallel
     dropless layer's compute and exchanges, not a plan with replicated experts, nor the bytes

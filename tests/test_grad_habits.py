@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
+from helpers import error_of
 
 TOL = 1e-5
 STEPS = 4
@@ -42,14 +43,6 @@ def _param_err(pm, ref) -> float:
 
     full = pm.full_state_dict()
     return max(relative_error(full[k], v) for k, v in ref.state_dict().items())
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def train_step_zero_grad(cons: dict, opt: str) -> dict:
@@ -127,7 +120,7 @@ def original_module_optimizer(built_before_compile: bool) -> dict:
     if not built_before_compile:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn(pm(x), t).backward()
-    out = {"error": _error(opt.step), "before": built_before_compile,
+    out = {"error": error_of(opt.step), "before": built_before_compile,
            # compile shards the module in place: after it, model.parameters() are pm's (runtime.in_place)
            "same_as_pm": all(a is b for a, b in zip(model.parameters(), pm.parameters()))}
     good = torch.optim.SGD(pm.parameters(), lr=0.05)  # the fix works in the same process
@@ -142,7 +135,7 @@ def create_graph(cons: dict) -> dict:
     model, batches, loss_fn = build_case("gpt")
     x, t = batches[0]
     pm = autopar.compile(model, autopar.Cluster.local(), constraints=autopar.Constraints(**cons))
-    out = {"error": _error(lambda: loss_fn(pm(x), t).backward(create_graph=True))}
+    out = {"error": error_of(lambda: loss_fn(pm(x), t).backward(create_graph=True))}
     loss_fn(pm(x), t).backward()  # the model still trains afterwards
     pm.close()
     return out
@@ -190,7 +183,7 @@ def zero_regather(cons: dict) -> dict:
         loss.backward(retain_graph=True)
         o.step()
         m(x)  # the next forward: ZeRO shards gathered back into the whole parameters
-        stale.append(_error(loss.backward))
+        stale.append(error_of(loss.backward))
     out["stale_graph"], out["stale_graph_one_device"] = stale
     pm.close()
     return out

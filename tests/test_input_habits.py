@@ -22,20 +22,13 @@ import torch.nn as nn
 
 import autopar
 from autopar.errors import InputMismatchError, TraceError
+from helpers import compiled_mlp, error_of
 
 TOL = 1e-5
 
 
 def _sgd(ps):
     return torch.optim.SGD(ps, lr=0.1)
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 # ----------------------------------------------------------------------------- local batches, 4 processes
@@ -56,12 +49,12 @@ def local_batches_worker():
     out = {"split": (pm.data_parallel_size, pm.data_parallel_rank)}
     # the habit of DDP: a sampler over the world, so the two ranks of one data shard read different rows
     own = _sampled_shards([example_batch(64, 32, seed=9)], 4, rank)  # 8 rows each, as planned
-    out["per_rank_rows"] = _error(lambda: pm.train_step(own[0][0], target=own[0][1]))
+    out["per_rank_rows"] = error_of(lambda: pm.train_step(own[0][0], target=own[0][1]))
     mine = _sampled_shards(batches, pm.data_parallel_size, pm.data_parallel_rank)
     # one rank's batch short: its own error there, a pointer to it on every other rank (no hang)
-    out["short_on_rank3"] = _error(lambda: pm.train_step(mine[0][0][:4] if rank == 3 else mine[0][0],
+    out["short_on_rank3"] = error_of(lambda: pm.train_step(mine[0][0][:4] if rank == 3 else mine[0][0],
                                                          target=mine[0][1][:4] if rank == 3 else mine[0][1]))
-    out["global_batch_passed"] = _error(lambda: pm.train_step(x, target=t))
+    out["global_batch_passed"] = error_of(lambda: pm.train_step(x, target=t))
     out["step_after_refusals"] = pm.step
     # fed as the error says: the global batch's training, as on one device
     losses = [pm.train_step(bx, target=bt) for bx, bt in mine]
@@ -107,16 +100,8 @@ def test_local_batches_must_match_within_each_data_shard():
 # ----------------------------------------------------------------------------- steps, one process
 
 
-def _compiled(cluster, **kw):
-    from examples.mlp import MLP, example_batch, mlp_loss
-
-    torch.manual_seed(0)
-    x, t = example_batch(64, 16)
-    return autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_sgd, **kw), x, t
-
-
 def test_meta_tensors_and_a_positional_target_are_refused_naming_the_fix(world1):
-    pm, x, t = _compiled(world1)
+    pm, x, t = compiled_mlp(world1)
     with pytest.raises(InputMismatchError, match=r"train_step: input 0 is a meta tensor \(a shape without values\).*"
                        r"pass real tensors"):
         pm.train_step(x.to("meta"), target=t)
@@ -136,7 +121,7 @@ def test_meta_tensors_and_a_positional_target_are_refused_naming_the_fix(world1)
 
 
 def test_eval_step_without_target_names_the_keyword(world1):
-    pm, x, t = _compiled(world1)
+    pm, x, t = compiled_mlp(world1)
     with pytest.raises(InputMismatchError, match=r"eval_step needs target= \(the loss_fn's second argument\), by "
                        r"keyword: pm\.eval_step\(\*inputs, target=y\)$"):
         pm.eval_step(x)

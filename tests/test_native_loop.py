@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
+from helpers import error_of
 from autopar.runtime.parity import native_loop_suite
 
 TOL = 1e-5
@@ -67,14 +68,6 @@ def test_native_loop_matches_one_device(results, index):
     assert r["eval_err"] <= TOL and r["eval_no_grad"], f"{label}: eval output err {r['eval_err']:.2e}"
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def misuse_worker():
     import torch
     import torch.distributed as dist
@@ -85,27 +78,27 @@ def misuse_worker():
     rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ.get("RANK", "0"))
     x, _ = example_batch(64, 16)
     cluster = autopar.Cluster.local()
-    out = {"local_unplanned": _error(lambda: autopar.compile(MLP(64, 256, 2), cluster, batch="local"))}
+    out = {"local_unplanned": error_of(lambda: autopar.compile(MLP(64, 256, 2), cluster, batch="local"))}
     pm = autopar.compile(MLP(64, 256, 2), cluster, constraints=autopar.Constraints(dp=2))
     # the first call plans from rank 0's batch: a rank holding another shape is told so, on every rank
-    out["first_call_shapes"] = _error(lambda: pm(x[:8] if rank else x))
+    out["first_call_shapes"] = error_of(lambda: pm(x[:8] if rank else x))
     pm.close()
     pm = autopar.compile(MLP(64, 256, 2), cluster, constraints=autopar.Constraints(dp=2))
     pm(x).sum().backward()
     out["grads"] = all(p.grad is not None for p in pm.parameters())
     # a batch whose size changes after planning (a short last batch)
-    out["size_change"] = _error(lambda: pm(x[:8]))
-    out["train_step"] = _error(lambda: pm.train_step(x, target=x))
+    out["size_change"] = error_of(lambda: pm(x[:8]))
+    out["train_step"] = error_of(lambda: pm.train_step(x, target=x))
     pm.close()
     fused = autopar.compile(MLP(64, 256, 2), cluster, (x,), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                             loss_fn=lambda o, t: (o - t).pow(2).mean(), example_target=x)
-    out["fused_forward"] = _error(lambda: fused(x))
+    out["fused_forward"] = error_of(lambda: fused(x))
     with torch.no_grad():
         out["fused_no_grad"] = tuple(fused(x).shape)
     fused.close()
     local = autopar.compile(MLP(64, 256, 2), cluster, (x,), constraints=autopar.Constraints(dp=2), batch="local")
     out["dp_size"] = (local.data_parallel_size, local.data_parallel_rank)
-    out["local_global_batch"] = _error(lambda: local(x))  # the whole batch where its shard was due
+    out["local_global_batch"] = error_of(lambda: local(x))  # the whole batch where its shard was due
     local.close()
     return out
 

@@ -23,6 +23,7 @@ import torch
 
 import autopar
 from autopar.errors import WorkerFailedError
+from helpers import compiled_mlp, error_of, sgd
 
 # ----------------------------------------------------------------------------- launch
 
@@ -113,9 +114,10 @@ def test_launch_raises_a_failing_rank_traceback_and_stops_the_others():
 @pytest.mark.slow
 def test_launch_names_the_ranks_still_running_at_the_timeout():
     t0 = time.monotonic()
-    with pytest.raises(WorkerFailedError, match=r"ranks \[1\] did not finish within 10 s \(ranks \[0\] returned\)"):
-        # forked from the server: long enough for a rank to start here (spawned ones took up to 5 s)
-        autopar.launch(sleeping_worker, 2, timeout_s=10, start_method="forkserver")
+    with pytest.raises(WorkerFailedError, match=r"ranks \[1\] did not finish within 5 s \(ranks \[0\] returned\)"):
+        # forked from the server (running before the clock starts): rank 0 returns in well under a
+        # second, so 5 s leaves it room on a loaded machine (spawned ranks took up to 5 s to start)
+        autopar.launch(sleeping_worker, 2, timeout_s=5, start_method="forkserver")
     assert time.monotonic() - t0 < 50
 
 
@@ -215,16 +217,9 @@ def test_ranks_with_other_software_are_refused_at_start():
 # ----------------------------------------------------------------------------- batches, one process
 
 
-def _sgd(ps):
-    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
-
-
 def _mlp(cluster, batch=16, **kw):
-    from examples.mlp import MLP, example_batch, mlp_loss
-
-    torch.manual_seed(0)
-    x, t = example_batch(64, batch)
-    return autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_sgd, **kw)
+    """The shared small MLP (helpers.compiled_mlp), compiled for `batch` rows."""
+    return compiled_mlp(cluster, batch, **kw)[0]
 
 
 def test_each_step_checks_its_batch_against_the_compiled_example(world1):
@@ -313,14 +308,6 @@ def test_torch_collective_failures_become_collective_errors():
 # ----------------------------------------------------------------------------- batches and plans, two processes
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def batches_worker():
     from examples.mlp import MLP, example_batch, mlp_loss
 
@@ -331,34 +318,34 @@ def batches_worker():
     cluster = autopar.Cluster.local()
     pm = _mlp(cluster, constraints=autopar.Constraints(dp=2, tp=1), collective_timeout_s=60)
     # another batch on rank 1 (a per-rank data loader): found on every rank, nothing trains
-    out["different"] = _error(lambda: pm.train_step(x1 if rank else x, target=t1 if rank else t))
+    out["different"] = error_of(lambda: pm.train_step(x1 if rank else x, target=t1 if rank else t))
     # rank 1 alone holds a short last batch: its own error there, a pointer to it on rank 0
-    out["one_short"] = _error(lambda: pm.train_step(x[:15] if rank else x, target=t[:15] if rank else t))
+    out["one_short"] = error_of(lambda: pm.train_step(x[:15] if rank else x, target=t[:15] if rank else t))
     out["losses"] = [pm.train_step(x, target=t) for _ in range(2)]
     out["step"] = pm.step
     # past the first steps ("first") the ranks no longer compare; AUTOPAR_DEBUG=1 compares always
     os.environ["AUTOPAR_DEBUG"] = "1"
     try:
         torch.manual_seed(0)
-        pm2 = autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_sgd,
+        pm2 = autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=sgd,
                               plan=pm.plan)
     finally:
         del os.environ["AUTOPAR_DEBUG"]
     for _ in range(3):
         pm2.train_step(x, target=t)
-    out["debug_step3"] = _error(lambda: pm2.train_step(x1 if rank else x, target=t1 if rank else t))
+    out["debug_step3"] = error_of(lambda: pm2.train_step(x1 if rank else x, target=t1 if rank else t))
     # a plan changed on one rank is refused by compile, on every rank
     other = next(lay for lay in ("[R, R]", "[S(0), R]") if lay != pm.plan.params["layers.0.up.weight"].layout)
     plan = _replace_param(pm.plan, "layers.0.up.weight", layout=other) if rank == 1 else pm.plan
-    out["changed_plan"] = _error(lambda: autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t,
-                                                         loss_fn=mlp_loss, optimizer=_sgd, plan=plan))
+    out["changed_plan"] = error_of(lambda: autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t,
+                                                         loss_fn=mlp_loss, optimizer=sgd, plan=plan))
     # a batch that does not divide over dp (issue 8: it trained wrong without a word)
-    out["batch15"] = _error(lambda: _mlp(cluster, batch=15, constraints=autopar.Constraints(dp=2, tp=1)))
-    out["micro3"] = _error(lambda: _mlp(cluster, batch=6, constraints=autopar.Constraints(dp=2, tp=1, microbatches=2)))
+    out["batch15"] = error_of(lambda: _mlp(cluster, batch=15, constraints=autopar.Constraints(dp=2, tp=1)))
+    out["micro3"] = error_of(lambda: _mlp(cluster, batch=6, constraints=autopar.Constraints(dp=2, tp=1, microbatches=2)))
     # a plan whose batch split does not fit the batch compiled with it: refused by the runtime too
-    out["plan16_batch15"] = _error(lambda: _mlp(cluster, batch=15, plan=pm.plan))
+    out["plan16_batch15"] = error_of(lambda: _mlp(cluster, batch=15, plan=pm.plan))
     pm_m = _mlp(cluster, batch=8, constraints=autopar.Constraints(dp=2, tp=1, microbatches=2))
-    out["plan8m2_batch6"] = _error(lambda: _mlp(cluster, batch=6, plan=pm_m.plan))
+    out["plan8m2_batch6"] = error_of(lambda: _mlp(cluster, batch=6, plan=pm_m.plan))
     pm.close()
     pm2.close()
     pm_m.close()

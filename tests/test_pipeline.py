@@ -490,6 +490,7 @@ def test_free_plan_weighs_pipelines_on_several_nodes():
 
 
 
+@pytest.mark.slow
 def test_free_plan_searches_the_microbatch_count_of_its_pipeline():
     """Each microbatch's sends pay the link's latency: over a high-latency inter-node link, the
     default one sample per microbatch (16) makes the pipeline slower than the single-stage plan,

@@ -36,6 +36,7 @@ def meta_gpt(cfg: GPTConfig, batch: int):
 
 
 # --------------------------------------------------------------------------- (a) mesh choice
+@pytest.mark.slow
 def test_large_gpt_keeps_tensor_parallel_inside_a_node():
     cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=8, n_head=32, n_embd=4096)
     model, idx, tgt = meta_gpt(cfg, 256)
@@ -225,6 +226,7 @@ def test_planning_twice_is_byte_identical():
 
 
 
+@pytest.mark.slow
 def test_planning_on_worker_threads_gives_the_plan_planned_on_one_thread(capfd):
     # the search runs its meshes, the comparison plan without constraints and the baseline on
     # worker threads: the plan (with its comparison and baseline) must be the one-thread plan,

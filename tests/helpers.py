@@ -1,0 +1,34 @@
+"""Helpers shared by the test modules and their workers (``autopar.launch`` ranks import this
+module by name, as they import ``habit_loops``: keep it top-level and free of test state)."""
+from __future__ import annotations
+
+import torch
+
+import autopar
+
+
+def error_of(fn) -> str:
+    """``"ExceptionType: message"`` of what ``fn()`` raised, or ``"no error"``: a worker reports
+    a refusal to the parent as text, where the test matches it."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def sgd(ps):
+    """The optimizer factory of the small-MLP tests: SGD with momentum."""
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+
+def compiled_mlp(cluster, rows: int = 16, **kw):
+    """``examples.mlp``'s MLP(64, 256, 2) compiled for ``train_step`` (SGD with momentum, its mean
+    squared loss) on an example batch of ``rows`` rows, seeded: (pm, x, target). ``kw`` goes to
+    ``autopar.compile`` (constraints=, plan=, check_inputs=, ...)."""
+    from examples.mlp import MLP, example_batch, mlp_loss
+
+    torch.manual_seed(0)
+    x, t = example_batch(64, rows)
+    pm = autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=sgd, **kw)
+    return pm, x, t
