@@ -66,8 +66,17 @@ How each row is mapped, and what differs from the published run:
 * A100-40GB rows (MPT): the dgx-a100 preset with device memory 40 GB and 1.555 TB/s (A100 40GB
   SXM datasheet); everything else as the 80GB preset.
 
+Issue 44's acceptance (``--acceptance``): Narayanan Tables 1 and 2 with the shipped ``dgx-a100``
+preset and ONE calibration row for the A100 generation (``narayanan21-t1-1.7b``: matmul efficiency
+only), printed apart from the scored rows; the DeepSpeed-2021 ZeRO-3 rows carry their software
+stack's public spec field (``published_runs.STACK_FIELDS``: ``LinkSpec.rails`` 1, set, not fitted;
+``--no-stack-fields`` drops it); every scored row's free plan with its predicted gain over the forced
+published configuration and, per strategy it relies on, the row that validates it within 20% at
+that scale (MosaicML's multi-node A100 FSDP rows are planned too, as evidence only).
+
 Usage::
 
+    python benchmarks/published_comparison.py --acceptance     # issue 44 (~20 minutes on 2 cores)
     python benchmarks/published_comparison.py                  # all rows (~10 minutes on 2 cores)
     python benchmarks/published_comparison.py --family narayanan-t1
     python benchmarks/published_comparison.py --only mpt-7b-h100-8gpu,korthikanti22-22b-full-recompute
