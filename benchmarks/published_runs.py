@@ -126,6 +126,30 @@ def attention_for(entry: dict) -> str:
     return "math" if family(entry).startswith(("narayanan", "korthikanti")) else "sdpa"
 
 
+class HalfOutputLayerNorm(torch.nn.LayerNorm):
+    """A LayerNorm whose output is bf16, as Megatron-LM's fused LayerNorm (apex FusedLayerNorm,
+    half precision in and out) ran it; under autocast torch's layer_norm returns fp32, so every
+    tensor-parallel gather of its output would move twice the bytes the published stack moved."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(torch.bfloat16)
+
+
+def layernorm_for(entry: dict) -> str:
+    """"half" where the published stack's LayerNorm emitted half precision (Megatron-LM 2021-2022:
+    Narayanan, Korthikanti), else "autocast" (torch's LayerNorm under autocast: fp32 out)."""
+    return "half" if family(entry).startswith(("narayanan", "korthikanti")) else "autocast"
+
+
+def _half_layernorms(model: torch.nn.Module) -> None:
+    """Replace the model's LayerNorms by ``HalfOutputLayerNorm`` of the same shape (meta tensors)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.LayerNorm:
+                setattr(parent, name, HalfOutputLayerNorm(child.normalized_shape, eps=child.eps,
+                                                          elementwise_affine=child.elementwise_affine))
+
+
 # set by --calibrate-on: a measured (calibrated) matmul efficiency replacing the preset's
 EFFICIENCY_OVERRIDE: float | None = None
 # set by --calibrate-comm-on: the achieved fraction of inter-node bandwidth (LinkSpec.efficiency)
@@ -286,6 +310,9 @@ def plan_entry(entry: dict) -> dict:
         notes.append("attention materialised (no flash attention in this stack)")
     with torch.device("meta"):
         model = GPT(GPTConfig(m["vocab"], m["seq_len"], m["layers"], m["heads"], m["hidden"], attention=attention))
+        if layernorm_for(entry) == "half":
+            _half_layernorms(model)
+            notes.append("LayerNorm output bf16 (Megatron's fused LayerNorm)")
     idx = torch.empty(c["global_batch"], m["seq_len"], dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     plan, err, relaxed = None, "", 1
