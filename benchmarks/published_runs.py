@@ -126,6 +126,30 @@ def attention_for(entry: dict) -> str:
     return "math" if family(entry).startswith(("narayanan", "korthikanti")) else "sdpa"
 
 
+class HalfOutputLayerNorm(torch.nn.LayerNorm):
+    """A LayerNorm whose output is bf16, as Megatron-LM's fused LayerNorm (apex FusedLayerNorm,
+    half precision in and out) ran it; under autocast torch's layer_norm returns fp32, so every
+    tensor-parallel gather of its output would move twice the bytes the published stack moved."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(torch.bfloat16)
+
+
+def layernorm_for(entry: dict) -> str:
+    """"half" where the published stack's LayerNorm emitted half precision (Megatron-LM 2021-2022:
+    Narayanan, Korthikanti), else "autocast" (torch's LayerNorm under autocast: fp32 out)."""
+    return "half" if family(entry).startswith(("narayanan", "korthikanti")) else "autocast"
+
+
+def _half_layernorms(model: torch.nn.Module) -> None:
+    """Replace the model's LayerNorms by ``HalfOutputLayerNorm`` of the same shape (meta tensors)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.LayerNorm:
+                setattr(parent, name, HalfOutputLayerNorm(child.normalized_shape, eps=child.eps,
+                                                          elementwise_affine=child.elementwise_affine))
+
+
 # set by --calibrate-on: a measured (calibrated) matmul efficiency replacing the preset's
 EFFICIENCY_OVERRIDE: float | None = None
 # set by --calibrate-comm-on: the achieved fraction of inter-node bandwidth (LinkSpec.efficiency)
@@ -140,6 +164,22 @@ FREE_PLANS = False
 # set by --inter-node-gbps: an assumed node-to-node fabric (Gb/s per node, all NICs) for rows whose
 # source does not state it (a sensitivity check, printed in each row's notes)
 INTER_NODE_GBPS: float | None = None
+# with --free: the families whose rows get a free plan (None: all)
+FREE_FAMILIES: set | None = None
+# cleared by --no-stack-fields: the public spec fields a row's software stack sets (STACK_FIELDS)
+USE_STACK_FIELDS = True
+
+# Spec fields that describe a row's *software stack*, not its hardware (issue 44, item 3): the
+# value, and why. Not fitted on any row. The presets keep every other field as shipped.
+STACK_FIELDS = {
+    "narayanan-t2-zero3": dict(
+        rails=1.0,
+        why="DeepSpeed ZeRO-3 of 2021: its gathers and gradient reduce-scatters over all ranks of every node "
+            "cross the node boundary through one NIC per node (LinkSpec.rails=1, one ring channel's NIC), "
+            "where NCCL's multi-channel rings drive all 8 (the preset). Value set, not fitted; the evidence "
+            "for it is these rows' own flat published step time (66.75 s at 768 and 1536 GPUs): see "
+            "benchmarks/README.md, issue 44 section"),
+}
 
 
 def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
@@ -155,9 +195,13 @@ def cluster_for(entry: dict) -> tuple[autopar.Cluster, list[str]]:
     if COMM_EFFICIENCY_OVERRIDE is not None:
         cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, efficiency=COMM_EFFICIENCY_OVERRIDE))
         notes.append(f"inter-node efficiency {COMM_EFFICIENCY_OVERRIDE:.3f} (calibrated)")
+    stack = STACK_FIELDS.get(family(entry)) if USE_STACK_FIELDS else None
     if RAILS_OVERRIDE is not None:
         cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, rails=RAILS_OVERRIDE))
         notes.append(f"inter-node rails {RAILS_OVERRIDE:.2f} (calibrated)")
+    elif stack is not None and "rails" in stack:
+        cl = dataclasses.replace(cl, inter_node=dataclasses.replace(cl.inter_node, rails=stack["rails"]))
+        notes.append(f"inter-node rails {stack['rails']:g} (software stack field, not fitted)")
     if EXPOSED_OVERRIDE is not None:
         cl = dataclasses.replace(cl, exposed_comm_share=EXPOSED_OVERRIDE)
         notes.append(f"exposed communication share {EXPOSED_OVERRIDE:.3f} (calibrated)")
@@ -198,6 +242,64 @@ def published_and_predicted(entry: dict, step_s: float) -> dict:
     raise ValueError(fam)
 
 
+def _rails_tag(cluster) -> str:
+    r = cluster.inter_node.rails
+    return "all NICs" if r is None else f"rails={r:g}"
+
+
+def forced_strategies(kw: dict, cluster) -> list[str]:
+    """What the published configuration relies on, in the classes ``plan_strategies`` names: a
+    pipeline; data parallelism whose groups hold one rank per node or several (several: the
+    node's NICs a collective drives, ``LinkSpec.rails``, matters, so the class names it); ZeRO."""
+    dp, tp, pp = kw["dp"], kw["tp"], kw.get("pp", 1)
+    # a stage's dp x tp ranks are contiguous, tp fastest: a dp group's ranks sit tp apart
+    per_node = max(1, cluster.devices_per_node // tp) if tp < cluster.devices_per_node else 1
+    spans = dp * tp > cluster.devices_per_node and dp > 1
+    out = [] if kw["recompute"] else ["no recompute"]
+    if pp > 1:
+        out.append("pipeline")
+    if tp > 1:
+        out.append("tensor (intra-node)" if tp <= cluster.devices_per_node else "tensor (inter-node)")
+    if dp > 1:
+        zero = {0: "dp", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}[kw["zero"]]
+        out.append(f"{zero} over nodes, several ranks/node ({_rails_tag(cluster)})" if spans and per_node > 1
+                   else f"{zero} over nodes, 1 rank/node" if spans else f"{zero} (intra-node)")
+    return out
+
+
+def plan_strategies(plan, cluster) -> list[str]:
+    """The strategy classes of a plan (``forced_strategies``' names), read from its stages' axis
+    use (data / tensor / ZeRO-3 per mesh axis) and its parameters' ZeRO stage."""
+    mesh = list(plan.stages[0].mesh)
+    dpn = cluster.devices_per_node
+    pp = plan.pipeline_degree
+    out = [] if plan.recompute or plan.recompute_blocks else ["no recompute"]
+    if pp > 1:
+        out.append("pipeline")
+    roles: dict[str, set] = {}
+    for st in plan.stages:
+        for ax, rs in st.axis_use:
+            roles.setdefault(ax, set()).update(rs)
+    zero12 = any(p.zero_stage in (1, 2) and p.zero_axes for st in plan.stages for p in st.params)
+    for i, (ax, size) in enumerate(mesh):
+        rs = roles.get(ax, set())
+        if size == 1 or not rs:
+            continue
+        inner = 1
+        for _, s in mesh[i + 1:]:
+            inner *= s
+        # a group along this axis: ranks `inner` apart; it spans nodes when size*inner > dpn
+        spans = size * inner > dpn
+        per_node = max(1, dpn // inner) if inner < dpn else 1
+        if "tensor" in rs:
+            out.append("tensor (intra-node)" if not spans else "tensor (inter-node)")
+        if "data" in rs or "ZeRO-3" in rs:
+            kind = "ZeRO-3" if "ZeRO-3" in rs else ("ZeRO-1/2" if zero12 else "dp")
+            out.append(f"{kind} over nodes, several ranks/node ({_rails_tag(cluster)})" if spans and per_node > 1
+                       else f"{kind} over nodes, 1 rank/node" if spans else f"{kind} (intra-node)")
+    return sorted(set(out), key=out.index)
+
+
 def plan_entry(entry: dict) -> dict:
     m, c = entry["model"], entry["config"]
     kw, notes = forced(entry)
@@ -208,6 +310,9 @@ def plan_entry(entry: dict) -> dict:
         notes.append("attention materialised (no flash attention in this stack)")
     with torch.device("meta"):
         model = GPT(GPTConfig(m["vocab"], m["seq_len"], m["layers"], m["heads"], m["hidden"], attention=attention))
+        if layernorm_for(entry) == "half":
+            _half_layernorms(model)
+            notes.append("LayerNorm output bf16 (Megatron's fused LayerNorm)")
     idx = torch.empty(c["global_batch"], m["seq_len"], dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     plan, err, relaxed = None, "", 1
@@ -228,7 +333,8 @@ def plan_entry(entry: dict) -> dict:
             dev = cluster.device
             cluster = dataclasses.replace(cluster, device=dataclasses.replace(dev, memory_bytes=dev.memory_bytes * 2))
     plan_s = time.perf_counter() - t0
-    out = dict(id=entry["id"], family=family(entry), gpus=entry["gpus"], forced=dict(kw), notes=notes, plan_s=plan_s)
+    out = dict(id=entry["id"], family=family(entry), gpus=entry["gpus"], forced=dict(kw), notes=notes, plan_s=plan_s,
+               strategies=forced_strategies(kw, cluster), gpu=_gpu(entry))
     if relaxed > 1 and plan is not None:
         notes.append(f"the published configuration does not fit our memory model (fp32 residual stream under "
                      f"autocast); planned with {relaxed}x device memory")
@@ -248,7 +354,7 @@ def plan_entry(entry: dict) -> dict:
     out.update(published_and_predicted(entry, step))
     out["ratio"] = out["predicted"] / out["published"]
     out["error_pct"] = (out["ratio"] - 1) * 100
-    if FREE_PLANS:
+    if FREE_PLANS and (FREE_FAMILIES is None or family(entry) in FREE_FAMILIES):
         t0 = time.perf_counter()
         try:
             free = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed")
@@ -257,6 +363,7 @@ def plan_entry(entry: dict) -> dict:
         else:
             out.update(free_ok=True, free_step_s=free.predicted.step_time_s, free_pp=free.pipeline_degree,
                        free_mesh=free.mesh, free_schedule=free.schedule, free_microbatches=free.microbatches,
-                       free_predicted=published_and_predicted(entry, free.predicted.step_time_s)["predicted"])
+                       free_predicted=published_and_predicted(entry, free.predicted.step_time_s)["predicted"],
+                       free_strategies=plan_strategies(free, cluster))
         out["free_plan_s"] = time.perf_counter() - t0
     return out
