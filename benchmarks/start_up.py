@@ -25,9 +25,9 @@ and runs one step (``measure_step``) of AdamW or SGD (``--optimizer``), for each
   to grow with size / world size. On a machine with fewer cores than processes the ranks share the
   cores, so wall time cannot fall with the world size; the CPU seconds show what each rank did.
 
-Limit of the memory count off CUDA: a storage made outside torch's dispatch (the tensor safetensors
-returns for a slice before it is copied into the shard) is seen only if it is still alive when the
-whole process is registered; the largest such transient is one slice.
+Limit of the memory count off CUDA: a storage made outside torch's dispatch is seen only if it is
+still alive when the whole process is registered; ``load_weights`` makes none (each slice is read
+from the file into its shard, through one slice-sized temporary only for a dtype conversion).
 """
 from __future__ import annotations
 
