@@ -179,7 +179,7 @@ class _Safetensors:
                     raise ValueError(f"{key}: data_offsets {begin}..{end} do not hold {e.shape} {h['dtype']}")
                 self.tensors[key] = (e, 8 + n + begin)
         except (ValueError, KeyError, TypeError, struct.error) as exc:
-            os.close(self._fd)
+            self.close()
             raise WeightsError(f"{file} is not a safetensors file (what save_pretrained writes): "
                                f"{type(exc).__name__}: {exc}") from exc
 
@@ -203,7 +203,11 @@ class _Safetensors:
         return pos
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    __del__ = close  # a load that stopped at a refusal before WeightFiles.close() leaks no descriptor
 
 
 def _runs(shape: tuple[int, ...], slices: tuple[slice, ...]):
