@@ -1,13 +1,16 @@
 """Start-up of a pretrained decoder on 4 gloo processes: memory, bytes read, first-step loss, time.
 
-    python benchmarks/start_up.py [--sizes 100M,200M,400M] [--nproc 4] [--batch 4] [--seq 32] [--json out.json]
+    python benchmarks/start_up.py [--sizes 100M,200M,400M] [--nproc 1,2,4] [--optimizer adamw,sgd]
+                                  [--batch 4] [--seq 32] [--json out.json]
+    python benchmarks/start_up.py --from-json a.json b.json   # the summary tables of saved runs
 
 For each size, a Hugging Face ``LlamaForCausalLM`` (hidden 1024, vocab 32000, layers chosen for the
 size) is written once by this process with ``save_pretrained(max_shard_size="200MB")`` (cached under
 ``$TMPDIR/autopar-start-up/<size>``). Then every rank builds it on ``torch.device("meta")``, compiles
 it planned ``dp=nproc, zero=3`` with ``init="skip"`` (the model's own ``_init_weights`` computes the
-rotary ``inv_freq`` buffers no checkpoint holds; nothing else is initialised), loads the folder with
-``autopar.load_weights`` and runs one AdamW step (``measure_step``). Per rank:
+rotary ``inv_freq`` buffers no checkpoint holds; nothing else is initialised), loads the folder with ``autopar.load_weights``
+and runs one step (``measure_step``) of AdamW or SGD (``--optimizer``), for each world size of
+``--nproc``. Per rank:
 
 * peak of every live tensor storage in the process during compile + load (``MemoryTracker`` entered
   before ``compile``, the whole process registered before and after each phase), and during the first
@@ -16,12 +19,16 @@ rotary ``inv_freq`` buffers no checkpoint holds; nothing else is initialised), l
 * the bytes each rank read beside its slices' bytes (goal: at most +10%);
 * the first-step loss beside the one-device ``from_pretrained`` model's, computed in this process
   with the same batch and loss (goal: 1e-5 relative);
-* seconds for compile + load and for the first step, and their ratio to the smallest size's
-  (issue 43: start-up should grow with size / world size).
+* wall seconds (``time.perf_counter``) and this process's CPU seconds (``time.process_time``) for
+  compile + load and for the first step. The summary gives, per size and world size, the slowest
+  rank's wall seconds and the largest per-rank CPU seconds, each as a ratio to the first (smallest)
+  row's beside the ratio of the work per rank (parameters / world size): issue 43 wants start-up
+  to grow with size / world size. On a machine with fewer cores than processes the ranks share the
+  cores, so wall time cannot fall with the world size; the CPU seconds show what each rank did.
 
-Limit of the memory count off CUDA: a storage made outside torch's dispatch (the tensor safetensors
-returns for a slice before it is copied into the shard) is seen only if it is still alive when the
-whole process is registered; the largest such transient is one slice.
+Limit of the memory count off CUDA: a storage made outside torch's dispatch is seen only if it is
+still alive when the whole process is registered; ``load_weights`` makes none (each slice is read
+from the file into its shard, through one slice-sized temporary only for a dtype conversion).
 """
 from __future__ import annotations
 
@@ -61,6 +68,13 @@ def adamw(ps):
     return torch.optim.AdamW(ps, lr=1e-4)
 
 
+def sgd(ps):
+    return torch.optim.SGD(ps, lr=1e-4)
+
+
+OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
+
+
 def batch(b: int, s: int):
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
@@ -94,9 +108,9 @@ def reference_loss(folder: str, b: int, s: int) -> tuple[float, int]:
     return loss, n
 
 
-def worker(size: str, folder: str, nproc: int, b: int, s: int) -> dict:
+def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = "adamw") -> dict:
     """One rank: meta build, compile (zero=3, init="skip") + load under the whole-process storage
-    tracker, then one measured AdamW step."""
+    tracker, then one measured step of ``optimizer``."""
     import transformers
 
     import autopar
@@ -109,20 +123,21 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int) -> dict:
     gc.collect()
     with cyclic_gc_paused(), tracker:
         tracker.register_process("cpu", {"the step's batch": _batch_module(x, t)})
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         pm = autopar.compile(model, autopar.Cluster.local(nproc), (x,), example_target=t, loss_fn=lm_loss,
-                             optimizer=adamw, constraints=autopar.Constraints(dp=nproc, zero=3), init="skip")
-        t_compile = time.perf_counter() - t0
+                             optimizer=OPTIMIZERS[optimizer], constraints=autopar.Constraints(dp=nproc, zero=3),
+                             init="skip")
+        t_compile, c_compile = time.perf_counter() - t0, time.process_time() - c0
         tracker.register_process("cpu", {"the user's model": model, "the step's batch": _batch_module(x, t)})
         with warnings.catch_warnings(record=True) as caught:  # init="skip" initialises the rotary buffers itself
             warnings.simplefilter("always")
             report = autopar.load_weights(pm, folder)
-        t_load = time.perf_counter() - t0 - t_compile
+        t_load, c_load = time.perf_counter() - t0 - t_compile, time.process_time() - c0 - c_compile
         tracker.register_process("cpu", {"the user's model": model, "the step's batch": _batch_module(x, t)})
     start = tracker.report()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     step = pm.measure_step(x, target=t)
-    t_step = time.perf_counter() - t1
+    t_step, c_step = time.perf_counter() - t1, time.process_time() - c1
     return {
         "mesh": dict(pm.plan.mesh), "predicted_peak": float(step.predicted_peak_bytes),
         "predicted": {k: float(v) for k, v in step.predicted_memory.items()},
@@ -134,7 +149,7 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int) -> dict:
         "uninitialised": [str(w.message) for w in caught if type(w.message).__name__ == "UninitialisedBufferWarning"],
         "bytes_read": report.bytes_read, "slice_bytes": report.slice_bytes,
         "loss": step.loss, "compile_s": t_compile, "load_s": t_load, "step_s": t_step,
-        "step_only_s": step.step_time_s,
+        "step_only_s": step.step_time_s, "compile_cpu_s": c_compile, "load_cpu_s": c_load, "step_cpu_s": c_step,
     }
 
 
@@ -170,58 +185,94 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100M,200M,400M")
-    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--nproc", default="4", help="world sizes, e.g. 1,2,4")
+    ap.add_argument("--optimizer", default="adamw", help=f"one or more of {','.join(OPTIMIZERS)}")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--from-json", nargs="+", metavar="JSON", help="print the summary of saved runs; run nothing")
     a = ap.parse_args()
+    if a.from_json:
+        rows = [row for path in a.from_json for row in json.load(open(path))]
+        summary(rows)
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    worlds = [int(n) for n in a.nproc.split(",")]
+    optimizers = a.optimizer.split(",")
+    if unknown := [o for o in optimizers if o not in OPTIMIZERS]:
+        ap.error(f"--optimizer {','.join(unknown)}: the optimizers are {','.join(OPTIMIZERS)}")
     rows = []
     for size in a.sizes.split(","):
         folder = pretrained_folder(size)
         ref, n_params = reference_loss(folder, a.batch, a.seq)
-        ranks = autopar.launch(worker, a.nproc, size, folder, a.nproc, a.batch, a.seq, timeout_s=3000)
-        full = 4 * n_params
-        rows.append({"size": size, "params": n_params, "full_fp32": full, "ref_loss": ref, "ranks": ranks})
-        print(f"\n== {size}: {n_params / 1e6:.1f}M parameters, full fp32 {full / MIB:.0f} MiB, "
-              f"{a.nproc} gloo processes, plan mesh {ranks[0]['mesh']}, batch {a.batch}x{a.seq}")
-        print(f"{'rank':>4} {'start peak':>10} {'step peak':>9} {'pred':>7} {'start/pred':>10} {'step/pred':>9} "
-              f"{'read MiB':>8} {'slices':>7} {'read/sl':>7} {'loss rel err':>12} {'compile s':>9} {'load s':>6} "
-              f"{'step s':>6}")
-        for r, x in enumerate(ranks):
-            err = abs(x["loss"] - ref) / abs(ref)
-            print(f"{r:>4} {x['start_peak'] / MIB:>10.1f} {x['step_peak'] / MIB:>9.1f} {x['predicted_peak'] / MIB:>7.1f} "
-                  f"{x['start_peak'] / x['predicted_peak']:>10.3f} {x['step_peak'] / x['predicted_peak']:>9.3f} "
-                  f"{x['bytes_read'] / MIB:>8.1f} {x['slice_bytes'] / MIB:>7.1f} "
-                  f"{x['bytes_read'] / max(x['slice_bytes'], 1):>7.3f} {err:>12.2e} {x['compile_s']:>9.1f} "
-                  f"{x['load_s']:>6.1f} {x['step_s']:>6.1f}")
-        w = max(ranks, key=lambda x: x["step_peak"])
-        print("  predicted by category (MiB):", {k: round(v / MIB, 1) for k, v in w["predicted"].items()})
-        print("  start-up at its peak (MiB):", {k: round(v / MIB, 1) for k, v in w["start_at_peak"].items()})
-        print("  first step at its peak (MiB):", {k: round(v / MIB, 1) for k, v in w["step_at_peak"].items()})
-        print("  start-up unaccounted (largest):", w["start_unaccounted"])
-        print("  step unaccounted (largest):", w["step_unaccounted"])
-        print("  start-up peak made at:", " <- ".join(reversed(w["start_peak_where"])))
-        print("  buffers load_weights left uninitialised (init='skip' initialises the rotary ones):",
-              w["uninitialised"] or "none")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(rows, f, indent=1, default=str)
-    base = min(rows, key=lambda r: r["params"])
-    print(f"\nstart-up time on {a.nproc} processes (slowest rank), ratio to {base['size']}:")
-    print(f"{'size':>5} {'params':>8} {'compile+load s':>14} {'ratio':>6} {'first step s':>12} {'ratio':>6} {'size ratio':>10}")
-
-    def slowest(row, key):
-        return max(sum(x[k] for k in key) for x in row["ranks"])
-
-    for row in rows:
-        cl, st = slowest(row, ("compile_s", "load_s")), slowest(row, ("step_s",))
-        print(f"{row['size']:>5} {row['params'] / 1e6:>7.1f}M {cl:>14.1f} {cl / slowest(base, ('compile_s', 'load_s')):>6.2f} "
-              f"{st:>12.1f} {st / slowest(base, ('step_s',)):>6.2f} {row['params'] / base['params']:>10.2f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+        for nproc in worlds:
+            for opt in optimizers:
+                ranks = autopar.launch(worker, nproc, size, folder, nproc, a.batch, a.seq, opt, timeout_s=3000)
+                rows.append({"size": size, "params": n_params, "full_fp32": 4 * n_params, "ref_loss": ref,
+                             "nproc": nproc, "optimizer": opt, "ranks": ranks})
+                report(rows[-1], a.batch, a.seq)
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump(rows, f, indent=1, default=str)
+    summary(rows)
     return 0
+
+
+def report(row: dict, b: int, s: int) -> None:
+    """One run's per-rank table and where its memory went."""
+    ranks, ref, full = row["ranks"], row["ref_loss"], row["full_fp32"]
+    print(f"\n== {row['size']}: {row['params'] / 1e6:.1f}M parameters, full fp32 {full / MIB:.0f} MiB, "
+          f"{row['nproc']} gloo processes, {row['optimizer']}, plan mesh {ranks[0]['mesh']}, batch {b}x{s}")
+    print(f"{'rank':>4} {'start peak':>10} {'step peak':>9} {'pred':>7} {'start/pred':>10} {'step/pred':>9} "
+          f"{'read MiB':>8} {'slices':>7} {'read/sl':>7} {'loss rel err':>12} {'compile s':>9} {'load s':>6} "
+          f"{'step s':>6} {'cpu c+l s':>9}")
+    for r, x in enumerate(ranks):
+        err = abs(x["loss"] - ref) / abs(ref)
+        print(f"{r:>4} {x['start_peak'] / MIB:>10.1f} {x['step_peak'] / MIB:>9.1f} {x['predicted_peak'] / MIB:>7.1f} "
+              f"{x['start_peak'] / x['predicted_peak']:>10.3f} {x['step_peak'] / x['predicted_peak']:>9.3f} "
+              f"{x['bytes_read'] / MIB:>8.1f} {x['slice_bytes'] / MIB:>7.1f} "
+              f"{x['bytes_read'] / max(x['slice_bytes'], 1):>7.3f} {err:>12.2e} {x['compile_s']:>9.1f} "
+              f"{x['load_s']:>6.1f} {x['step_s']:>6.1f} {x['compile_cpu_s'] + x['load_cpu_s']:>9.1f}")
+    w = max(ranks, key=lambda x: x["step_peak"])
+    print("  predicted by category (MiB):", {k: round(v / MIB, 1) for k, v in w["predicted"].items()})
+    print("  start-up at its peak (MiB):", {k: round(v / MIB, 1) for k, v in w["start_at_peak"].items()})
+    print("  first step at its peak (MiB):", {k: round(v / MIB, 1) for k, v in w["step_at_peak"].items()})
+    print("  start-up unaccounted (largest):", w["start_unaccounted"])
+    print("  step unaccounted (largest):", w["step_unaccounted"])
+    print("  start-up peak made at:", " <- ".join(reversed(w["start_peak_where"])))
+    print("  buffers load_weights left uninitialised (init='skip' initialises the rotary ones):",
+          w["uninitialised"] or "none")
+
+
+def summary(rows: list[dict]) -> None:
+    """Memory and time per size, world size and optimizer; times as ratios to the first row's
+    beside the ratio of the work per rank (parameters / world size)."""
+    print(f"\n{'size':>5} {'world':>5} {'opt':>5} {'full MiB':>8} {'start pk':>8} {'step pk':>8} {'plan pk':>8} "
+          f"{'step/plan':>9} {'step/full':>9}")
+    for row in rows:
+        w = max(row["ranks"], key=lambda x: x["step_peak"])
+        print(f"{row['size']:>5} {row['nproc']:>5} {row['optimizer']:>5} {row['full_fp32'] / MIB:>8.0f} "
+              f"{max(x['start_peak'] for x in row['ranks']) / MIB:>8.1f} {w['step_peak'] / MIB:>8.1f} "
+              f"{w['predicted_peak'] / MIB:>8.1f} {w['step_peak'] / w['predicted_peak']:>9.3f} "
+              f"{w['step_peak'] / row['full_fp32']:>9.3f}")
+    base = rows[0]
+
+    def most(row, keys):
+        return max(sum(x[k] for k in keys) for x in row["ranks"])
+
+    def work(row):
+        return row["params"] / row["nproc"]
+
+    cl, cl_cpu = ("compile_s", "load_s"), ("compile_cpu_s", "load_cpu_s")
+    print(f"\nstart-up (compile + load) and first step; ratios to {base['size']} on {base['nproc']} process(es); "
+          "wall: the slowest rank, cpu: the largest per-rank process_time")
+    print(f"{'size':>5} {'world':>5} {'opt':>5} {'work ratio':>10} {'c+l wall s':>10} {'ratio':>6} {'c+l cpu s':>9} "
+          f"{'ratio':>6} {'compile cpu':>11} {'load cpu':>8} {'step wall s':>11} {'step cpu s':>10}")
+    for row in rows:
+        print(f"{row['size']:>5} {row['nproc']:>5} {row['optimizer']:>5} {work(row) / work(base):>10.2f} "
+              f"{most(row, cl):>10.2f} {most(row, cl) / most(base, cl):>6.2f} {most(row, cl_cpu):>9.2f} "
+              f"{most(row, cl_cpu) / most(base, cl_cpu):>6.2f} {most(row, ('compile_cpu_s',)):>11.2f} "
+              f"{most(row, ('load_cpu_s',)):>8.2f} {most(row, ('step_s',)):>11.1f} {most(row, ('step_cpu_s',)):>10.1f}")
 
 
 if __name__ == "__main__":

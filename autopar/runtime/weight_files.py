@@ -2,9 +2,17 @@
 and torch ``state_dict`` files, read by slices and written as a stream.
 
 Invariants:
-* reading: ``WeightFiles.read(key, slices)`` returns only the requested slice of one tensor
-  (safetensors: ``safe_open(...).get_slice(key)[slices]``; torch files: loaded with ``mmap=True``,
-  then the slice is copied out of the mapping) and adds its bytes to ``bytes_read``;
+* reading: ``WeightFiles.read_into(key, slices, dest)`` writes only the requested slice of one
+  tensor into ``dest`` and adds its bytes to ``bytes_read`` (``read`` returns it in a new tensor).
+  Safetensors: the header (8 bytes of length, then JSON with each tensor's ``data_offsets``, the
+  format's specification) gives where the slice's contiguous runs lie, and they are read with
+  ``os.preadv`` straight into ``dest`` (into one slice-sized temporary only when the dtype
+  differs). Not ``safe_open(...).get_slice(key)[slices]``: safetensors 0.8's torch binding returns
+  that slice as a view of the whole tensor's private file mapping, so a memory count by storage
+  counts the whole tensor, and every page read stays mapped into the process (its resident set)
+  until the file is closed: one more shard-sized set at the end of a load (measured in
+  benchmarks/start_up.py). Torch files: loaded with ``mmap=True``, the slice copied out of the
+  mapping;
 * writing: every file's layout (its safetensors header, or a torch file's skeleton) is written
   first from the tensors' shapes and dtypes, then each tensor's bytes are written in place as it
   arrives; the writer never holds more than the one tensor it is given;
@@ -15,6 +23,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -97,11 +106,9 @@ class WeightFiles:
 
     def _open(self, file: Path) -> dict[str, Entry]:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            f = safe_open(str(file), framework="pt")
-            self._handles[file] = f
-            return {k: Entry(tuple(f.get_slice(k).get_shape()), _DTYPES[f.get_slice(k).get_dtype()]) for k in f.keys()}
+            handle = _Safetensors(file)
+            self._handles[file] = handle
+            return {k: e for k, (e, _) in handle.tensors.items()}
         try:
             sd = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - named with the file and the fix
@@ -122,18 +129,110 @@ class WeightFiles:
         return {k: Entry(tuple(v.shape), v.dtype) for k, v in sd.items()}
 
     def read(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
-        """The ``slices`` of tensor ``key`` (only those bytes are read)."""
-        h = self._handles[self.file_of[key]]
-        if isinstance(h, dict):
-            t = h[key]
-            out = t[slices] if t.dim() else t
-        else:
-            out = h.get_slice(key)[slices] if slices else h.get_tensor(key)
-        self.bytes_read += out.numel() * out.element_size()
+        """The ``slices`` of tensor ``key`` in a new tensor of its stored dtype (only those bytes are read)."""
+        full = self.entries[key].shape
+        shape = [len(range(*s.indices(n))) for s, n in zip(slices, full)] + list(full[len(slices):])
+        out = torch.empty(shape, dtype=self.entries[key].dtype)
+        self.read_into(key, slices, out)
         return out
 
+    def read_into(self, key: str, slices: tuple[slice, ...], dest: torch.Tensor) -> None:
+        """Write the ``slices`` (steps of 1, one per dim) of tensor ``key`` into ``dest`` (their
+        shape; converted to its dtype), reading only those bytes."""
+        h = self._handles[self.file_of[key]]
+        if isinstance(h, _Safetensors):
+            self.bytes_read += h.read_into(key, slices, dest)
+            return
+        t = h[key]
+        part = t[slices] if t.dim() else t
+        dest.copy_(part)
+        self.bytes_read += part.numel() * part.element_size()
+
     def close(self) -> None:
+        for h in self._handles.values():
+            if isinstance(h, _Safetensors):
+                h.close()
         self._handles.clear()
+
+
+class _Safetensors:
+    """One safetensors file read by slices with ``os.preadv`` (see the module docstring)."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        self._fd = os.open(file, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        try:
+            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            if not 0 < n <= size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(os.pread(self._fd, n, 8))
+            header.pop("__metadata__", None)
+            self.tensors: dict[str, tuple[Entry, int]] = {}  # key -> (entry, file offset of its first byte)
+            for key, h in header.items():
+                if h["dtype"] not in _DTYPES:
+                    raise ValueError(f"{key} has dtype {h['dtype']}, which autopar does not read (it reads "
+                                     f"{', '.join(_DTYPES)})")
+                e = Entry(tuple(h["shape"]), _DTYPES[h["dtype"]])
+                begin, end = h["data_offsets"]
+                if end - begin != _nbytes(e) or 8 + n + end > size:
+                    raise ValueError(f"{key}: data_offsets {begin}..{end} do not hold {e.shape} {h['dtype']}")
+                self.tensors[key] = (e, 8 + n + begin)
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            self.close()
+            raise WeightsError(f"{file} is not a safetensors file (what save_pretrained writes): "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    def read_into(self, key: str, slices: tuple[slice, ...], dest: torch.Tensor) -> int:
+        """Read ``key``'s slice into ``dest``; returns the bytes read."""
+        entry, begin = self.tensors[key]
+        item = torch.empty((), dtype=entry.dtype).element_size()
+        direct = dest.dtype == entry.dtype and dest.is_contiguous()
+        buf = dest if direct else torch.empty(dest.shape, dtype=entry.dtype)
+        if buf.numel() == 0:
+            return 0
+        flat = memoryview(buf.view(-1).view(torch.uint8).numpy())
+        pos = 0
+        for offset, count in _runs(entry.shape, slices):
+            n = count * item
+            _pread_exactly(self._fd, flat[pos: pos + n], begin + offset * item, self.file)
+            pos += n
+        assert pos == len(flat), f"internal: read {pos} bytes of a {len(flat)}-byte slice of {key}"
+        if not direct:
+            dest.copy_(buf)
+        return pos
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    __del__ = close  # a load that stopped at a refusal before WeightFiles.close() leaks no descriptor
+
+
+def _runs(shape: tuple[int, ...], slices: tuple[slice, ...]):
+    """(element offset, element count) of the contiguous runs of a row-major tensor's slice, in order."""
+    if not shape:
+        yield 0, 1
+        return
+    bounds = [s.indices(n)[:2] for s, n in zip(slices, shape)] + [(0, n) for n in shape[len(slices):]]
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    # the last dim not taken whole: everything inside it is one run per index of the dims before it
+    cut = max((d for d, (a, b) in enumerate(bounds) if (a, b) != (0, shape[d])), default=0)
+    a, b = bounds[cut]
+    count = (b - a) * strides[cut]
+    for index in itertools.product(*(range(lo, hi) for lo, hi in bounds[:cut])):
+        yield sum(i * st for i, st in zip(index, strides)) + a * strides[cut], count
+
+
+def _pread_exactly(fd: int, into: memoryview, offset: int, file: Path) -> None:
+    while len(into):
+        got = os.preadv(fd, [into], offset)
+        if got <= 0:
+            raise WeightsError(f"{file} ends before byte {offset}: the file is truncated")
+        into, offset = into[got:], offset + got
 
 
 def shard_files(entries: list[tuple[str, Entry]], max_bytes: int, stem: str, ext: str) -> dict[str, list[str]]:

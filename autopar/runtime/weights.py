@@ -9,11 +9,12 @@ is copied into the plan's shards. Invariants:
   the global tensor, ``DTensor.__create_chunk_list__``, the protocol DCP plans with); the bytes it
   read are counted and returned (``WeightsLoad.bytes_read``) beside what its slices hold at the
   source's dtype (``slice_bytes``);
-* safetensors are sliced directly (``safe_open(...).get_slice(key)[slices]``), not through
-  torch's ``HuggingFaceStorageReader``: that reader calls the same ``get_slice`` with the same
-  slices, so it reads the same bytes (measured equal per rank under dp=2 x tp=2 by
-  tests/test_weights.py), but it plans collectively over every rank and names neither a missing
-  nor an unexpected key nor a tie; direct slicing needs no collective;
+* safetensors are sliced directly, each slice read from the file straight into the local shard
+  (``WeightFiles.read_into``: no temporary unless the dtype differs, then one slice; nothing stays
+  mapped), not through torch's ``HuggingFaceStorageReader``: that reader slices with
+  ``safe_open(...).get_slice`` and reads the same bytes (measured equal per rank under
+  dp=2 x tp=2 by tests/test_weights.py), but it plans collectively over every rank and names
+  neither a missing nor an unexpected key nor a tie; direct slicing needs no collective;
 * a DCP folder is read by ``torch.distributed.checkpoint.load`` into the DTensors (its
   ``FileSystemReader`` reads each saved chunk that overlaps a slice whole: the slices when the
   checkpoint was saved sharded as this plan is, whole tensors when one device saved it);
@@ -278,7 +279,7 @@ def _load_slices(files: WeightFiles, held: dict[str, torch.Tensor], source_of: d
         if local.numel() == 0:
             continue
         offsets, sizes = _chunk(held[key])
-        local.copy_(files.read(src, tuple(slice(o, o + n) for o, n in zip(offsets, sizes))))
+        files.read_into(src, tuple(slice(o, o + n) for o, n in zip(offsets, sizes)), local)
     return files.bytes_read
 
 
