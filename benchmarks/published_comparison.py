@@ -99,6 +99,14 @@ from published_runs import RUNS_JSON, cluster_for, family, forced, plan_entry, r
 WITHIN = 0.15
 
 
+def free_layout(r: dict) -> str:
+    """The free plan's mesh, and its pipeline (stages, schedule, microbatches) where it has one."""
+    mesh = " ".join(f"{k}={v}" for k, v in r["free_mesh"].items())
+    if r["free_pp"] > 1:
+        return f"pp={r['free_pp']} {mesh} {r['free_schedule']} m={r['free_microbatches']}"
+    return f"{mesh} microbatches={r['free_microbatches']}"
+
+
 def print_free(rows: list[dict]) -> None:
     """The free plan (no constraint but precision) beside the published configuration forced."""
     print("\nfree plan (autopar.plan without constraints) vs the published configuration forced:")
@@ -109,9 +117,7 @@ def print_free(rows: list[dict]) -> None:
         if not r["free_ok"]:
             print(f"{r['id']:<36} {r['predicted']:8.1f} {'-':>8} {'-':>11}  NO PLAN: {r['free_error'][:90]}")
             continue
-        mesh = " ".join(f"{k}={v}" for k, v in r["free_mesh"].items())
-        pipe = (f"pp={r['free_pp']} {mesh} {r['free_schedule']} m={r['free_microbatches']}" if r["free_pp"] > 1
-                else f"{mesh} microbatches={r['free_microbatches']}")
+        pipe = free_layout(r)
         print(f"{r['id']:<36} {r['predicted']:8.1f} {r['free_predicted']:8.1f} {r['free_predicted'] / r['predicted']:11.3f}  "
               f"{pipe} ({r['free_plan_s']:.0f} s)")
     frees = [r for r in rows if r.get("free_ok")]
@@ -177,9 +183,7 @@ def print_free_checked(rows: list[dict]) -> None:
         if not r["free_ok"]:
             print(f"  {r['id']:<36} NO FREE PLAN: {r['free_error'][:90]}")
             continue
-        mesh = " ".join(f"{k}={v}" for k, v in r["free_mesh"].items())
-        pipe = (f"pp={r['free_pp']} {mesh} {r['free_schedule']} m={r['free_microbatches']}" if r["free_pp"] > 1
-                else f"{mesh} microbatches={r['free_microbatches']}")
+        pipe = free_layout(r)
         verdict, why = free_verdict(r, valid)
         counts[verdict] += 1
         print(f"  {r['id']:<36} forced {r['predicted']:6.1f} free {r['free_predicted']:6.1f} gain "
