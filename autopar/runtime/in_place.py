@@ -8,7 +8,10 @@ Invariants:
   built over ``model.parameters()`` before the first call holds the planned parameters). So
   ``model.state_dict()`` is ``pm.state_dict()`` (DCP-ready DTensors) and an optimizer over
   ``model.parameters()`` trains what the plan trains. A pipeline stage holds only its own
-  parameters (as ``pm`` does); experts the plan stacks appear in ``pm.state_dict()`` only;
+  parameters (as ``pm`` does); experts the plan stacks leave the module tree (its loop still
+  iterates the expert modules) and ``model.state_dict()`` holds their stacked DTensors under the
+  stacked keys ``P.*.suffix``, as ``pm.state_dict()`` does (``_save_with_stacked``; per-expert
+  keys: ``autopar.save_weights`` or ``export_module``);
 * the original full tensors live only in the compile builder's ``source`` (a shallow copy of the
   module tree, what ``ParamStore`` takes its shards from), released once the plan is attached:
   afterwards no full copy of a sharded parameter is left in the process;
@@ -153,7 +156,24 @@ def _in_place_class(cls: type) -> type:
         return self.__dict__[_PM].load_state_dict(state_dict, strict=strict, assign=assign)
 
     return type("Autopar" + cls.__name__, (cls,), {"forward": forward, "load_state_dict": load_state_dict,
+                                                   "_save_to_state_dict": _save_with_stacked,
                                                    "__module__": cls.__module__, "_autopar_original_class": cls})
+
+
+def _save_with_stacked(self, destination, prefix, keep_vars):
+    """The root's own entries, then the experts the plan stacks, under their stacked keys
+    (``P.*.suffix``, as ``pm.state_dict()`` holds them: DCP-ready DTensors, loadable back through
+    ``load_state_dict`` and ``autopar.load_weights``): the module tree holds no per-expert
+    parameter any more, and none is silently missing from ``model.state_dict()``."""
+    super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
+    pm = self.__dict__.get(_PM)
+    state = getattr(pm, "_state", None) if pm is not None else None  # None until the plan's shards exist
+    if state is None or not _holds_dtensors(self):
+        return
+    for fqn in pm._traced.stacked:
+        if state.holds(fqn):
+            t = state.params[fqn]
+            destination[prefix + fqn] = t if keep_vars else t.detach()
 
 
 def _holds_dtensors(model: torch.nn.Module) -> bool:
