@@ -23,13 +23,21 @@ is copied into the plan's shards. Invariants:
   one ``WeightsError``, raised on every rank (``strict=False`` returns the missing and unexpected
   keys instead; a shape mismatch is always an error);
 * ZeRO-1/2 parameters, loaded into their optimizer shard, are gathered whole again afterwards.
+* experts the plan stacks into one parameter (``autopar.stack_experts``: ``P.*.suffix`` holds
+  members ``P.0.suffix`` ..., row ``i`` member ``i``) load from their per-expert keys, as the
+  one-device model and Hugging Face checkpoints hold them: member ``i``'s slice of the other dims
+  fills row ``i`` of the local shard where this rank holds that row (``_load_rows``: only those
+  bytes are read); or from the stacked key itself (``pm.state_dict()``, ``model.state_dict()``
+  of the module sharded in place, a DCP checkpoint of either). A DCP checkpoint with per-expert
+  keys is refused (DCP cannot fill a row).
 
 ``save_weights(pm, path)``: the full weights written by rank 0, gathered one tensor at a time
 (``DTensor.full_tensor()`` on the ranks holding it; every rank takes part), so that no rank holds
 more than its shards plus one full tensor. Pipeline stages: each tensor is gathered over the
 stage that holds it and its first rank sends it to rank 0 (point to point, in one agreed order),
 so one writer writes every file. Tied tensors are written once under the first key, as
-``save_pretrained`` does; formats: ``"safetensors"`` (what ``from_pretrained`` reads, with the
+``save_pretrained`` does; a stacked expert is written under each member's key (its row; the
+stacked parameter gathered once for all its rows); formats: ``"safetensors"`` (what ``from_pretrained`` reads, with the
 model's ``config.json`` where it has a Hugging Face config) and ``"torch"`` (one
 ``torch.save``-able state dict file, as ``model.state_dict()`` holds it, ties included).
 """
@@ -229,8 +237,8 @@ def _match(pm, held: dict[str, torch.Tensor], entries: dict[str, Entry]) -> _Mat
         present = [k for k in members if k in entries]
         if not present:
             missing.extend(members)
-        else:
-            tied.extend(k for k in members if k not in entries)
+        else:  # (the members of a stacked parameter the source holds whole are not ties)
+            tied.extend(k for k in members if k not in entries and target[k] not in pm._traced.stacked)
     unexpected = [k for k in entries if k not in target]
     source_of, rows_of, shapes, seen = {}, {}, [], set()
     for key, t in held.items():
