@@ -12,7 +12,10 @@ Invariants:
   ``torch.distributed.pipelining``'s convention): ``model.state_dict()`` is this stage's DTensors,
   the union over the stages is the whole model (a tied parameter in each stage using it), and
   ``load_weights(model, ...)`` fills each stage's; the names the module had are kept (``_Tree``),
-  for ``_eager`` and ``export_module``. Experts the plan stacks appear in ``pm.state_dict()`` only;
+  for ``_eager`` and ``export_module``. Experts the plan stacks leave the module tree (its loop
+  still iterates the expert modules) and ``model.state_dict()`` holds their stacked DTensors under
+  the stacked keys ``P.*.suffix``, as ``pm.state_dict()`` does (``_save_with_stacked``; per-expert
+  keys: ``autopar.save_weights`` or ``export_module``);
 * the original full tensors live only in the compile builder's ``source`` (a shallow copy of the
   module tree, what ``ParamStore`` takes its shards from), released once the plan is attached:
   afterwards no full copy of a sharded parameter is left in the process;
@@ -193,7 +196,39 @@ def _in_place_class(cls: type) -> type:
         return self.__dict__[_PM].load_state_dict(state_dict, strict=strict, assign=assign)
 
     return type("Autopar" + cls.__name__, (cls,), {"forward": forward, "load_state_dict": load_state_dict,
+                                                   "_save_to_state_dict": _save_with_stacked,
+                                                   "named_parameters": _named_parameters_with_stacked,
                                                    "__module__": cls.__module__, "_autopar_original_class": cls})
+
+
+def _save_with_stacked(self, destination, prefix, keep_vars):
+    """The root's own entries, then the experts the plan stacks, under their stacked keys
+    (``P.*.suffix``, as ``pm.state_dict()`` holds them: DCP-ready DTensors, loadable back through
+    ``load_state_dict`` and ``autopar.load_weights``): the module tree holds no per-expert
+    parameter any more, and none is silently missing from ``model.state_dict()``."""
+    super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
+    for fqn, t in _stacked_held(self):
+        destination[prefix + fqn] = t if keep_vars else t.detach()
+
+
+def _stacked_held(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(stacked key, DTensor) of the experts the plan stacks that this rank holds; none until the
+    plan's shards exist."""
+    pm = model.__dict__.get(_PM)
+    state = getattr(pm, "_state", None) if pm is not None else None
+    if state is None or not pm._traced.stacked or not _holds_dtensors(model):
+        return []
+    return [(fqn, state.params[fqn]) for fqn in pm._traced.stacked if state.holds(fqn)]
+
+
+def _named_parameters_with_stacked(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    """The module's parameters, then the experts the plan stacks (``P.*.suffix``, as
+    ``pm.named_parameters()`` names them): ``model.parameters()`` feeds an optimizer that trains
+    every parameter the plan trains (the module tree holds no per-expert parameter any more)."""
+    yield from super(type(self), self).named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+    if recurse:
+        for fqn, t in _stacked_held(self):
+            yield (f"{prefix}.{fqn}" if prefix else fqn), t
 
 
 def _holds_dtensors(model: torch.nn.Module) -> bool:

@@ -12,8 +12,10 @@ the same tensors in the same order, so the collectives and sends match: no rank 
 shards plus the full tensors its caller keeps.
 
 ``export_plan(pm)``: the ordered list ``save_weights`` writes (the model's ``state_dict`` order, one
-key per tied group: the first, as ``save_pretrained`` keeps it), each with its owner; ``gather_one``
-fetches one item to rank 0.
+key per tied group: the first, as ``save_pretrained`` keeps it; an expert the plan stacks under its
+own key, as the one-device model holds it, the rows of one stacked parameter next to each other),
+each with its owner; ``gather_one`` fetches one item to rank 0 (a stacked parameter once for all
+its rows).
 """
 from __future__ import annotations
 
@@ -91,6 +93,8 @@ class ExportItem:
     key: str
     entry: Entry  # the shape and the dtype written
     owner: Owner  # where it lives, at the dtype the model holds (what is gathered and sent)
+    stacked: str | None = None  # an expert the plan stacks: its stacked parameter is gathered ...
+    row: int | None = None  # ... and this row written under ``key``
 
     @property
     def ranks(self) -> tuple[int, ...]:  # the ranks gathering it (one stage's); ranks[0] sends it to rank 0
@@ -118,21 +122,55 @@ def export_plan(pm, dtype: torch.dtype | None = None) -> ExportPlan:
     name_of = {}  # tensor name -> the key written: the first state_dict key holding it
     for key in pm._model_keys:
         name_of.setdefault(canon.get(key, key), key)
-    where = owners(pm, {key: t for key, t in held.items() if first_of.get(id(t)) == key})
+    mine = {key: t for key, t in held.items() if first_of.get(id(t)) == key}
+    mine.update((fqn, held[fqn]) for fqn in pm._traced.stacked if fqn in held)
+    where = owners(pm, mine)
+    row_of = {m: (fqn, i) for fqn, members in pm._traced.stacked.items() for i, m in enumerate(members)}
     items = []
     for key in pm._model_keys:
         if name_of[canon.get(key, key)] != key:
             continue
-        assert key in where, f"internal: no rank holds {key}"
-        o = where[key]
+        stacked, row = row_of.get(key, (None, None))
+        o = where.get(stacked or key)
+        assert o is not None, f"internal: no rank holds {stacked or key}"
+        shape = o.shape[1:] if stacked is not None else o.shape
         written = dtype if dtype is not None and o.dtype.is_floating_point else o.dtype
-        items.append(ExportItem(key, Entry(o.shape, written), o))
+        items.append(ExportItem(key, Entry(shape, written), o, stacked, row))
+    items = _rows_together(items)
     aliases = {k: name_of[canon.get(k, k)] for k in pm._model_keys if name_of[canon.get(k, k)] != k}
     return ExportPlan(items, aliases, list(pm._model_keys))
 
 
-def gather_one(held: dict[str, torch.Tensor], item: ExportItem, rank: int, device) -> torch.Tensor | None:
+def _rows_together(items: list[ExportItem]) -> list[ExportItem]:
+    """``items`` with each stacked parameter's rows moved up to its first row (the state_dict order
+    interleaves experts' weights), so that it is gathered once and dropped before the next."""
+    out, rows = [], {}
+    for item in items:
+        if item.stacked is None:
+            out.append([item])
+        elif item.stacked not in rows:
+            rows[item.stacked] = [item]
+            out.append(rows[item.stacked])
+        else:
+            rows[item.stacked].append(item)
+    return [i for group in out for i in group]
+
+
+def gather_one(held: dict[str, torch.Tensor], item: ExportItem, rank: int, device,
+               cache: dict | None = None) -> torch.Tensor | None:
     """``item``'s full tensor on rank 0 (on CPU), None elsewhere; every rank calls it in plan order.
-    ``held``: this rank's ``pm.state_dict(keep_vars=True)``."""
-    full = fetch_whole(held.get(item.key), item.owner, rank, device, to=0)
+    ``held``: this rank's ``pm.state_dict(keep_vars=True)``. A stacked expert's row: its stacked
+    parameter is fetched once and kept in ``cache`` (one at a time, on every rank: None where it
+    did not arrive) for the rows that follow."""
+    name = item.stacked or item.key
+    if cache is not None and name in cache:
+        full = cache[name]
+    else:
+        full = fetch_whole(held.get(name), item.owner, rank, device, to=0)
+        if cache is not None:
+            cache.clear()
+            if item.stacked is not None:
+                cache[name] = full
+    if full is not None and item.row is not None:
+        full = full[item.row]
     return full.cpu() if full is not None else None

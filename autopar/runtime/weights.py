@@ -24,13 +24,21 @@ is copied into the plan's shards. Invariants:
   one ``WeightsError``, raised on every rank (``strict=False`` returns the missing and unexpected
   keys instead; a shape mismatch is always an error);
 * ZeRO-1/2 parameters, loaded into their optimizer shard, are gathered whole again afterwards.
+* experts the plan stacks into one parameter (``autopar.stack_experts``: ``P.*.suffix`` holds
+  members ``P.0.suffix`` ..., row ``i`` member ``i``) load from their per-expert keys, as the
+  one-device model and Hugging Face checkpoints hold them: member ``i``'s slice of the other dims
+  fills row ``i`` of the local shard where this rank holds that row (``_load_rows``: only those
+  bytes are read); or from the stacked key itself (``pm.state_dict()``, ``model.state_dict()``
+  of the module sharded in place, a DCP checkpoint of either). A DCP checkpoint with per-expert
+  keys is refused (DCP cannot fill a row).
 
 ``save_weights(pm, path)``: the full weights written by rank 0, gathered one tensor at a time
 (``DTensor.full_tensor()`` on the ranks holding it; every rank takes part), so that no rank holds
 more than its shards plus one full tensor. Pipeline stages: each tensor is gathered over the
 stage that holds it and its first rank sends it to rank 0 (point to point, in one agreed order),
 so one writer writes every file. Tied tensors are written once under the first key, as
-``save_pretrained`` does; formats: ``"safetensors"`` (what ``from_pretrained`` reads, with the
+``save_pretrained`` does; a stacked expert is written under each member's key (its row; the
+stacked parameter gathered once for all its rows); formats: ``"safetensors"`` (what ``from_pretrained`` reads, with the
 model's ``config.json`` where it has a Hugging Face config) and ``"torch"`` (one
 ``torch.save``-able state dict file, as ``model.state_dict()`` holds it, ties included).
 """
@@ -81,7 +89,6 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     """
     pm = _parallel_model(pm)
     pm._require_plan("load_weights")
-    _refuse_stacked(pm, "load_weights", "pm.load_state_dict(full_state_dict) (it stacks the per-expert tensors)")
     kind = _source_kind(source)
     held = _held(pm)
     files, entries, others, problem = None, {}, [], None
@@ -109,12 +116,18 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     _raise_everywhere(match.problems(strict), "the weights do not fit the model",
                       ". Pass strict=False to load what fits and get the missing and unexpected keys back"
                       if match.missing or match.unexpected else "")
+    # a stage without experts matches no rows: raised on every rank, none goes on into dcp.load alone
+    _raise_everywhere([f"it holds the experts the plan stacks one key per expert ({next(m for m in next(iter(match.rows_of.values())) if m)} "
+                       "...), which a DCP checkpoint cannot fill row by row; load them from safetensors or a torch "
+                       "state dict, or save the DCP checkpoint from pm.state_dict() (it holds the stacked parameters)"]
+                      if kind == "dcp" and match.rows_of else [], f"{source}")
     if kind == "dcp":
         from autopar.runtime.weight_dcp import load_dcp
 
         bytes_read = load_dcp(Path(source), {k: (held[k], src) for k, src in match.source_of.items()}, entries)
     else:
         try:
+            _load_rows(files, held, match.rows_of)
             bytes_read = _load_slices(files, held, match.source_of)
         except Exception as exc:  # noqa: BLE001 - a damaged file met on one rank: every rank raises
             problem = f"{type(exc).__name__}: {exc}"
@@ -122,20 +135,12 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
             files.close()
         _raise_everywhere([problem] if problem else [], f"reading {files.path} failed")
     pm._after_state_load()  # ZeRO-1/2: the optimizer shards were written; gather them whole again
-    slice_bytes = sum(_local_numel(held[k]) * _itemsize(entries[s].dtype) for k, s in match.source_of.items())
-    converted = {k: (str(entries[s].dtype), str(held[k].dtype)) for k, s in match.source_of.items()
+    firsts = {**match.source_of, **{k: next(m for m in ms if m is not None) for k, ms in match.rows_of.items()}}
+    slice_bytes = sum(_local_numel(held[k]) * _itemsize(entries[s].dtype) for k, s in firsts.items())
+    converted = {k: (str(entries[s].dtype), str(held[k].dtype)) for k, s in firsts.items()
                  if entries[s].dtype != held[k].dtype}
-    return WeightsLoad(kind, tuple(match.source_of), tuple(match.tied), tuple(match.missing) if not strict else (),
+    return WeightsLoad(kind, tuple(firsts), tuple(match.tied), tuple(match.missing) if not strict else (),
                        tuple(match.unexpected) if not strict else (), bytes_read, slice_bytes, converted)
-
-
-def _refuse_stacked(pm, what: str, instead: str) -> None:
-    """Experts the plan stacked into one parameter (``autopar.stack_experts``) are not sliced per
-    expert here yet: refused, naming the way that works."""
-    if pm._traced.stacked:
-        fqn, members = next(iter(pm._traced.stacked.items()))
-        raise WeightsError(f"{what}: the plan stacks experts into one parameter ({fqn} holds {members[0]} ...), which "
-                           f"{what} does not map to per-expert keys yet; use {instead}")
 
 
 def _source_kind(source: Any) -> str:
@@ -188,6 +193,7 @@ class _Match:
     missing: list[str]
     unexpected: list[str]
     shapes: list[str]
+    rows_of: dict[str, tuple[str | None, ...]] = field(default_factory=dict)  # stacked key -> each row's source key
 
     def problems(self, strict: bool) -> list[str]:
         out = list(self.shapes)
@@ -205,26 +211,52 @@ def _tie_hint(missing: list[str]) -> str:
     return ""
 
 
+def _targets(pm, entries: dict[str, Entry]) -> dict[str, object]:
+    """Every key of the model (all stages) -> what it fills: the name of the tensor it holds (tied
+    keys: one name), or ``(stacked fqn, row)`` for an expert the plan stacks (``autopar.stack_experts``:
+    member ``i`` is row ``i``). A source holding a stacked parameter whole under its own key
+    (``pm.state_dict()``'s, a DCP checkpoint of it) fills it as any tensor: its members then map to it."""
+    canon = pm._param_of_key
+    out = {key: canon.get(key, key) for key in pm._model_keys}
+    for fqn, members in pm._traced.stacked.items():
+        for i, member in enumerate(members):
+            out[member] = fqn if fqn in entries else (fqn, i)
+        if fqn in entries:
+            out[fqn] = fqn
+    return out
+
+
 def _match(pm, held: dict[str, torch.Tensor], entries: dict[str, Entry]) -> _Match:
-    """Which source key fills each held tensor; what the whole model (every stage) misses, what the
-    source has beyond it, and the shapes that differ on this rank."""
-    canon = pm._param_of_key  # every key of the model (all stages) -> the name of the tensor it holds
-    groups: dict[str, list[str]] = {}
-    for key in pm._model_keys:
-        groups.setdefault(canon.get(key, key), []).append(key)
+    """Which source key fills each held tensor (a stacked one: which fills each row); what the whole
+    model (every stage) misses, what the source has beyond it, and the shapes that differ on this rank."""
+    target = _targets(pm, entries)
+    groups: dict[object, list[str]] = {}
+    for key, t in target.items():
+        groups.setdefault(t, []).append(key)
     missing, tied = [], []
     for members in groups.values():
         present = [k for k in members if k in entries]
         if not present:
             missing.extend(members)
-        else:
-            tied.extend(k for k in members if k not in entries)
-    unexpected = [k for k in entries if k not in canon and k not in pm._model_keys]
-    source_of, shapes, seen = {}, [], set()
+        else:  # (the members of a stacked parameter the source holds whole are not ties)
+            tied.extend(k for k in members if k not in entries and target[k] not in pm._traced.stacked)
+    unexpected = [k for k in entries if k not in target]
+    source_of, rows_of, shapes, seen = {}, {}, [], set()
     for key, t in held.items():
         if id(t) in seen:
             continue
-        members = groups.get(canon.get(key, key), [key])
+        if key in pm._traced.stacked and key not in entries:  # one source key per row
+            seen.add(id(t))
+            rows = tuple(next((k for k in groups.get((key, i), []) if k in entries), None)
+                         for i in range(len(pm._traced.stacked[key])))
+            bad = [f"{src} has shape {tuple(entries[src].shape)} in the source, {tuple(t.shape[1:])} in the model "
+                   f"(row {i} of {key})" for i, src in enumerate(rows)
+                   if src is not None and tuple(entries[src].shape) != tuple(t.shape[1:])]
+            shapes.extend(bad)
+            if not bad and any(r is not None for r in rows):
+                rows_of[key] = rows
+            continue
+        members = groups.get(target.get(key, key), [key])
         src = key if key in entries else next((k for k in members if k in entries), None)
         if src is None:
             continue
@@ -233,7 +265,7 @@ def _match(pm, held: dict[str, torch.Tensor], entries: dict[str, Entry]) -> _Mat
             shapes.append(f"{src} has shape {tuple(entries[src].shape)} in the source, {tuple(t.shape)} in the model")
             continue
         source_of[key] = src
-    return _Match(source_of, sorted(tied), missing, unexpected, shapes)
+    return _Match(source_of, sorted(tied), missing, unexpected, shapes, rows_of)
 
 
 def _raise_everywhere(problems: list[str], what: str, fix: str = "") -> None:
@@ -283,6 +315,21 @@ def _load_slices(files: WeightFiles, held: dict[str, torch.Tensor], source_of: d
     return files.bytes_read
 
 
+@torch.no_grad()
+def _load_rows(files: WeightFiles, held: dict[str, torch.Tensor], rows_of: dict[str, tuple[str | None, ...]]) -> None:
+    """Stacked experts: member ``i``'s slice of the other dims into row ``i`` of the local shard, for
+    the rows this rank holds (only those members, only those slices, are read)."""
+    for key, rows in rows_of.items():
+        local = _local(held[key])
+        if local.numel() == 0:
+            continue
+        offsets, sizes = _chunk(held[key])
+        rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:]))
+        for i in range(offsets[0], offsets[0] + sizes[0]):
+            if rows[i] is not None:
+                local[i - offsets[0]].copy_(files.read(rows[i], rest))
+
+
 def _parallel_model(model):
     """The ``ParallelModel`` behind ``model``: itself, or the one the user's module (sharded in
     place by ``autopar.compile``) runs."""
@@ -313,7 +360,6 @@ def save_weights(pm, path: str | os.PathLike, *, format: str = "safetensors", ma
 
     pm = _parallel_model(pm)
     pm._require_plan("save_weights")
-    _refuse_stacked(pm, "save_weights", "pm.full_state_dict() (per-expert keys, gathered on every rank)")
     if format not in ("safetensors", "torch"):
         raise WeightsError(f"save_weights: format={format!r}; the formats are 'safetensors' (Hugging Face) and 'torch'")
     limit = parse_size(max_shard_size)
@@ -322,14 +368,16 @@ def save_weights(pm, path: str | os.PathLike, *, format: str = "safetensors", ma
     writer = _Writer(Path(path), format, plan, limit, config if config is not None else _hf_config(pm)) if rank == 0 else None
     failure = writer.failure if writer is not None else None
     held = _held(pm)
+    cache: dict = {}  # a stacked parameter, gathered once for its experts' rows (weight_export.gather_one)
     for item in plan.items:
-        full = gather_one(held, item, rank, pm._device)
+        full = gather_one(held, item, rank, pm._device, cache)
         if writer is not None and full is not None and failure is None:
             try:
                 writer.write(item.key, full.to(item.entry.dtype))
             except Exception as exc:  # noqa: BLE001 - the others keep gathering; raised after, on every rank
                 failure = f"writing {item.key}: {type(exc).__name__}: {exc}"
         del full
+    cache.clear()
     if writer is not None and failure is None:
         try:
             writer.close()
