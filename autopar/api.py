@@ -101,6 +101,9 @@ def _check_solver(solver: Any) -> None:
     t = solver.time_limit_s
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
         raise ConstraintError(f"SolverConfig.time_limit_s must be a positive number of seconds, got {t!r}")
+    g = solver.proof_gap
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < 1:
+        raise ConstraintError(f"SolverConfig.proof_gap must be a relative gap in [0, 1) (e.g. 1e-3: 0.1%), got {g!r}")
     if isinstance(solver.threads, bool) or not isinstance(solver.threads, int) or solver.threads < 1:
         raise ConstraintError(f"SolverConfig.threads must be an integer >= 1, got {solver.threads!r}")
     if not isinstance(solver.backend, str) or not solver.backend:

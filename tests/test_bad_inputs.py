@@ -189,6 +189,8 @@ def test_bad_solver_and_device_type():
         _plan(solver="fast")
     with pytest.raises(ConstraintError, match=r"SolverConfig\.time_limit_s must be a positive number of seconds, got -1"):
         _plan(solver=autopar.SolverConfig(time_limit_s=-1))
+    with pytest.raises(ConstraintError, match=r"SolverConfig\.proof_gap must be a relative gap in \[0, 1\).*got 5"):
+        _plan(solver=autopar.SolverConfig(proof_gap=5))
     with pytest.raises(ConstraintError, match=r"device_type must be 'cpu', 'cuda' or None.*'tpu'"):
         _plan(device_type="tpu")
 

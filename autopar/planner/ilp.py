@@ -52,7 +52,13 @@ more, ``solve`` runs:
    1 s, 100-500 took 0.4-20 s). Otherwise the plan is reported as FEASIBLE with its gap to ``z``
    (an upper bound on the true gap; where the proof was run, the heuristic's plan was the
    optimum in 17 of 20 problems), and ``Solution.prove`` runs the proof later: the search runs
-   it for the plan it chose, up to ``SolverConfig.prove_best_limit``.
+   it for the plan it chose, up to ``SolverConfig.prove_best_limit``. The proof MIP stops, OPTIMAL,
+   once its plan is within ``SolverConfig.proof_gap`` (0.1%, relative) of its bound, as MIP
+   solvers define optimal (OR-Tools' default stop is 0.01%). Proving the last 0.1% can stall: on
+   T5 (``examples/real_models.py``, dp=2 x tp=2) the plan lay 0.07% above ``z`` and CBC's bound
+   stayed at ``z`` through 70,000 nodes to the 20 s time limit (the overlap maxima: many LP mixes
+   reach ``z``), so the candidate's result depended on the machine's load; with the 0.1% stop the
+   proof ends at its root. The cost model's own error is far above 0.1%.
 
 Every step is deterministic (one thread, no time-dependent stop unless the time limit is hit,
 which the Solution records), so planning twice gives the same plan.
@@ -90,9 +96,11 @@ class SolverConfig:
     """``time_limit_s``: per MIP solve; a solve stopped by it is reported (status FEASIBLE, gap)
     and, unlike one that ends proven optimal, need not give the same plan on every run.
     ``reduced_cost_fixing``: the LP pass before the MIP (module docstring); off, every model is
-    solved as one MIP. ``prove_limit``: the LP pass proves a plan optimal when the proof MIP's
-    columns x relative gap to the LP bound is at most this (0: always); otherwise the plan is
-    reported with that gap (FEASIBLE). ``prove_best_limit``: the search proves the plan it
+    solved as one MIP. ``proof_gap``: the proof MIP (module docstring) ends, OPTIMAL, once its
+    plan is at most this far (relative) above its bound (0: exactly optimal). ``prove_limit``: the
+    LP pass proves a plan optimal when the proof MIP's columns x relative gap to the LP bound is at
+    most this (0: always); otherwise the plan is reported with that gap (FEASIBLE).
+    ``prove_best_limit``: the search proves the plan it
     chose (only that one) up to this effort. ``planner_threads``: threads the search runs its
     independent attempts on (None: ``AUTOPAR_PLANNER_THREADS``, else one per CPU; the plan does not
     depend on it)."""
@@ -104,6 +112,7 @@ class SolverConfig:
     reduced_cost_fixing: bool = True
     prove_limit: float = 60.0
     prove_best_limit: float = 250.0
+    proof_gap: float = 1e-3
     planner_threads: int | None = field(default=None, repr=False, compare=False)
 
 
@@ -201,6 +210,7 @@ class _MipResult:
     value: float
     bound: float
     solve_s: float
+    nodes: int = 0  # branch-and-bound nodes the solver explored (deterministic: a measure of work)
 
 
 _QUIET_LOCK = threading.Lock()
@@ -240,21 +250,26 @@ def _quiet_stdout(active: bool):
                 _QUIET_STATE.update(saved=-1, null=-1)
 
 
-def _run_mip(md: IlpModel, keep, config: SolverConfig) -> _MipResult:
-    """Solve the model (the ``keep`` columns of it) as a MIP with ``config``'s backend and limits."""
+def _run_mip(md: IlpModel, keep, config: SolverConfig, relative_gap: float | None = None) -> _MipResult:
+    """Solve the model (the ``keep`` columns of it) as a MIP with ``config``'s backend and limits
+    (and the solver's stop at ``relative_gap``, where given; OR-Tools' default is 1e-4)."""
     solver, cols = _instantiate(md, config.backend, keep)
     solver.SetTimeLimit(int(config.time_limit_s * 1000))
     solver.SetNumThreads(int(config.threads))
+    params = pywraplp.MPSolverParameters()
+    if relative_gap is not None:
+        params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, relative_gap)
     t = time.perf_counter()
     with _quiet_stdout(config.backend == "HIGHS"), solver_running():
-        status = solver.Solve()
+        status = solver.Solve(params)
     solve_s = time.perf_counter() - t
+    nodes = int(solver.nodes())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        return _MipResult(status, None, np.inf, -np.inf, solve_s)
+        return _MipResult(status, None, np.inf, -np.inf, solve_s, nodes)
     values, _, value, bound = _results(solver, cols, len(md.lb))
     choice = _choice_of(md, values)
     bound = value if status == pywraplp.Solver.OPTIMAL else bound
-    return _MipResult(status, choice, value, bound, solve_s)
+    return _MipResult(status, choice, value, bound, solve_s, nodes)
 
 
 def _choice_of(md: IlpModel, values: np.ndarray) -> dict[str, int]:
@@ -417,7 +432,7 @@ def _solve_lp_first(md: IlpModel, problem: Problem, budget_bytes: float | None, 
     gap = (value - z) / value if value > 0 else 0.0
 
     def proof():
-        p = _run_mip(md, keep, config)
+        p = _run_mip(md, keep, config, config.proof_gap)
         if p.status == pywraplp.Solver.INFEASIBLE:
             return choice, value, value, True, hit_limit, lp_s, 0  # nothing beats the incumbent
         best_choice, best_value = (p.choice, p.value) if p.choice is not None and p.value < value else (choice, value)
