@@ -133,7 +133,9 @@ class Baseline:
 
 @dataclass(frozen=True)
 class SolverReport:
-    """How the ILP of the chosen plan ended. ``status``: OPTIMAL (proven) or FEASIBLE; ``gap``:
+    """How the ILP of the chosen plan ended. ``status``: OPTIMAL (proven to within
+    ``SolverConfig.proof_gap`` of the best bound, 0.1% by default; ``proof_gap=0``: exactly) or
+    FEASIBLE; ``gap``:
     (objective - bound) / objective, where ``bound_s`` is the best lower bound the solver proved
     (the LP relaxation's, when the proof MIP did not run); ``stopped``: why it stopped —
     "optimal", "time limit" (``SolverConfig.time_limit_s``: another run may differ) or "proof
