@@ -203,7 +203,7 @@ class _Safetensors:
         return pos
 
     def close(self) -> None:
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:  # (None, or never set where os.open failed)
             os.close(self._fd)
             self._fd = None
 

@@ -327,7 +327,7 @@ def _load_rows(files: WeightFiles, held: dict[str, torch.Tensor], rows_of: dict[
         rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:]))
         for i in range(offsets[0], offsets[0] + sizes[0]):
             if rows[i] is not None:
-                local[i - offsets[0]].copy_(files.read(rows[i], rest))
+                files.read_into(rows[i], rest, local[i - offsets[0]])  # straight into the row, as _load_slices
 
 
 def _parallel_model(model):
