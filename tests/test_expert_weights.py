@@ -68,6 +68,12 @@ def expert_worker(root: str, layouts: list[dict]) -> list[dict]:
         autopar.save_weights(model, folder)
         autopar.save_weights(pm, path, format="torch")
         full = pm.full_state_dict()
+        # back to one device with the experts unstacked, and the eager forward of a batch of another shape
+        plain = autopar.export_module(model)
+        r["export_err"] = max(_rel(plain.state_dict()[k], v) for k, v in full.items())
+        with torch.no_grad():
+            got, want = torch.utils._pytree.tree_leaves(model(x[:1])), torch.utils._pytree.tree_leaves(plain(x[:1]))
+            r["eager_err"] = max(_rel(a, b) for a, b in zip(got, want, strict=True))
         dist.barrier()
         if rank == 0:
             from safetensors.torch import load_file
@@ -135,6 +141,8 @@ def test_stacked_experts_load_train_and_export_per_expert(expert_results, index)
         assert set(stacked) <= set(r["module_keys"]) and not members & set(r["module_keys"]), (label, r["module_keys"])
         assert r["module_rows_err"] == 0.0, (label, rank, r["module_rows_err"])
         assert r["params_missing"] == [], (label, rank, r["params_missing"])
+        assert r["export_err"] == 0.0, (label, rank, r["export_err"])
+        assert r["eager_err"] <= TOL, (label, rank, r["eager_err"])
     for name in ("safetensors", "torch"):
         assert r0[f"{name}_keys"], (label, name)
         assert r0[f"{name}_err"] == 0.0, (label, name, r0[f"{name}_err"])

@@ -284,14 +284,25 @@ class _Whole:
 
             self.owners = owners(pm, self.held)  # one all-gather of what each rank holds
         self.row_of = {m: (fqn, i) for fqn, members in pm._traced.stacked.items() for i, m in enumerate(members)}
+        # stacked parameters fetched whole, kept for their other rows until a name that is no expert's
+        # row is fetched (the experts of one layer run, and are listed, together): one gather per
+        # stacked parameter, not one per row; the same names in the same order on every rank, so the
+        # same fetches
+        self._stacked: dict[str, tuple[torch.Tensor | None, bool]] = {}
 
     def fetch(self, name: str) -> tuple[torch.Tensor | None, bool]:
         """(the full tensor, whether it trains); it may share storage with this rank's shard. None
         for a name no rank holds (the plan dropped it: the model had it, its traced program did not)."""
         if name in self.row_of:
             fqn, i = self.row_of[name]
-            full, grad = self.fetch(fqn)
+            if fqn not in self._stacked:
+                self._stacked[fqn] = self._fetch(fqn)
+            full, grad = self._stacked[fqn]
             return (full[i].clone() if full is not None else None), grad
+        self._stacked.clear()
+        return self._fetch(name)
+
+    def _fetch(self, name: str) -> tuple[torch.Tensor | None, bool]:
         t = self.held.get(name)
         if self.owners is None:
             if t is None:
@@ -314,7 +325,8 @@ class _Whole:
 def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     """The original forward, eagerly, under ``no_grad``: each module's own parameters and buffers
     are gathered whole as it is called and put back when it returns (as FSDP unshards one module at
-    a time: at most one module's parameters whole beyond the shards), so every op runs on plain
+    a time: at most one module's parameters whole beyond the shards; experts the plan stacks: their
+    layer's stacked tensors, while its experts run), so every op runs on plain
     tensors; a DTensor used outside its module meets plain tensors as replicated
     (``implicit_replication``). Under a pipeline plan a module's entries another stage holds (which
     this rank's tree lacks, ``adopt``) are fetched from that stage the same way (by the names
