@@ -12,5 +12,4 @@ def eliminate_dead_code_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
     """Guarantees: no node whose value is unused (placeholders kept). Why: resharding and
     localisation can orphan nodes; dead collectives would still communicate."""
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     return gm

@@ -24,5 +24,4 @@ def expert_dispatch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         axis = region_expert_axis(node, ins, ctx.mesh_shape)
         if axis is not None:
             node.kwargs = {**node.kwargs, "expert_axis": axis}
-    gm.recompile()
     return gm

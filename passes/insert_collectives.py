@@ -108,5 +108,4 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
 
         new_args, new_kwargs = pytree.tree_map(visit, (node.args, node.kwargs))
         node.args, node.kwargs = tuple(new_args), dict(new_kwargs)
-    gm.recompile()
     return gm

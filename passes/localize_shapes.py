@@ -70,5 +70,4 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             args = list(node.args)
             args[2] = local[dim : dim + len(sizes)]
             node.args = tuple(args)
-    gm.recompile()
     return gm

@@ -84,5 +84,4 @@ def outline_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             setattr(split, name, Checkpointed(child))
             wrapped.append(name)
     split.meta[RECOMPUTE_KEY] = tuple(wrapped)
-    split.recompile()
     return split

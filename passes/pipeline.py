@@ -1,4 +1,9 @@
-"""The ordered pass list and its runner: lint and verify after every pass, name the culprit."""
+"""The ordered pass list and its runner: lint and verify after every pass, name the culprit.
+
+A pass edits ``gm.graph`` (and ``gm.meta``) and returns the module; it does not regenerate the
+module's Python code: ``run_passes`` does that once, after the last pass (``recompile`` is linear in
+the graph and cost about as much as all the passes' rewriting together, once per pass).
+"""
 from __future__ import annotations
 
 from typing import Callable
@@ -44,4 +49,5 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None) -> fx.GraphMod
             gm.graph.lint()
         except Exception as exc:  # noqa: BLE001 - re-raised with the pass named
             raise PassError(f"pass {p.__name__} failed: {type(exc).__name__}: {exc}") from exc
+    gm.recompile()
     return gm

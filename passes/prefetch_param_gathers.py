@@ -53,5 +53,4 @@ def prefetch_param_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
         node.replace_all_uses_with(finish)
         graph.erase_node(node)
         prev_finish = finish
-    gm.recompile()
     return gm

@@ -77,5 +77,4 @@ def sink_gradient_sums_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             u.replace_all_uses_with(node)
             graph.erase_node(u)
             done.add(u)
-    gm.recompile()
     return gm

@@ -58,7 +58,6 @@ def start_batch_collectives_early_pass(gm: fx.GraphModule, ctx: PassContext) -> 
         finish.meta.update(node.meta)
         node.replace_all_uses_with(finish)
         graph.erase_node(node)
-    gm.recompile()
     return gm
 
 

@@ -31,5 +31,4 @@ def sync_batch_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         node.target = sharded_batch_norm
         node.kwargs = {**node.kwargs, "sync_axes": sync,
                        "channel_layout": format_layout(channels) if channel_axes else None}
-    gm.recompile()
     return gm

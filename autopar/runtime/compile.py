@@ -274,9 +274,9 @@ class _Builder:
         if agree:
             _agree_on_shapes(inputs, target)
         with plain_state(self.model), cyclic_gc_paused():  # as autopar.plan: tracing and search are GC-bound otherwise
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             traced = self._trace(inputs, target, with_loss=fused)
-            trace_s = time.perf_counter() - t0
+            trace_s, trace_cpu_s = time.perf_counter() - t0, time.process_time() - c0
             plan = self.given_plan
             if plan is None:
                 constraints = with_annotations(self.constraints or Constraints(), self.model)
@@ -284,13 +284,20 @@ class _Builder:
                     constraints = dataclasses.replace(constraints, microbatches=1)
                 check_fits_cluster(traced, self.cluster, constraints)
                 plan = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec)
-                plan.timings.update(trace_s=trace_s, plan_s=time.perf_counter() - t0)
+                # this rank's phases, wall and CPU (``benchmarks/start_up.py``): planning's CPU is the
+                # solve on rank 0, decoding rank 0's plan on the others
+                plan.timings.update(trace_s=trace_s, plan_s=time.perf_counter() - t0, trace_cpu_s=trace_cpu_s,
+                                    plan_cpu_s=time.process_time() - c0 - trace_cpu_s)
             else:
                 check_plan_fits_model(plan, traced)
         _check_same_plan(plan)
-        with plain_state(self.model):
-            return (plan,) + build_program(self.model, inputs, target, self.loss_fn, traced, plan, self.cluster.device_type,
-                                           self.autocast, own_loss=fused and self.loss_fn is None)
+        with plain_state(self.model), cyclic_gc_paused():  # the passes too: copying and rewriting the graph
+            c1 = time.process_time()
+            built = build_program(self.model, inputs, target, self.loss_fn, traced, plan, self.cluster.device_type,
+                                  self.autocast, own_loss=fused and self.loss_fn is None)
+            if self.given_plan is None:  # (a given plan is the user's object: left as it is)
+                plan.timings["build_cpu_s"] = time.process_time() - c1
+            return (plan,) + built
 
     def pinned(self, plan: Plan, kind: str, inputs: tuple, target):
         """(plan, traced, program, loss reduction) of another program over the same shards: the model
@@ -316,7 +323,7 @@ class _Builder:
                                   microbatches=plan.microbatches if with_loss else 1,
                                   recompute=None if train else False, placements=pins)
         other = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec, baseline=False)
-        with plain_state(self.model):
+        with plain_state(self.model), cyclic_gc_paused():
             return (other,) + build_program(self.model, inputs, target, self.loss_fn if with_loss else None, traced, other,
                                             self.cluster.device_type, self.autocast, own_loss=with_loss and self.loss_fn is None)
 
