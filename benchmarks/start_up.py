@@ -1,12 +1,17 @@
 """Start-up of a pretrained decoder on 4 gloo processes: memory, bytes read, first-step loss, time.
 
-    python benchmarks/start_up.py [--sizes 100M,200M,400M] [--nproc 1,2,4] [--optimizer adamw,sgd]
-                                  [--batch 4] [--seq 32] [--json out.json]
+    python benchmarks/start_up.py [--sizes 100M,200M,400M] [--family depth,width] [--nproc 1,2,4]
+                                  [--optimizer adamw,sgd] [--batch 4] [--seq 32] [--json out.json]
     python benchmarks/start_up.py --from-json a.json b.json   # the summary tables of saved runs
 
-For each size, a Hugging Face ``LlamaForCausalLM`` (hidden 1024, vocab 32000, layers chosen for the
-size) is written once by this process with ``save_pretrained(max_shard_size="200MB")`` (cached under
-``$TMPDIR/autopar-start-up/<size>``). Then every rank builds it on ``torch.device("meta")``, compiles
+For each size, a Hugging Face ``LlamaForCausalLM`` (vocab 32000) is written once by this process
+with ``save_pretrained(max_shard_size="200MB")`` (cached under ``$TMPDIR/autopar-start-up/<size>``,
+``<size>-wide`` for the width family). Two families (``--family``): "depth" (hidden 1024, 3/10/26
+layers for 100M/200M/400M: the number of ops grows with the size) and "width" (3 layers, hidden
+1024/1600/2560 with heads of 64 and an MLP of 2.75x the hidden size: the same ops at every size, only
+the bytes grow; its 100M is the depth family's 100M model). What grows with the bytes (load, gradient
+buffers) must scale with size / world size; what grows with the number of ops (tracing, the
+passes) shows in the depth family only. Then every rank builds it on ``torch.device("meta")``, compiles
 it planned ``dp=nproc, zero=3`` with ``init="skip"`` (the model's own ``_init_weights`` computes the
 rotary ``inv_freq`` buffers no checkpoint holds; nothing else is initialised), loads the folder with ``autopar.load_weights``
 and runs one step (``measure_step``) of AdamW or SGD (``--optimizer``), for each world size of
@@ -20,7 +25,9 @@ and runs one step (``measure_step``) of AdamW or SGD (``--optimizer``), for each
 * the first-step loss beside the one-device ``from_pretrained`` model's, computed in this process
   with the same batch and loss (goal: 1e-5 relative);
 * wall seconds (``time.perf_counter``) and this process's CPU seconds (``time.process_time``) for
-  compile + load and for the first step. The summary gives, per size and world size, the slowest
+  compile + load and for the first step, and compile's CPU seconds by phase (``plan.timings``):
+  tracing, planning (rank 0 solves, the others wait), building the program (graph copy and passes),
+  and the rest (the shards, gradient buffers and buffer init: bytes). The summary gives, per size and world size, the slowest
   rank's wall seconds and the largest per-rank CPU seconds, each as a ratio to the first (smallest)
   row's beside the ratio of the work per rank (parameters / world size): issue 43 wants start-up
   to grow with size / world size. On a machine with fewer cores than processes the ranks share the
@@ -47,15 +54,20 @@ import torch
 import torch.nn.functional as F
 
 MIB = 2**20
-HIDDEN, VOCAB = 1024, 32000
-LAYERS = {"100M": 3, "200M": 10, "400M": 26}  # about 104M, 194M, 400M parameters at hidden 1024
+VOCAB = 32000
+# family -> size -> (layers, hidden, MLP width, heads)
+FAMILIES = {
+    "depth": {"100M": (3, 1024, 2816, 16), "200M": (10, 1024, 2816, 16), "400M": (26, 1024, 2816, 16)},  # 104M, 194M, 400M
+    "width": {"100M": (3, 1024, 2816, 16), "200M": (3, 1600, 4416, 25), "400M": (3, 2560, 7040, 40)},  # 104M, 197M, 405M
+}
 
 
-def llama_config(size: str):
+def llama_config(size: str, family: str = "depth"):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2816,
-                                    num_hidden_layers=LAYERS[size], num_attention_heads=16, num_key_value_heads=16,
+    layers, hidden, mlp, heads = FAMILIES[family][size]
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=mlp,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                     max_position_embeddings=256, use_cache=False, tie_word_embeddings=False)
 
 
@@ -80,14 +92,16 @@ def batch(b: int, s: int):
     return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
 
 
-def pretrained_folder(size: str) -> str:
-    """Write the size's model once with ``save_pretrained`` (sharded safetensors); return its folder."""
+def pretrained_folder(size: str, family: str = "depth") -> str:
+    """Write the size's model once with ``save_pretrained`` (sharded safetensors); return its folder
+    (a width model of the same shape as the depth model shares its folder)."""
     import transformers
 
-    folder = os.path.join(tempfile.gettempdir(), "autopar-start-up", size)
+    same = FAMILIES[family][size] == FAMILIES["depth"][size]
+    folder = os.path.join(tempfile.gettempdir(), "autopar-start-up", size if same else f"{size}-wide")
     if not os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(llama_config(size))
+        model = transformers.LlamaForCausalLM(llama_config(size, family))
         model.save_pretrained(folder, max_shard_size="200MB")
         del model
         gc.collect()
@@ -108,7 +122,7 @@ def reference_loss(folder: str, b: int, s: int) -> tuple[float, int]:
     return loss, n
 
 
-def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = "adamw") -> dict:
+def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = "adamw", family: str = "depth") -> dict:
     """One rank: meta build, compile (zero=3, init="skip") + load under the whole-process storage
     tracker, then one measured step of ``optimizer``."""
     import transformers
@@ -118,7 +132,7 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = 
     PeakWhere = _peak_tracker_class()
     x, t = batch(b, s)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(llama_config(size))
+        model = transformers.LlamaForCausalLM(llama_config(size, family))
     tracker = PeakWhere(count_unallocated=False)
     gc.collect()
     with cyclic_gc_paused(), tracker:
@@ -150,6 +164,7 @@ def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = 
         "bytes_read": report.bytes_read, "slice_bytes": report.slice_bytes,
         "loss": step.loss, "compile_s": t_compile, "load_s": t_load, "step_s": t_step,
         "step_only_s": step.step_time_s, "compile_cpu_s": c_compile, "load_cpu_s": c_load, "step_cpu_s": c_step,
+        "compile_phases_cpu_s": {k: pm.plan.timings.get(f"{k}_cpu_s") for k in ("trace", "plan", "build")},
     }
 
 
@@ -185,6 +200,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100M,200M,400M")
+    ap.add_argument("--family", default="depth", help="depth (layers grow), width (hidden grows), or both: depth,width")
     ap.add_argument("--nproc", default="4", help="world sizes, e.g. 1,2,4")
     ap.add_argument("--optimizer", default="adamw", help=f"one or more of {','.join(OPTIMIZERS)}")
     ap.add_argument("--batch", type=int, default=4)
@@ -201,19 +217,24 @@ def main() -> int:
     optimizers = a.optimizer.split(",")
     if unknown := [o for o in optimizers if o not in OPTIMIZERS]:
         ap.error(f"--optimizer {','.join(unknown)}: the optimizers are {','.join(OPTIMIZERS)}")
+    families = a.family.split(",")
+    if unknown := [f for f in families if f not in FAMILIES]:
+        ap.error(f"--family {','.join(unknown)}: the families are {','.join(FAMILIES)}")
     rows = []
-    for size in a.sizes.split(","):
-        folder = pretrained_folder(size)
-        ref, n_params = reference_loss(folder, a.batch, a.seq)
-        for nproc in worlds:
-            for opt in optimizers:
-                ranks = autopar.launch(worker, nproc, size, folder, nproc, a.batch, a.seq, opt, timeout_s=3000)
-                rows.append({"size": size, "params": n_params, "full_fp32": 4 * n_params, "ref_loss": ref,
-                             "nproc": nproc, "optimizer": opt, "ranks": ranks})
-                report(rows[-1], a.batch, a.seq)
-                if a.json:
-                    with open(a.json, "w") as f:
-                        json.dump(rows, f, indent=1, default=str)
+    for family in families:
+        for size in a.sizes.split(","):
+            folder = pretrained_folder(size, family)
+            ref, n_params = reference_loss(folder, a.batch, a.seq)
+            layers, hidden = FAMILIES[family][size][:2]
+            for nproc in worlds:
+                for opt in optimizers:
+                    ranks = autopar.launch(worker, nproc, size, folder, nproc, a.batch, a.seq, opt, family, timeout_s=3000)
+                    rows.append({"size": size, "family": family, "layers": layers, "hidden": hidden, "params": n_params,
+                                 "full_fp32": 4 * n_params, "ref_loss": ref, "nproc": nproc, "optimizer": opt, "ranks": ranks})
+                    report(rows[-1], a.batch, a.seq)
+                    if a.json:
+                        with open(a.json, "w") as f:
+                            json.dump(rows, f, indent=1, default=str)
     summary(rows)
     return 0
 
@@ -221,7 +242,8 @@ def main() -> int:
 def report(row: dict, b: int, s: int) -> None:
     """One run's per-rank table and where its memory went."""
     ranks, ref, full = row["ranks"], row["ref_loss"], row["full_fp32"]
-    print(f"\n== {row['size']}: {row['params'] / 1e6:.1f}M parameters, full fp32 {full / MIB:.0f} MiB, "
+    print(f"\n== {row['size']} ({row.get('family', 'depth')}: {row.get('layers', '?')} layers, hidden {row.get('hidden', '?')}): "
+          f"{row['params'] / 1e6:.1f}M parameters, full fp32 {full / MIB:.0f} MiB, "
           f"{row['nproc']} gloo processes, {row['optimizer']}, plan mesh {ranks[0]['mesh']}, batch {b}x{s}")
     print(f"{'rank':>4} {'start peak':>10} {'step peak':>9} {'pred':>7} {'start/pred':>10} {'step/pred':>9} "
           f"{'read MiB':>8} {'slices':>7} {'read/sl':>7} {'loss rel err':>12} {'compile s':>9} {'load s':>6} "
@@ -245,35 +267,48 @@ def report(row: dict, b: int, s: int) -> None:
 
 
 def summary(rows: list[dict]) -> None:
-    """Memory and time per size, world size and optimizer; times as ratios to the first row's
-    beside the ratio of the work per rank (parameters / world size)."""
-    print(f"\n{'size':>5} {'world':>5} {'opt':>5} {'full MiB':>8} {'start pk':>8} {'step pk':>8} {'plan pk':>8} "
-          f"{'step/plan':>9} {'step/full':>9}")
+    """Memory and time per family, size, world size and optimizer; times as ratios to the family's
+    first row beside the ratio of the work per rank (parameters / world size)."""
+    print(f"\n{'family':>6} {'size':>5} {'world':>5} {'opt':>5} {'full MiB':>8} {'start pk':>8} {'step pk':>8} "
+          f"{'plan pk':>8} {'step/plan':>9} {'step/full':>9}")
     for row in rows:
         w = max(row["ranks"], key=lambda x: x["step_peak"])
-        print(f"{row['size']:>5} {row['nproc']:>5} {row['optimizer']:>5} {row['full_fp32'] / MIB:>8.0f} "
-              f"{max(x['start_peak'] for x in row['ranks']) / MIB:>8.1f} {w['step_peak'] / MIB:>8.1f} "
-              f"{w['predicted_peak'] / MIB:>8.1f} {w['step_peak'] / w['predicted_peak']:>9.3f} "
+        print(f"{row.get('family', 'depth'):>6} {row['size']:>5} {row['nproc']:>5} {row['optimizer']:>5} "
+              f"{row['full_fp32'] / MIB:>8.0f} {max(x['start_peak'] for x in row['ranks']) / MIB:>8.1f} "
+              f"{w['step_peak'] / MIB:>8.1f} {w['predicted_peak'] / MIB:>8.1f} {w['step_peak'] / w['predicted_peak']:>9.3f} "
               f"{w['step_peak'] / row['full_fp32']:>9.3f}")
-    base = rows[0]
 
     def most(row, keys):
         return max(sum(x[k] for k in keys) for x in row["ranks"])
+
+    def phase(row, name):
+        """The largest per-rank CPU seconds of one compile phase; "rest": compile less the phases."""
+        def one(x):
+            ph = x.get("compile_phases_cpu_s") or {}
+            if name != "rest":
+                return ph.get(name)
+            return x["compile_cpu_s"] - sum(v for v in ph.values() if v is not None) if ph else None
+        got = [one(x) for x in row["ranks"]]
+        return max(got) if all(v is not None for v in got) else float("nan")
 
     def work(row):
         return row["params"] / row["nproc"]
 
     cl, cl_cpu = ("compile_s", "load_s"), ("compile_cpu_s", "load_cpu_s")
-    print(f"\nstart-up (compile + load) and first step; ratios to {base['size']} on {base['nproc']} process(es); "
-          "wall: the slowest rank, cpu: the largest per-rank process_time")
-    print(f"{'size':>5} {'world':>5} {'opt':>5} {'work ratio':>10} {'c+l wall s':>10} {'ratio':>6} {'c+l cpu s':>9} "
-          f"{'ratio':>6} {'compile cpu':>11} {'load cpu':>8} {'step wall s':>11} {'step cpu s':>10}")
-    for row in rows:
-        print(f"{row['size']:>5} {row['nproc']:>5} {row['optimizer']:>5} {work(row) / work(base):>10.2f} "
-              f"{most(row, cl):>10.2f} {most(row, cl) / most(base, cl):>6.2f} {most(row, cl_cpu):>9.2f} "
-              f"{most(row, cl_cpu) / most(base, cl_cpu):>6.2f} {most(row, ('compile_cpu_s',)):>11.2f} "
-              f"{most(row, ('load_cpu_s',)):>8.2f} {most(row, ('step_s',)):>11.1f} {most(row, ('step_cpu_s',)):>10.1f}")
-
+    for family in dict.fromkeys(row.get("family", "depth") for row in rows):
+        mine = [row for row in rows if row.get("family", "depth") == family]
+        base = mine[0]
+        print(f"\n{family} family: start-up (compile + load) and first step; ratios to {base['size']} on {base['nproc']} "
+              "process(es); wall: the slowest rank, cpu: the largest per-rank process_time (each column its own largest rank)")
+        print(f"{'size':>5} {'world':>5} {'opt':>5} {'work ratio':>10} {'c+l wall s':>10} {'ratio':>6} {'c+l cpu s':>9} "
+              f"{'ratio':>6} {'compile cpu':>11} {'trace':>6} {'plan':>6} {'build':>6} {'rest':>6} {'load cpu':>8} "
+              f"{'step wall s':>11} {'step cpu s':>10}")
+        for row in mine:
+            print(f"{row['size']:>5} {row['nproc']:>5} {row['optimizer']:>5} {work(row) / work(base):>10.2f} "
+                  f"{most(row, cl):>10.2f} {most(row, cl) / most(base, cl):>6.2f} {most(row, cl_cpu):>9.2f} "
+                  f"{most(row, cl_cpu) / most(base, cl_cpu):>6.2f} {most(row, ('compile_cpu_s',)):>11.2f} "
+                  f"{phase(row, 'trace'):>6.2f} {phase(row, 'plan'):>6.2f} {phase(row, 'build'):>6.2f} {phase(row, 'rest'):>6.2f} "
+                  f"{most(row, ('load_cpu_s',)):>8.2f} {most(row, ('step_s',)):>11.1f} {most(row, ('step_cpu_s',)):>10.1f}")
 
 if __name__ == "__main__":
     sys.exit(main())
