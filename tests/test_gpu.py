@@ -121,7 +121,7 @@ def test_native_loop_gradients_on_one_gpu_match_the_plain_model(world1):
 def test_cuda_peak_memory_measured_by_the_allocator_matches_the_plan(world1, model_name):
     """``measure_step`` on CUDA reads ``torch.cuda.max_memory_allocated`` (the caching allocator's
     peak over the step); it stays within the fidelity tolerance of the plan's prediction."""
-    from autopar.runtime.fidelity import MIB, fidelity_misses, fidelity_worker
+    from autopar.testing.fidelity import MIB, fidelity_misses, fidelity_worker
 
     r = fidelity_worker(model_name, {}, cluster=one_gpu())
     assert r["peak"] > MIB, r["table"]  # a real device measurement, not an empty one
