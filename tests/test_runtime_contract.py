@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.runtime.parity import relative_error
+from autopar.testing.parity import relative_error
 from autopar.runtime.zoo import ManualAttentionGPT, SmallCNN, TinyLlama
 
 

@@ -182,7 +182,7 @@ def tight_memory_worker(memory_bytes: int, constraints: dict | None = None, step
 
     import autopar
     from autopar.planner.search import USABLE_MEMORY_FRACTION
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     model, inputs, target, loss_fn = fidelity_model("gpt")
     base = autopar.Cluster.local()
