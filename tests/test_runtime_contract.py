@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.testing.parity import relative_error
-from autopar.runtime.zoo import ManualAttentionGPT, SmallCNN, TinyLlama
+from autopar.testing.zoo import ManualAttentionGPT, SmallCNN, TinyLlama
 
 
 def _sgd(ps):

@@ -70,7 +70,7 @@ def fidelity_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
-        from autopar.runtime.zoo import ResidualMLP
+        from autopar.testing.zoo import ResidualMLP
 
         mlp_loss = torch.nn.functional.mse_loss
         model = ResidualMLP(256, 1024, 4)
