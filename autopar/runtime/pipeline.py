@@ -37,6 +37,7 @@ import functools
 import inspect
 import operator
 import weakref
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -54,9 +55,9 @@ from autopar.runtime.comm import MeshComm, collective_site
 
 __all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages", "refuse_host_only_sends"]
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                    "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                    "dualpipev": "ScheduleDualPipeV"}
+SCHEDULE_CLASSES = MappingProxyType({"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                                     "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                                     "dualpipev": "ScheduleDualPipeV"})
 
 
 def local_stages(plan, pp_rank: int) -> list[int]:
