@@ -55,8 +55,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MeshComm", "CommStats", "CollectiveLog", "set_site", "collective_site", "COLLECTIVE_KINDS", "WAIT_ENV", "POLL_WINDOW_S", "wait_for", "polls", "POLLED_KINDS",
-           "backend_for", "runs_nccl"]
+__all__ = ["MeshComm", "CommStats", "CollectiveLog", "set_site", "collective_site", "COLLECTIVE_KINDS", "WAIT_ENV",
+           "POLL_WINDOW_S", "wait_for", "polls", "POLLED_KINDS", "backend_for", "runs_nccl"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
