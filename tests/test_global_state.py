@@ -141,3 +141,15 @@ def test_a_planted_module_dict_in_the_runtime_fails_the_check(tmp_path):
     comm = tmp_path / "autopar/runtime/comm.py"
     comm.write_text(comm.read_text() + "\n_SEEN: dict = {}\n")
     assert [name for name in _scan(tmp_path) if name not in ALLOWED] == ["autopar/runtime/comm.py:_SEEN"]
+
+
+def test_a_bounded_memo_holds_at_most_its_bound_dropping_the_least_recently_used():
+    from autopar.planner.bounded_memo import BoundedMemo
+
+    memo = BoundedMemo(2)
+    made = []
+    for key in ["a", "b", "a", "c", "b"]:  # "a" used again before "c" arrives: "b" is the one dropped
+        memo.get_or_make(key, lambda k=key: made.append(k) or k.upper())
+    assert made == ["a", "b", "c", "b"]
+    assert len(memo) == 2 and "b" in memo and "c" in memo and "a" not in memo
+    assert memo.get("c") == "C" and memo.get("a", "absent") == "absent"
