@@ -4,7 +4,7 @@
                   [--also dp=4,tp=1,zero=0 ...]
 
 On ``nproc`` local gloo processes, from the same weights and the same global batch, with AdamW:
-naive data parallelism (``runtime.baselines.naive_dp``), torch DDP, FSDP2 ``fully_shard``,
+naive data parallelism (``testing.baselines.naive_dp``), torch DDP, FSDP2 ``fully_shard``,
 hand-written tensor parallelism (``parallelize_module``, where the model has a hand plan) and
 autopar's free plan (and, with ``--also``, autopar under forced constraints: is a gap the
 plan's choice or the runtime's?). Every setup warms up, has one step measured for memory, then all are timed
@@ -29,7 +29,7 @@ Naive data parallelism and DDP are refused by a pre-check stating needed vs avai
 (``baselines.replicated_state_fit``); autopar plans under the limit and its measured peak is
 shown beside it.
 
-Module layout: the baselines live in ``runtime.baselines`` (constructors, the eager step, the
+Module layout: the baselines live in ``testing.baselines`` (constructors, the eager step, the
 memory pre-check and measurement); this module holds the benchmark's models, the measuring loop
 (``time_interleaved``), the worker that runs every setup on a rank, and the table
 (``format_table``, pure).
@@ -304,7 +304,7 @@ def _build(spec: BenchSpec, model, inputs, loss_fn, target, make_opt, cluster, f
     """Every setup from copies of ``model``; the replicated ones only where ``fit`` says they fit."""
     import autopar
     from autopar.errors import AutoparError
-    from autopar.runtime import baselines as bl
+    from autopar.testing import baselines as bl
 
     world = cluster.world_size
     b = _Bench({}, {}, {})
@@ -355,7 +355,7 @@ def _warm_up_and_measure_memory(b: _Bench, spec: BenchSpec, inputs, target) -> t
     same step: its loss is returned), then measure one step of each under the memory tracker.
     DDP's last warm-up step is a synchronised one: its gradients are then the views of its buckets,
     which the tracker sees. Returns (first loss, peak bytes) per setup."""
-    from autopar.runtime.baselines import measure_setup_memory
+    from autopar.testing.baselines import measure_setup_memory
 
     first_loss = {}
     for k, s in b.setups.items():
@@ -400,7 +400,7 @@ def bench_worker(spec: BenchSpec) -> dict[str, Any]:
     import torch.distributed as dist
 
     import autopar
-    from autopar.runtime import baselines as bl
+    from autopar.testing import baselines as bl
     from autopar.runtime.launch import init_distributed
 
     world = int(os.environ["WORLD_SIZE"])

@@ -105,7 +105,7 @@ def worker(steps: int, configs: list | None = None, min_seconds: float = 0.0) ->
 
     import autopar
     from autopar.bench import _adamw, time_interleaved
-    from autopar.runtime.baselines import make_replicas_equal
+    from autopar.testing.baselines import make_replicas_equal
     from autopar.runtime.launch import init_distributed
 
     world = int(os.environ["WORLD_SIZE"])

@@ -45,7 +45,7 @@ def _sync(device):
 
 def parity(device: str, steps: int = 5) -> float:
     import autopar
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
     from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 
     torch.backends.cuda.matmul.allow_tf32 = False

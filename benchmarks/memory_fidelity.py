@@ -3,7 +3,7 @@
     python benchmarks/memory_fidelity.py [--nproc 4] [--models mlp,gpt] [--families dp,zero3,...]
                                           [--json out.json]
 
-On ``--nproc`` gloo processes, each (model, plan family) of ``autopar.runtime.fidelity`` is
+On ``--nproc`` gloo processes, each (model, plan family) of ``autopar.testing.fidelity`` is
 compiled, trained one warm-up step, then one measured step: every rank's peak of live tensor
 storage in the whole process (``ParallelModel.measure_step``: every storage alive, not only
 autopar's) beside ``plan.predicted.peak_memory_bytes``, each memory category beside the plan's
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def main() -> int:
     import autopar
-    from autopar.runtime.fidelity import (CATEGORIES, FAMILIES, MIB, fidelity_misses, fidelity_suite, user_model_copy,
+    from autopar.testing.fidelity import (CATEGORIES, FAMILIES, MIB, fidelity_misses, fidelity_suite, user_model_copy,
                                           worst_rank)
 
     ap = argparse.ArgumentParser()

@@ -93,7 +93,7 @@ def _ddp(model, opt_fn, loss_fn, x, t, *, poll: bool, ride: bool):
     from torch.autograd import Variable
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from autopar.runtime import baselines as bl
+    from autopar.testing import baselines as bl
 
     world = dist.get_world_size()
     xs, tl = bl.rank_rows((x, t), dist.get_rank(), world)
@@ -165,7 +165,7 @@ def _polled_fsdp_all_gather():
 def _fsdp2(model, opt_fn, loss_fn, x, t, *, poll: bool):
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from autopar.runtime import baselines as bl
+    from autopar.testing import baselines as bl
 
     world = dist.get_world_size()
     xs, tl = bl.rank_rows((x, t), dist.get_rank(), world)
@@ -204,7 +204,7 @@ def _tp(model, opt_fn, loss_fn, x, t, *, poll: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from autopar.runtime import baselines as bl
+    from autopar.testing import baselines as bl
 
     n = dist.get_world_size()
     parallelize_module(model, init_device_mesh("cpu", (n,)), bl.hand_tp_plan(model, n)[0])
@@ -217,7 +217,7 @@ def worker(dim, layers, batch, steps):
     from examples.mlp import mlp_loss
 
     from autopar.bench import time_interleaved
-    from autopar.runtime import baselines as bl
+    from autopar.testing import baselines as bl
     from autopar.runtime.comm import _wait_mode
     from autopar.runtime.launch import init_distributed
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers.utils import ModelOutput
 
 import autopar
-from autopar.runtime.parity import relative_error
+from autopar.testing.parity import relative_error
 
 SGD = ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
 COLLECTIVE_TIMEOUT_S = 90

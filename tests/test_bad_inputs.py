@@ -430,7 +430,7 @@ def test_microbatches_over_a_training_batch_norm_are_refused(constraints):
     """Microbatches would give each batch norm a microbatch's statistics (and count its batches
     once per microbatch): a different model, so refused, naming the module; data parallelism
     keeps the batch's statistics and plans."""
-    from autopar.runtime.zoo import SmallCNN
+    from autopar.testing.zoo import SmallCNN
 
     x = torch.randn(8, 3, 16, 16)
     with pytest.raises(ConstraintError, match=r"batch norm of module '[\w.]+'.*microbatch.*GroupNorm"):
@@ -467,7 +467,7 @@ def test_every_error_here_is_an_autopar_value_error():
 def test_a_batch_norm_model_that_fits_only_microbatched_gets_no_microbatched_plan():
     """The planner's own gradient accumulation (tried when no plan fits whole) leaves out a model
     with a training batch norm: no plan, with the memory it needs at one microbatch."""
-    from autopar.runtime.zoo import SmallCNN
+    from autopar.testing.zoo import SmallCNN
 
     x, y = torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,))
     whole = autopar.plan(SmallCNN(), Cluster.local(1), x, loss_fn=F.cross_entropy, example_target=y)

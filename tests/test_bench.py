@@ -9,7 +9,7 @@ import torch
 import autopar
 from autopar.bench import BenchSpec, Row, bench_worker, format_table, memory_limited_fraction, parse_constraints
 from autopar.cli import main
-from autopar.runtime.baselines import fsdp2_units, hand_tp_plan, replicated_state_fit
+from autopar.testing.baselines import fsdp2_units, hand_tp_plan, replicated_state_fit
 
 MIB = 2**20
 

@@ -34,7 +34,7 @@ def _sgd(ps):
 
 
 def _compile(constraints: dict, checkpoint=None, optimizer=_adamw, case: str = "gpt"):
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case(case)
     x, t = batches[0]
@@ -408,7 +408,7 @@ def _run_counting(pm, batches, counter, steps):
 def test_sgd_scheduler_rng_and_tracked_state_resume(tmp_path, world1):
     """SGD's momentum, the LR scheduler train_step steps, the step, the RNG and a tracked object come
     back: training on from the checkpoint matches training on without a break, exactly."""
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     def compile_(ckpt):
         model, batches, loss_fn = build_case("gpt")
@@ -442,7 +442,7 @@ def test_sgd_scheduler_rng_and_tracked_state_resume(tmp_path, world1):
 def test_native_loop_optimizer_resumes(tmp_path, world1):
     """The torch-native loop: the user's AdamW over pm.parameters() (DTensors), tracked, saved with
     an explicit step, and restored into a new model whose optimizer is tracked after the load."""
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     def native(steps_from, steps_to, opt, pm, batches, loss_fn):
         for s in range(steps_from, steps_to):
@@ -480,7 +480,7 @@ def test_resume_before_the_plan_exists_restores_data_order(tmp_path, world1):
     """compile without example inputs plans at the first call; the step, the RNG (which draws the
     batches here) and a tracked object's position are restored at compile, before any batch is
     drawn, so the resumed run sees the batches and ends with the state of an uninterrupted one."""
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     def run(ckpt, steps, counter=None):
         model, batches, loss_fn = build_case("gpt")

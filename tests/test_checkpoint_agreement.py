@@ -27,7 +27,7 @@ def _sgd(ps):
 
 
 def _compile(checkpoint=None, monitor=None, rows: int = 16, batch: str = "global", constraints=None):
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case("mlp")
     x, t = batches[0]
@@ -171,7 +171,7 @@ def agreement_worker(tmp: str) -> dict:
     # 6. pm.load_state_dict of plain full tensors (one device's state dict) under a tensor and a
     # ZeRO-3 plan: each rank takes its shard; one step then matches one device loaded alike; and
     # a state dict of DTensors (pm.state_dict()) loads into another model of the same plan
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     for name, constraints in (("tp", autopar.Constraints(tp=2)), ("zero3", autopar.Constraints(dp=2, zero=3))):
         pm, batches = _compile(constraints=constraints)

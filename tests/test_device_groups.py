@@ -179,7 +179,7 @@ def host_values_worker() -> dict:
     import torch.distributed as dist
 
     from autopar.runtime import compile as compile_module
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     records, host_groups = [], set()
     mode, host = _placement_mode()

@@ -27,7 +27,7 @@ def _sgd(ps):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     return relative_error(a, b)
 
@@ -35,7 +35,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def expert_worker(root: str, layouts: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     ref, batches, loss_fn = build_case("moe_modules", seed=0)
@@ -109,7 +109,7 @@ def expert_worker(root: str, layouts: list[dict]) -> list[dict]:
 def expert_results(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     root = tmp_path_factory.mktemp("expert-weights")
     ref, _, _ = build_case("moe_modules", seed=0)

@@ -11,7 +11,7 @@ import torch
 import autopar
 from autopar.errors import ConstraintError
 from autopar.planner.experts import expert_params
-from autopar.runtime.parity import build_case, parity_failures, parity_suite
+from autopar.testing.parity import build_case, parity_failures, parity_suite
 from autopar.trace import trace_model
 
 TOL = 1e-5
@@ -460,7 +460,7 @@ def _plan_3d(case: str) -> autopar.Plan:
 
 
 def _three_axis_suite(plans: list[tuple[str, str, str]]) -> dict:
-    from autopar.runtime.parity import parity_worker
+    from autopar.testing.parity import parity_worker
 
     parity = []
     for case, plan_json, opt in plans:

@@ -14,7 +14,7 @@ import math
 import pytest
 
 import autopar
-from autopar.runtime.fidelity import MIB, fidelity_misses, fidelity_suite, user_model_copy, worst_rank
+from autopar.testing.fidelity import MIB, fidelity_misses, fidelity_suite, user_model_copy, worst_rank
 
 
 def _copy_is_the_model_or_nothing(r: dict) -> str | None:
@@ -71,7 +71,7 @@ def test_measured_memory_and_collective_bytes_match_the_plan():
 def _plan_peak(memory_bytes=None, **constraints):
     import dataclasses
 
-    from autopar.runtime.fidelity import fidelity_model
+    from autopar.testing.fidelity import fidelity_model
 
     model, inputs, target, loss_fn = fidelity_model("gpt")
     cluster = autopar.Cluster.local(4)
@@ -84,7 +84,7 @@ def _plan_peak(memory_bytes=None, **constraints):
 @pytest.mark.slow
 def test_memory_that_only_recompute_fits_gets_a_recomputing_plan_that_trains_exactly():
     from autopar.planner.search import USABLE_MEMORY_FRACTION
-    from autopar.runtime.fidelity import tight_memory_worker
+    from autopar.testing.fidelity import tight_memory_worker
 
     # data parallel, the whole batch at once: 3% above the plan that recomputes every block, no
     # plan without recompute fits

@@ -54,7 +54,7 @@ def _optimizer(name: str):
 def _train_against_reference(pm, ref, make, loss_fn, batches, device) -> dict:
     """``pm.train_step`` and the plain model ``ref`` (already on ``device``) on the same batches:
     the worst relative difference of the loss per step and of every parameter and buffer after."""
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     ref_opt = make(list(ref.parameters()))
     loss_err = 0.0
@@ -77,7 +77,7 @@ def _train_against_reference(pm, ref, make, loss_fn, batches, device) -> dict:
 def test_train_step_on_one_gpu_matches_the_plain_model(world1, opt):
     import torch.distributed as dist
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     _exact_fp32()
     model, batches, loss_fn = build_case("gpt")
@@ -94,7 +94,7 @@ def test_train_step_on_one_gpu_matches_the_plain_model(world1, opt):
 
 
 def test_native_loop_gradients_on_one_gpu_match_the_plain_model(world1):
-    from autopar.runtime.parity import build_case, relative_error
+    from autopar.testing.parity import build_case, relative_error
 
     _exact_fp32()
     model, batches, loss_fn = build_case("gpt")
@@ -121,7 +121,7 @@ def test_native_loop_gradients_on_one_gpu_match_the_plain_model(world1):
 def test_cuda_peak_memory_measured_by_the_allocator_matches_the_plan(world1, model_name):
     """``measure_step`` on CUDA reads ``torch.cuda.max_memory_allocated`` (the caching allocator's
     peak over the step); it stays within the fidelity tolerance of the plan's prediction."""
-    from autopar.runtime.fidelity import MIB, fidelity_misses, fidelity_worker
+    from autopar.testing.fidelity import MIB, fidelity_misses, fidelity_worker
 
     r = fidelity_worker(model_name, {}, cluster=one_gpu())
     assert r["peak"] > MIB, r["table"]  # a real device measurement, not an empty one
@@ -205,7 +205,7 @@ def gloo_cuda_worker(root: str, device_type: str = "cuda") -> dict:
     code on CPU tensors, a dry run of the harness where no GPU is at hand.)"""
     import torch.distributed as dist
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     cluster = dataclasses.replace(autopar.Cluster.local(2), device_type=device_type)  # backend gloo
     device = torch.device(device_type)

@@ -39,7 +39,7 @@ def _make_optimizer(kind: str):
 
 
 def _param_err(pm, ref) -> float:
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     full = pm.full_state_dict()
     return max(relative_error(full[k], v) for k, v in ref.state_dict().items())
@@ -49,7 +49,7 @@ def train_step_zero_grad(cons: dict, opt: str) -> dict:
     """train_step with pm.optimizer.zero_grad() in each habit of ``ZERO_GRAD_HABITS``."""
     import copy
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case("gpt")
     ref = copy.deepcopy(model)
@@ -81,7 +81,7 @@ def native_loop(case: str, cons: dict, opt: str, retain: bool) -> dict:
     ``retain``), the optimizer step, then ``zero_grad`` alternating ``set_to_none`` True/False."""
     import copy
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case(case)
     ref = copy.deepcopy(model)
@@ -110,7 +110,7 @@ def original_module_optimizer(built_before_compile: bool) -> dict:
     """An optimizer over ``model.parameters()`` (built before or after compile) in the native loop."""
     import torch
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case("gpt")
     x, t = batches[0]
@@ -130,7 +130,7 @@ def original_module_optimizer(built_before_compile: bool) -> dict:
 
 
 def create_graph(cons: dict) -> dict:
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case("gpt")
     x, t = batches[0]
@@ -152,7 +152,7 @@ def zero_regather(cons: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case("gpt")
     ref = copy.deepcopy(model)

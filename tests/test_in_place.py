@@ -108,7 +108,7 @@ def in_place_worker() -> dict:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from autopar.runtime.parity import build_case, relative_error
+    from autopar.testing.parity import build_case, relative_error
     from examples.gpt import GPT
 
     out = {}

@@ -35,7 +35,7 @@ def _sgd(ps):
 
 
 def local_batches_worker():
-    from autopar.runtime.parity import _sampled_shards, relative_error
+    from autopar.testing.parity import _sampled_shards, relative_error
     from examples.mlp import MLP, example_batch, mlp_loss
 
     rank = int(os.environ["RANK"])

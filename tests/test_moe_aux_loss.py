@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.errors import ConstraintError
-from autopar.runtime.parity import relative_error
+from autopar.testing.parity import relative_error
 
 TOL = 1e-5
 AUX_WEIGHT = 0.5  # large, so that a wrong auxiliary loss or gradient shows far above the tolerance

@@ -8,7 +8,7 @@ import torch
 import autopar
 from autopar.cli import main as cli_main
 from autopar.errors import AutoparError
-from autopar.runtime.parity import build_case
+from autopar.testing.parity import build_case
 
 
 def _monitored_run(run_dir, steps):

@@ -16,7 +16,7 @@ import pytest
 
 import autopar
 from helpers import error_of
-from autopar.runtime.parity import native_loop_suite
+from autopar.testing.parity import native_loop_suite
 
 TOL = 1e-5
 CASES = [
@@ -171,7 +171,7 @@ def own_loss_worker(constraints: list):
 
     import torch
 
-    from autopar.runtime.parity import build_case, relative_error
+    from autopar.testing.parity import build_case, relative_error
 
     out = []
     for cons in constraints:
@@ -243,7 +243,7 @@ def local_microbatches_worker(optimizer: str) -> dict:
 
     import torch
 
-    from autopar.runtime.parity import build_case, relative_error
+    from autopar.testing.parity import build_case, relative_error
 
     model, batches, loss_fn = build_case("gpt_padded")
     ref = copy.deepcopy(model)

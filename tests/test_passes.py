@@ -73,7 +73,7 @@ def test_zero3_gathers_parameters_and_reduce_scatters_gradients():
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_zero3_shards_odd_parameters_unevenly_and_passes_their_shape(nproc):
-    from autopar.runtime.zoo import OddMLP
+    from autopar.testing.zoo import OddMLP
 
     plan, gm = _program(OddMLP(), (torch.randn(16, 21),), torch.randn(16, 3), torch.nn.functional.mse_loss,
                         autopar.Constraints(dp=nproc, zero=3), nproc=nproc)

@@ -16,7 +16,7 @@ from autopar.passes import run_passes
 from autopar.passes.context import PassContext
 from autopar.passes.split_stages import split_stages
 from autopar.planner.stages import cut_model, cut_stages, in_flight, schedule_step_time
-from autopar.runtime.parity import build_case, parity_failures, parity_suite
+from autopar.testing.parity import build_case, parity_failures, parity_suite
 from autopar.trace import trace_model
 
 TOL = 1e-5
@@ -250,7 +250,7 @@ def test_a_value_an_outlined_block_returns_is_sent_in_pieces():
 
 
 def _pieces_parity() -> list[dict]:
-    from autopar.runtime.parity import parity_worker
+    from autopar.testing.parity import parity_worker
 
     model, batches, loss = build_case("gpt")
     x, y = batches[0]
@@ -323,7 +323,7 @@ def test_only_the_ranks_that_overflow_recompute():
 
 
 def _per_rank_recompute_parity():
-    from autopar.runtime.parity import parity_worker
+    from autopar.testing.parity import parity_worker
 
     plan = _tight_plan()
     out = []

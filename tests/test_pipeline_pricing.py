@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import autopar
-from autopar.runtime.parity import build_case, parity_failures
+from autopar.testing.parity import build_case, parity_failures
 from autopar.trace import trace_model
 
 TOL = 1e-5
@@ -194,7 +194,7 @@ def test_zero_per_stage_in_the_free_plans_pipeline_search():
 
 
 def _per_stage_zero_suite(plan_json: str):
-    from autopar.runtime.parity import parity_worker
+    from autopar.testing.parity import parity_worker
 
     out = []
     for opt in ("sgd",):  # one optimizer per case (parity_suite): SGD shows a wrong gradient scale

@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.passes.split_stages import split_stages
-from autopar.runtime.parity import build_case
+from autopar.testing.parity import build_case
 from autopar.trace import trace_model
 
 

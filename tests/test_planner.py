@@ -405,7 +405,7 @@ def test_a_tensor_written_in_place_is_never_resharded_before_the_write():
     from autopar.planner.contexts import cost_context
     from autopar.trace import trace_model
 
-    from autopar.runtime.zoo import WriteThroughView
+    from autopar.testing.zoo import WriteThroughView
 
     torch.manual_seed(0)
     model = WriteThroughView()

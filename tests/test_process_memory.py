@@ -10,7 +10,7 @@ MIB = 2**20
 
 
 def _compiled_mlp():
-    from autopar.runtime.fidelity import fidelity_model
+    from autopar.testing.fidelity import fidelity_model
 
     model, inputs, target, loss_fn = fidelity_model("mlp")
     pm = autopar.compile(model, autopar.Cluster.local(1), inputs, example_target=target, loss_fn=loss_fn,

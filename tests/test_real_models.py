@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.runtime.parity import parity_failures, parity_suite
+from autopar.testing.parity import parity_failures, parity_suite
 from examples.real_models import CNN_MODELS, HF_MODELS, REAL_MODELS
 
 TOL = 1e-5

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.runtime.parity import relative_error
-from autopar.runtime.zoo import ManualAttentionGPT, SmallCNN, TinyLlama
+from autopar.testing.parity import relative_error
+from autopar.testing.zoo import ManualAttentionGPT, SmallCNN, TinyLlama
 
 
 def _sgd(ps):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.parity import relative_error
+from autopar.testing.parity import relative_error
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
 from examples.mlp import MLP, example_batch as mlp_batch, mlp_loss
 

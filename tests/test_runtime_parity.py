@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.runtime.parity import parity_failures, parity_suite
+from autopar.testing.parity import parity_failures, parity_suite
 
 TOL = 1e-5
 MEGATRON_MLP = {"layers.*.up.weight": {"tp": "S(0)"}, "layers.*.down.weight": {"tp": "S(1)"}}

@@ -56,7 +56,7 @@ def _sgd(ps):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     return relative_error(a, b)
 
@@ -355,7 +355,7 @@ def mlp_worker(root: str, layouts: list[dict]) -> dict:
         autopar.load_weights(pm, sd)
     out["never_loaded"] = [str(w.message) for w in caught if type(w.message).__name__ == "UninitialisedBufferWarning"]
     pm.close()
-    from autopar.runtime.parity import build_case
+    from autopar.testing.parity import build_case
 
     model, batches, loss_fn = build_case("moe_modules")  # experts in a ModuleList: the trace stacks them
     sd = {k: v.clone() for k, v in model.state_dict().items()}

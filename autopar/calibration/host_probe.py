@@ -31,9 +31,9 @@ class _NullNetwork:
     costs only what the host does."""
 
     def __init__(self, size: int, coord: int):
-        from autopar.runtime.comm import CommStats
+        from autopar.runtime.comm import CollectiveLog, CommStats
 
-        self.sizes, self.coords, self.stats = (size,), (coord,), CommStats()
+        self.sizes, self.coords, self.stats, self.log = (size,), (coord,), CommStats(), CollectiveLog()
         self.step_cache: dict = {}
 
     def all_reduce(self, t, axis, *, async_op=False):

@@ -9,34 +9,27 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
 
 from autopar.layouts import DATA_AXIS_NAMES
+from autopar.planner.bounded_memo import BoundedMemo
 from autopar.planner.costing import CostContext, param_state_bytes, rank_element_costs, updated_numel
 from autopar.planner.meshes import axis_names
 from autopar.planner.problem import Problem
 from autopar.trace import TracedGraph
 
-# Pure memos shared by every plan of the process, least recently used dropped first. Here a
-# CostContext per (mesh, cluster, precision, optimizer, counts), whose memo of reshard prices
-# depends on tensor shapes and layouts only; ``search`` keeps its results per planning inputs.
-# Planning a model again (with other constraints, or compile() after plan()) reuses them.
-_CONTEXTS: OrderedDict = OrderedDict()
-_MEMO_SIZE = 8
-
-
 MEMO_LOCK = threading.RLock()  # the search's worker threads share the memos
+MEMO_SIZE = 8  # entries per memo: a model planned again (other constraints, compile() after plan())
+
+# Pure memos shared by every plan of the process, bounded (``BoundedMemo``). Here a CostContext
+# per (mesh, cluster, precision, optimizer, counts), whose memo of reshard prices depends on tensor
+# shapes and layouts only; ``search`` keeps its results per planning inputs. Planning a model
+# again (with other constraints, or compile() after plan()) reuses them.
+_CONTEXTS = BoundedMemo(MEMO_SIZE, MEMO_LOCK)
 
 
-def memo(table: OrderedDict, key, make):
-    with MEMO_LOCK:
-        if key in table:
-            table.move_to_end(key)
-            return table[key]
-        value = table[key] = make()
-        while len(table) > _MEMO_SIZE:
-            table.popitem(last=False)
-        return value
+def memo(table: BoundedMemo, key, make):
+    """``table``'s value for ``key``, made by ``make()`` when absent."""
+    return table.get_or_make(key, make)
 
 
 def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import MappingProxyType
 
 import torch.fx as fx
 
@@ -35,10 +36,10 @@ __all__ = ["CostContext", "node_flops", "node_work", "node_compute_time", "optim
            "param_state_bytes", "VIEW_OPS"]
 
 # backward / forward cost ratios by op kind
-_BWD_FLOPS_RATIO = {"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0}
+_BWD_FLOPS_RATIO = MappingProxyType({"matmul": 2.0, "attention": 2.5, "pointwise": 2.0, "other": 2.0})
 # ops a backward runs per forward op, each paying DeviceSpec.op_overhead: a matmul's two GEMMs
 # (input and weight gradient), one fused attention backward, one op for the rest
-BWD_OPS = {"matmul": 2, "attention": 1, "pointwise": 1, "other": 1}
+BWD_OPS = MappingProxyType({"matmul": 2, "attention": 1, "pointwise": 1, "other": 1})
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def update_ops(states: int) -> int:
     return 2 + 3 * states
 
 
-_GEMM_OPS = {"linear": 0, "mm": 0, "addmm": 1, "bmm": 0, "matmul": 0, "baddbmm": 1}  # op -> index of its left operand
+_GEMM_OPS = MappingProxyType({"linear": 0, "mm": 0, "addmm": 1, "bmm": 0, "matmul": 0, "baddbmm": 1})  # op -> index of its left operand
 
 
 def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int, int, int, int] | None:

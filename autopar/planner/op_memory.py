@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.planner.bounded_memo import BoundedMemo
+
 __all__ = ["OpMemory", "op_memory", "clear_cache"]
 
 
@@ -37,7 +39,10 @@ class OpMemory:
     measured: bool = True
 
 
-_CACHE: dict = {}
+# op signature (target, argument shapes and dtypes, autocast dtype) -> its OpMemory, measured once
+# per process. Bounded: an entry depends on its signature only, so a dropped one is measured again;
+# 8192 signatures hold every distinct op of the largest benchmark models several times over.
+_CACHE = BoundedMemo(8192)
 
 
 def clear_cache() -> None:
@@ -88,7 +93,7 @@ def op_memory(node: fx.Node, autocast_dtype: torch.dtype | None = None, device_t
                 hit = _measure(node, inputs, autocast_dtype, device_type)
         except Exception:  # noqa: BLE001 - any op torch cannot fake gets the conservative guess
             hit = _fallback(node, len(inputs), len(outs))
-        _CACHE[sig] = hit
+        _CACHE.put(sig, hit)
     return hit
 
 

@@ -31,13 +31,13 @@ import dataclasses
 import json
 import math
 import operator
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
+from autopar.planner.bounded_memo import BoundedMemo
 from autopar.planner.axis_use import axis_use
 from autopar.planner.costing import gradient_buffer_time
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
@@ -51,7 +51,7 @@ __all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "vir
 GiB = 2**30
 # the per-operator plans of stage submeshes, per planning inputs: a schedule compared with another
 # on the same submesh and microbatches reuses it (least recently planned dropped first)
-_INNER: OrderedDict = OrderedDict()
+_INNER = BoundedMemo(8)
 
 
 def _stage_view(cluster: Cluster, **changes) -> Cluster:
@@ -480,10 +480,7 @@ def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimiz
         inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
                              progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False,
                              _cache=cache)
-        found = _INNER[key] = (inner, cache["chosen"])
-        while len(_INNER) > 8:
-            _INNER.popitem(last=False)
-    _INNER.move_to_end(key)
+        found = _INNER.put(key, (inner, cache["chosen"]))
     return found
 
 

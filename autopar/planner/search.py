@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
@@ -18,6 +17,7 @@ from autopar.constraints import Constraints
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy, optimizer_spec, precision_policy
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Baseline, Plan, fingerprint_of
+from autopar.planner.bounded_memo import BoundedMemo
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.planner.experts import check_experts
@@ -25,7 +25,7 @@ from autopar.planner.candidates import (PIPELINE_STAGES, USABLE_MEMORY_FRACTION,
                                        microbatch_counts)
 from autopar.planner.meshes import data_degree, describe
 from autopar.cost_models.communication import axis_group
-from autopar.planner.contexts import (MEMO_LOCK, cost_context, estimated_state_numel, memo, plan_state_numel,
+from autopar.planner.contexts import (MEMO_LOCK, MEMO_SIZE, cost_context, estimated_state_numel, memo, plan_state_numel,
                                       update_costs_moved)
 from autopar.planner.evaluate import Evaluation, evaluate
 from autopar.planner.extract import extract_plan, predicted_of
@@ -38,7 +38,7 @@ __all__ = ["search_plan", "mesh_candidates", "naive_dp_baseline", "USABLE_MEMORY
 
 # per planning inputs (graph, cluster, precision, optimizer, solver), the results that do not
 # depend on the constraints: the naive data-parallel baseline and the free plan's step time
-_RESULTS: OrderedDict = OrderedDict()
+_RESULTS = BoundedMemo(MEMO_SIZE, MEMO_LOCK)
 _MEMORY_ROUNDS = 4  # ILP re-solves with a tightened budget when the simulated peak exceeds it
 
 
@@ -58,7 +58,9 @@ def _inputs_key(traced: TracedGraph, cluster: Cluster, precision: str, optimizer
     return fingerprint_of(_graph_key(traced), cluster.to_json(), precision, repr(optimizer), repr(solver))
 
 
-_GRAPH_KEYS: dict[int, tuple] = {}  # id(traced) -> (weak reference to it, its graph's hash)
+# id(traced) -> (weak reference to it, its graph's hash): a graph's hash once per traced graph;
+# bounded (a dead or dropped graph's entry only costs hashing again)
+_GRAPH_KEYS = BoundedMemo(4 * MEMO_SIZE, MEMO_LOCK)
 
 
 def _graph_key(traced: TracedGraph) -> str:
@@ -66,8 +68,7 @@ def _graph_key(traced: TracedGraph) -> str:
     change it; a pipeline search asks for it once per stage count it weighs)."""
     import weakref
 
-    with MEMO_LOCK:
-        hit = _GRAPH_KEYS.get(id(traced))
+    hit = _GRAPH_KEYS.get(id(traced))
     if hit is not None and hit[0]() is traced:
         return hit[1]
     parts = [traced.gm.code, repr((traced.has_loss, tuple(traced.input_names)))]
@@ -75,10 +76,7 @@ def _graph_key(traced: TracedGraph) -> str:
         meta = sorted((k, repr(v)) for k, v in n.meta.items() if k.startswith("autopar."))
         parts.append(f"{n.name}|{n.op}|{n.target}|{meta}")
     key = fingerprint_of("\n".join(parts))
-    with MEMO_LOCK:
-        for k in [k for k, (ref, _) in _GRAPH_KEYS.items() if ref() is None]:
-            del _GRAPH_KEYS[k]
-        _GRAPH_KEYS[id(traced)] = (weakref.ref(traced), key)
+    _GRAPH_KEYS.put(id(traced), (weakref.ref(traced), key))
     return key
 
 

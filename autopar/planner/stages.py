@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -297,8 +298,8 @@ ZERO_BUBBLE_W_SHARE = 1.0 / 3.0
 # per bubble slot of the multi-stage schedules, the share of one stage's forward + backward
 # (1 = F + B, W = ZERO_BUBBLE_W_SHARE, B = 2 W) that stays idle (schedule_step_time): interleaved
 # all of it; zero bubble F + B - 2 W; DualPipeV F&B + B - 3 W with F&B = F + B, i.e. 1 - W
-_BUBBLE_SLOT = {"interleaved-1f1b": 1.0, "zero-bubble": 1.0 - 2 * ZERO_BUBBLE_W_SHARE,
-                "zbv": 1.0 - 2 * ZERO_BUBBLE_W_SHARE, "dualpipev": 1.0 - ZERO_BUBBLE_W_SHARE}
+_BUBBLE_SLOT = MappingProxyType({"interleaved-1f1b": 1.0, "zero-bubble": 1.0 - 2 * ZERO_BUBBLE_W_SHARE,
+                                 "zbv": 1.0 - 2 * ZERO_BUBBLE_W_SHARE, "dualpipev": 1.0 - ZERO_BUBBLE_W_SHARE})
 
 
 def schedule_step_time(stage_times: list[float], microbatches: int, schedule: str, ranks: int) -> tuple[float, float]:

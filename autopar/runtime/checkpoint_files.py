@@ -146,7 +146,7 @@ def prune(root: Path, keep: int, newest: int) -> None:
 
 # --------------------------------------------------------------------------- safe metadata
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
+_ALLOWED = frozenset({
     (_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
                                        "StorageMeta", "MetadataIndex")
@@ -157,7 +157,7 @@ _ALLOWED = {
     # DCP records the checkpoint path; Python 3.13 pickles pathlib classes from ``pathlib._local``
     (module, name) for module in ("pathlib", "pathlib._local")
     for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
-}
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):

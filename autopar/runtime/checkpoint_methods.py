@@ -42,7 +42,7 @@ class CheckpointMethods:
         root = root if root is not None else self._checkpoint_root("save")
         # ``keep`` prunes the run's own root only, never a folder given for one save
         keep = cfg.keep if cfg is not None and os.path.abspath(root) == os.path.abspath(cfg.root) else None
-        with collective_failures("checkpoint"):
+        with collective_failures("checkpoint", self.collective_log):
             return str(self._checkpointer.save(root, asynchronous=asynchronous, keep=keep))
 
     def wait_saved(self) -> None:
@@ -52,7 +52,7 @@ class CheckpointMethods:
     def load(self, folder: str) -> "Resumed":
         """Load the checkpoint ``folder`` (one ``step-<n>``), resharded into this plan."""
         self._require_plan("load")
-        with collective_failures("checkpoint"):
+        with collective_failures("checkpoint", self.collective_log):
             self.resumed = self._checkpointer.load(folder)
         return self.resumed
 

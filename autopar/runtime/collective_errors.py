@@ -10,6 +10,7 @@ import re
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, CollectiveError
+from autopar.runtime.comm import CollectiveLog
 
 __all__ = ["collective_failures", "raise_if_collective_failure"]
 
@@ -19,18 +20,20 @@ _LOST_PEER = re.compile(r"connection|peer|broken pipe", re.IGNORECASE)
 
 
 @contextlib.contextmanager
-def collective_failures(where: str):
-    """Torch's collective timeouts and lost peers inside the block become ``CollectiveError``."""
+def collective_failures(where: str, log: CollectiveLog | None = None):
+    """Torch's collective timeouts and lost peers inside the block become ``CollectiveError``
+    (naming ``log``'s last collective: the model's, ``MeshComm.log``)."""
     try:
         yield
     except RuntimeError as exc:
-        raise_if_collective_failure(exc, where)
+        raise_if_collective_failure(exc, where, log)
         raise
 
 
-def raise_if_collective_failure(exc: RuntimeError, where: str) -> None:
+def raise_if_collective_failure(exc: RuntimeError, where: str, log: CollectiveLog | None = None) -> None:
     """Raise ``CollectiveError`` (from ``exc``) when ``exc`` is torch reporting that a collective
-    timed out or lost a peer: the ranks did not all run this step. Otherwise return."""
+    timed out or lost a peer: the ranks did not all run this step. Otherwise return. ``log``:
+    the model's record of its collectives, whose last one the error names."""
     if isinstance(exc, AutoparError):
         return
     text = str(exc)
@@ -47,9 +50,7 @@ def raise_if_collective_failure(exc: RuntimeError, where: str) -> None:
         waited = f"more than {t:g} s" if t else "longer than the process group's timeout"
         head = f"{where} on rank {rank} waited {waited} for the other ranks in a collective"
     said = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
-    from autopar.runtime.comm import last_collective
-
-    last = last_collective()
+    last = log.describe() if log is not None else None
     was = f" This rank was in: {last}." if last else ""
     from autopar.runtime.comm import runs_nccl
 

@@ -200,9 +200,9 @@ class _Reshard(torch.autograd.Function):
         g = g.contiguous()
         if ctx.reduce_dtype is not None:
             g = g.to(ctx.reduce_dtype)
-        set_site(ctx.site)
+        set_site(ctx.comm, ctx.site)
         out = apply_steps(g, ctx.bwd_steps, ctx.comm, ctx.shape)
-        set_site(None)
+        set_site(ctx.comm, None)
         for a in ctx.grad_scale_axes:
             out = out / ctx.comm.sizes[a]
         return (out.to(ctx.in_dtype),) + (None,) * 8
@@ -229,7 +229,7 @@ def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, gr
     collective that times out names it).
     """
     comm = current_mesh()
-    set_site(site)
+    set_site(comm, site)
     fwd = _steps(comm, src, dst, shape)
     bwd = _steps(comm, grad_src, grad_dst, shape) if grad_src is not None and grad_dst is not None else None
     scale = _avg_axes(parse_layout(src), parse_layout(dst))
@@ -246,7 +246,7 @@ def reshard(x: torch.Tensor, src: str, dst: str, grad_src: str | None = None, gr
             return apply_steps(local.to(dtype) if dtype is not None else local, fwd, comm, shape)  # synchronously
 
         remember_gathered_param(out, x.detach(), replay)
-    set_site(None)
+    set_site(comm, None)
     return out
 
 
@@ -284,7 +284,7 @@ def reshard_start(x: torch.Tensor, src: str, dst: str, grad_src: str | None = No
     steps = _steps(comm, src, dst, shape)
     first = next((i for i, s in enumerate(steps) if s.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
                   and comm.sizes[s.axis] > 1), None)
-    set_site(site)
+    set_site(comm, site)
     try:
         if first is None:
             return EarlyReshard(apply_steps(x, steps, comm, shape), None, None, (), comm, shape, site)
@@ -303,17 +303,17 @@ def reshard_start(x: torch.Tensor, src: str, dst: str, grad_src: str | None = No
             out, work, post = _one_step(x, step, comm, shape), None, None
         return EarlyReshard(out, work, post, steps[first + 1:], comm, shape, site)
     finally:
-        set_site(None)
+        set_site(comm, None)
 
 
 def reshard_finish(pending: EarlyReshard) -> torch.Tensor:
     """Wait for ``reshard_start``'s collective and run the steps after it: the value ``reshard``
     would have returned."""
-    set_site(pending.site)
+    set_site(pending.comm, pending.site)
     try:
         if pending.work is not None:
             pending.work.wait()
         out = pending.post(pending.value) if pending.post is not None else pending.value
         return apply_steps(out, pending.after, pending.comm, pending.shape)
     finally:
-        set_site(None)
+        set_site(pending.comm, None)

@@ -55,8 +55,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MeshComm", "CommStats", "COLLECTIVE_KINDS", "WAIT_ENV", "POLL_WINDOW_S", "wait_for", "polls", "POLLED_KINDS",
-           "backend_for", "runs_nccl"]
+__all__ = ["MeshComm", "CommStats", "CollectiveLog", "set_site", "collective_site", "COLLECTIVE_KINDS", "WAIT_ENV",
+           "POLL_WINDOW_S", "wait_for", "polls", "POLLED_KINDS", "backend_for", "runs_nccl"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -173,41 +173,48 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# The last collective this process issued: what a timeout names (``collective_errors``). ``site``:
-# the plan node a reshard served (``collectives.reshard``), while it runs.
-LAST_COLLECTIVE: dict = {}
-_SITE: list = [None]
+@dataclass
+class CollectiveLog:
+    """One model's record for its error messages: ``site``, what the collectives being issued
+    serve (a reshard's plan node, a gradient sync, the loss; None: unnamed), and ``last``, the
+    last collective it issued (what a timeout names: ``collective_errors``). Shared by the
+    model's ``MeshComm`` and its axis views; written from autograd threads too, so ``last`` is
+    replaced whole, never updated in place."""
+
+    site: str | None = None
+    last: dict = field(default_factory=dict)
+
+    def describe(self) -> str | None:
+        """The last collective, in words (its kind, bytes, mesh axis, ranks, plan node); None
+        before any."""
+        last = self.last
+        if not last:
+            return None
+        try:  # the group as the mesh holds it: its name (resolved here, not per collective) or itself
+            group = _resolve(last["group"]) if isinstance(last["group"], str) else last["group"]
+            ranks = dist.get_process_group_ranks(group)
+        except Exception:  # noqa: BLE001 - the group is gone: leave the ranks out
+            ranks = None
+        who = f" (ranks {ranks})" if ranks is not None else ""
+        at = f" for {last['site']}" if last.get("site") else ""
+        return f"{last['kind']} of {last['nbytes']:,} bytes over mesh axis {last['axis']}{who}{at}"
 
 
-def set_site(site: str | None) -> None:
-    """Name what the next collectives serve (a reshard's plan node; None: unnamed)."""
-    _SITE[0] = site
+def set_site(comm: "MeshComm", site: str | None) -> None:
+    """Name what ``comm``'s next collectives serve (a reshard's plan node; None: unnamed)."""
+    comm.log.site = site
 
 
 @contextlib.contextmanager
-def collective_site(site: str):
-    """Name what the collectives issued inside serve (gradient sync, a ZeRO gather, the loss),
-    then restore the previous name."""
-    old, _SITE[0] = _SITE[0], site
+def collective_site(comm: "MeshComm", site: str):
+    """Name what the collectives ``comm`` issues inside serve (gradient sync, a ZeRO gather, the
+    loss), then restore the previous name."""
+    log = comm.log
+    old, log.site = log.site, site
     try:
         yield
     finally:
-        _SITE[0] = old
-
-
-def last_collective() -> str | None:
-    """The last collective this process issued, in words (its kind, bytes, mesh axis, ranks, plan
-    node); None before any."""
-    last = dict(LAST_COLLECTIVE)
-    if not last:
-        return None
-    try:
-        ranks = dist.get_process_group_ranks(last["group"])
-    except Exception:  # noqa: BLE001 - the group is gone: leave the ranks out
-        ranks = None
-    who = f" (ranks {ranks})" if ranks is not None else ""
-    at = f" for {last['site']}" if last.get("site") else ""
-    return f"{last['kind']} of {last['nbytes']:,} bytes over mesh axis {last['axis']}{who}{at}"
+        log.site = old
 
 
 class _TimedWork:
@@ -235,11 +242,12 @@ class MeshComm:
     """Per mesh axis: process group, size and this rank's coordinate; and the collectives."""
 
     def __init__(self, groups: Sequence, sizes: Sequence[int], coords: Sequence[int],
-                 stats: CommStats | None = None):
+                 stats: CommStats | None = None, log: CollectiveLog | None = None):
         self.groups = tuple(groups)  # process groups, or their names (looked up per collective)
         self.sizes = tuple(int(s) for s in sizes)
         self.coords = tuple(int(c) for c in coords)
         self.stats = stats if stats is not None else CommStats()
+        self.log = log if log is not None else CollectiveLog()  # what the collectives serve, the last one
         self.step_cache: dict = {}  # (src, dst, shape) -> reshard steps on this mesh
         self.pending_gathers: dict = {}  # storage of a receive buffer -> gather under way (runtime.prefetch)
         self.pending_grads: list = []  # gradient reduce-scatters under way (runtime.prefetch)
@@ -248,17 +256,18 @@ class MeshComm:
         self.shard_grad_edges = False
 
     @classmethod
-    def from_device_mesh(cls, mesh) -> "MeshComm":
+    def from_device_mesh(cls, mesh, log: CollectiveLog | None = None) -> "MeshComm":
         names = mesh.mesh_dim_names
         return cls(
             groups=tuple(mesh.get_group(n).group_name for n in names),
             sizes=tuple(mesh.size(i) for i in range(len(names))),
             coords=tuple(mesh.get_local_rank(n) for n in names),
+            log=log,
         )
 
     def axis_view(self, axis: int) -> "MeshComm":
-        """A one-axis mesh over ``axis`` sharing this mesh's statistics."""
-        return MeshComm((self.groups[axis],), (self.sizes[axis],), (self.coords[axis],), self.stats)
+        """A one-axis mesh over ``axis`` sharing this mesh's statistics and log."""
+        return MeshComm((self.groups[axis],), (self.sizes[axis],), (self.coords[axis],), self.stats, self.log)
 
     def close(self) -> None:
         """Forget the process groups (call before ``destroy_process_group``)."""
@@ -284,7 +293,7 @@ class MeshComm:
         self.stats.record(kind, nbytes)
         args = (inp,) if out is None else (out, inp)
         group = self._group(axis)
-        LAST_COLLECTIVE.update(kind=kind, nbytes=int(nbytes), axis=axis, group=group, site=_SITE[0])
+        self.log.last = dict(kind=kind, nbytes=int(nbytes), axis=axis, group=self.groups[axis], site=self.log.site)
         poll = polls(kind, inp)
         t0 = time.perf_counter()
         work = call(*args, group=group, async_op=async_op or poll)

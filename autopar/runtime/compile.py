@@ -518,10 +518,10 @@ def _plan_on_rank0(traced, cluster: Cluster, constraints: Constraints, policy, s
     return plan
 
 
-_MEAN_REDUCTIONS = {"mean"}
-_SUM_REDUCTIONS = {"sum"}
-_LOSS_OPS = {"cross_entropy_loss", "nll_loss_nd", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
-             "binary_cross_entropy_with_logits", "huber_loss"}
+_MEAN_REDUCTIONS = frozenset({"mean"})
+_SUM_REDUCTIONS = frozenset({"sum"})
+_LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss_nd", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+                       "binary_cross_entropy_with_logits", "huber_loss"})
 
 
 def _loss_reduction(traced) -> str:

@@ -18,6 +18,8 @@ rows twice, not four times. ``regions.grouped_exchanges`` prices the same rules.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -71,7 +73,7 @@ def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple:
 
 _METADATA = frozenset({"dtype", "device", "data_ptr", "requires_grad", "is_floating_point", "element_size",
                        "is_cuda", "layout", "is_contiguous"})
-_REFLECTED = {"rmul": "mul", "radd": "add", "rsub": "sub", "truediv": "div", "rtruediv": "div"}
+_REFLECTED = MappingProxyType({"rmul": "mul", "radd": "add", "rsub": "sub", "truediv": "div", "rtruediv": "div"})
 
 
 def row_local_name(func) -> str:

@@ -130,7 +130,7 @@ class GradSync:
                 self._finish_bucket(w)
             b.wire = view.to(self.reduce_dtype)
             view = b.wire
-        with collective_site(self._bucket_site(b)):
+        with collective_site(self.comm, self._bucket_site(b)):
             b.work = self.comm.all_reduce(view, b.axes[0], async_op=True)
 
     def _finish_bucket(self, b: _Bucket) -> None:
@@ -138,7 +138,7 @@ class GradSync:
             b.work.wait()
         view = self.store.flat_grad(b.dtype)[b.span()]
         for a in b.axes[1:]:  # further axes reduce after the first (rare: 2-D data parallel)
-            with collective_site(self._bucket_site(b)):
+            with collective_site(self.comm, self._bucket_site(b)):
                 self.comm.all_reduce(b.wire if b.wire is not None else view, a)
         if b.wire is not None:
             view.copy_(b.wire)
@@ -151,7 +151,7 @@ class GradSync:
         return f"the gradient sync of {len(names)} parameter(s) ({shown})"
 
     def _reduce_scatter(self, ph: str) -> None:
-        with collective_site(f"the ZeRO-2 gradient reduce-scatter of parameter '{self.store.slots[ph].fqn}'"):
+        with collective_site(self.comm, f"the ZeRO-2 gradient reduce-scatter of parameter '{self.store.slots[ph].fqn}'"):
             self._reduce_scatter_one(ph)
 
     def _reduce_scatter_one(self, ph: str) -> None:

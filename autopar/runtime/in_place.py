@@ -364,7 +364,7 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     handles = []
     mixed = pm._policy.mixed
     try:
-        with collective_failures("forward"), implicit_replication(), torch.no_grad(), \
+        with collective_failures("forward", pm.collective_log), implicit_replication(), torch.no_grad(), \
                 torch.autocast(pm._device.type, dtype=pm._policy.torch_compute_dtype) if mixed else contextlib.nullcontext():
             for mod in model.modules():
                 if mod is not model:  # the root's forward is called directly, below
@@ -414,7 +414,7 @@ def export_module(model) -> torch.nn.Module:
     pm._require_plan("export_module")
     tree: _Tree = model.__dict__[_TREE]
     fulls: dict[str, torch.Tensor] = {}  # name -> its plain tensor in the copy (a Parameter for parameters)
-    with collective_failures("export_module"), torch.no_grad():
+    with collective_failures("export_module", pm.collective_log), torch.no_grad():
         pm._sync_zero_params()  # ZeRO-1/2: the whole parameters the user's optimizer updated
         whole = _Whole(pm)
         for leaves in tree.leaves.values():

@@ -64,7 +64,7 @@ class LossValueMethods:
             return counts
         a = self.plan.mesh_axes_index("dp")
         summed = torch.tensor(counts, dtype=torch.float64, device=self._device)
-        with collective_site("the microbatches' target counts"):
+        with collective_site(self.comm, "the microbatches' target counts"):
             self.comm.all_reduce(summed, a)
         return summed.tolist()
 
@@ -80,13 +80,13 @@ class LossValueMethods:
 
     def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
         value = loss.detach().clone().reshape(1).float()
-        with collective_site("the loss's all-reduce"):
+        with collective_site(self.comm, "the loss's all-reduce"):
             works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
         return value, [w for w in works if w is not None]
 
     def _finish_loss(self, value: torch.Tensor, layout=None) -> float:
         for a, _ in self._partial_axes(layout)[1:]:
-            with collective_site("the loss's all-reduce"):
+            with collective_site(self.comm, "the loss's all-reduce"):
                 self.comm.all_reduce(value, a)
         for a, op in self._partial_axes(layout):
             if op == "avg":

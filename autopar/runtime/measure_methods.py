@@ -72,7 +72,7 @@ class MeasureMethods:
         if not self._fused:
             raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
         self._ensure_planned(inputs, target)
-        with collective_failures("train_step"):  # outside the measurement: the check is not the step's
+        with collective_failures("train_step", self.collective_log):  # outside the measurement: the check is not the step's
             self._check_batch("train_step", inputs, target, self.step, self._train)
         cuda = self._device.type == "cuda"
         if cuda:

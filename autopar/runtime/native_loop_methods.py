@@ -58,7 +58,7 @@ class NativeLoopMethods:
         self._leave_backward_mesh()  # a backward pass that failed midway never left it
         kind = "forward" if self.training else "forward-eval"
         prog = self._program_for(kind, inputs, None)
-        with collective_failures("forward"):
+        with collective_failures("forward", self.collective_log):
             self._check_batch("forward", inputs, None, self._calls["forward"], prog)
             self._sync_zero_params()
             with active_mesh(self.comm):
@@ -84,7 +84,7 @@ class NativeLoopMethods:
 
         def mean_over_shards(g):
             g = g.contiguous().clone()
-            with collective_site("the mean over shards of an output's gradient"):
+            with collective_site(comm, "the mean over shards of an output's gradient"):
                 comm.all_reduce(g, 0)
             return g / n
 
@@ -147,7 +147,7 @@ class NativeLoopMethods:
 
     def _end_backward(self) -> None:
         try:
-            with collective_failures("backward"), active_mesh(self.comm):
+            with collective_failures("backward", self.collective_log), active_mesh(self.comm):
                 self._grad_sync.finish()
                 drain_gradient_reductions(self.comm)
         finally:

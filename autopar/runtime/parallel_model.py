@@ -52,7 +52,7 @@ from autopar.runtime.collectives import active_mesh, shard_tensor
 from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
 from autopar.runtime.checkpoint_methods import CheckpointMethods
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.comm import MeshComm
+from autopar.runtime.comm import CollectiveLog, MeshComm
 from autopar.runtime.copyable_state import copyable_state_dict_hook
 from autopar.runtime.grad_sync import GradSync, backward_order
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree, tied_keys
@@ -93,6 +93,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._local = builder.local  # each rank passes its own shard of the batch
         self._model_class = type(model).__name__
         self._calls = {"eval_step": 0, "forward": 0}  # train_step counts in ``step``
+        self.collective_log = CollectiveLog()  # what this model's collectives serve; the last one (errors name it)
         self.plan = None
         self.step = 0
         self.optimizer = None
@@ -148,7 +149,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._pp_group = self.device_mesh.get_group("pp")
             self._stage = self.device_mesh.get_local_rank("pp")
             self.device_mesh = self.device_mesh[tuple(a for a, _ in plan.mesh_axes)]
-        self.comm = MeshComm.from_device_mesh(self.device_mesh)
+        self.comm = MeshComm.from_device_mesh(self.device_mesh, self.collective_log)
         self._traced = traced
         self._device = b.device
         self._policy = precision_policy(plan.precision)
@@ -218,7 +219,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         """Plan from this call's batch if no plan exists yet (``autopar.compile`` without examples)."""
         if self.plan is not None:
             return
-        with collective_failures("planning"):
+        with collective_failures("planning", self.collective_log):
             plan, traced, program, reduction = self._builder.primary(inputs, target)
         self._attach(plan, traced, program, reduction, None)
 
@@ -235,7 +236,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if prog is None:
             # traced at the planned batch's shapes (the call's batch is then checked against them)
             inputs, target = _stand_ins(self._primary.example, inputs, target)
-            with collective_failures("planning"):
+            with collective_failures("planning", self.collective_log):
                 built = self._builder.pinned(self.plan, kind, inputs, target)
             prog = RankProgram.of(*built, None)
             refuse_uneven_inputs(prog.plan, prog)
@@ -360,7 +361,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 "torch.optim.AdamW(ps, lr=1e-3)); without it, train in your own loop: loss = loss_fn(pm(x), y); "
                 "loss.backward(); opt.step() with opt = torch.optim.AdamW(pm.parameters(), ...)")
         self._ensure_planned(inputs, target)
-        with collective_failures("train_step"):
+        with collective_failures("train_step", self.collective_log):
             self._check_batch("train_step", inputs, target, self.step, self._train)
         return self._checked_train_step(inputs, target)
 
@@ -374,7 +375,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         tracked = (not cuda and self._monitor is not None and self._tracker is None
                    and self._monitor.tracks_memory(self.step + 1))
         t0 = time.perf_counter()
-        with collective_failures("train_step"), self._memory_tracked() if tracked else contextlib.nullcontext() as tracker:
+        with collective_failures("train_step", self.collective_log), self._memory_tracked() if tracked else contextlib.nullcontext() as tracker:
             total = self._train_step(inputs, target)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -469,7 +470,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._require_target("eval_step", inputs, target)
         self._ensure_planned(inputs, target)
         prog = self._program_for("step-eval", inputs, target)
-        with collective_failures("eval_step"):
+        with collective_failures("eval_step", self.collective_log):
             self._check_batch("eval_step", inputs, target, self._calls["eval_step"], prog)
             total = self._eval_step(inputs, target, prog)
         self._calls["eval_step"] += 1

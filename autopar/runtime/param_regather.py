@@ -13,28 +13,43 @@ backward prefetch does, where its gather can run asynchronously (``runtime.prefe
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import weakref
 
 import torch
 
 __all__ = ["regather_saved_params", "remember_gathered_param"]
 
-# storage id of a gathered parameter -> (weakref to that storage, local shard, replay function)
-_GATHERED: dict[int, tuple] = {}
-_ACTIVE = [0]  # nesting depth of regather_saved_params (remember nothing outside it)
+
+class _Recording:
+    """One forward recorded under ``regather_saved_params``: ``gathered`` maps the storage id of
+    a gathered parameter to (a weak reference to that storage, the local shard, the replay
+    function); ``seq`` is the forward's ``_Sequence`` (kept alive by the saved tensors that point
+    to it, until backward frees them)."""
+
+    __slots__ = ("gathered", "seq")
+
+    def __init__(self):
+        self.gathered: dict[int, tuple] = {}
+        self.seq = _Sequence()
+
+
+# The forward being recorded in this thread (per-thread "active" state; the forward and the
+# gathers it remembers run in one thread): set by the outermost ``regather_saved_params`` for its
+# block, None outside it, where nothing is remembered.
+_RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("autopar_regather", default=None)
 
 
 def remember_gathered_param(gathered: torch.Tensor, local: torch.Tensor, replay) -> None:
     """Called by ``reshard`` for parameter gathers: how to rebuild ``gathered`` from ``local``.
     Outside ``regather_saved_params`` (e.g. a checkpointed block recomputed in backward) nothing
     is remembered: nothing would ever forget it."""
-    if not _ACTIVE[0]:
+    rec = _RECORDING.get()
+    if rec is None:
         return
     st = gathered.untyped_storage()
-    _GATHERED[st._cdata] = (weakref.ref(st), local, replay)
-
-
-_PACKED: list = [None]  # the forward being recorded: its _Sequence
+    rec.gathered[st._cdata] = (weakref.ref(st), local, replay)
 
 
 class _Sequence:
@@ -57,12 +72,12 @@ class _Regather:
         self.seq, self.index, self.pending, self.done = seq, len(seq.items), None, False
 
 
-def _pack(t: torch.Tensor):
-    if _GATHERED and t.layout == torch.strided:
+def _pack(rec: _Recording, t: torch.Tensor):
+    if rec.gathered and t.layout == torch.strided:
         st = t.untyped_storage()
-        entry = _GATHERED.get(st._cdata)
+        entry = rec.gathered.get(st._cdata)
         if entry is not None and entry[0]() is st:
-            seq = _PACKED[0]
+            seq = rec.seq
             obj = _Regather(entry[1], entry[2], t, seq)
             seq.items.append(weakref.ref(obj))
             return obj
@@ -94,14 +109,18 @@ def _unpack(obj):
 
 @contextlib.contextmanager
 def regather_saved_params():
-    _ACTIVE[0] += 1
-    if _ACTIVE[0] == 1:
-        _PACKED[0] = _Sequence()  # kept alive by the saved tensors that point to it, until backward frees them
+    """Inside: tensors autograd saves that are (views of) a gathered parameter keep only the
+    local shard and are gathered again in backward. Nested blocks share the outermost's
+    recording; leaving the outermost forgets every gathered parameter."""
+    rec = _RECORDING.get()
+    token = None
+    if rec is None:
+        rec = _Recording()
+        token = _RECORDING.set(rec)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, rec), _unpack):
             yield
     finally:
-        _ACTIVE[0] -= 1
-        if not _ACTIVE[0]:
-            _GATHERED.clear()
-            _PACKED[0] = None
+        if token is not None:
+            rec.gathered.clear()
+            _RECORDING.reset(token)

@@ -37,6 +37,7 @@ import functools
 import inspect
 import operator
 import weakref
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -54,9 +55,9 @@ from autopar.runtime.comm import MeshComm, collective_site
 
 __all__ = ["PipelineRunner", "SCHEDULE_CLASSES", "stage_state_names", "local_stages", "refuse_host_only_sends"]
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                    "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                    "dualpipev": "ScheduleDualPipeV"}
+SCHEDULE_CLASSES = MappingProxyType({"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                                     "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                                     "dualpipev": "ScheduleDualPipeV"})
 
 
 def local_stages(plan, pp_rank: int) -> list[int]:
@@ -313,7 +314,7 @@ class PipelineRunner:
         planned = insert_boundary_sends(program, plan, planned, state_names)  # values sent in pieces
         shared = shared_state(plan)
         self.programs = split_stages(program, planned, state_names, self.n_stages, shared)
-        self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store, comm.stats)
+        self._tied = _tied_groups(plan, shared, stage_ranks, pp_rank, store, comm.stats, comm.log)
         # a tied weight in two of this rank's stages (V schedules) accumulates twice per microbatch
         counts = collections.Counter(n for i in self.mine for n in self.programs[i].state_names)
         self.local_uses = {n: k for n, k in counts.items() if k > 1}
@@ -422,7 +423,7 @@ class PipelineRunner:
         collective (``MeshComm``); a copy's gradient is a view into the store's flat buffer."""
         for tied_comm, slots in self._tied:
             for slot in slots:
-                with collective_site(f"the gradient sum of tied parameter '{slot.fqn}' between pipeline stages"):
+                with collective_site(tied_comm, f"the gradient sum of tied parameter '{slot.fqn}' between pipeline stages"):
                     # ZeRO-2: the copies' reduced shards (each copy's slot is laid out alike)
                     tied_comm.all_reduce(slot.opt.grad if slot.zero_stage == 2 else slot.local.grad, 0)
 
@@ -452,7 +453,7 @@ def refuse_host_only_sends(device: torch.device, pp_group) -> None:
             "without pipelining: Constraints(pp=1)")
 
 
-def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store, stats) -> list:
+def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store, stats, log) -> list:
     """(one-axis ``MeshComm``, store slots) per set of pipeline ranks holding tied parameters'
     copies that this rank is in. Every rank creates every group, in one order (torch requires it)."""
     by_ranks: dict[tuple[int, ...], list[str]] = {}
@@ -466,7 +467,7 @@ def _tied_groups(plan, shared: frozenset[str], stage_ranks, pp_rank: int, store,
                                                        for i in range(len(stage_ranks[0]))])
         if pp_rank in ranks:
             slots = [store.slots[n] for n in names if n in store.slots and store.slots[n].local.requires_grad]
-            tied.append((MeshComm((group,), (len(ranks),), (ranks.index(pp_rank),), stats), slots))
+            tied.append((MeshComm((group,), (len(ranks),), (ranks.index(pp_rank),), stats, log), slots))
     return tied
 
 

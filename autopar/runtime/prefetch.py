@@ -93,7 +93,7 @@ class _GatherStart(torch.autograd.Function):
             send = send.to(ctx.reduce_dtype)
         n = comm.sizes[ctx.axis]
         out = torch.empty((send.shape[0] // n,) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
-        with collective_site(f"the gradient reduce-scatter of {ctx.site}" if ctx.site else "a gradient reduce-scatter"):
+        with collective_site(comm, f"the gradient reduce-scatter of {ctx.site}" if ctx.site else "a gradient reduce-scatter"):
             work = comm.reduce_scatter(out, send, ctx.axis, async_op=True)
         comm.pending_grads.append(_PendingGrad(work, out, send, param.grad, ctx.dim, param.shape[ctx.dim]))
         while len(comm.pending_grads) > MAX_INFLIGHT:
@@ -113,7 +113,7 @@ def gather_param_start(x: torch.Tensor, axis: int, dim: int, size: int | None = 
     from autopar.runtime.param_regather import remember_gathered_param
 
     comm = current_mesh()
-    with collective_site(f"the parameter gather of {site}" if site else "a parameter gather"):
+    with collective_site(comm, f"the parameter gather of {site}" if site else "a parameter gather"):
         if grad and x.requires_grad and torch.is_grad_enabled():
             buf = _GatherStart.apply(x, axis, dim, size, dtype, reduce_dtype, comm, site)
         else:

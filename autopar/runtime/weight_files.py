@@ -31,6 +31,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -42,10 +43,10 @@ __all__ = ["Entry", "WeightFiles", "SafetensorsWriter", "TorchFileWriter", "shar
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_SINGLE, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_DTYPES = MappingProxyType({"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
+_NAMES = MappingProxyType({v: k for k, v in _DTYPES.items()})
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import errno
 import os
 import socket
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable
 
 from autopar.errors import AutoparError
@@ -21,7 +22,7 @@ from autopar.runtime.agreement import decided_by_rank0, gathered
 
 __all__ = ["write_problem", "describe_write_failure", "check_writable"]
 
-_FIXES = {
+_FIXES = MappingProxyType({
     errno.ENOSPC: "free space on that filesystem",
     errno.EDQUOT: "free space within your quota there",
     errno.EROFS: "the filesystem is mounted read-only: choose a folder on a writable one",
@@ -29,7 +30,7 @@ _FIXES = {
     errno.EPERM: "make the folder writable for this user (chmod/chown) or choose another",
     errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
     errno.EEXIST: "a file of that name is in the way: remove it or choose another path",
-}
+})
 
 
 def describe_write_failure(where: str | os.PathLike, exc: OSError) -> str:

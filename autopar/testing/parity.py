@@ -97,7 +97,7 @@ def build_case(name: str, seed: int = 0):
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, _tuple_loss
     if name in ("manual_gpt", "tiny_llama"):
-        from autopar.runtime.zoo import ManualAttentionGPT, TinyLlama, lm_loss
+        from autopar.testing.zoo import ManualAttentionGPT, TinyLlama, lm_loss
 
         model = ManualAttentionGPT() if name == "manual_gpt" else TinyLlama()
         g = torch.Generator().manual_seed(1)
@@ -105,37 +105,37 @@ def build_case(name: str, seed: int = 0):
                    for _ in range(8)]
         return model, batches, lm_loss
     if name == "cnn":
-        from autopar.runtime.zoo import SmallCNN
+        from autopar.testing.zoo import SmallCNN
 
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(8)]
         return SmallCNN(), batches, torch.nn.functional.cross_entropy
     if name == "write_view":
-        from autopar.runtime.zoo import WriteThroughView
+        from autopar.testing.zoo import WriteThroughView
 
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(8)]
         return WriteThroughView(), batches, torch.nn.functional.cross_entropy
     if name == "odd_mlp":
-        from autopar.runtime.zoo import OddMLP
+        from autopar.testing.zoo import OddMLP
 
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(16, 21, generator=g), torch.randn(16, 3, generator=g)) for _ in range(8)]
         return OddMLP(), batches, torch.nn.functional.mse_loss
     if name == "routed_mlp":  # integer, boolean and detached values cross a pipeline cut
-        from autopar.runtime.zoo import RoutedResidualMLP
+        from autopar.testing.zoo import RoutedResidualMLP
 
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(8)]
         return RoutedResidualMLP(), batches, torch.nn.functional.cross_entropy
     if name == "where_moe":  # experts on the rows torch.where picks: one token-wise region
-        from autopar.runtime.zoo import WhereLoopMoE
+        from autopar.testing.zoo import WhereLoopMoE
 
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(16, 16, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(8)]
         return WhereLoopMoE(), batches, torch.nn.functional.cross_entropy
     if name == "wide_embedding":  # a table worth splitting, then layers worth data parallelism
-        from autopar.runtime.zoo import WideEmbeddingMLP
+        from autopar.testing.zoo import WideEmbeddingMLP
 
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randint(0, 8192, (64, 32), generator=g), torch.randint(0, 5, (64,), generator=g))

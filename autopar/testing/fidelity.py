@@ -70,7 +70,7 @@ def fidelity_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
-        from autopar.runtime.zoo import ResidualMLP
+        from autopar.testing.zoo import ResidualMLP
 
         mlp_loss = torch.nn.functional.mse_loss
         model = ResidualMLP(256, 1024, 4)
@@ -182,7 +182,7 @@ def tight_memory_worker(memory_bytes: int, constraints: dict | None = None, step
 
     import autopar
     from autopar.planner.search import USABLE_MEMORY_FRACTION
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     model, inputs, target, loss_fn = fidelity_model("gpt")
     base = autopar.Cluster.local()
