@@ -1,5 +1,5 @@
 """The pipelines a plan without ``pp`` also weighs, on a multi-node cluster: the stage counts
-``free_pipeline_candidates`` proposes, each planned by ``pipeline_search.search_pipeline_plan``,
+``free_pipeline_candidates`` proposes, each priced by ``pipeline_search.price_pipeline_plan``,
 and ``best_of``, the fastest of them and the single-stage plan.
 """
 from __future__ import annotations
