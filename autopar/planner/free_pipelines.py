@@ -85,13 +85,13 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
         for schedule in schedules:
             c = dataclasses.replace(cand, schedule=schedule)
             label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
-            beat = [t for t in (single and single.predicted.step_time_s, best_pipe and best_pipe.step_time_s)
-                    if t is not None]
+            beat = ([single.predicted.step_time_s] if single is not None else []) + (
+                [best_pipe.step_time_s] if best_pipe is not None else [])
             try:
                 plan = price_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
-                                            solver=solver, progress=progress, inner_search=inner_search,
-                                            memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first,
-                                            to_beat_s=min(beat, default=None))
+                                           solver=solver, progress=progress, inner_search=inner_search,
+                                           memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first,
+                                           to_beat_s=min(beat, default=None))
             except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
                 tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
                 continue
