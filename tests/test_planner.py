@@ -190,6 +190,23 @@ def test_no_plan_fits_on_a_local_cluster_suggests_a_valid_cluster():
     assert "Cluster.preset('local'" not in msg  # there is no such preset
 
 
+def test_no_plan_diagnosis_doubles_the_cluster_a_bounded_number_of_times(monkeypatch):
+    """A model that fits no cluster near this one: the diagnosis weighs clusters of at most
+    ``MAX_DIAGNOSIS_DOUBLINGS`` doublings (it used to double up to 4096 nodes) and says how far it looked."""
+    from autopar.planner import diagnose
+
+    base = Cluster.local(2)
+    tiny = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=2 * 10**5))
+    weighed = []
+    real = diagnose.mesh_candidates
+    monkeypatch.setattr(diagnose, "mesh_candidates", lambda cluster, c: weighed.append(cluster.nodes) or real(cluster, c))
+    with pytest.raises(NoFeasiblePlanError) as info:
+        plan_gpt(cluster=tiny, constraints=Constraints(microbatches=1))
+    most = tiny.nodes * 2 ** diagnose.MAX_DIAGNOSIS_DOUBLINGS
+    assert weighed and max(weighed) == most, weighed
+    assert f"up to {most} nodes" in str(info.value)
+
+
 def test_no_plan_fits_reports_the_leanest_plan_the_search_met():
     """A device just too small for every plan allowed: the error's "needs X GiB" is at most the
     peak of the plan that fits a larger device (the search met it), and above the budget. It

@@ -2,7 +2,8 @@
 plan needs against what a device has, and the smallest cluster of the same preset that fits.
 
 Called by ``search`` when every attempt failed (a rare path: it plans again, for the least
-memory, on the same meshes and then on clusters of twice as many nodes).
+memory, on the same meshes and then on clusters of twice as many nodes, at most
+``MAX_DIAGNOSIS_DOUBLINGS`` times).
 """
 from __future__ import annotations
 
@@ -68,13 +69,22 @@ def _leanest_micro(traced: TracedGraph, mesh: tuple[int, int], c: Constraints) -
     return counts[-1] if counts else 1
 
 
+# the diagnosis doubles the node count at most this many times (each doubling plans the leanest
+# plan of every mesh of the larger cluster again), and never past MAX_DIAGNOSIS_NODES nodes
+MAX_DIAGNOSIS_DOUBLINGS = 4
+MAX_DIAGNOSIS_NODES = 4096
+
+
 def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, solver) -> str:
-    """Double the node count until the leanest plan fits (up to 4096 nodes)."""
+    """Double the node count until the leanest plan fits: at most ``MAX_DIAGNOSIS_DOUBLINGS``
+    times (16 times the nodes), up to ``MAX_DIAGNOSIS_NODES`` nodes."""
     if c.dp is not None or c.tp is not None:
         return "Relax the fixed dp/tp degrees or add devices."
     nodes = cluster.nodes
     budget = cluster.device.memory_bytes * USABLE_MEMORY_FRACTION
-    while nodes < 4096:
+    for _ in range(MAX_DIAGNOSIS_DOUBLINGS):
+        if nodes * 2 > MAX_DIAGNOSIS_NODES:
+            break
         nodes *= 2
         bigger = cluster.with_nodes(nodes)
         cache: dict = {}
@@ -93,4 +103,8 @@ def _smallest_fitting_cluster(traced, blocks, cluster, policy, optimizer, c, sol
                        else f"cluster.with_nodes(nodes={nodes})")
                 return (f"The smallest {cluster.name} cluster that fits has {nodes} nodes "
                         f"({nodes * cluster.devices_per_node} devices): {how}.")
-    return "No cluster of this preset up to 4096 nodes fits it: use a lower precision, an optimizer with less state, or a smaller model."
+    if nodes == cluster.nodes:
+        return (f"(No larger cluster was tried: {nodes} nodes is the most the diagnosis weighs.) Use a lower precision, "
+                "an optimizer with less state, or a smaller model.")
+    return (f"No cluster of this preset up to {nodes} nodes ({nodes // cluster.nodes} times this one; the diagnosis looks "
+            "no further) fits it: use a lower precision, an optimizer with less state, or a smaller model.")

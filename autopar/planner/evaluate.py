@@ -92,7 +92,16 @@ def step_parts(problem: Problem, choice: dict[str, int], recompute: frozenset[st
 
 def evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None = None) -> Evaluation:
     """``recompute``: the block instances checkpointed (default: all of them when the problem was
-    priced with recompute; fewer take back their share of the recomputed forward)."""
+    priced with recompute; fewer take back their share of the recomputed forward). Memoised on
+    ``problem`` (``Problem.memo``): callers must not change the result."""
+    key = ("evaluate", problem.choice_key(choice), recompute)
+    found = problem.memo.get(key)
+    if found is None:
+        found = problem.memo[key] = _evaluate(problem, choice, recompute)
+    return found
+
+
+def _evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str] | None) -> Evaluation:
     fwd, bwd, blocking, kinds, ovl = step_parts(problem, choice, recompute)
     ilp_memory = sum(v.static_bytes[choice[n]] + v.saved_bytes[choice[n]] for n, v in problem.nodes.items())
     ilp_memory += max((v.transient_bytes[choice[n]] for n, v in problem.nodes.items() if v.transient_bytes is not None),

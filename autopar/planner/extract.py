@@ -25,8 +25,10 @@ def _r(x: float) -> float:
     return float(f"{float(x):.9g}")
 
 
-def predicted_of(att) -> Predicted:
-    """The plan's predictions from an attempt's evaluation (step time, communication, memory, MFU)."""
+def predicted_of(att, comm_bytes: bool = True) -> Predicted:
+    """The plan's predictions from an attempt's evaluation (step time, communication, memory, MFU).
+    ``comm_bytes=False``: no bytes per collective kind (a pipeline stage's submesh plan: the
+    pipeline plan counts them per rank, ``pipeline_rank_bytes``)."""
     ev = att.evaluation
     ctx = att.problem.ctx
     flops = model_flops(att.problem)
@@ -44,15 +46,17 @@ def predicted_of(att) -> Predicted:
         memory_bytes=tuple((k, _r(v)) for k, v in ev.memory.categories.items()),
         comm_bytes=tuple((k, float(v)) for k, v in sorted(
             predict_comm_bytes(att.problem, att.solution.choice, att.evaluation.recompute,
-                               autocast_dtype=autocast_dtype(att.problem)).items())),
+                               autocast_dtype=autocast_dtype(att.problem)).items())) if comm_bytes else (),
         model_flops=_r(flops),
         mfu=_r(mfu),
     )
 
 
-def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimizer, baseline, free_time, outcomes) -> Plan:
+def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimizer, baseline, free_time, outcomes,
+                 comm_bytes: bool = True) -> Plan:
     """The Plan of the search's chosen attempt ``att`` (``search._Attempt``): per-node and per-parameter
-    placements with their best alternatives, predictions, the solver's report, notes, fingerprint."""
+    placements with their best alternatives, predictions, the solver's report, notes, fingerprint.
+    ``comm_bytes``: as ``predicted_of``'s."""
     problem, choice = att.problem, att.solution.choice
     incident = incident_edges(problem)
     alts = node_alternatives(problem, choice, incident)
@@ -112,7 +116,7 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
     # how the operators use each axis (the summary says it: a free plan's 'dp' axis may also split weights)
     use = axis_use(traced.graph, {r.name: r for r in node_records}, [r.name for r in node_records], mesh_axes)
     stage = Stage(0, mesh_axes, 0, tuple(node_records), tuple(param_records), axis_use=use)
-    predicted = predicted_of(att)
+    predicted = predicted_of(att, comm_bytes)
     sol = att.solution
     report = SolverReport(sol.status, _r(sol.gap), _r(sol.objective_s), _r(sol.bound_s), sol.num_vars, sol.num_constraints,
                           tuple(outcomes), sol.stopped)

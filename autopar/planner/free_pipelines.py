@@ -1,5 +1,5 @@
 """The pipelines a plan without ``pp`` also weighs, on a multi-node cluster: the stage counts
-``free_pipeline_candidates`` proposes, each planned by ``pipeline_search.search_pipeline_plan``,
+``free_pipeline_candidates`` proposes, each priced by ``pipeline_search.price_pipeline_plan``,
 and ``best_of``, the fastest of them and the single-stage plan.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan
-from autopar.planner.pipeline_search import GiB, search_pipeline_plan
+from autopar.planner.pipeline_search import GiB, price_pipeline_plan
 
 __all__ = ["free_pipeline_candidates", "best_of", "MAX_FREE_PIPELINES", "FREE_MEMORY_ROUNDS"]
 
@@ -85,21 +85,22 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
         for schedule in schedules:
             c = dataclasses.replace(cand, schedule=schedule)
             label = f"pp={c.pp} dp={c.dp} tp={c.tp} microbatches={c.microbatches} {schedule}"
-            beat = [p.predicted.step_time_s for p in (single, best_pipe) if p is not None]
+            beat = ([single.predicted.step_time_s] if single is not None else []) + (
+                [best_pipe.step_time_s] if best_pipe is not None else [])
             try:
-                plan = search_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
-                                            solver=solver, progress=progress, inner_search=inner_search,
-                                            memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first,
-                                            to_beat_s=min(beat, default=None))
+                plan = price_pipeline_plan(traced, cluster, constraints=c, precision=precision, optimizer=optimizer,
+                                           solver=solver, progress=progress, inner_search=inner_search,
+                                           memory_rounds=FREE_MEMORY_ROUNDS, recompute_first=recompute_first,
+                                           to_beat_s=min(beat, default=None))
             except (ConstraintError, NoFeasiblePlanError, InfeasibleProblem) as exc:
                 tried.append((label, f"not possible: {str(exc).split('; ')[0]}"))
                 continue
-            tried.append((label, f"{plan.predicted.step_time_s * 1e3:.3f} ms/step, peak "
-                                 f"{plan.predicted.peak_memory_bytes / GiB:.2f} GiB, bubble {plan.bubble_fraction * 100:.1f}%"))
-            if best_pipe is None or plan.predicted.step_time_s < best_pipe.predicted.step_time_s * (1 - 1e-9):
+            tried.append((label, f"{plan.step_time_s * 1e3:.3f} ms/step, peak "
+                                 f"{plan.peak_memory_bytes / GiB:.2f} GiB, bubble {plan.bubble_fraction * 100:.1f}%"))
+            if best_pipe is None or plan.step_time_s < best_pipe.step_time_s * (1 - 1e-9):
                 best_pipe, best_c = plan, c
-            if fastest is None or plan.predicted.step_time_s < fastest:
-                fastest = plan.predicted.step_time_s
+            if fastest is None or plan.step_time_s < fastest:
+                fastest = plan.step_time_s
         return fastest
 
     # a spread of stage counts first; then the nearest untried counts either side of the fastest
@@ -137,9 +138,8 @@ def best_of(single: Plan | None, failure: Exception | None, candidates: list[Con
         if best_c is before:
             break
     best = single
-    if best_pipe is not None and (single is None or best_pipe.predicted.step_time_s
-                                  < single.predicted.step_time_s * (1 - 1e-9)):
-        best = best_pipe
+    if best_pipe is not None and (single is None or best_pipe.step_time_s < single.predicted.step_time_s * (1 - 1e-9)):
+        best = best_pipe.assemble()  # (only the plan kept is assembled)
     if best is None:
         raise failure
     # every alternative weighed: the single-stage search's, then the pipelines'

@@ -488,9 +488,17 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     policy = problem.ctx.policy
     if policy.mixed:  # GradSync reduces buckets through copies in the reduce dtype
         sim.where = "gradient buckets"
-        sim.check(extra_bwd=_wire_bytes(sk, strat, problem, sizes, policy.torch_reduce_dtype.itemsize), phase="backward")
+        # (a function of the choice alone: memoised on the problem for the simulations of one
+        # choice under several recompute sets, as the search for the fewest recomputed runs)
+        key = ("simulate_step_memory.wire", problem.choice_key(choice), str(autocast_dtype))
+        if key not in problem.memo:
+            problem.memo[key] = _wire_bytes(sk, strat, problem, sizes, policy.torch_reduce_dtype.itemsize)
+        sim.check(extra_bwd=problem.memo[key], phase="backward")
     # ------------------------------------------------------------------ optimizer
-    persistent = persistent_bytes(problem, choice)
+    key = ("persistent_bytes", problem.choice_key(choice))
+    if key not in problem.memo:
+        problem.memo[key] = persistent_bytes(problem, choice)
+    persistent = problem.memo[key]
     shard_bytes, gathers = [], [0.0]
     for name, meta, trainable in sk.params:
         if not trainable:

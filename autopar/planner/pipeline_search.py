@@ -31,7 +31,8 @@ import dataclasses
 import json
 import math
 import operator
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
@@ -46,7 +47,7 @@ from autopar.planner.stages import (MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, S
                                     V_SCHEDULES, cut_model, cut_stages, held_per_stage, in_flight, local_bytes, message_seconds,
                                     messages_seconds, schedule_step_time, stage_rank)
 
-__all__ = ["search_pipeline_plan", "stage_cluster", "default_microbatches", "virtual_stages"]
+__all__ = ["search_pipeline_plan", "price_pipeline_plan", "PricedPipeline", "stage_cluster", "default_microbatches", "virtual_stages"]
 
 GiB = 2**30
 # the per-operator plans of stage submeshes, per planning inputs: a schedule compared with another
@@ -181,8 +182,14 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     chosen = set(inner.recompute_blocks)
     recomputed = {k: b for k, b in blocks.instance_of.items() if b in chosen}
     mesh_sizes = tuple(s for _, s in inner.mesh_axes)
-    cm = cut_model(traced.graph, placements, mesh_sizes, link_bw, recomputed, blocks.instance_of,
-                   boundary=boundary_sender(att.problem.ctx, m, link_bw))
+    # the cut points' prices depend on the submesh plan, the microbatches and the link, not on the
+    # schedule: memoised on the plan's problem for the schedules weighed on one submesh plan
+    key = ("pipeline_search.cut_model", att.problem.choice_key(att.solution.choice), inner.fingerprint,
+           tuple(sorted(recomputed.items())), tuple(sorted(blocks.instance_of.items())), m, link_bw)
+    cm = att.problem.memo.get(key)
+    if cm is None:
+        cm = att.problem.memo[key] = cut_model(traced.graph, placements, mesh_sizes, link_bw, recomputed,
+                                               blocks.instance_of, boundary=boundary_sender(att.problem.ctx, m, link_bw))
     cut = cut_stages(traced.graph, cm, n_stages)
     stage_of = lambda name: cut.stage_of.get(name, n_stages - 1)  # noqa: E731
     rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
@@ -355,10 +362,32 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
                    send_layouts(traced.graph, cut, n_stages), att)
 
 
+@dataclass(frozen=True)
+class PricedPipeline:
+    """A pipeline plan priced but not yet assembled into a ``Plan`` (its stage tables, per-rank
+    bytes and fingerprint cost more than the pricing): the free plan's search compares these and
+    assembles only the one it keeps. The three figures equal the assembled plan's
+    ``predicted.step_time_s``, ``predicted.peak_memory_bytes`` and ``bubble_fraction``."""
+
+    step_time_s: float
+    peak_memory_bytes: float
+    bubble_fraction: float
+    assemble: object = field(repr=False, compare=False)  # () -> Plan
+
+
 def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
                          progress=None, inner_search, memory_rounds: int | None = None,
                          recompute_first: bool = False, to_beat_s: float | None = None) -> Plan:
-    """The pipeline plan for ``constraints.pp`` stages (see the module docstring).
+    """The pipeline plan for ``constraints.pp`` stages (see the module docstring)."""
+    return price_pipeline_plan(traced, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
+                               solver=solver, progress=progress, inner_search=inner_search, memory_rounds=memory_rounds,
+                               recompute_first=recompute_first, to_beat_s=to_beat_s).assemble()
+
+
+def price_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, precision, optimizer, solver,
+                        progress=None, inner_search, memory_rounds: int | None = None,
+                        recompute_first: bool = False, to_beat_s: float | None = None) -> PricedPipeline:
+    """``search_pipeline_plan``'s plan, priced, assembled on demand (``PricedPipeline.assemble``).
     ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back).
 
     Memory: the per-operator plan is first made with the memory of ``pp`` devices; when a
@@ -435,8 +464,10 @@ def search_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, 
             f"pp={pp}: pipeline rank {worst} needs {format_bytes(priced.peaks[worst])} per device "
             f"({in_flight(schedule, worst, pp, m, v):.2g} microbatches in flight under {schedule}) but a device has "
             f"{format_bytes(budget)} usable; use more stages (pp), 1f1b rather than gpipe, recompute, or a larger cluster")
-    return _assemble(traced, cluster, c, priced, pp, v, m, schedule, precision, optimizer, solver,
-                     naive_dp_baseline(traced, cluster, precision, optimizer, solver))
+    return PricedPipeline(
+        _r(priced.step_s), _r(max(priced.peaks)), _r(priced.bubble),
+        lambda: _assemble(traced, cluster, c, priced, pp, v, m, schedule, precision, optimizer, solver,
+                          naive_dp_baseline(traced, cluster, precision, optimizer, solver)))
 
 
 _MEMORY_ROUNDS = 4

@@ -49,6 +49,15 @@ class Problem:
     # whether the loss counts its tokens in a program the runtime can run per microbatch
     # (``loss_rewrite.token_count_program``); None until ``planner.loss_rider`` first asks
     token_count_found: bool | None = field(default=None, repr=False, compare=False)
+    # what the planner derives from this problem and a choice, by a key naming the deriving function
+    # first (``evaluate``'s results per (choice, recompute): the searches ask again for a choice they
+    # priced already; the step simulation's parts that do not depend on recompute). The problem does
+    # not change after it is built, so neither do they; callers must not change what they get
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def choice_key(self, choice: dict[str, int]) -> tuple[int, ...]:
+        """``choice`` as a hashable key (its strategy indices in node order)."""
+        return tuple(choice[n] for n in self.nodes)
 
     def block_instances(self) -> tuple[str, ...]:
         """Every instance of every repeated block, in the order the model runs them."""

@@ -396,7 +396,9 @@ def _search_single_stage(
         if "free" in done:
             results["free"] = done["free"]
         free_time = results["free"]
-    plan = extract_plan(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes)
+    # a pipeline stage's submesh plan (PIPELINE_STAGES > 1): the pipeline plan counts the bytes per rank itself
+    plan = extract_plan(traced, blocks, cluster, best, c, precision, optimizer, baseline, free_time, outcomes,
+                        comm_bytes=cache.get(PIPELINE_STAGES, 1) == 1)
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
     return plan
