@@ -31,7 +31,6 @@ import dataclasses
 import json
 import math
 import operator
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster
