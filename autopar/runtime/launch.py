@@ -6,7 +6,6 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback

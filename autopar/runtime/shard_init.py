@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
