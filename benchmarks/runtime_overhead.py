@@ -234,7 +234,7 @@ def worker(dim, layers, batch, steps):
     def autopar_step(constraints):
         pm = autopar.compile(_model(dim, layers), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=opt,
                              constraints=autopar.Constraints(**constraints))
-        return lambda: pm.train_step(x, target=t)
+        return lambda: float(pm.train_step(x, target=t))  # read as the baselines read theirs
 
     def native_step(pm, local: bool):
         """The torch-native loop over autopar's DTensor parameters: the global loss as a float on

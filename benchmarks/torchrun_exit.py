@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     x, t = example_batch()
     pm = autopar.compile(MLP(), autopar.Cluster.local(), (x,), example_target=t, loss_fn=mlp_loss,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), constraints=autopar.Constraints(dp=2))
-    losses = [pm.train_step(x, target=t) for _ in range(3)]
+    losses = [float(pm.train_step(x, target=t)) for _ in range(3)]
     if dist.get_rank() == 0:
         print("LOSSES", losses)
     CLOSE

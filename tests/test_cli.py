@@ -84,7 +84,7 @@ def test_run_launches_a_training_script_with_torchrun(tmp_path):
         x, t = example_batch()
         pm = autopar.compile(MLP(), autopar.Cluster.local(), (x,), example_target=t, loss_fn=mlp_loss,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        losses = [pm.train_step(x, target=t) for _ in range(3)]
+        losses = [float(pm.train_step(x, target=t)) for _ in range(3)]
         if dist.get_rank() == 0:
             print("LOSSES", losses, "WORLD", dist.get_world_size(), "MESH", pm.plan.mesh)
         dist.barrier()  # no rank tears gloo down while another still talks to it

@@ -52,23 +52,27 @@ class _AllToAllV(torch.autograd.Function):
 def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple:
     """(rows to each rank, rows from each rank, received rows regrouped by local expert as an
     index and its inverse, the local experts' cumulative row counts, rows routed) for ``offs``:
-    one all-to-all of the per-expert counts."""
+    one all-to-all of the per-expert counts, then one host read of the split sizes (the only one
+    per routing: dropless experts' step syncs once per expert layer, dense models' never)."""
     comm = current_mesh()
     ep = comm.sizes[axis]
     ends = offs.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert, this rank's tokens
     recv_counts = torch.empty_like(counts)
     comm.all_to_all_v(recv_counts, counts.contiguous(), axis, [n] * ep, [n] * ep)
-    send = counts.view(ep, n).sum(dim=1).tolist()  # rows to each rank (its experts, contiguous)
     got = recv_counts.view(ep, n)  # [source rank, local expert]: rows received
+    # the one host read of a routing (the all-to-alls' split sizes are host integers): rows to each
+    # rank (its experts, contiguous), rows from each rank, rows routed
+    sizes = torch.cat([counts.view(ep, n).sum(dim=1), got.sum(dim=1), ends[-1:]]).tolist()
+    send, recv, routed = sizes[:ep], sizes[ep:2 * ep], sizes[-1]
     # received rows come by source, then expert; the local grouped matmul wants them by expert
     # (each expert's rows from every source, in source order): a stable sort of each row's
     # (expert, source) block key
-    block = torch.repeat_interleave(torch.arange(ep * n, device=offs.device), got.reshape(-1))
+    block = torch.repeat_interleave(torch.arange(ep * n, device=offs.device), got.reshape(-1), output_size=sum(recv))
     index = torch.argsort((block % n) * ep + block // n, stable=True)
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)
-    return send, got.sum(dim=1).tolist(), index, inverse, torch.cumsum(got.sum(dim=0), 0), int(ends[-1])
+    return send, recv, index, inverse, torch.cumsum(got.sum(dim=0), 0), routed
 
 
 _METADATA = frozenset({"dtype", "device", "data_ptr", "requires_grad", "is_floating_point", "element_size",

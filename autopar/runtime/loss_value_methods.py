@@ -5,6 +5,10 @@ one is still to come over the loss's first axis (``GradSync.carry``), else all-r
 asynchronously after the last forward, while backward runs; waited for after the step. The
 planner prices one reduction per step in the backward window (``planner.problem``). Backward is
 seeded with d(global loss)/d(local loss), so gradients are the global loss's.
+
+No host reads: the loss value, the microbatches' token counts and their weights stay tensors
+on their devices (``tests/test_host_syncs.py`` counts reads in a step); the caller reads the
+loss when it wants the number.
 """
 from __future__ import annotations
 
@@ -33,11 +37,12 @@ class LossValueMethods:
                 scale /= self.comm.sizes[a]
         return scale
 
-    def _microbatch_weights(self, micro: list, prog) -> list[float]:
+    def _microbatch_weights(self, micro: list, prog) -> list:
         """Per microbatch, the weight of its loss in the step's: 1 for a sum; for a mean, its share
         of the count a token mean divides by (``RankProgram.token_count``, evaluated on each
         microbatch's whole tensors: the batch's mean whatever each holds; with local batches
-        each rank's counts summed over 'dp'), else 1/m."""
+        each rank's counts summed over 'dp'), else 1/m. Token-count weights are float32 0-dim
+        tensors (counted in float64), never read on the host; the others Python floats."""
         m = len(micro)
         if prog.loss_reduction != "mean":
             return [1.0] * m
@@ -50,23 +55,26 @@ class LossValueMethods:
             feed = dict(zip(prog.traced.input_names, x))
             if prog.traced.target_name is not None:
                 feed[prog.traced.target_name] = t
-            counts.append(float(counter(*(feed[name] for name in names))))
+            counts.append(torch.as_tensor(counter(*(feed[name] for name in names))).to(torch.float64).reshape(()))
+        counts = torch.stack([c.to(counts[0].device) for c in counts])
         if self._local and m > 1:
             counts = self._summed_over_data_ranks(counts)
-        total = sum(counts)
-        return [c / total for c in counts] if total > 0 else [1.0 / m] * m
+        total = counts.sum()
+        # an all-ignored batch (count 0) weighs its microbatches alike, as 1/m
+        weights = torch.where(total > 0, counts / torch.where(total > 0, total, 1.0), 1.0 / m).float()
+        return list(weights.unbind())
 
-    def _summed_over_data_ranks(self, counts: list[float]) -> list[float]:
+    def _summed_over_data_ranks(self, counts: torch.Tensor) -> torch.Tensor:
         """Local batches: each rank counted its own rows of every microbatch; a microbatch's count
         is their sum over the 'dp' axis (one all-reduce of m float64 values, priced by the plan:
         ``planner.loss_rider.local_counts_reduction``)."""
         if self.plan.mesh.get("dp", 1) == 1:
             return counts
         a = self.plan.mesh_axes_index("dp")
-        summed = torch.tensor(counts, dtype=torch.float64, device=self._device)
+        summed = counts.to(self._device, torch.float64, copy=True)
         with collective_site(self.comm, "the microbatches' target counts"):
             self.comm.all_reduce(summed, a)
-        return summed.tolist()
+        return summed
 
     def _reduce_loss_riding(self, value: torch.Tensor):
         """(``value``, works, whether it rides the gradient sync): a step's summed train loss
@@ -84,11 +92,13 @@ class LossValueMethods:
             works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
         return value, [w for w in works if w is not None]
 
-    def _finish_loss(self, value: torch.Tensor, layout=None) -> float:
+    def _finish_loss(self, value: torch.Tensor, layout=None) -> torch.Tensor:
+        """The global loss from this rank's partly reduced ``value``: a float32 0-dim tensor on its
+        device (not read on the host)."""
         for a, _ in self._partial_axes(layout)[1:]:
             with collective_site(self.comm, "the loss's all-reduce"):
                 self.comm.all_reduce(value, a)
         for a, op in self._partial_axes(layout):
             if op == "avg":
                 value = value / self.comm.sizes[a]
-        return float(value)
+        return value.reshape(())

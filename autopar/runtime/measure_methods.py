@@ -99,7 +99,7 @@ class MeasureMethods:
         if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
             peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
         return StepMeasurement(
-            loss=loss, step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
+            loss=float(loss), step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
             memory=memory, predicted_peak_bytes=peak,
             predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
             predicted_comm_bytes=self._predicted_comm_bytes(),

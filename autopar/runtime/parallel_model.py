@@ -341,12 +341,15 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         targets = split(target) if target is not None else [None] * m
         return [(tuple(p[i] for p in parts), targets[i]) for i in range(m)]
 
-    def train_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:
+    def train_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> torch.Tensor:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
 
         With ``plan.microbatches = m`` the batch runs as m slices whose gradients accumulate
         (data-parallel all-reduces happen once, after the last slice). Returns the global loss
-        (the same value on every rank).
+        (the same value on every rank) as a detached float32 0-dim tensor on the model's device:
+        the step reads no value on the host (no ``.item()``, no device sync); ``float(loss)`` or
+        ``loss.item()`` reads it when wanted (``check_inputs`` compares the ranks' batches on the
+        host in the first steps only; ``monitor=`` reads every step's loss to record it).
 
         The batch must match the compiled example (number of inputs, shapes, dtypes) or
         ``InputMismatchError`` is raised, as it is when the ranks hold different batches (compared
@@ -365,7 +368,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._check_batch("train_step", inputs, target, self.step, self._train)
         return self._checked_train_step(inputs, target)
 
-    def _checked_train_step(self, inputs: tuple, target: Any) -> float:
+    def _checked_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
         """``train_step`` on a batch already checked."""
         cuda = self._device.type == "cuda" and self._monitor is not None
         if cuda:
@@ -387,14 +390,14 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             memory = tracker.report() if tracked else None
             peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else memory.peak_bytes if tracked else None
             self._monitor.record(self.plan, dist.get_world_size() if dist.is_initialized() else 1, self.step,
-                                 wall, total, inputs, peak, self.comm.stats.since(before),
+                                 wall, float(total), inputs, peak, self.comm.stats.since(before),
                                  dict(memory.category_peaks) if tracked else None, self._predicted_comm_bytes())
         cfg = self._checkpointing
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)
         return total
 
-    def _train_step(self, inputs: tuple, target: Any) -> float:
+    def _train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
         self.store.own_grads()  # pm.optimizer.zero_grad() set .grad to None: the buffers' views again
         if self._pipeline is not None:
             return self._pipelined_train_step(inputs, target)
@@ -419,7 +422,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._sync_and_step(lambda: carried.append(self._grad_sync.carried()) if riding else None)
             for w in pending:
                 w.wait()
-            return float(self._finish_loss(carried[0] if riding else value))
+            return self._finish_loss(carried[0] if riding else value)
 
     def _sync_and_step(self, before_step=None) -> None:
         """After the step's last backward: finish the gradient reductions (then ``before_step``),
@@ -436,7 +439,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             self._note_zero_versions()
         self.store.zero_grads()
 
-    def _pipelined_train_step(self, inputs: tuple, target: Any) -> float:
+    def _pipelined_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
         """``train_step`` of a pipeline plan: the schedule runs every microbatch's forward and backward
         (``runtime.pipeline``), then gradient sync over the stage's submesh and the optimizer step."""
         feed = dict(zip(self._train.traced.input_names, inputs))
@@ -455,8 +458,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             value, works = self._reduce_loss_async(local) if local is not None else (None, [])
             for w in works:
                 w.wait()
-            total = self._pipeline.broadcast_loss(torch.tensor([float(self._finish_loss(value)) if losses else 0.0]))
-        return float(total)
+            total = self._pipeline.broadcast_loss(self._finish_loss(value) if losses else torch.zeros(1))
+        return total.reshape(())
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:
@@ -488,7 +491,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 value, pending = self._reduce_loss_async(loss, prog.loss_layout)
                 for w in pending:
                     w.wait()
-                total += float(self._finish_loss(value, prog.loss_layout)) * weight
+                total += float(self._finish_loss(value, prog.loss_layout)) * float(weight)
         return total
 
 

@@ -399,7 +399,7 @@ class PipelineRunner:
                 self.fed_constants[name] = x.to(self.device) if isinstance(x, torch.Tensor) else x
         return kwargs
 
-    def step(self, feed: dict, weights: list[float]) -> list[torch.Tensor]:
+    def step(self, feed: dict, weights: list) -> list[torch.Tensor]:
         """Forward and backward of every microbatch. ``feed``: batch placeholder name -> value
         (used where stage 0 runs); ``weights``: per microbatch, its loss's weight in the step's
         (``LossValueMethods._microbatch_weights``). Returns the last stage's per-microbatch local
@@ -408,7 +408,8 @@ class PipelineRunner:
         kwargs = self._fed_inputs(feed)
         if self.last:
             # the schedule splits its target by microbatch: here, the weights (the program holds the real target)
-            kwargs["target"] = torch.tensor(weights, dtype=torch.float32, device=self.device)
+            # (floats or 0-dim tensors: stacked on the device, never read on the host)
+            kwargs["target"] = torch.stack([torch.as_tensor(w, dtype=torch.float32).to(self.device) for w in weights])
             kwargs["losses"] = []
         if self.first:
             self.schedule.step(*self._stage0_inputs(feed), **kwargs)
