@@ -1,6 +1,8 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import tempfile
 
@@ -16,6 +18,23 @@ os.environ["AUTOPAR_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="autopar-no-cali
 # of start-up per rank instead of 3 to 5 on 2 cores); each rank still sees the caller's environment.
 # A test that needs fresh interpreters passes start_method="spawn".
 os.environ.setdefault("AUTOPAR_LAUNCH_START_METHOD", "forkserver")
+if os.environ["AUTOPAR_LAUNCH_START_METHOD"] == "forkserver":
+    # The server starts now, in the background, with what the ranks import preloaded (transformers
+    # and its model families: ~10 s of wall per 4-rank launch otherwise; tests/launch_preload.py);
+    # launch() finds it running (it starts once per process), so its own preload list is not used.
+    # (The server imports with the sys.path its own environment gives, not this process's: the
+    # tests folder and the repository go on its PYTHONPATH for the start.)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["autopar", "launch_preload"])
+    _tests = os.path.dirname(os.path.abspath(__file__))
+    _saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([_tests, os.path.dirname(_tests)] + ([_saved] if _saved else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if _saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = _saved
 
 
 @pytest.fixture

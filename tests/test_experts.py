@@ -3,7 +3,9 @@ clearly, the all-to-alls of the program counted and their bytes against the plan
 one device on real gloo processes (static capacity with token dropping and an auxiliary loss)."""
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from unittest import mock
 
 import pytest
 import torch
@@ -418,13 +420,25 @@ CASES_4 = [
 ]
 
 
-def _measured_step(case: str, **constraints) -> dict:
-    """One measured training step of ``case``: collective calls per kind, bytes and predicted bytes."""
-    model, batches, loss = build_case(case)
+@contextlib.contextmanager
+def _keeping_compiled():
+    """The models ``autopar.compile`` returns while the block runs, in order (the parity harness
+    compiles its own: kept here so a measured step reuses that compile instead of another)."""
+    made, compile_ = [], autopar.compile
+
+    def keep(*args, **kwargs):
+        made.append(compile_(*args, **kwargs))
+        return made[-1]
+
+    with mock.patch.object(autopar, "compile", keep):
+        yield made
+
+
+def _measure(pm, case: str) -> dict:
+    """One measured training step of ``pm`` (``case``'s first batch, after its parity steps):
+    collective calls per kind, bytes and predicted bytes; ``pm`` is closed."""
+    _, batches, _ = build_case(case)
     x, y = batches[0]
-    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=autopar.Constraints(**constraints))
-    pm.train_step(x, target=y)
     m = pm.measure_step(x, target=y)
     out = {"calls": dict(pm.comm.stats.calls), "bytes": m.comm_bytes,
            "predicted": {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}}
@@ -432,11 +446,27 @@ def _measured_step(case: str, **constraints) -> dict:
     return out
 
 
+def _parity_measuring(cases: list[tuple], measure: dict[int, str]) -> dict:
+    """``parity_suite(cases)`` (the same optimizer for each case: named, or SGD and AdamW by
+    turns), then for each case whose index ``measure`` names one measured step of the model its
+    parity compiled, under that name (``"step"``: at the top level)."""
+    out, turn = {"parity": []}, 0
+    for i, (case, constraints, *opt) in enumerate(cases):
+        if not opt:
+            opt, turn = [("sgd", "adamw")[turn % 2]], turn + 1
+        with _keeping_compiled() as made:
+            out["parity"] += parity_suite([(case, constraints, opt[0])])
+        if i in measure:
+            step = _measure(made[0], case)
+            out.update(step) if measure[i] == "step" else out.update({measure[i]: step})
+    return out
+
+
 def _expert_parallel_suite():
-    """Parity for CASES_4, then one measured step of dp=4 with ep=4 and with ep=2: collectives by
-    kind, calls and bytes."""
-    return {"parity": parity_suite(CASES_4), **_measured_step("moe", dp=4, ep=4),
-            "ep2": _measured_step("moe", dp=4, ep=2, zero=0), "modules": _measured_step("moe_modules", dp=4, ep=4)}
+    """Parity for CASES_4, and one measured step of dp=4 with ep=4 and with ep=2 (static form)
+    and of dp=4 ep=4 (experts as modules) on their parity cases' models: collectives by kind,
+    calls and bytes."""
+    return _parity_measuring(CASES_4, {0: "step", 4: "ep2", 10: "modules"})
 
 
 @pytest.mark.slow
@@ -460,24 +490,21 @@ def _plan_3d(case: str) -> autopar.Plan:
 
 
 def _three_axis_suite(plans: list[tuple[str, str, str]]) -> dict:
+    """Parity for each (case, plan JSON, optimizer), then one measured step of the first case's
+    model (the parity's compile): collectives by kind, calls and bytes."""
     from autopar.testing.parity import parity_worker
 
-    parity = []
+    parity, measured = [], None
     for case, plan_json, opt in plans:
-        r = parity_worker(case, None, 5, opt=opt, lr=0.05 if opt == "sgd" else 1e-3, plan=autopar.Plan.from_json(plan_json))
+        with _keeping_compiled() as made:
+            r = parity_worker(case, None, 5, opt=opt, lr=0.05 if opt == "sgd" else 1e-3,
+                              plan=autopar.Plan.from_json(plan_json))
         r.pop("plan"), r.pop("program")
         r["case"], r["constraints"], r["optimizer"] = case, {"dp": 4, "ep": 2, "tp": 2}, opt
         parity.append(r)
-    model, batches, loss = build_case("moe")
-    x, y = batches[0]
-    pm = autopar.compile(model, autopar.Cluster.local(), x, example_target=y, loss_fn=loss,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), plan=autopar.Plan.from_json(plans[0][1]))
-    pm.train_step(x, target=y)
-    m = pm.measure_step(x, target=y)
-    out = {"parity": parity, "calls": dict(pm.comm.stats.calls), "bytes": m.comm_bytes,
-           "predicted": {k: int(v) for k, v in m.predicted_comm_bytes.items() if v}}
-    pm.close()
-    return out
+        if measured is None:
+            measured = _measure(made[0], case)
+    return {"parity": parity, **measured}
 
 
 @pytest.mark.slow
@@ -513,8 +540,9 @@ MIXTRAL_CASES = [("real:mixtral", {}, "adamw"), ("real:mixtral", {"dp": 4}, "sgd
 
 
 def _mixtral_suite():
-    """Parity for MIXTRAL_CASES, then one measured step of dp=4 ep=4: all-to-all calls and bytes."""
-    return {"parity": parity_suite(MIXTRAL_CASES), **_measured_step("real:mixtral", dp=4, ep=4)}
+    """Parity for MIXTRAL_CASES, and one measured step of dp=4 ep=4 (its parity case's model):
+    all-to-all calls and bytes."""
+    return _parity_measuring(MIXTRAL_CASES, {3: "step"})
 
 
 @pytest.mark.slow

@@ -6,35 +6,49 @@ their default ``use_cache``: KV caches concatenated onto empty tensors), ViT, an
 ResNet (in-place residual adds and ReLUs), MobileNetV3 (depthwise convolutions, BatchNorm,
 in-place Hardswish, squeeze-excite) and ConvNeXt (depthwise 7x7, channels-last LayerNorm).
 
-Each trains 3 steps on 4 gloo processes, one plan with SGD with momentum and the other with AdamW
-(which is which alternates from model to model), beside a single-device reference: the loss at every step and every
-parameter and buffer after the last must agree within 1e-5 relative (parameters whose true
-gradient is zero at every step are left out, see ``parity_worker``). For every model at least one
-of its two plans shards parameters.
+Each trains 3 steps on 4 gloo processes beside a single-device reference, in one launch per
+test: under ``Constraints(dp=2, tp=2)`` in ``train_step`` with AdamW, and under the free plan in
+the torch-native loop a user writes (``pm(x)``, ``backward``, ``clip_grad_norm_``, SGD with
+momentum and a ``StepLR``; then ``get_model_state_dict`` and ``pm.eval()`` under ``no_grad``), so
+every model sees both optimizers and both loops. The loss at every step (and in the native loop
+the gradient norm and the evaluation output) and every parameter and buffer after the last must
+agree within 1e-5 relative (parameters whose true gradient is zero at every step are left out,
+see ``parity_worker``). The forced plan shards parameters for every model.
 """
 from __future__ import annotations
 
 import pytest
 
 import autopar
-from autopar.testing.parity import parity_failures, parity_suite
+from autopar.testing.parity import native_loop_suite, parity_failures, parity_suite
 from examples.real_models import CNN_MODELS, HF_MODELS, REAL_MODELS
 
 TOL = 1e-5
 FORCED = {"dp": 2, "tp": 2}
 
 
+def real_suite(names: list[str], steps: int = 3) -> dict:
+    """Every model of ``names`` under FORCED in train_step (AdamW) and, except Llama (the free
+    plan's native loop in tests/test_native_loop.py), under the free plan in the native loop."""
+    return {"forced": parity_suite([(f"real:{n}", FORCED, "adamw") for n in names], steps),
+            "native": native_loop_suite([(f"real:{n}", {}) for n in names if n != "llama"], steps)}
+
+
 def _run(names):
-    cases = [(f"real:{n}", c, ("sgd", "adamw")[(i + j) % 2]) for i, n in enumerate(names) for j, c in enumerate(({}, FORCED))]
-    results = autopar.launch(parity_suite, 4, cases, 3, timeout_s=1500)[0]
-    failures, sharded = [], {n: 0 for n in names}
-    for r in results:
-        name = r["case"][5:]
-        sharded[name] += len(r["sharded_params"])
+    results = autopar.launch(real_suite, 4, names, timeout_s=1500)[0]
+    failures = []
+    for r in results["forced"]:
         failures += parity_failures(r, TOL)
-        if r["constraints"] == FORCED and r["mesh"] != FORCED:
-            failures.append(f"{name} {FORCED}: the forced plan runs on mesh {r['mesh']}")
-    failures += [f"{n}: neither plan shards a parameter" for n, k in sharded.items() if not k]
+        if r["mesh"] != FORCED:
+            failures.append(f"{r['case']} {FORCED}: the forced plan runs on mesh {r['mesh']}")
+        if not r["sharded_params"]:
+            failures.append(f"{r['case']} {FORCED}: the plan shards no parameter")
+    for r in results["native"]:
+        errs = {k: r[k] for k in ("loss_err", "norm_err", "param_err", "dcp_err", "eval_err")}
+        if not (all(v is not None and v <= TOL for v in errs.values()) and r["dcp_keys_match"] and r["eval_no_grad"]
+                and r["dtensor_params"]):
+            failures.append(f"{r['case']} free plan, native loop on {r['mesh']}: {errs} (worst {r['worst'][:1]})")
+    assert len(results["native"]) == len([n for n in names if n != "llama"])
     assert not failures, "\n".join(failures)
 
 
