@@ -72,7 +72,12 @@ only), printed apart from the scored rows; the DeepSpeed-2021 ZeRO-3 rows carry 
 stack's public spec field (``published_runs.STACK_FIELDS``: ``LinkSpec.rails`` 1, set, not fitted;
 ``--no-stack-fields`` drops it); every scored row's free plan with its predicted gain over the forced
 published configuration and, per strategy it relies on, the row that validates it within 20% at
-that scale (MosaicML's multi-node A100 FSDP rows are planned too, as evidence only).
+that scale (MosaicML's multi-node A100 FSDP rows are planned too, as evidence only). A free plan
+whose gain exceeds 1.15x while a strategy it relies on is not validated is re-planned with that
+strategy forbidden through ``autopar.Constraints`` (``restriction_for``: ZeRO -> zero=0, data
+parallelism over nodes with several ranks per node -> tp = GPUs per node, pipeline -> pp=1, ...;
+up to three rounds), and the restricted plan's gain and verdict are printed; the counts are given
+before and after.
 
 Usage::
 
