@@ -72,7 +72,12 @@ only), printed apart from the scored rows; the DeepSpeed-2021 ZeRO-3 rows carry 
 stack's public spec field (``published_runs.STACK_FIELDS``: ``LinkSpec.rails`` 1, set, not fitted;
 ``--no-stack-fields`` drops it); every scored row's free plan with its predicted gain over the forced
 published configuration and, per strategy it relies on, the row that validates it within 20% at
-that scale (MosaicML's multi-node A100 FSDP rows are planned too, as evidence only).
+that scale (MosaicML's multi-node A100 FSDP rows are planned too, as evidence only). A free plan
+whose gain exceeds 1.15x while a strategy it relies on is not validated is re-planned with that
+strategy forbidden through ``autopar.Constraints`` (``restriction_for``: ZeRO -> zero=0, data
+parallelism over nodes with several ranks per node -> tp = GPUs per node, pipeline -> pp=1, ...;
+up to three rounds), and the restricted plan's gain and verdict are printed; the counts are given
+before and after.
 
 Usage::
 
@@ -147,36 +152,96 @@ def validations(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
-def free_verdict(r: dict, valid: dict[str, list[dict]]) -> tuple[str, list[str]]:
-    """(verdict, per strategy: the largest validating row) for a row's free plan: 'ok' where its
-    predicted gain over the forced published configuration is <= 1.15x, 'explained' where every
-    strategy it relies on is validated within 20% by a scored row at least as large, else
-    'NOT explained'."""
-    gain = r["free_predicted"] / r["predicted"]
-    why, all_ok = [], True
-    for s in r["free_strategies"]:
-        seen = valid.get((r["gpu"], s), [])
-        # an intra-node group does not grow with the world: any validating row will do
-        at = seen if s.endswith("(intra-node)") or s == "no recompute" else [v for v in seen if v["gpus"] >= r["gpus"]]
+def check_strategies(strategies: list[str], gpu: str, gpus: int,
+                     valid: dict[tuple[str, str], list[dict]]) -> tuple[list[str], list[str]]:
+    """(per strategy: the smallest validating row at >= ``gpus`` GPUs or why none, the strategies
+    not validated) for a plan on ``gpus`` GPUs of type ``gpu``. A strategy is validated at a scale
+    when a row relying on it on at least as many GPUs is predicted within 20% (``validations``);
+    an intra-node class, and "no recompute", do not grow with the world: any row of any size will do."""
+    why, bad = [], []
+    for s in strategies:
+        seen = valid.get((gpu, s), [])
+        at = seen if s.endswith("(intra-node)") or s == "no recompute" else [v for v in seen if v["gpus"] >= gpus]
         if at:
             best = min(at, key=lambda v: v["gpus"])
             why.append(f"{s}: {best['id']} ({best['gpus']} GPUs, {best['error_pct']:+.1f}%)")
         else:
-            all_ok = False
+            bad.append(s)
             larg = max(seen, key=lambda v: v["gpus"], default=None)
-            why.append(f"{s}: not validated at {r['gpus']} GPUs" + (
-                f" (largest within {VALIDATED_WITHIN:.0f}%: {larg['gpus']} GPUs)" if larg else " (no row within 20%)"))
-    verdict = "ok" if gain <= ACCEPT_FREE_GAIN else ("explained" if all_ok else "NOT explained")
-    return verdict, why
+            why.append(f"{s}: NOT validated at {gpus} GPUs" + (
+                f" (largest within {VALIDATED_WITHIN:.0f}%: {larg['id']}, {larg['gpus']} GPUs)" if larg
+                else f" (no row within {VALIDATED_WITHIN:.0f}%)"))
+    return why, bad
+
+
+def verdict_of(gain: float, unvalidated: list[str]) -> str:
+    """'ok' (gain <= 1.15x), 'explained' (every strategy validated at its scale) or 'NOT explained'."""
+    return "ok" if gain <= ACCEPT_FREE_GAIN else ("explained" if not unvalidated else "NOT explained")
+
+
+def free_verdict(r: dict, valid: dict[tuple[str, str], list[dict]]) -> tuple[str, list[str]]:
+    """(verdict, per strategy: the validating row or why none) for a row's free plan, its gain being
+    the free over the forced published configuration's predicted throughput."""
+    why, bad = check_strategies(r["free_strategies"], r["gpu"], r["gpus"], valid)
+    return verdict_of(r["free_predicted"] / r["predicted"], bad), why
+
+
+def restriction_for(unvalidated: list[str], devices_per_node: int, kw: dict | None = None) -> dict | None:
+    """``autopar.Constraints`` keywords (added to ``kw``) that forbid the unvalidated strategy
+    classes, the least that does: a ZeRO-3 / ZeRO-1/2 class -> ``zero=0`` only; plain data parallelism
+    over nodes with several ranks per node -> ``tp=devices_per_node`` (each node one rank of every data-parallel group); tensor
+    across nodes -> ``tp=devices_per_node``; a pipeline -> ``pp=1``; no recompute -> ``recompute=True``.
+    None where a class cannot be forbidden this way (data parallelism over nodes, one rank per node:
+    only a plan without data parallelism avoids it) or the restriction adds nothing to ``kw``."""
+    out = dict(kw or {})
+    for s in unvalidated:
+        if s.startswith(("ZeRO-3", "ZeRO-1/2")):
+            out["zero"] = 0  # its plain-dp counterpart may be validated: the next round sees
+        elif s == "pipeline":
+            out["pp"] = 1
+        elif s == "no recompute":
+            out["recompute"] = True
+        elif s == "tensor (inter-node)" or s.startswith("dp over nodes, several ranks/node"):
+            out["tp"] = devices_per_node
+        elif s.startswith("dp over nodes, 1 rank/node"):
+            return None
+    return out if out != (kw or {}) else None
+
+
+RESTRICT_ROUNDS = 3  # re-plan at most this many times, each adding the classes the last plan still needed
+
+
+def replan_restricted(r: dict, entry: dict, valid: dict[tuple[str, str], list[dict]]) -> dict | None:
+    """Re-plan a row whose free plan is NOT explained with the free plan restricted to validated
+    strategies: forbid its unvalidated classes (``restriction_for``), plan, and repeat with the
+    classes the new plan still relies on. The last attempt, with its verdict; None if nothing to forbid."""
+    _, bad = check_strategies(r["free_strategies"], r["gpu"], r["gpus"], valid)
+    kw, last = None, None
+    for _ in range(RESTRICT_ROUNDS):
+        kw = restriction_for(bad, r["devices_per_node"], kw)
+        if kw is None:
+            break
+        print(f"re-planning {r['id']} restricted {kw} ...", file=sys.stderr, flush=True)
+        last = runs.plan_restricted(entry, kw, r.get("relaxed", 1))
+        if not last["ok"]:
+            break
+        last["why"], bad = check_strategies(last["strategies"], r["gpu"], r["gpus"], valid)
+        last["gain"] = last["predicted"] / r["predicted"]
+        last["verdict"] = verdict_of(last["gain"], bad)
+        if last["verdict"] != "NOT explained":
+            break
+    return last
 
 
 def print_free_checked(rows: list[dict]) -> None:
     """Issue 44 item 4: every row's free plan, its predicted gain over the published
-    configuration, and the scored rows that validate the strategies it relies on at that scale."""
+    configuration, the rows that validate the strategies it relies on at that scale, and, for a
+    free plan NOT explained, the free plan restricted to validated strategies (``r['restricted']``)."""
     valid = validations(rows)
     print(f"\nfree plan vs the published configuration (gain = free / forced prediction; must be <= {ACCEPT_FREE_GAIN}x "
           f"or rely only on strategies validated within {VALIDATED_WITHIN:.0f}% at >= the row's GPUs):")
-    counts = {"ok": 0, "explained": 0, "NOT explained": 0}
+    before = {"ok": 0, "explained": 0, "NOT explained": 0}
+    after = dict(before)
     for r in rows:
         if not r.get("ok") or "free_ok" not in r:
             continue
@@ -185,16 +250,36 @@ def print_free_checked(rows: list[dict]) -> None:
             continue
         pipe = free_layout(r)
         verdict, why = free_verdict(r, valid)
-        counts[verdict] += 1
-        print(f"  {r['id']:<36} forced {r['predicted']:6.1f} free {r['free_predicted']:6.1f} gain "
+        before[verdict] += 1
+        print(f"  {r['id']:<36} {r['gpus']:>5} GPUs forced {r['predicted']:6.1f} free {r['free_predicted']:6.1f} gain "
               f"{r['free_predicted'] / r['predicted']:5.2f}x (vs published {r['free_predicted'] / r['published']:5.2f}x) "
               f"{verdict:<13} {pipe}")
         for w in why:
             print(f"      {w}")
-    print(f"  free plans: {counts['ok']} with gain <= {ACCEPT_FREE_GAIN}x, {counts['explained']} explained, "
-          f"{counts['NOT explained']} not explained")
-    met = counts["NOT explained"] == 0
-    print(f"  ACCEPTANCE free plan gain <= {ACCEPT_FREE_GAIN}x or explained: {'met' if met else 'NOT met'}")
+        res = r.get("restricted")
+        if verdict != "NOT explained":
+            after[verdict] += 1
+        elif res is None:
+            after[verdict] += 1
+            print("      restricted: no Constraints forbid the unvalidated strategy -> stays NOT explained")
+        elif not res["ok"]:
+            after[verdict] += 1
+            print(f"      restricted {res['constraints']}: NO PLAN ({res['error'][:90]}) -> stays NOT explained")
+        else:
+            after[res["verdict"]] += 1
+            lay = " ".join(f"{k}={v}" for k, v in res["mesh"].items())
+            lay = (f"pp={res['pp']} {lay} {res['schedule']} m={res['microbatches']}" if res["pp"] > 1
+                   else f"{lay} microbatches={res['microbatches']}")
+            print(f"      restricted {res['constraints']}: {res['predicted']:6.1f}, gain {res['gain']:5.2f}x "
+                  f"(vs published {res['predicted'] / r['published']:5.2f}x) {res['verdict']:<13} {lay} ({res['plan_s']:.0f} s)")
+            for w in res["why"]:
+                print(f"          {w}")
+    for label, c in (("free plans", before), ("after restricting NOT explained ones to validated strategies", after)):
+        print(f"  {label}: {c['ok']} with gain <= {ACCEPT_FREE_GAIN}x, {c['explained']} explained, "
+              f"{c['NOT explained']} not explained")
+    print(f"  ACCEPTANCE free plan gain <= {ACCEPT_FREE_GAIN}x or explained: "
+          f"{'met' if before['NOT explained'] == 0 else 'NOT met'} (unrestricted); "
+          f"{'met' if after['NOT explained'] == 0 else 'NOT met'} (restricted to validated strategies)")
 
 
 def print_acceptance(rows: list[dict], calibration: dict | None) -> None:
@@ -389,6 +474,12 @@ def main(argv=None) -> int:
     for e in todo:
         print(f"planning {e['id']} ...", file=sys.stderr, flush=True)
         rows.append(plan_entry(e))
+    if args.acceptance:  # item 4: free plans NOT explained re-planned on validated strategies only
+        valid = validations(rows)
+        by_id = {e["id"]: e for e in todo}
+        for r in rows:
+            if r.get("ok") and r.get("free_ok") and free_verdict(r, valid)[0] == "NOT explained":
+                r["restricted"] = replan_restricted(r, by_id[r["id"]], valid)
     print("predicted vs published throughput, published configuration forced, precision bf16-mixed, "
           + ("calibrated constants (see above)\n" if (runs.EFFICIENCY_OVERRIDE or runs.COMM_EFFICIENCY_OVERRIDE
                                                     or runs.RAILS_OVERRIDE or runs.EXPOSED_OVERRIDE is not None)

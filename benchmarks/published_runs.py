@@ -300,11 +300,9 @@ def plan_strategies(plan, cluster) -> list[str]:
     return sorted(set(out), key=out.index)
 
 
-def plan_entry(entry: dict) -> dict:
+def _model_and_batch(entry: dict, notes: list[str]) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The row's GPT on the meta device (attention and LayerNorm as its stack ran them) and its batch."""
     m, c = entry["model"], entry["config"]
-    kw, notes = forced(entry)
-    cluster, cnotes = cluster_for(entry)
-    notes += cnotes
     attention = attention_for(entry)
     if attention == "math":
         notes.append("attention materialised (no flash attention in this stack)")
@@ -313,7 +311,35 @@ def plan_entry(entry: dict) -> dict:
         if layernorm_for(entry) == "half":
             _half_layernorms(model)
             notes.append("LayerNorm output bf16 (Megatron's fused LayerNorm)")
-    idx = torch.empty(c["global_batch"], m["seq_len"], dtype=torch.long, device="meta")
+    return model, torch.empty(c["global_batch"], m["seq_len"], dtype=torch.long, device="meta")
+
+
+def plan_restricted(entry: dict, kw: dict, relaxed: int = 1) -> dict:
+    """The row planned under ``Constraints(**kw)`` (the free plan restricted to validated
+    strategies), on the cluster its forced plan used (``relaxed`` x device memory): its predicted
+    throughput in the paper's unit, layout and strategy classes, or ``ok=False`` and the error."""
+    cluster, _ = cluster_for(entry)
+    if relaxed > 1:
+        dev = cluster.device
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(dev, memory_bytes=dev.memory_bytes * relaxed))
+    model, idx = _model_and_batch(entry, [])
+    t0 = time.perf_counter()
+    try:
+        plan = autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed",
+                            constraints=autopar.Constraints(**kw))
+    except autopar.NoFeasiblePlanError as exc:
+        return dict(ok=False, constraints=dict(kw), error=str(exc).split(". ")[0], plan_s=time.perf_counter() - t0)
+    return dict(ok=True, constraints=dict(kw), step_s=plan.predicted.step_time_s, pp=plan.pipeline_degree,
+                mesh=plan.mesh, schedule=plan.schedule, microbatches=plan.microbatches,
+                predicted=published_and_predicted(entry, plan.predicted.step_time_s)["predicted"],
+                strategies=plan_strategies(plan, cluster), plan_s=time.perf_counter() - t0)
+
+
+def plan_entry(entry: dict) -> dict:
+    kw, notes = forced(entry)
+    cluster, cnotes = cluster_for(entry)
+    notes += cnotes
+    model, idx = _model_and_batch(entry, notes)
     t0 = time.perf_counter()
     plan, err, relaxed = None, "", 1
     while plan is None:
@@ -334,7 +360,8 @@ def plan_entry(entry: dict) -> dict:
             cluster = dataclasses.replace(cluster, device=dataclasses.replace(dev, memory_bytes=dev.memory_bytes * 2))
     plan_s = time.perf_counter() - t0
     out = dict(id=entry["id"], family=family(entry), gpus=entry["gpus"], forced=dict(kw), notes=notes, plan_s=plan_s,
-               strategies=forced_strategies(kw, cluster), gpu=_gpu(entry))
+               strategies=forced_strategies(kw, cluster), gpu=_gpu(entry), relaxed=relaxed,
+               devices_per_node=cluster.devices_per_node)
     if relaxed > 1 and plan is not None:
         notes.append(f"the published configuration does not fit our memory model (fp32 residual stream under "
                      f"autocast); planned with {relaxed}x device memory")
