@@ -306,7 +306,8 @@ def _search_single_stage(
     precision = policy.name
     optimizer = optimizer_spec(optimizer)
     c = constraints
-    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c))
+    # (HSDP twins only for a whole single-stage plan, not for a pipeline stage's submesh)
+    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c, hsdp=PIPELINE_STAGES not in (_cache or {})))
     check_heads(traced, c)
     for mesh in meshes:
         validate_pins(traced, c, mesh)
