@@ -27,7 +27,7 @@ def mesh_candidates(cluster: Cluster, c: Constraints, hsdp: bool = True) -> list
     """(dp, tp) shapes of one stage's submesh to try (the whole cluster without pipelining, a
     ``1/pp`` share of it with ``Constraints(pp=)``), validated against the constraints (errors
     name the constraint). With ``Constraints(hsdp=S)`` only HSDP meshes ('dp', 'dp_shard'[, 'tp'],
-    ``planner.meshes``); without it, on several nodes and with ZeRO left free (``hsdp``: the
+    ``planner.meshes``); without it, on several nodes and with dp and ZeRO left free (``hsdp``: the
     caller plans a whole single-stage mesh), each (dp, tp) mesh whose data ranks span nodes also
     gets its HSDP twin, sharded within a node and replicated across nodes."""
     pp = c.pp or 1
@@ -65,7 +65,8 @@ def mesh_candidates(cluster: Cluster, c: Constraints, hsdp: bool = True) -> list
                 f"hsdp={c.hsdp} must divide the data-parallel degree and be smaller, but the data degrees allowed are "
                 f"{sorted({world // t for t in tps})}; choose hsdp dividing one of them (e.g. the devices of a node)")
         return hsdp_meshes
-    if hsdp and cluster.nodes > 1 and (c.pp or 1) == 1 and c.zero is None and not c.zero_params and (c.ep or 1) == 1:
+    if (hsdp and cluster.nodes > 1 and (c.pp or 1) == 1 and c.dp is None and c.zero is None and not c.zero_params
+            and (c.ep or 1) == 1):
         for t in tps:
             shard = cluster.devices_per_node // t  # the data ranks of one node
             if shard > 1 and (world // t) % shard == 0 and world // t > shard:

@@ -181,14 +181,14 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
             fqn = node.meta["autopar.fqn"]
             # this parameter's ZeRO stage: its own (``zero_params``, a per-stage choice) or the blanket one
             z = next((level for pattern, level in c.zero_params if _matches(fqn, pattern)), c.zero)
-            if z is None and c.hsdp is not None:
-                z = 3  # HSDP is ZeRO-3 within the groups
             if s.zero_stage == 1 and z != 1 and microbatches == 1:
                 # ZeRO-1 keeps whole gradients and moves more bytes than ZeRO-2 (all-reduce, then
                 # all-gather); it can only win when gradients accumulate over microbatches
                 return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
             meta = node.meta["autopar.outputs"][0]
             pinned = any(_matches(fqn, pattern) for pattern, _ in c.placements)  # a pin beats the blanket rule
+            if z is None and c.hsdp is not None and not pinned:
+                z = 3  # HSDP is ZeRO-3 within the groups (a pinned layout, as ``compile``'s other programs pin, stands)
             if tensor_parallel and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard) and not pinned:
                 if any(d % mesh[tp_a] == 0 for d in meta.shape):
                     return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"
