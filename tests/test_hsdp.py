@@ -130,13 +130,15 @@ def test_hsdp_constraint_errors_and_meshes():
 
 
 def _plan_big_gpt(cluster, constraints):
-    """A 20B-parameter GPT (24 x 8192, fp32) on short sequences: its fp32 weights alone (79 GB)
-    fill an A100, so every plan shards them (ZeRO-3 or HSDP; tensor parallelism is ruled out by
-    the constraints of the test), and compute (4,096 tokens a step) is too short to hide ZeRO-3's
-    all-gathers across nodes."""
+    """A 20B-parameter GPT (24 x 8192, fp32) on very short sequences: its fp32 weights alone
+    (79 GB) fill an A100, so every plan shards them (ZeRO-3 or HSDP; tensor parallelism is ruled
+    out by the constraints of the test), and compute (512 tokens a step) hides little of the
+    collectives: HSDP's gathers and gradient reductions are not prefetched nor asynchronous yet
+    (``ir.prefetchable_gather`` wants one reduce-scatter), so it wins only where moving fewer
+    bytes across nodes beats ZeRO-3's overlap."""
     from examples.gpt import GPT, GPTConfig, gpt_loss
 
-    cfg = GPTConfig(vocab_size=50304, block_size=128, n_layer=24, n_head=32, n_embd=8192)
+    cfg = GPTConfig(vocab_size=50304, block_size=16, n_layer=24, n_head=32, n_embd=8192)
     with torch.device("meta"):
         model = GPT(cfg)
     idx = torch.empty(32, cfg.block_size, dtype=torch.long, device="meta")
