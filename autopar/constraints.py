@@ -27,7 +27,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpip
 # The mesh axes a placement can name (the planner's ``constraint_filter.AXES``; a test keeps them
 # equal). Checked here, where a pin is written, so a bad axis is refused at ``annotate`` /
 # ``Constraints(...)`` rather than deep inside the solver.
-MESH_AXES = ("dp", "tp", "ep")  # 'ep': only on a ('dp', 'ep') mesh (planner.meshes; checked when planning)
+# 'ep': only on a ('dp', 'ep') mesh, 'dp_shard': only on an HSDP mesh (planner.meshes; checked when planning)
+MESH_AXES = ("dp", "tp", "ep", "dp_shard")
 _ANNOTATION_ATTR = "_autopar_annotations"
 _PLACEMENT_FORMS = "'R' (replicated), 'S(<dim>)' (sharded on tensor dim <dim>, e.g. 'S(0)'), 'P(sum)' or 'P(avg)' (partial, outputs only)"
 _AXIS_HINTS = {
@@ -167,10 +168,15 @@ class Constraints:
     # ZeRO stage per parameter glob, beating ``zero`` where one matches ({'blocks.0.*': 3}); a
     # pipeline plan sets it for the stages of the ranks that need it (ZeRO per stage)
     zero_params: tuple = field(default=())  # ((glob, stage), ...)
+    # HSDP: ZeRO-3 within groups of ``hsdp`` neighbouring data-parallel ranks (a node), replicated
+    # across the groups (the ('dp', 'dp_shard') mesh, ``planner.meshes``)
+    hsdp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages", "hsdp"):
             _check_degree(name, getattr(self, name))
+        if self.hsdp is not None:
+            self._check_hsdp()
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
             raise ConstraintError(f"Constraints.zero must be 0, 1, 2 or 3 (ZeRO stage), got {self.zero!r}"
                                   + ("; True is not a stage: write zero=3 to shard parameters, gradients and optimizer "
@@ -202,6 +208,24 @@ class Constraints:
                 )
             object.__setattr__(self, name, _freeze_pins(value, param=param, what=what))
 
+    def _check_hsdp(self) -> None:
+        if self.hsdp == 1:
+            raise ConstraintError("Constraints.hsdp=1 shards over groups of one rank, which is plain data parallelism: "
+                                  "leave hsdp unset (zero=0 for replicas, zero=3 to shard over every data rank)")
+        if self.zero not in (None, 3) or any(z != 3 for _, z in self.zero_params):
+            raise ConstraintError(f"Constraints.hsdp={self.hsdp} shards parameters, gradients and optimizer state in its "
+                                  f"groups (ZeRO-3 there), but zero={self.zero!r}"
+                                  f"{' and zero_params=' + str(dict(self.zero_params)) if self.zero_params else ''} asks "
+                                  "otherwise; leave zero unset (or zero=3) with hsdp, or drop hsdp")
+        for name in ("ep", "pp"):
+            if (getattr(self, name) or 1) > 1:
+                raise ConstraintError(f"Constraints.hsdp={self.hsdp} with {name}={getattr(self, name)} is not supported: "
+                                      f"HSDP runs on a single-stage mesh without an expert axis; drop hsdp or {name}")
+        if self.dp is not None and (self.dp % self.hsdp or self.dp == self.hsdp):
+            raise ConstraintError(f"Constraints.hsdp={self.hsdp} must divide dp={self.dp} and be smaller (groups of "
+                                  f"{self.hsdp} ranks, replicated across dp / hsdp >= 2 groups); for ZeRO-3 over all "
+                                  "dp ranks write zero=3 without hsdp")
+
     def is_free(self) -> bool:
         return self == Constraints()
 
@@ -213,6 +237,7 @@ class Constraints:
             "placements": [[g, [list(a) for a in axes]] for g, axes in self.placements],
             "outputs": [[g, [list(a) for a in axes]] for g, axes in self.outputs],
             "zero_params": [[g, z] for g, z in self.zero_params],
+            **({"hsdp": self.hsdp} if self.hsdp is not None else {}),  # absent when unset: older JSON unchanged
         }
 
     @classmethod
@@ -241,6 +266,7 @@ class Constraints:
         return Constraints(
             self.dp, self.tp, self.pp, self.ep, self.microbatches, self.zero, self.recompute, self.schedule,
             tuple(sorted(merged.items())), tuple(sorted(outs.items())), self.virtual_stages, self.zero_params,
+            hsdp=self.hsdp,
         )
 
     def __str__(self) -> str:

@@ -55,8 +55,9 @@ R = Replicate()
 # Mesh axes that carry data parallelism: a value may be sharded on the same dim over several of
 # them (nested, ``[S(0), S(0)]``: cut on the outer axis, each piece cut again on the inner one, as
 # DTensor cuts it). 'ep' is a data axis that also holds experts (``Constraints(ep=)`` smaller than
-# ``dp``, see ``planner.meshes``); on a ('dp', 'tp') mesh no dim is ever sharded twice.
-DATA_AXIS_NAMES = ("dp", "ep")
+# ``dp``, see ``planner.meshes``); 'dp_shard' is the inner data axis of an HSDP mesh (ZeRO-3 shards
+# there, parameters are replicated on 'dp'); on a ('dp', 'tp') mesh no dim is ever sharded twice.
+DATA_AXIS_NAMES = ("dp", "ep", "dp_shard")
 
 
 def nests_only_data_axes(layout: Sequence[Placement], axis_names: Sequence[str]) -> bool:

@@ -78,7 +78,9 @@ def _one_axis(axis: int, p: Placement, q: Placement, uneven: frozenset = frozens
     return [ReshardStep("to_partial", axis, op=q.reduce_op)]
 
 
-_PRIORITY = {"slice": 0, "scale": 0, "all_reduce": 1, "reduce_scatter": 1, "all_to_all": 2,
+# (a reduce-scatter before an all-reduce: a gradient Partial on two axes and kept sharded on one,
+# as HSDP's, is reduce-scattered in its group and only its shard all-reduced across groups)
+_PRIORITY = {"slice": 0, "scale": 0, "reduce_scatter": 1, "all_reduce": 1.5, "all_to_all": 2,
              "all_gather": 3, "to_partial": 4}
 
 

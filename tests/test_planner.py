@@ -1,5 +1,7 @@
 """The planner end to end (autopar.plan): mesh choice, overrides, clear errors, determinism."""
 import dataclasses
+import math
+import re
 import warnings
 
 import pytest
@@ -10,6 +12,7 @@ import autopar
 from autopar import Cluster, ConstraintError, Constraints, NoFeasiblePlanError
 from autopar.layouts import R, Shard
 from autopar.cost_models import axis_group
+from autopar.planner.meshes import hsdp_mesh
 from autopar.planner.search import mesh_candidates
 
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_loss
@@ -42,20 +45,25 @@ def test_large_gpt_keeps_tensor_parallel_inside_a_node():
     model, idx, tgt = meta_gpt(cfg, 256)
     cluster = Cluster.preset("dgx-a100", nodes=4)
     p = autopar.plan(model, cluster, idx, loss_fn=gpt_loss, example_target=tgt)
-    dp, tp = p.mesh["dp"], p.mesh["tp"]
-    assert dp * tp == 32
+    tp = p.mesh.get("tp", 1)  # (an HSDP mesh of tp=1 is ('dp', 'dp_shard'))
+    dp = 32 // tp
+    assert math.prod(p.mesh.values()) == 32
     assert 8 % tp == 0
     assert axis_group((dp, tp), 1, cluster.devices_per_node).nodes == 1  # the tp group is one node
     assert p.predicted.peak_memory_bytes <= cluster.device.memory_bytes
     # every candidate the search tried kept tp inside a node
     tried = [label for label, _ in p.solver.candidates]
-    assert tried and all(int(label.split("tp=")[1].split()[0]) in (1, 2, 4, 8) for label in tried)
+    assert tried and all(int((re.search(r"\btp=(\d+)", label.split(" recompute")[0]) or ["", "1"])[1]) in (1, 2, 4, 8)
+                         for label in tried)
     assert p.model_class == "GPT" and p.world_size == 32
 
 
 def test_mesh_candidates_are_node_local_unless_asked():
     c = Cluster.preset("dgx-a100", nodes=4)
-    assert mesh_candidates(c, Constraints()) == [(32, 1), (16, 2), (8, 4), (4, 8)]
+    # (and on several nodes each mesh's HSDP twin: ZeRO-3 within a node's data ranks, test_hsdp)
+    assert mesh_candidates(c, Constraints()) == [(32, 1), (16, 2), (8, 4), (4, 8), hsdp_mesh(32, 8), hsdp_mesh(16, 4, 2),
+                                                 hsdp_mesh(8, 2, 4)]
+    assert mesh_candidates(c, Constraints(zero=3)) == [(32, 1), (16, 2), (8, 4), (4, 8)]
     assert mesh_candidates(c, Constraints(tp=16)) == [(2, 16)]
     assert mesh_candidates(c, Constraints(dp=8)) == [(8, 4)]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
-from autopar.planner.meshes import expert_data_mesh
+from autopar.planner.meshes import expert_data_mesh, hsdp_mesh
 
 __all__ = ["USABLE_MEMORY_FRACTION", "PIPELINE_STAGES", "mesh_candidates", "microbatch_counts"]
 
@@ -23,10 +23,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
+def mesh_candidates(cluster: Cluster, c: Constraints, hsdp: bool = True) -> list[tuple[int, int]]:
     """(dp, tp) shapes of one stage's submesh to try (the whole cluster without pipelining, a
     ``1/pp`` share of it with ``Constraints(pp=)``), validated against the constraints (errors
-    name the constraint)."""
+    name the constraint). With ``Constraints(hsdp=S)`` only HSDP meshes ('dp', 'dp_shard'[, 'tp'],
+    ``planner.meshes``); without it, on several nodes and with dp and ZeRO left free (``hsdp``: the
+    caller plans a whole single-stage mesh), each (dp, tp) mesh whose data ranks span nodes also
+    gets its HSDP twin, sharded within a node and replicated across nodes."""
     pp = c.pp or 1
     if c.schedule is not None and pp == 1:
         raise ConstraintError(f"schedule={c.schedule!r} applies to pipeline plans (pp > 1); leave schedule unset for pp=1")
@@ -55,6 +58,19 @@ def mesh_candidates(cluster: Cluster, c: Constraints) -> list[tuple[int, int]]:
         raise ConstraintError(f"ep={c.ep} does not divide the {world} devices of "
                               f"{'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world}")
     meshes = [(world // t, t) for t in tps]
+    if c.hsdp is not None:
+        hsdp_meshes = [hsdp_mesh(world // t, c.hsdp, tp=t) for t in tps if (world // t) % c.hsdp == 0 and world // t > c.hsdp]
+        if not hsdp_meshes:
+            raise ConstraintError(
+                f"hsdp={c.hsdp} must divide the data-parallel degree and be smaller, but the data degrees allowed are "
+                f"{sorted({world // t for t in tps})}; choose hsdp dividing one of them (e.g. the devices of a node)")
+        return hsdp_meshes
+    if (hsdp and cluster.nodes > 1 and (c.pp or 1) == 1 and c.dp is None and c.zero is None and not c.zero_params
+            and (c.ep or 1) == 1):
+        for t in tps:
+            shard = cluster.devices_per_node // t  # the data ranks of one node
+            if shard > 1 and (world // t) % shard == 0 and world // t > shard:
+                meshes.append(hsdp_mesh(world // t, shard, tp=t))
     if c.ep is not None and c.ep > 1:
         # experts over fewer devices than the data parallelism: the data axis split in two, the
         # inner one 'ep' ('dp', 'ep'), beside a 'tp' axis where tensor parallelism has devices

@@ -3,7 +3,8 @@ checks that constraints name things that exist (pins, attention heads).
 
 ``make_filter`` returns ``allowed(node, strategy) -> None | reason``: None keeps the strategy, a
 reason excludes it (the plan lists it under the node's excluded alternatives). Pins may name the
-axes of ``AXES`` = ("dp", "tp", "ep"); a mesh has ('dp', 'tp') or ('dp', 'ep') (``planner.meshes``).
+axes of ``AXES`` = ("dp", "tp", "ep", "dp_shard"); a mesh has ('dp', 'tp'), ('dp', 'ep') or the HSDP
+('dp', 'dp_shard') (``planner.meshes``), with 'tp' beside the last two where tensor parallelism has devices.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from autopar.errors import ConstraintError
 from autopar.ir import is_local_batch
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
 from autopar.planner.experts import expert_axis, expert_params
-from autopar.planner.meshes import axis_names, data_axes, describe
+from autopar.planner.meshes import axis_names, data_axes, data_degree, describe, shard_axis
 from autopar.regions import REGION_FLOPS_KEY
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
@@ -49,7 +50,8 @@ def validate_pins(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...]) ->
         for axis_name, _ in axes:
             if axis_name not in names:
                 hint = (" (an 'ep' axis exists with experts over fewer devices than the data parallelism: "
-                        "Constraints(dp=D, ep=E) with E < D and tp=1)" if axis_name == "ep" else "")
+                        "Constraints(dp=D, ep=E) with E < D and tp=1)" if axis_name == "ep" else
+                        " (the HSDP mesh has it: Constraints(hsdp=S))" if axis_name == "dp_shard" else "")
                 raise ConstraintError(f"pin {pattern!r} names mesh axis {axis_name!r}, which this plan's mesh "
                                       f"({describe(mesh)}) does not have{hint}")
     for pattern, axes in c.placements:
@@ -136,6 +138,10 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
     that experts live split on 'ep'; ``tp=`` rules apply to the 'tp' axis, wherever it is."""
     names = axis_names(mesh)
     dp_a = 0
+    # where ZeRO shards: 'dp', or on an HSDP mesh 'dp_shard' (parameters then replicated on 'dp')
+    hsdp_a = shard_axis(mesh)
+    zero_a = dp_a if hsdp_a is None else hsdp_a
+    data_parallel = c.dp is not None or c.hsdp is not None  # every input's batch split on the data axes
     tp_a = names.index("tp") if "tp" in names else None  # ('dp', 'ep') meshes have none
     tensor_parallel = tp_a is not None and mesh[tp_a] > 1 and (c.tp or 1) > 1
     data = [a for a in data_axes(mesh) if mesh[a] > 1]
@@ -166,8 +172,8 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 return f"local batches: each rank passes its rows of the batch, split over axes {_named(data, names)}"
             if local and any(isinstance(p, Shard) and p.dim == 0 for a, p in enumerate(lay) if a not in data_axes(mesh)):
                 return "local batches: the batch dim is split over the data axes only"
-            if c.dp is not None and any(lay[a] != Shard(0) for a in data):
-                return f"dp={c.dp} shards the batch (dim 0) of every input on axes {_named(data, names)}"
+            if data_parallel and any(lay[a] != Shard(0) for a in data):
+                return f"dp={c.dp or data_degree(mesh)} shards the batch (dim 0) of every input on axes {_named(data, names)}"
             if c.tp is not None and tp_a is not None and mesh[tp_a] > 1 and lay[tp_a] != Replicate():
                 return f"tp={c.tp} keeps inputs whole on axis 'tp' (tensor parallel, not data parallel)"
         if kind == "param":
@@ -181,6 +187,8 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
             meta = node.meta["autopar.outputs"][0]
             pinned = any(_matches(fqn, pattern) for pattern, _ in c.placements)  # a pin beats the blanket rule
+            if z is None and c.hsdp is not None and not pinned:
+                z = 3  # HSDP is ZeRO-3 within the groups (a pinned layout, as ``compile``'s other programs pin, stands)
             if tensor_parallel and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard) and not pinned:
                 if any(d % mesh[tp_a] == 0 for d in meta.shape):
                     return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"
@@ -196,13 +204,16 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                     a != dp_a and (a in s.zero_axes or (isinstance(lay[a], Shard) and not (node.name in experts and a == ep_a)))
                     for a in data):
                 return f"zero={z} keeps parameters whole on the data axes (ZeRO's shards are on 'dp')"
-            if z is not None and mesh[dp_a] > 1:
-                sharded_dp = isinstance(lay[dp_a], Shard)
-                zero_dp = dp_a in s.zero_axes
+            if z is not None and hsdp_a is not None and mesh[dp_a] > 1 and (not isinstance(lay[dp_a], Replicate)
+                                                                            or dp_a in s.zero_axes):
+                return f"hsdp={mesh[hsdp_a]} keeps parameters and their state replicated on 'dp' (across its groups)"
+            if z is not None and mesh[zero_a] > 1:
+                sharded_dp = isinstance(lay[zero_a], Shard)
+                zero_dp = zero_a in s.zero_axes
                 # a parameter with no whole dim larger than 1 (a scalar, a bias already split on
                 # 'tp') has nothing to shard on 'dp': every stage keeps it replicated there
                 # (whole: as the parameter would be with 'dp' replicated)
-                shardable = state_dim(meta.shape, tuple(p if a != dp_a else Replicate() for a, p in enumerate(lay))) is not None
+                shardable = state_dim(meta.shape, tuple(p if a != zero_a else Replicate() for a, p in enumerate(lay))) is not None
                 if z == 0 and (sharded_dp or zero_dp):
                     return "zero=0 keeps parameters and optimizer state replicated on 'dp'"
                 if z in (1, 2) and sharded_dp:
@@ -217,16 +228,16 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 if z == 3 and sharded_dp:
                     # as FSDP2: the first dim left whole by 'tp' (dim 0 when it can), so gathers,
                     # re-gathers and gradient reduce-scatters need no strided copies
-                    first_whole = state_dim(meta.shape, tuple(p if a != dp_a else Replicate() for a, p in enumerate(lay)))
-                    if first_whole is None or lay[dp_a] != Shard(first_whole):
+                    first_whole = state_dim(meta.shape, tuple(p if a != zero_a else Replicate() for a, p in enumerate(lay)))
+                    if first_whole is None or lay[zero_a] != Shard(first_whole):
                         return "zero=3 shards a parameter's first whole dim on 'dp' (as FSDP2: no strided copies)"
-        if kind == "op" and c.dp is not None and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
+        if kind == "op" and data_parallel and mesh[dp_a] > 1 and node.name in data_nodes and rule_for(node) is not None:
             # (an op without a rule runs replicated whatever the plan: it is resliced after)
             out = next((o for o in s.outs if o is not None), None)
             meta = node.meta["autopar.outputs"][0]
             if out is not None and meta is not None and meta.numel > 1 and any(isinstance(out[a], Replicate) for a in data):
-                return f"dp={c.dp} keeps batch-derived values split on axes {_named(data, names)}"
-        if kind == "op" and c.dp is not None and data:
+                return f"dp={c.dp or data_degree(mesh)} keeps batch-derived values split on axes {_named(data, names)}"
+        if kind == "op" and data_parallel and data:
             # data parallel: every op uses whole weights on the data axes (stored sharded there only
             # under ZeRO-3, and then gathered before use), so activations keep their batch shards
             for arg, lay in zip(tensor_inputs(node), s.ins):
@@ -234,7 +245,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                     continue
                 for a in data:
                     if not (arg.name in experts and a == ep_a) and not isinstance(lay[a], Replicate):
-                        return f"dp={c.dp} uses whole weights on axis '{names[a]}'"  # (an expert is used where it lives)
+                        return f"dp={c.dp or data_degree(mesh)} uses whole weights on axis '{names[a]}'"  # (an expert is used where it lives)
         if kind == "op" and tensor_parallel and REGION_FLOPS_KEY not in node.meta:
             # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
             # FSDP on the tp axis, which zero= expresses); a token-wise region (a dropless MoE layer)

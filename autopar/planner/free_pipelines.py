@@ -29,7 +29,7 @@ def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[C
     (``devices_per_node``, as Megatron's PTD-P: the rest of each stage's devices data
     parallel), one sample per microbatch per replica (the smallest bubble for the batch); all of
     them, smallest ``pp`` first (``best_of`` decides which to price). None when the
-    constraints fix a decision these would override (microbatches, a schedule, dp and tp both)."""
+    constraints fix a decision these would override (microbatches, a schedule, dp and tp both, HSDP)."""
     from autopar.planner.blocks import find_repeated_blocks
     from autopar.planner.constraint_filter import pin_key
 
@@ -37,7 +37,7 @@ def free_pipeline_candidates(traced, cluster: Cluster, c: Constraints) -> list[C
 
     batch = traced.global_batch
     if cluster.nodes < 2 or not batch or c.pp == 1 or c.schedule is not None or c.microbatches is not None \
-            or c.virtual_stages or training_batch_norms(traced.graph):  # (a batch norm needs the whole batch)
+            or c.virtual_stages or c.hsdp is not None or training_batch_norms(traced.graph):  # (a batch norm needs the whole batch)
         return []
     blocks = find_repeated_blocks(traced.graph, pin_key(c))
     layers = max((len(v) for v in blocks.blocks.values()), default=0)

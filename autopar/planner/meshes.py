@@ -8,6 +8,13 @@ the mesh is ('dp', 'ep') = ``(D // E, E)``, or with tensor parallelism ('dp', 'e
 experts. Tokens then meet their experts by all-to-alls among E
 neighbouring ranks, and each expert's gradient is summed over the D // E groups that hold it.
 
+HSDP (``Constraints(hsdp=S)``, or chosen by the search on several nodes) is the ('dp',
+'dp_shard') mesh ``(D // S, S)``, or ('dp', 'dp_shard', 'tp') = ``(D // S, S, T)``: both are data
+axes (the batch nested on them), and ZeRO-3 shards parameters, gradients and optimizer state on
+the inner one, 'dp_shard' (``shard_axis``, a node or a group of neighbouring ranks), keeping them
+replicated on 'dp' (across groups): a gradient is reduce-scattered in its group, then its shard is
+all-reduced across groups; a parameter is all-gathered within its group (FSDP2's HSDP).
+
 ``MeshShape`` carries the names; it compares and hashes with them, so the planner's memos keyed
 by mesh keep a ('dp', 'ep') mesh apart from the ('dp', 'tp') mesh of the same sizes.
 """
@@ -17,9 +24,10 @@ import math
 
 from autopar.layouts import DATA_AXIS_NAMES
 
-__all__ = ["DEFAULT_AXES", "MeshShape", "axis_names", "data_axes", "data_degree", "describe", "expert_data_mesh"]
+__all__ = ["DEFAULT_AXES", "MeshShape", "axis_names", "data_axes", "data_degree", "describe", "expert_data_mesh", "hsdp_mesh", "shard_axis", "SHARD_AXIS"]
 
 DEFAULT_AXES = ("dp", "tp")
+SHARD_AXIS = "dp_shard"  # HSDP's axis of ZeRO-3 shards (replicated on 'dp')
 
 
 class MeshShape(tuple):
@@ -77,3 +85,18 @@ def expert_data_mesh(data: int, ep: int, tp: int = 1) -> MeshShape:
     if tp > 1:
         return MeshShape((data // ep, ep, tp), ("dp", "ep", "tp"))
     return MeshShape((data // ep, ep), ("dp", "ep"))
+
+
+def hsdp_mesh(data: int, shard: int, tp: int = 1) -> MeshShape:
+    """The HSDP mesh of ``data`` data-parallel devices in groups of ``shard`` (``shard`` divides
+    ``data`` and is smaller): ('dp', 'dp_shard') = ``(data // shard, shard)``, with ``tp > 1``
+    ('dp', 'dp_shard', 'tp'), tensor parallelism innermost, the shard groups next to it."""
+    if tp > 1:
+        return MeshShape((data // shard, shard, tp), ("dp", SHARD_AXIS, "tp"))
+    return MeshShape((data // shard, shard), ("dp", SHARD_AXIS))
+
+
+def shard_axis(mesh) -> int | None:
+    """The axis of an HSDP mesh that ZeRO-3 shards on ('dp_shard'); None on any other mesh."""
+    names = axis_names(mesh)
+    return names.index(SHARD_AXIS) if SHARD_AXIS in names else None

@@ -23,7 +23,8 @@ from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pi
 from autopar.planner.experts import check_experts
 from autopar.planner.candidates import (PIPELINE_STAGES, USABLE_MEMORY_FRACTION, mesh_candidates,
                                        microbatch_counts)
-from autopar.planner.meshes import data_degree, describe
+from autopar.layouts import DATA_AXIS_NAMES
+from autopar.planner.meshes import axis_names, data_degree, describe, shard_axis
 from autopar.cost_models.communication import axis_group
 from autopar.planner.contexts import (MEMO_LOCK, MEMO_SIZE, cost_context, estimated_state_numel, memo, plan_state_numel,
                                       update_costs_moved)
@@ -213,6 +214,10 @@ def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: di
         return None
     groups = tuple(axis_group(mesh, a, cluster.devices_per_node) for a in range(len(mesh)))
     key = tuple(sorted(((g.size, g.ranks_per_node) for g in groups)))
+    hsdp = shard_axis(mesh)
+    if hsdp is not None:  # an HSDP mesh's data axes (the batch nested on them) are told apart from the others
+        key = ("hsdp",) + tuple(sorted((g.size, g.ranks_per_node, name in DATA_AXIS_NAMES)
+                                       for g, name in zip(groups, axis_names(mesh))))
     if key in seen:
         return seen[key]
     seen[key] = mesh
@@ -304,7 +309,8 @@ def _search_single_stage(
     precision = policy.name
     optimizer = optimizer_spec(optimizer)
     c = constraints
-    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c))
+    # (HSDP twins only for a whole single-stage plan, not for a pipeline stage's submesh)
+    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c, hsdp=PIPELINE_STAGES not in (_cache or {})))
     check_heads(traced, c)
     for mesh in meshes:
         validate_pins(traced, c, mesh)
