@@ -22,6 +22,20 @@ def sgd(ps):
     return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
 
 
+def one_device_losses(model, batches, loss_fn, optimizer=sgd) -> list[float]:
+    """The losses of ``model`` trained on one device over ``batches`` ((input, target) pairs) with
+    ``optimizer(params)``, one step per batch: the reference a parity test compares against."""
+    opt = optimizer(list(model.parameters()))
+    out = []
+    for x, t in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), t)
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
 def compiled_mlp(cluster, rows: int = 16, **kw):
     """``examples.mlp``'s MLP(64, 256, 2) compiled for ``train_step`` (SGD with momentum, its mean
     squared loss) on an example batch of ``rows`` rows, seeded: (pm, x, target). ``kw`` goes to

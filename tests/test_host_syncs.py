@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
+from helpers import one_device_losses, sgd
 
 TOL = 1e-5
 STEPS = 4
@@ -110,27 +111,13 @@ def _case(name: str):
     return model, batches, gpt_loss
 
 
-def _sgd(ps):
-    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
-
-
-def _reference(model, batches, loss_fn) -> list[float]:
-    opt = _sgd(list(model.parameters()))
-    out = []
-    for x, t in batches:
-        opt.zero_grad()
-        loss = loss_fn(model(x), t)
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
 
 
 def _train_step_reads(name: str, constraints: dict) -> dict:
     model, batches, loss_fn = _case(name)
     start = copy.deepcopy(model)
     x0, t0 = batches[0]
-    pm = autopar.compile(model, autopar.Cluster.local(), (x0,), example_target=t0, loss_fn=loss_fn, optimizer=_sgd,
+    pm = autopar.compile(model, autopar.Cluster.local(), (x0,), example_target=t0, loss_fn=loss_fn, optimizer=sgd,
                          constraints=autopar.Constraints(**constraints), check_inputs="never")
     reads, losses, kinds = [], [], []
     for x, t in batches:
@@ -140,7 +127,7 @@ def _train_step_reads(name: str, constraints: dict) -> dict:
         kinds.append((type(loss).__name__, tuple(loss.shape) if isinstance(loss, torch.Tensor) else None))
         losses.append(float(loss))  # read here, after the step
     pm.close()
-    return {"reads": reads, "losses": losses, "kinds": kinds, "want": _reference(start, batches, loss_fn)}
+    return {"reads": reads, "losses": losses, "kinds": kinds, "want": one_device_losses(start, batches, loss_fn)}
 
 
 def _native_loop_reads(name: str, constraints: dict) -> dict:
@@ -149,7 +136,7 @@ def _native_loop_reads(name: str, constraints: dict) -> dict:
     model, batches, loss_fn = _case(name)
     start = copy.deepcopy(model)
     pm = autopar.compile(model, autopar.Cluster.local(), (batches[0][0],), constraints=autopar.Constraints(**constraints))
-    opt = _sgd(pm.parameters())
+    opt = sgd(pm.parameters())
     reads, losses = [], []
     for x, t in batches:
         with HostReads() as log:
@@ -160,7 +147,7 @@ def _native_loop_reads(name: str, constraints: dict) -> dict:
         reads.append(log)
         losses.append(float(loss.detach()))
     pm.close()
-    return {"reads": reads[FIRST_CHECKED_STEPS:], "losses": losses, "want": _reference(start, batches, loss_fn)}
+    return {"reads": reads[FIRST_CHECKED_STEPS:], "losses": losses, "want": one_device_losses(start, batches, loss_fn)}
 
 
 def host_reads_worker(cases: list) -> list[dict]:

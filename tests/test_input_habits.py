@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import autopar
 from autopar.errors import InputMismatchError, TraceError
-from helpers import compiled_mlp, error_of
+from helpers import compiled_mlp, error_of, one_device_losses
 
 TOL = 1e-5
 
@@ -58,14 +58,7 @@ def local_batches_worker():
     out["step_after_refusals"] = pm.step
     # fed as the error says: the global batch's training, as on one device
     losses = [pm.train_step(bx, target=bt) for bx, bt in mine]
-    opt = _sgd(ref.parameters())
-    ref_losses = []
-    for bx, bt in batches:
-        opt.zero_grad()
-        loss = mlp_loss(ref(bx), bt)
-        loss.backward()
-        opt.step()
-        ref_losses.append(float(loss.detach()))
+    ref_losses = one_device_losses(ref, batches, mlp_loss, _sgd)
     out["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     full = pm.full_state_dict()
     out["param_err"] = max(relative_error(full[k], v) for k, v in ref.state_dict().items())
