@@ -32,7 +32,10 @@ Invariants:
   returns the loss, no logits): under ``no_grad`` every batch runs eagerly, so ``model(x)`` gives
   the trained model's outputs on every rank.
 
-``export_module`` is the way back to one device (every stage's weights, on every rank).
+``model.to(...)``, ``.half()``, ``.cuda()``... (``nn.Module._apply``) are no-ops where they change
+nothing and refused where they would (``runtime.module_moves``): the program reads the plan's
+shards as they are. ``export_module`` is the way back to one device (every stage's weights, on
+every rank).
 """
 from __future__ import annotations
 
@@ -195,7 +198,15 @@ def _in_place_class(cls: type) -> type:
         copies its shard out of them)."""
         return self.__dict__[_PM].load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ``.cuda()``...: a no-op where nothing changes, else refused
+        (``runtime.module_moves``: the program keeps reading the plan's shards as they are)."""
+        from autopar.runtime.module_moves import apply_or_refuse
+
+        return apply_or_refuse(self, fn, self.__dict__[_PM]._builder.device, "this " + cls.__name__)
+
     return type("Autopar" + cls.__name__, (cls,), {"forward": forward, "load_state_dict": load_state_dict,
+                                                   "_apply": _apply,
                                                    "_save_to_state_dict": _save_with_stacked,
                                                    "named_parameters": _named_parameters_with_stacked,
                                                    "__module__": cls.__module__, "_autopar_original_class": cls})
