@@ -13,7 +13,9 @@ On 2 gloo processes, under tensor parallelism and data parallelism:
   float16 while the program went on reading the float32 shards;
 * BatchNorm in train mode outside ``train_step`` (``model(x)`` under ``no_grad``: a batch of other
   shapes runs eagerly, the compiled shape runs the program) updates the running statistics as one
-  device does (ResNet-18's layout, small), and ``eval()`` then gives one device's outputs.
+  device does (ResNet-18's layout, small), and ``eval()`` then gives one device's outputs;
+* under a pipeline plan (pp=2), ``model(x)`` under ``no_grad`` runs eagerly on every rank with one
+  module's weights whole at a time (never the model's), equal to the exported one-device model.
 """
 from __future__ import annotations
 
@@ -90,7 +92,44 @@ def moves_worker() -> dict:
     out["unplanned"] = r
     pm.close()
     out["batch_norm"] = _batch_norm()
+    out["pp_eager"] = _pipelined_eager()
     return out
+
+
+def _pipelined_eager() -> dict:
+    """pp=2 over 8 linear layers: after a train_step, ``model(x)`` under ``no_grad`` (a pipeline plan
+    runs it eagerly, each module's weights fetched from the stage holding them) equals the exported
+    one-device model, and at no point does the module tree hold more than one module's weights whole
+    (counted in a forward hook of every module, while its weights are in place)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)
+    pm = autopar.compile(model, autopar.Cluster.local(), (x,), loss_fn=torch.nn.functional.mse_loss, example_target=y,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), constraints=autopar.Constraints(pp=2))
+    pm.train_step(x, target=y)
+    whole = []
+
+    def count(mod, *_):
+        whole.append(sum(p.numel() for m in model.modules() for p in m._parameters.values()
+                         if p is not None and not isinstance(p, DTensor)))
+
+    handles = [m.register_forward_hook(count) for m in model]
+    with torch.no_grad():
+        got = model(x[:3])  # a pipeline plan: eager, on every rank
+    for h in handles:
+        h.remove()
+    plain = autopar.export_module(model)
+    with torch.no_grad():
+        want = plain(x[:3])
+    r = {"stages": len(pm.plan.stages), "err": _rel(got, want), "type": type(got).__name__,
+         "most_whole": max(whole), "one_module": 32 * 32 + 32, "model": sum(p.numel() for p in plain.parameters()),
+         "hooks_ran": len(whole)}
+    pm.close()
+    return r
 
 
 def _batch_norm() -> dict:
@@ -178,3 +217,12 @@ def test_batch_norm_statistics_outside_train_step_as_one_device(results, cons):
             assert s["out_err"] <= TOL and s["stats_err"] <= TOL, (rank, cons, label, s)
             assert s["batches_tracked"] == s["want_tracked"], (rank, cons, label, s)
         assert r["eval_err"] <= TOL, (rank, cons, r["eval_err"])
+
+
+@pytest.mark.slow
+def test_pipelined_eager_forward_holds_one_module_whole_at_a_time(results):
+    for rank, out in enumerate(results):
+        r = out["pp_eager"]
+        assert r["stages"] == 2 and r["hooks_ran"] == 8, (rank, r)
+        assert r["type"] == "Tensor" and r["err"] <= TOL, (rank, r)
+        assert r["most_whole"] == r["one_module"] < r["model"], (rank, r)

@@ -343,8 +343,11 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     this rank's tree lacks, ``adopt``) are fetched from that stage the same way (by the names
     ``_Tree`` kept) and removed again on return, so every rank runs the whole forward. DTensor
     outputs come back as plain full tensors. Gathers are collectives: every rank calls, and runs
-    the same modules in the same order. A buffer the forward writes (BatchNorm's statistics in
-    train mode) is written to the gathered copy only: evaluate in ``eval()`` mode."""
+    the same modules in the same order. A buffer the forward writes (BatchNorm's running
+    statistics in train mode) is updated as on one device: every rank runs the whole batch, so
+    every rank computes the same new value, and this rank's shard of it takes that value (a
+    replicated buffer's gathered tensor is its local tensor already; any other is copied back
+    into the shard when its module returns, ``_put_back``)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     from autopar.runtime.collective_errors import collective_failures
@@ -365,7 +368,7 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
                 continue  # registered as None, or plain already
             full = whole_of.fetch(e.name)[0]
             if full is not None:
-                put.append((own, e.leaf, t))
+                put.append((own, e.leaf, t, None if e.is_param else (full, full._version)))
                 own[e.leaf] = full
         gathered.setdefault(id(mod), []).append(put)
 
@@ -392,11 +395,18 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
 
 
 def _put_back(put: list) -> None:
-    for own, leaf, t in put:
+    """Each entry back as it was; a buffer the module wrote in place (its version moved) writes
+    this rank's part of the new value into its shard unless the shard is that very storage."""
+    for own, leaf, t, written in put:
         if t is None:  # another stage's: this rank's tree does not hold it
             del own[leaf]
-        else:
-            own[leaf] = t
+            continue
+        own[leaf] = t
+        if written is not None and written[0]._version != written[1] and isinstance(t, DTensor):
+            full, local = written[0], t._local_tensor
+            if local.numel() and full.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+                (chunk,) = t.__create_chunk_list__()
+                local.copy_(full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))])
 
 
 # ---------------------------------------------------------------------------- back to one device
