@@ -32,7 +32,10 @@ Invariants:
   returns the loss, no logits): under ``no_grad`` every batch runs eagerly, so ``model(x)`` gives
   the trained model's outputs on every rank.
 
-``export_module`` is the way back to one device (every stage's weights, on every rank).
+``model.to(...)``, ``.half()``, ``.cuda()``... (``nn.Module._apply``) are no-ops where they change
+nothing and refused where they would (``runtime.module_moves``): the program reads the plan's
+shards as they are. ``export_module`` is the way back to one device (every stage's weights, on
+every rank).
 """
 from __future__ import annotations
 
@@ -195,7 +198,15 @@ def _in_place_class(cls: type) -> type:
         copies its shard out of them)."""
         return self.__dict__[_PM].load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ``.cuda()``...: a no-op where nothing changes, else refused
+        (``runtime.module_moves``: the program keeps reading the plan's shards as they are)."""
+        from autopar.runtime.module_moves import apply_or_refuse
+
+        return apply_or_refuse(self, fn, self.__dict__[_PM]._builder.device, "this " + cls.__name__)
+
     return type("Autopar" + cls.__name__, (cls,), {"forward": forward, "load_state_dict": load_state_dict,
+                                                   "_apply": _apply,
                                                    "_save_to_state_dict": _save_with_stacked,
                                                    "named_parameters": _named_parameters_with_stacked,
                                                    "__module__": cls.__module__, "_autopar_original_class": cls})
@@ -332,8 +343,11 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     this rank's tree lacks, ``adopt``) are fetched from that stage the same way (by the names
     ``_Tree`` kept) and removed again on return, so every rank runs the whole forward. DTensor
     outputs come back as plain full tensors. Gathers are collectives: every rank calls, and runs
-    the same modules in the same order. A buffer the forward writes (BatchNorm's statistics in
-    train mode) is written to the gathered copy only: evaluate in ``eval()`` mode."""
+    the same modules in the same order. A buffer the forward writes (BatchNorm's running
+    statistics in train mode) is updated as on one device: every rank runs the whole batch, so
+    every rank computes the same new value, and this rank's shard of it takes that value (a
+    replicated buffer's gathered tensor is its local tensor already; any other is copied back
+    into the shard when its module returns, ``_put_back``)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     from autopar.runtime.collective_errors import collective_failures
@@ -354,7 +368,7 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
                 continue  # registered as None, or plain already
             full = whole_of.fetch(e.name)[0]
             if full is not None:
-                put.append((own, e.leaf, t))
+                put.append((own, e.leaf, t, None if e.is_param else (full, full._version)))
                 own[e.leaf] = full
         gathered.setdefault(id(mod), []).append(put)
 
@@ -381,11 +395,18 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
 
 
 def _put_back(put: list) -> None:
-    for own, leaf, t in put:
+    """Each entry back as it was; a buffer the module wrote in place (its version moved) writes
+    this rank's part of the new value into its shard unless the shard is that very storage."""
+    for own, leaf, t, written in put:
         if t is None:  # another stage's: this rank's tree does not hold it
             del own[leaf]
-        else:
-            own[leaf] = t
+            continue
+        own[leaf] = t
+        if written is not None and written[0]._version != written[1] and isinstance(t, DTensor):
+            full, local = written[0], t._local_tensor
+            if local.numel() and full.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+                (chunk,) = t.__create_chunk_list__()
+                local.copy_(full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))])
 
 
 # ---------------------------------------------------------------------------- back to one device

@@ -196,6 +196,13 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             folder, self._resume_from = self._resume_from, None
             self.resumed = self._checkpointer.load(folder)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``pm.to()``, ``.half()``, ``.cuda()``...: a no-op where nothing changes, else refused
+        (``runtime.module_moves``: the program keeps reading the plan's shards as they are)."""
+        from autopar.runtime.module_moves import apply_or_refuse
+
+        return apply_or_refuse(self, fn, self._builder.device, "pm")
+
     @property
     def program(self) -> fx.GraphModule:
         """The program the plan was made for (``train_step``'s, or the forward of ``pm(x)``)."""

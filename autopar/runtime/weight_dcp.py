@@ -6,6 +6,11 @@ reads every saved chunk that overlaps a slice whole (then narrows it), so a chec
 one device is read a whole tensor per rank, one saved sharded as this plan is only its slices.
 An autopar checkpoint's ``step-<n>`` folder holds the model under ``model/<key>`` (beside the
 optimizer's ``optim/...`` entries and extras): its model entries are the source.
+
+Experts the plan stacks (``P.*.suffix``, member ``i`` in row ``i``) load from per-expert keys (a
+checkpoint ``dcp.save`` wrote from the one-device model) through ``row_targets``: each row this
+rank holds is a DTensor over that row of the local shard (a view, no copy) standing for member
+``i`` whole, so ``dcp.load`` plans, reads and writes member ``i``'s slice straight into the row.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from autopar.runtime.weight_files import Entry, WeightsError
 
-__all__ = ["dcp_entries", "load_dcp", "CountingReader"]
+__all__ = ["dcp_entries", "load_dcp", "row_targets", "CountingReader"]
 
 _AUTOPAR_PREFIX = "model/"
 
@@ -87,3 +92,40 @@ def load_dcp(folder: Path, targets: dict[str, tuple[torch.Tensor, str]], entries
     for local, tmp in converts:
         local.copy_(tmp)
     return reader.bytes_read
+
+
+def row_targets(held: dict[str, torch.Tensor], rows_of: dict[str, tuple[str | None, ...]]) -> dict[str, tuple[torch.Tensor, str]]:
+    """For ``load_dcp``: each row ``i`` of a stacked parameter this rank holds, whose member the
+    checkpoint has (``rows_of[key][i]``), as member ``i``'s global tensor: a DTensor over
+    ``local[i - first row]`` whose placements are the stacked one's with the expert dim dropped
+    (``Shard(0)``, the axes splitting the experts, becomes ``Replicate``: this rank holds member
+    ``i``'s every element along them; ``Shard(d)`` becomes ``Shard(d - 1)``). Its chunk is the
+    row's chunk of the stacked tensor without dim 0 (checked)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from autopar.runtime.dtensor_params import make_dtensor
+
+    out = {}
+    for key, rows in rows_of.items():
+        t = held[key]
+        if not isinstance(t, DTensor):  # held whole: every row
+            out.update({f"{key}[{i}]": (t[i], src) for i, src in enumerate(rows) if src is not None})
+            continue
+        local = t._local_tensor
+        if local.numel() == 0:
+            continue
+        (chunk,) = t.__create_chunk_list__()
+        first, held_rows = chunk.offsets[0], chunk.sizes[0]
+        placements = [Replicate() if isinstance(p, Shard) and p.dim == 0 else Shard(p.dim - 1) if isinstance(p, Shard) else p
+                      for p in t.placements]
+        for i in range(first, first + held_rows):
+            if rows[i] is None:
+                continue
+            row = make_dtensor(local[i - first], t.device_mesh, placements, t.shape[1:], False)
+            (got,) = row.__create_chunk_list__()
+            if (tuple(got.offsets), tuple(got.sizes)) != (tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])):
+                raise WeightsError(f"load_weights: internal: row {i} of {key} ({t.placements}) maps to the chunk "
+                                   f"{tuple(got.offsets)}+{tuple(got.sizes)} of {rows[i]}, not {tuple(chunk.offsets[1:])}"
+                                   f"+{tuple(chunk.sizes[1:])}")
+            out[f"{key}[{i}]"] = (row, rows[i])
+    return out

@@ -30,7 +30,8 @@ is copied into the plan's shards. Invariants:
   fills row ``i`` of the local shard where this rank holds that row (``_load_rows``: only those
   bytes are read); or from the stacked key itself (``pm.state_dict()``, ``model.state_dict()``
   of the module sharded in place, a DCP checkpoint of either). A DCP checkpoint with per-expert
-  keys is refused (DCP cannot fill a row).
+  keys (``dcp.save`` of the one-device model) fills the rows the same way: each row is a DTensor
+  over the local shard's row standing for its member (``weight_dcp.row_targets``).
 
 ``save_weights(pm, path)``: the full weights written by rank 0, gathered one tensor at a time
 (``DTensor.full_tensor()`` on the ranks holding it; every rank takes part), so that no rank holds
@@ -116,15 +117,17 @@ def load_weights(pm, source: Any, *, strict: bool = True) -> WeightsLoad:
     _raise_everywhere(match.problems(strict), "the weights do not fit the model",
                       ". Pass strict=False to load what fits and get the missing and unexpected keys back"
                       if match.missing or match.unexpected else "")
-    # a stage without experts matches no rows: raised on every rank, none goes on into dcp.load alone
-    _raise_everywhere([f"it holds the experts the plan stacks one key per expert ({next(m for m in next(iter(match.rows_of.values())) if m)} "
-                       "...), which a DCP checkpoint cannot fill row by row; load them from safetensors or a torch "
-                       "state dict, or save the DCP checkpoint from pm.state_dict() (it holds the stacked parameters)"]
-                      if kind == "dcp" and match.rows_of else [], f"{source}")
     if kind == "dcp":
-        from autopar.runtime.weight_dcp import load_dcp
+        from autopar.runtime.weight_dcp import load_dcp, row_targets
 
-        bytes_read = load_dcp(Path(source), {k: (held[k], src) for k, src in match.source_of.items()}, entries)
+        targets = {k: (held[k], src) for k, src in match.source_of.items()}
+        rows, problem = {}, None
+        try:  # per-expert keys into the stacked rows
+            rows = row_targets(held, match.rows_of)
+        except WeightsError as exc:  # on every rank: none goes on into dcp.load alone
+            problem = str(exc)
+        _raise_everywhere([problem] if problem else [], f"{source}")
+        bytes_read = load_dcp(Path(source), {**targets, **rows}, entries)
     else:
         try:
             _load_rows(files, held, match.rows_of)
