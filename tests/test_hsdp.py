@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar import Cluster, ConstraintError, Constraints
-from autopar.runtime.parity import build_case, parity_failures, parity_worker, relative_error
+from autopar.testing.parity import build_case, parity_failures, parity_worker, relative_error
 
 TOL = 1e-5
 
