@@ -144,6 +144,7 @@ def test_only_a_collectives_waiting_hides_where_ranks_share_cores_with_it():
     from autopar.planner.costing import CostContext, bucketed_latency, bucketed_time
     from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_seconds
     from autopar.runtime.grad_sync import BUCKET_BYTES
+    from autopar.sync_settings import FIRST_BUCKET_BYTES
     from autopar.trace import TensorMeta
 
     table = (("all_reduce", 2, 64.0, 5e-4), ("all_reduce", 2, 4e6, 5e-3))
@@ -164,9 +165,11 @@ def test_only_a_collectives_waiting_hides_where_ranks_share_cores_with_it():
     for buckets in (1, 4):
         ctx = CostContext((4,), ("dp",), c, precision_policy("fp32"), optimizer_spec("adam"),
                           grad_bytes=float(buckets * BUCKET_BYTES))
-        share = meta.nbytes / BUCKET_BYTES  # of one bucket's collective
+        # the runtime's buckets of these bytes: the first at FIRST_BUCKET_BYTES, then BUCKET_BYTES each
+        cut = 1 + -(-(buckets * BUCKET_BYTES - FIRST_BUCKET_BYTES) // BUCKET_BYTES)
+        share = meta.nbytes / (buckets * BUCKET_BYTES / cut)  # of one (mean) bucket's collective
         assert bucketed_latency(meta, *summed, ctx) == pytest.approx(
-            (1 - 1 / buckets) * share * collective_latency("all_reduce", CommGroup(4, 4), c))
+            (1 - 1 / cut) * share * collective_latency("all_reduce", CommGroup(4, 4), c))
         assert bucketed_time(meta, *summed, ctx)["all_reduce"] > bucketed_latency(meta, *summed, ctx)
 
 

@@ -367,18 +367,16 @@ def _reshard_time(shape, per_elem, src, dst, ctx, blocking: bool) -> dict[str, f
 
 def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> dict[str, float]:
     """``reshard_time`` of a gradient reduced in the runtime's buckets (``runtime.grad_sync``):
-    a tensor smaller than a bucket (``BUCKET_BYTES`` of gradients, or all of the model's,
-    ``ctx.grad_bytes``, when fewer; sent at ``per_elem`` bytes per element) costs its share of a
-    full bucket's collective,
+    a tensor smaller than a bucket (the model's gradient bytes ``ctx.grad_bytes`` over the
+    ``sync_settings.bucket_count`` buckets the runtime cuts them into; sent at ``per_elem`` bytes
+    per element) costs its share of that bucket's collective,
     a larger one its own (with an alpha-beta model: its bandwidth in full and its share of one
     latency)."""
-    from autopar.sync_settings import BUCKET_BYTES
-
     if src == dst:
         return {}
     per = per_elem if per_elem is not None else meta.itemsize
-    # buckets are cut in the gradient's bytes, sent in ``per``; never more than the model's gradients
-    bucket = min(BUCKET_BYTES, ctx.grad_bytes) * per / meta.itemsize
+    # buckets are cut in the gradient's bytes, sent in ``per``
+    bucket = _mean_bucket_bytes(ctx) * per / meta.itemsize
     out: dict[str, float] = {}
     for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape):
         if nbytes >= bucket:
@@ -387,6 +385,16 @@ def bucketed_time(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, 
             t = collective_time(kind, bucket, ctx.groups[axis], ctx.cluster) * nbytes / bucket
         out[kind] = out.get(kind, 0.0) + t
     return out
+
+
+def _mean_bucket_bytes(ctx: CostContext) -> float:
+    """The mean bucket of the runtime's gradient sync, in gradient bytes: the model's gradients
+    over ``sync_settings.bucket_count`` of them (``BUCKET_BYTES`` for an unbounded model)."""
+    from autopar.sync_settings import BUCKET_BYTES, bucket_count
+
+    if not math.isfinite(ctx.grad_bytes):
+        return float(BUCKET_BYTES)
+    return ctx.grad_bytes / bucket_count(ctx.grad_bytes)
 
 
 def reshard_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext) -> float:
@@ -401,16 +409,15 @@ def reshard_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext
 def bucketed_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> float:
     """The waiting part of ``bucketed_time`` that compute can hide: a bucket's latency, shared as
     its time is, less the last bucket's (the runtime starts it when backward ends): of the
-    model's ``ctx.grad_bytes / BUCKET_BYTES`` buckets, all but one (counted over the whole
-    model's gradients: a rank's share, under tensor parallelism, fills fewer)."""
-    from autopar.sync_settings import BUCKET_BYTES
+    model's ``sync_settings.bucket_count(ctx.grad_bytes)`` buckets, all but one (counted over the
+    whole model's gradients: a rank's share, under tensor parallelism, fills fewer)."""
+    from autopar.sync_settings import bucket_count
 
     if src == dst:
         return 0.0
     per = per_elem if per_elem is not None else meta.itemsize
-    full = min(BUCKET_BYTES, ctx.grad_bytes)
-    hidden_share = 1.0 - full / ctx.grad_bytes if math.isfinite(ctx.grad_bytes) else 1.0
-    bucket = full * per / meta.itemsize
+    hidden_share = 1.0 - 1.0 / bucket_count(ctx.grad_bytes) if math.isfinite(ctx.grad_bytes) else 1.0
+    bucket = _mean_bucket_bytes(ctx) * per / meta.itemsize
     return hidden_share * sum(collective_latency(kind, ctx.groups[axis], ctx.cluster) * min(1.0, nbytes / bucket)
                               for kind, axis, nbytes in reshard_step_bytes(meta.shape, per, src, dst, ctx.mesh_shape))
 

@@ -13,6 +13,13 @@ which ZeRO stage.
   dropped; at most ``MAX_INFLIGHT`` reduce-scatters are pending, so at most that many full
   gradients are alive at once.
 
+* A step that starts from cleared gradients (the native loop after ``zero_grad()``) need not
+  zero the buckets first (``start_empty``): their parameters' ``.grad`` are set to None, backward
+  writes each gradient as a fresh tensor (nothing to add to), and the hook copies it into its
+  bucket view and makes the view ``.grad`` again, as DDP's reducer does; ``finish()`` zeroes the
+  views of parameters that received no gradient. One pass over the gradients instead of a zeroing
+  pass and a read-add (8 ms a step of 33 MiB zeroing on 4 gloo processes here).
+
 * A scalar can ride the all-reduce of the bucket that ends the float32 buffer (``carry``): the
   loss value, which would otherwise take a collective of its own. On a backend whose small
   collectives cost mostly latency (gloo over a few processes: ~5 ms each here) that is one
@@ -96,6 +103,10 @@ class GradSync:
         self._rounds = 0  # hold(rounds=k): a bucket is reduced once each member accumulated k times
         self._uses: dict[str, int] = {}  # hold(uses=): members accumulated k times per microbatch
         self._pending: list[tuple] = []  # ZeRO-2: (work, out, staging, slot, length)
+        # each bucketed parameter's gradient view of the flat buffer, and those started empty this
+        # step (``start_empty``) whose gradient has not reached its view yet
+        self._views = {ph: store.slots[ph].local.grad for ph in self._bucket_of}
+        self._empty: set[str] = set()
         me = weakref.ref(self)
         self._handles = []
         for ph in list(self._bucket_of) + list(self._zero2):
@@ -108,6 +119,14 @@ class GradSync:
             if not self._defer_zero2:
                 self._reduce_scatter(ph)
             return
+        if ph in self._empty:  # backward wrote a fresh gradient: into the bucket's view
+            self._empty.discard(ph)
+            p, view = self.store.slots[ph].local, self._views[ph]
+            g = p.grad
+            if g is not view:
+                with torch.no_grad():
+                    view.copy_(g)
+                p.grad = view
         b = self._bucket_of[ph]
         if self._rounds:  # a pipeline schedule: every microbatch's backward passes through here
             b.ready += 1
@@ -193,11 +212,34 @@ class GradSync:
     def arm(self, last_microbatch: bool) -> None:
         """Before each backward: all-reduce buckets only on the last microbatch."""
         self._last = last_microbatch
+        self._fill_empty()  # a backward that failed midway left some views unreached
         self._defer_zero2 = False
         self._rounds = 0
         if last_microbatch:
             for b in self.buckets:
                 b.ready, b.work = 0, None
+
+    def start_empty(self) -> set[str]:
+        """Before a backward whose gradients all start from zero: the bucketed parameters' ``.grad``
+        are set to None instead of their views being zeroed (the hooks copy each first gradient
+        into its view; ``finish()`` zeroes the views none reached), the rider element is zeroed.
+        Returns the placeholders taken; the caller zeroes every other gradient."""
+        for ph, view in self._views.items():
+            self.store.slots[ph].local.grad = None
+        self._empty = set(self._views)
+        for dtype in {b.dtype for b in self.buckets}:
+            rider = self.store.rider(dtype)
+            if rider is not None:
+                rider.zero_()
+        return set(self._views)
+
+    def _fill_empty(self) -> None:
+        """Views of parameters started empty that received no gradient: zero, ``.grad`` again."""
+        for ph in self._empty:
+            view = self._views[ph]
+            view.zero_()
+            self.store.slots[ph].local.grad = view
+        self._empty.clear()
 
     def carry(self, value: torch.Tensor, axis: int) -> bool:
         """Add scalar ``value`` to the rider element, to be summed over ``axis`` by the all-reduce
@@ -277,6 +319,7 @@ class GradSync:
     def finish(self) -> None:
         """After the last backward: launch what never filled, reduce-scatter the ZeRO-2 gradients
         no hook saw, then wait for every reduction."""
+        self._fill_empty()
         for ph in self._zero2:  # held whole (``hold(whole_zero2=True)``): reduce-scattered now
             if self.store.slots[ph].local.grad is not None:
                 self._reduce_scatter(ph)
@@ -293,6 +336,7 @@ class GradSync:
             self._complete(self._pending.pop(0))
 
     def close(self) -> None:
+        self._fill_empty()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -128,13 +128,19 @@ class NativeLoopMethods:
         self.store.own_grads()  # a .grad the user replaced is a buffer's view again
         cleared = set(self._state.user_grads_cleared())
         trainable = [ph for ph, s in self.store.slots.items() if s.trainable]
+        sync = self._grad_sync
         if len(cleared) == len(trainable):
-            self.store.zero_grads()
+            sync.arm(last_microbatch=True)
+            # the buckets' gradients are written by backward, not zeroed first (GradSync.start_empty)
+            taken = sync.start_empty()
+            for ph in trainable:
+                if ph not in taken:
+                    self.store.zero_grad_of(ph)
         else:
             for ph in cleared:
                 self.store.zero_grad_of(ph)
-            self._grad_sync.prepare_accumulation()
-        self._grad_sync.arm(last_microbatch=True)
+            sync.prepare_accumulation()
+            sync.arm(last_microbatch=True)
         # recomputed blocks and the expert exchanges' backward communicate over the plan's mesh
         self._leave_backward_mesh()
         enter_mesh(self.comm)
