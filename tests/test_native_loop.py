@@ -297,7 +297,7 @@ def _unreached_head_worker() -> dict:
 
     import torch
 
-    from autopar.runtime.parity import relative_error
+    from autopar.testing.parity import relative_error
 
     model = _TwoHeads.build()
     ref = copy.deepcopy(model)
