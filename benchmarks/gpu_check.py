@@ -61,7 +61,7 @@ def parity(device: str, steps: int = 5) -> float:
     opt = make_opt(list(ref.parameters()))
     worst = 0.0
     for x, t in batches:
-        got = pm.train_step(x, target=t)
+        got = float(pm.train_step(x, target=t))
         opt.zero_grad()
         want = gpt_loss(ref(x), t)
         want.backward()

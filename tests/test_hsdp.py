@@ -164,5 +164,8 @@ def test_hsdp_priced_faster_than_zero3_across_nodes_and_chosen():
     assert hsdp.predicted.step_time_s < zero3.predicted.step_time_s, (hsdp.predicted, zero3.predicted)
     # and the search, free to choose, takes it
     assert free.mesh == {"dp": 4, "dp_shard": 8}, tried
+    # as HSDP: replicated on 'dp', ZeRO-3 on 'dp_shard' (not weights split across nodes)
+    big = [p for p in free.params.values() if len(p.shape) >= 1 and max(p.shape) > 8]
+    assert all(p.layout.startswith("[R, S(") for p in big), sorted({p.layout for p in big})
     assert free.predicted.step_time_s <= zero3.predicted.step_time_s
     assert any(label.startswith("dp=32 tp=1") for label, _ in free.solver.candidates), tried

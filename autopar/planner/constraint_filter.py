@@ -187,8 +187,10 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 return "ZeRO-1 is dominated by ZeRO-2 without gradient accumulation"
             meta = node.meta["autopar.outputs"][0]
             pinned = any(_matches(fqn, pattern) for pattern, _ in c.placements)  # a pin beats the blanket rule
-            if z is None and c.hsdp is not None and not pinned:
-                z = 3  # HSDP is ZeRO-3 within the groups (a pinned layout, as ``compile``'s other programs pin, stands)
+            if z is None and hsdp_a is not None and not pinned:
+                # an HSDP mesh (forced by hsdp=, or the free search's twin of a (dp, tp) mesh) is
+                # ZeRO-3 within the groups (a pinned layout, as ``compile``'s other programs pin, stands)
+                z = 3
             if tensor_parallel and len(meta.shape) >= 2 and not isinstance(lay[tp_a], Shard) and not pinned:
                 if any(d % mesh[tp_a] == 0 for d in meta.shape):
                     return f"tp={c.tp} shards every weight matrix on axis 'tp' (tensor parallel)"

@@ -224,7 +224,7 @@ class GradSync:
         are set to None instead of their views being zeroed (the hooks copy each first gradient
         into its view; ``finish()`` zeroes the views none reached), the rider element is zeroed.
         Returns the placeholders taken; the caller zeroes every other gradient."""
-        for ph, view in self._views.items():
+        for ph in self._views:
             self.store.slots[ph].local.grad = None
         self._empty = set(self._views)
         for dtype in {b.dtype for b in self.buckets}:

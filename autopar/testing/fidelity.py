@@ -196,7 +196,7 @@ def tight_memory_worker(memory_bytes: int, constraints: dict | None = None, step
             m = pm.measure_step(*inputs, target=target)
             losses.append(m.loss)
         else:
-            losses.append(pm.train_step(*inputs, target=target))
+            losses.append(float(pm.train_step(*inputs, target=target)))
     full = pm.full_state_dict()
     copy = sum(b for h, b in m.memory.unaccounted_by_holder.items() if h.startswith(USER_MODEL))
     out = {"recompute_blocks": pm.plan.recompute_blocks, "mesh": pm.plan.mesh, "peak": m.memory.peak_bytes,

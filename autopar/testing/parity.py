@@ -263,7 +263,7 @@ def parity_worker(case: str, constraints: dict | None, steps: int = 5, device: s
     pm = autopar.compile(model, cluster, args0, example_target=t0, loss_fn=loss_fn, optimizer=make_opt,
                          constraints=None if plan is not None else autopar.Constraints(**(constraints or {})), plan=plan)
     data = [batches[s % len(batches)] for s in range(steps)]
-    got_losses = [pm.train_step(*(x if isinstance(x, tuple) else (x,)), target=t) for x, t in data]
+    got_losses = [float(pm.train_step(*(x if isinstance(x, tuple) else (x,)), target=t)) for x, t in data]
     full = pm.full_state_dict()
     # the sharded state (DTensors, what a checkpoint saves) holds the same values
     stacked = pm._traced.stacked  # experts stacked by the trace: their DTensor holds the members' rows
