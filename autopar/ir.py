@@ -16,7 +16,7 @@ from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard, reshard_finish, reshard_start
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard_start", "reshard_finish", "batch_only_values", "block_instance", "early_start_lead", "region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
+__all__ = ["reshard_start", "reshard_finish", "batch_only_values", "block_instance", "early_start_lead", "region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "prefetched_grad_all_reduces", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -304,17 +304,41 @@ def region_exchanges(node: fx.Node, ins: list, out, mesh_shape) -> list[tuple[st
 def prefetchable_gather(shape, src: Layout, dst: Layout, gsrc: Layout | None, gdst: Layout | None, mesh_shape):
     """``(axis, dim)`` when moving a parameter from ``src`` to ``dst`` is one all-gather (of
     ``dim`` over ``axis``) whose gradient, if any, goes back by one reduce-scatter of the same dim
-    over the same axis: such a gather is issued one parameter ahead and waited for at its use, and
-    its gradient reduced asynchronously (``passes.prefetch_param_gathers``); None otherwise."""
+    over the same axis, then possibly sum all-reduces of that shard over other axes (HSDP: the
+    group's shard summed across the groups, ``prefetched_grad_all_reduces``): such a gather is
+    issued one parameter ahead and waited for at its use, and its gradient reduced asynchronously
+    (``passes.prefetch_param_gathers``); None otherwise."""
     from autopar.resharding import reshard_steps_for
 
     fwd = [s for s in reshard_steps_for(shape, src, dst, mesh_shape) if mesh_shape[s.axis] > 1]
     if len(fwd) != 1 or fwd[0].kind != "all_gather":
         return None
     axis, dim = fwd[0].axis, fwd[0].dim
-    if gsrc is not None and gdst is not None:
-        bwd = [s for s in reshard_steps_for(shape, gsrc, gdst, mesh_shape) if mesh_shape[s.axis] > 1]
-        if len(bwd) != 1 or bwd[0].kind != "reduce_scatter" or (bwd[0].axis, bwd[0].dim) != (axis, dim) \
-                or bwd[0].op != "sum":
-            return None
+    if gsrc is not None and gdst is not None and _prefetched_grad_steps(shape, gsrc, gdst, mesh_shape, axis, dim) is None:
+        return None
     return axis, dim
+
+
+def prefetched_grad_all_reduces(shape, gsrc: Layout, gdst: Layout, mesh_shape) -> tuple[int, ...]:
+    """The mesh axes, in order, over which the gradient of a gather ``prefetchable_gather``
+    accepts is all-reduced (summed) after its reduce-scatter: () for ZeRO-3, ('dp',)'s index for
+    HSDP. The runtime (``runtime.prefetch``) issues them asynchronously in this order."""
+    from autopar.resharding import reshard_steps_for
+
+    bwd = [s for s in reshard_steps_for(shape, gsrc, gdst, mesh_shape) if mesh_shape[s.axis] > 1]
+    return tuple(s.axis for s in bwd[1:])
+
+
+def _prefetched_grad_steps(shape, gsrc: Layout, gdst: Layout, mesh_shape, axis: int, dim: int):
+    """The gradient's steps when they are one sum reduce-scatter of ``dim`` over ``axis`` followed
+    only by sum all-reduces over other axes (of the shard); None otherwise."""
+    from autopar.resharding import reshard_steps_for
+
+    bwd = [s for s in reshard_steps_for(shape, gsrc, gdst, mesh_shape) if mesh_shape[s.axis] > 1]
+    if not bwd or bwd[0].kind != "reduce_scatter" or (bwd[0].axis, bwd[0].dim) != (axis, dim) or bwd[0].op != "sum":
+        return None
+    rest = bwd[1:]
+    if any(s.kind != "all_reduce" or s.op != "sum" or s.axis == axis for s in rest) \
+            or len({s.axis for s in rest}) != len(rest):
+        return None
+    return bwd

@@ -31,8 +31,10 @@ def count_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...] | None = N
         counts[("backward", "all_reduce")] += len(axes)
     for n in collective_nodes(gm):
         if n.target is gather_param_start:  # one all-gather; its gradient one reduce-scatter
-            counts[("forward", "all_gather")] += 1
+            counts[("forward", "all_gather")] += 1  # (then, under HSDP, all-reduces of the shard)
             counts[("backward", "reduce_scatter")] += int(bool(n.kwargs.get("grad")))
+            if n.kwargs.get("grad") and n.kwargs.get("grad_all_reduce"):
+                counts[("backward", "all_reduce")] += len(n.kwargs["grad_all_reduce"])
             continue
         _, src, dst, gsrc, gdst = n.args
         shape = n.kwargs.get("shape")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.ir import block_instance, gather_param_finish, gather_param_start, prefetchable_gather, reshard
+from autopar.ir import (block_instance, gather_param_finish, gather_param_start, prefetchable_gather,
+                        prefetched_grad_all_reduces, reshard)
 from autopar.layouts import parse_layout
 from autopar.passes.context import PassContext
 
@@ -14,7 +15,8 @@ def prefetch_param_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
     """Requires: ``insert_collectives_pass`` ran (parameter reshards carry ``param=True``).
 
     Guarantees: every parameter reshard that is one all-gather with a one reduce-scatter
-    gradient (``ir.prefetchable_gather``) becomes ``gather_param_start`` (placed right after the
+    gradient, possibly followed by all-reduces of the shard (HSDP; ``ir.prefetchable_gather``,
+    passed on as ``grad_all_reduce``) becomes ``gather_param_start`` (placed right after the
     previous such gather's ``gather_param_finish``, so one gather is in flight while the op before
     its use computes) and ``gather_param_finish`` (where the reshard was; it carries the reshard's
     meta). A gather is not moved across the boundary of a checkpointed block (its recomputation
@@ -40,6 +42,10 @@ def prefetch_param_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
         serves = node.meta.get("autopar.serves")
         kwargs = {"dtype": node.kwargs.get("dtype"), "reduce_dtype": node.kwargs.get("reduce_dtype"),
                   "grad": gsrc is not None, "site": node.kwargs.get("site")}
+        if gsrc is not None:
+            then = prefetched_grad_all_reduces(meta.shape, parse_layout(gsrc), parse_layout(gdst), ctx.mesh_shape)
+            if then:
+                kwargs["grad_all_reduce"] = then
         module = node.meta.get("autopar.module", "")
         ahead = prev_finish is not None and (
             block_instance(prev_finish.meta.get("autopar.module", ""), instances) == block_instance(module, instances))

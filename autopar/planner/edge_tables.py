@@ -160,9 +160,9 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
 
     Parameters (per microbatch, ``m`` times): a gather that ``ir.prefetchable_gather`` accepts is
     issued ahead (forward window) and, when the consumer keeps the parameter for backward or
-    recomputes, gathered again in backward (backward window); its gradient's reduce-scatter is
-    asynchronous (backward window). A gradient that only needs summing is all-reduced once per
-    step by the bucketed ``GradSync`` (last-microbatch window, latency per bucket); ZeRO-2
+    recomputes, gathered again in backward (backward window); its gradient's reduce-scatter (and,
+    under HSDP, the all-reduce of the shard after it) is asynchronous (backward window). A
+    gradient that only needs summing is all-reduced once per step by the bucketed ``GradSync`` (last-microbatch window, latency per bucket); ZeRO-2
     reduce-scatters it every microbatch instead (backward window). Any other collective blocks.
     Activations (blocking): a batch-derived value moves 1/m per microbatch, anything else whole
     every microbatch; a checkpointed block's forward collectives run twice.
