@@ -12,6 +12,8 @@ expects a refusal that names the fix:
   pass runs under the plan's mesh);
 * an optimizer built before compile over the module's original parameters: refused at its first
   step (one built after compile over ``model.parameters()`` trains: the module is sharded in place);
+* two forwards feeding one backward (``f(pm(x1)) + f(pm(x2))``): one start of the program's
+  backward per pass, both forwards' gradients reduced, as one device;
 * ``backward(create_graph=True)``: refused (second-order terms would be lost);
 * ZeRO-1/2 parameters re-gathered after the user's optimizer step: the decision is agreed over
   the ranks (a version counter moved on one rank only), and the gather moves the parameters'
@@ -189,11 +191,40 @@ def zero_regather(cons: dict) -> dict:
     return out
 
 
+def two_forwards_one_backward(cons: dict, opt: str) -> dict:
+    """``(f(pm(x1)) + f(pm(x2))).backward()``: two forwards feed one backward pass (a pair loss,
+    two views of a batch); the program's backward starts once for the pass and both forwards'
+    gradients reach the reduction, as on one device."""
+    import copy
+
+    from autopar.testing.parity import build_case
+
+    model, batches, loss_fn = build_case("gpt")
+    ref = copy.deepcopy(model)
+    pm = autopar.compile(model, autopar.Cluster.local(), constraints=autopar.Constraints(**cons))
+    make = _make_optimizer(opt)
+    runs = [(pm, make(pm.parameters())), (ref, make(ref.parameters()))]
+    loss_err = 0.0
+    for step in range(STEPS // 2):
+        (x1, t1), (x2, t2) = batches[2 * step], batches[2 * step + 1]
+        values = []
+        for m, o in runs:
+            loss = loss_fn(m(x1), t1) + loss_fn(m(x2), t2)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            values.append(float(loss.detach()))
+        loss_err = max(loss_err, abs(values[0] - values[1]) / abs(values[1]))
+    out = {"loss_err": loss_err, "param_err": _param_err(pm, ref)}
+    pm.close()
+    return out
+
+
 def habits_worker(scenarios: list) -> list:
     """Each scenario's result; one that raised reports ``{"raised": ...}`` (its test then fails
     naming it) and the next ones still run."""
     fns = {"train_step": train_step_zero_grad, "native": native_loop, "original": original_module_optimizer,
-           "create_graph": create_graph, "zero_regather": zero_regather}
+           "create_graph": create_graph, "zero_regather": zero_regather, "two_forwards": two_forwards_one_backward}
     out = []
     for name, *args in scenarios:
         try:
@@ -212,6 +243,7 @@ SCENARIOS = (
     + [("original", True), ("original", False)]
     + [("create_graph", {"dp": 2}), ("create_graph", {"dp": 2, "zero": 3})]
     + [("zero_regather", {"dp": 2, "zero": 1}), ("zero_regather", {"dp": 2, "zero": 2})]
+    + [("two_forwards", {"dp": 2}, "sgd"), ("two_forwards", {"dp": 2, "zero": 3}, "adamw")]
 )
 
 
@@ -254,6 +286,15 @@ def test_native_loop_runs_recompute_and_expert_backward_under_the_mesh(results):
             if "ep" in cons:  # the experts are split: their rows travel by all-to-all
                 assert any("all_to_all" in kind for kind in r["calls"]), r
     assert seen == {"gpt", "moe_dropless"}
+
+
+@pytest.mark.slow
+def test_two_forwards_feeding_one_backward_train_as_one_device(results):
+    seen = 0
+    for rank, (_, cons, opt), r in _each(results, "two_forwards"):
+        seen += 1
+        assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (rank, cons, opt, r)
+    assert seen == 4  # 2 scenarios x 2 ranks
 
 
 @pytest.mark.slow

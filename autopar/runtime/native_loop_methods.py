@@ -92,24 +92,28 @@ class NativeLoopMethods:
             t.register_hook((lambda g: g / n) if rows else mean_over_shards)
 
     def _arm_backward(self, outputs: list) -> None:
-        """Hook the first gradient that reaches an output in each backward pass: it starts this
-        rank's backward through the program (``_begin_backward``) and queues its end
-        (``_end_backward``). A graph kept with ``retain_graph=True`` starts again at its next
-        backward, as one device accumulates again."""
+        """Hook the first gradient that reaches an output of this model in each backward pass: it
+        starts this rank's backward through the program (``_begin_backward``) and queues its end
+        (``_end_backward``). One start per backward pass and model, however many forwards feed it
+        (``f(pm(x1)) + f(pm(x2))``: a second start mid-pass would drop the gradients already
+        written); a graph kept with ``retain_graph=True`` starts again at its next backward, as one
+        device accumulates again. A pass that raised never ran its end: the next forward outside
+        a backward clears the mark."""
         from torch.autograd import Variable
 
+        if self._backward_running and torch._C._current_graph_task_id() == -1:
+            self._backward_running = False  # the last backward raised before its end ran
         me = weakref.ref(self)
-        running = [False]  # this forward's graph is inside a backward pass
 
         def end():
-            running[0] = False
             pm = me()
             if pm is not None:
+                pm._backward_running = False
                 pm._end_backward()
 
         def start(grad):
             pm = me()
-            if pm is not None and not running[0]:
+            if pm is not None and not pm._backward_running:
                 if torch.is_grad_enabled():  # backward(create_graph=True) / autograd.grad(..., create_graph=True)
                     raise AutoparError(
                         "backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
@@ -117,7 +121,7 @@ class NativeLoopMethods:
                         "first order, so second-order terms would be lost. Run backward without create_graph, or "
                         "compute the second-order term on a model that is not compiled")
                 pm._begin_backward()
-                running[0] = True
+                pm._backward_running = True
                 Variable._execution_engine.queue_callback(end)
             return grad
 

@@ -105,6 +105,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._zero_versions: dict[str, int] = {}
         self._zero12_of, self._zero12 = None, False  # (store, whether any rank holds ZeRO-1/2 slots)
         self._backward_mesh = False  # the native loop's backward pass entered the plan's mesh
+        self._backward_running = False  # a native-loop backward pass through this model has started
         self._optimizer_watch = None  # the native loop's check of the user's optimizers (a torch hook)
         self._checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
         self._tracker: MemoryTracker | None = None  # set by measure_step
