@@ -159,14 +159,23 @@ def test_run_restarts_killed_ranks_but_not_deterministic_errors(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_RESTART_SCRIPT)
     root = Path(__file__).resolve().parents[1]
-    out = {}
+    out, runs = {}, {}
+    # the two runs side by side (each torchrun --standalone rendezvous on its own free port): most
+    # of a run is process start-up and torchrun's waits, which overlap
     for case in ("constraint", "crash"):
-        log = tmp_path / f"{case}.log"
-        env = dict(os.environ, OMP_NUM_THREADS="1", RUN_LOG=str(log))
-        out[case] = subprocess.run([sys.executable, "-m", "autopar.cli", "run", str(script), "--nproc", "2",
-                                    "--max-restarts", "3", case], capture_output=True, text=True, timeout=300,
-                                   env=env, cwd=root)
-        out[case + "_starts"] = sorted(log.read_text().split("\n")[:-1])
+        env = dict(os.environ, OMP_NUM_THREADS="1", RUN_LOG=str(tmp_path / f"{case}.log"))
+        runs[case] = subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", str(script), "--nproc", "2",
+                                       "--max-restarts", "3", case], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env, cwd=root)
+    for case, proc in runs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for other in runs.values():
+                other.kill()
+            raise
+        out[case] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        out[case + "_starts"] = sorted((tmp_path / f"{case}.log").read_text().split("\n")[:-1])
     bad = out["constraint"]
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert out["constraint_starts"] == ["0 0", "1 0"]  # each rank started once: no restart

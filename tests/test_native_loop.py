@@ -134,8 +134,10 @@ def lone_forward_worker():
     from examples.mlp import MLP, example_batch
 
     x, _ = example_batch(64, 16)
+    # 2 s: what the test waits for on purpose; both ranks compile the MLP within a fraction of a
+    # second of each other (~0.3 s on 2 cores), so a loaded machine still has room
     pm = autopar.compile(MLP(64, 256, 2), autopar.Cluster.local(), (x,), constraints=autopar.Constraints(dp=2),
-                         collective_timeout_s=5, check_inputs="never")
+                         collective_timeout_s=2, check_inputs="never")
     if dist.get_rank() == 1:
         return "rank 1 skipped the call"
     t0 = time.monotonic()
@@ -158,9 +160,9 @@ def test_a_rank_alone_in_the_forward_fails_within_the_collective_timeout():
         autopar.launch(lone_forward_worker, 2, timeout_s=240)
     assert time.monotonic() - t0 < 240
     text = str(info.value)
-    assert re.search(r"rank 0 failed:.*CollectiveError: forward on rank 0 waited more than 5 s for the other ranks in a "
+    assert re.search(r"rank 0 failed:.*CollectiveError: forward on rank 0 waited more than 2 s for the other ranks in a "
                      r"collective: every rank must call forward the same number of times", text, re.S), text
-    assert 4 <= float(re.search(r"\[after ([\d.]+) s\]", text).group(1)) < 60
+    assert 1.6 <= float(re.search(r"\[after ([\d.]+) s\]", text).group(1)) < 60
 
 
 def own_loss_worker(constraints: list):
