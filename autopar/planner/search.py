@@ -230,6 +230,29 @@ def _candidates(c: Constraints, has_blocks: bool):
     return [(r, m) for r in recomputes for m in micros]
 
 
+def _tp_of(mesh) -> int:
+    """The tensor-parallel degree of a flat (dp, tp) or HSDP ('dp', 'dp_shard'[, 'tp']) mesh."""
+    names = axis_names(mesh)
+    return tuple(mesh)[names.index("tp")] if "tp" in names else 1
+
+
+def _twin_cannot_fit(twin, done: dict) -> str | None:
+    """Why the free search's HSDP ``twin`` need not be solved, or None: its flat mesh (the same
+    tensor parallelism, every data rank on one axis) found no plan within memory for any recompute
+    and microbatch option. HSDP holds at least what ZeRO-3 over all those data ranks holds per rank
+    (its state is split over the group only; the batch and the tensor-parallel split are the same),
+    and the flat mesh's search may choose ZeRO-3, so nothing fits the twin either."""
+    sizes = tuple(twin)
+    flat = (sizes[0] * sizes[1], _tp_of(twin))
+    if flat not in done:
+        return None
+    attempts, _, failures = done[flat]
+    if attempts or not failures or any(f.family != "memory" for f in failures):
+        return None
+    return (f"skipped: nothing fits within memory on {describe(flat)}, whose search may shard every parameter over "
+            "all its data ranks (ZeRO-3); HSDP keeps more per rank (its state is split within a group only)")
+
+
 def search_plan(
     traced: TracedGraph,
     cluster: Cluster,
@@ -342,12 +365,29 @@ def _search_single_stage(
     free_like = dataclasses.replace(c, pp=None).is_free()  # pp=1 is what a single-stage search does anyway
     if _with_free and not free_like and not _step_time_only and "free" not in results:
         tasks["free"] = lambda: _free_step_time(traced, cluster, precision, optimizer, solver, cache)
-    for mesh in sorted(searched, key=lambda m: -min(m)):  # both axes split: the most strategies per node
-        tasks[mesh] = (lambda mesh=mesh: _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c,
-                                                      budget, solver, cache, progress))
+    def search(mesh):
+        return lambda: _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c, budget, solver,
+                                    cache, progress)
+
+    # the free search's HSDP twins run after their flat meshes: a twin whose flat mesh fits nothing
+    # is skipped (_twin_cannot_fit)
+    twins = [m for m in searched if c.hsdp is None and shard_axis(m) is not None]
+    for mesh in sorted((m for m in searched if m not in twins), key=lambda m: -min(m)):  # both axes split first
+        tasks[mesh] = search(mesh)
     if _with_baseline and not _step_time_only:
         tasks["baseline"] = lambda: naive_dp_baseline(traced, cluster, policy, optimizer, solver, blocks=blocks, cache=cache)
     done = run_concurrently(tasks, solver.planner_threads)
+    flat_best = min((a for m in done if isinstance(m, tuple) and m in searched for a in done[m][0]),
+                    key=lambda a: a.evaluation.step_time_s, default=None)
+    for twin in twins:
+        reason = _twin_cannot_fit(twin, done)
+        if reason is None and flat_best is not None and _tp_of(twin) != _tp_of(flat_best.mesh):
+            # one twin per search, the best flat plan's: each twin's ILP costs as much as a flat mesh's
+            reason = (f"skipped: only the HSDP twin of the fastest mesh ({describe(flat_best.mesh)}) is tried "
+                      "(plan time: one twin per search)")
+        if reason:
+            skipped[twin] = (describe(twin), reason)
+    done.update(run_concurrently({m: search(m) for m in twins if m not in skipped}, solver.planner_threads))
     for mesh in meshes:
         if mesh in skipped:
             outcomes.append(skipped[mesh])
