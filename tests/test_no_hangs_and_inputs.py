@@ -243,7 +243,7 @@ def test_each_step_checks_its_batch_against_the_compiled_example(world1):
     with pytest.raises(autopar.AutoparError, match=r"eval_step: input 0 has shape \(8, 64\)"):
         pm.eval_step(x[:8], target=t[:8])
     assert pm.step == 0  # nothing ran
-    assert torch.isfinite(torch.tensor(pm.train_step(x, target=t))) and pm.step == 1
+    assert torch.isfinite(torch.as_tensor(pm.train_step(x, target=t))) and pm.step == 1
     pm.close()
 
 

@@ -64,7 +64,7 @@ def test_meta_model_materialises_its_parameters(world1):
     x, t = mlp_batch()
     pm = autopar.compile(model, world1, (x,), example_target=t, loss_fn=mlp_loss, optimizer=_opt)
     first = pm.train_step(x, target=t)
-    assert torch.isfinite(torch.tensor(first))
+    assert torch.isfinite(torch.as_tensor(first))
     full = pm.full_state_dict()
     assert not any(v.is_meta for v in full.values())
     assert full["layers.0.up.weight"].shape == (256, 64) and full["layers.0.up.weight"].abs().sum() > 0
