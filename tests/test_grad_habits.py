@@ -40,6 +40,14 @@ def _make_optimizer(kind: str):
     return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)
 
 
+def _step(loss, optimizer) -> float:
+    """One step of the native loop on ``loss``: backward, the optimizer's step, zero_grad; the loss."""
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
 def _param_err(pm, ref) -> float:
     from autopar.testing.parity import relative_error
 
@@ -171,11 +179,7 @@ def zero_regather(cons: dict) -> dict:
                     pm(x)  # every rank gathers the shards the last step updated
                     if dist.get_rank() == 1:  # then an in-place write that changes nothing, on one rank
                         pm.get_parameter(pm.store.zero_slots()[0].fqn).mul_(1.0)
-            loss = loss_fn(m(x), t)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            values.append(float(loss.detach()))
+            values.append(_step(loss_fn(m(x), t), o))
         loss_err = max(loss_err, abs(values[0] - values[1]) / abs(values[1]))
     out = {"loss_err": loss_err, "param_err": _param_err(pm, ref)}
     stale = []
@@ -207,13 +211,7 @@ def two_forwards_one_backward(cons: dict, opt: str) -> dict:
     loss_err = 0.0
     for step in range(STEPS // 2):
         (x1, t1), (x2, t2) = batches[2 * step], batches[2 * step + 1]
-        values = []
-        for m, o in runs:
-            loss = loss_fn(m(x1), t1) + loss_fn(m(x2), t2)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            values.append(float(loss.detach()))
+        values = [_step(loss_fn(m(x1), t1) + loss_fn(m(x2), t2), o) for m, o in runs]
         loss_err = max(loss_err, abs(values[0] - values[1]) / abs(values[1]))
     out = {"loss_err": loss_err, "param_err": _param_err(pm, ref)}
     pm.close()

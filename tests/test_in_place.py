@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
+from helpers import error_of
 
 TOL = 1e-5
 STEPS = 3
@@ -151,7 +152,7 @@ def in_place_worker() -> dict:
         with torch.no_grad():
             logits = model(x)  # the compiled program
             r["export_err"] = relative_error(plain(x), logits)
-        r["twice"] = _error(lambda: autopar.compile(model, autopar.Cluster.local()))
+        r["twice"] = error_of(lambda: autopar.compile(model, autopar.Cluster.local()))
         out[label] = r
         pm.close()
         del pm, model, plain, run
@@ -207,14 +208,6 @@ def _pipelined(build_case, relative_error, GPT) -> dict:
     r["keys_after_generate"] = sorted(model.state_dict()) == r["keys"]
     pm.close()
     return r
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
+from helpers import error_of
 
 TOL = 1e-5
 LAYOUTS = [{"tp": 2}, {"dp": 2}]
@@ -30,14 +31,6 @@ LAYOUTS = [{"tp": 2}, {"dp": 2}]
 def _rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / max(float(b.norm()), 1e-12))
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _mlp():
@@ -72,7 +65,7 @@ def moves_worker() -> dict:
         r["noop_same_storage"] = _storage(model) == held
         with torch.no_grad():
             r["noop_out_err"] = _rel(model(x), before)
-        r["refused"] = {name: _error(move) for name, move in (
+        r["refused"] = {name: error_of(move) for name, move in (
             ("half", lambda: model.half()), ("bfloat16", lambda: model.bfloat16()), ("double", lambda: model.double()),
             ("to_f16", lambda: model.to(torch.float16)), ("cuda", lambda: model.cuda()),
             ("meta", lambda: model.to("meta")), ("to_empty", lambda: model.to_empty(device="cpu")),
@@ -86,7 +79,7 @@ def moves_worker() -> dict:
     model = _mlp()
     pm = autopar.compile(model, autopar.Cluster.local(), constraints=autopar.Constraints(tp=2))
     r = {"unplanned_noop": model.to("cpu") is model and model.float() is model,
-         "unplanned_half": _error(lambda: model.half())}
+         "unplanned_half": error_of(lambda: model.half())}
     with torch.no_grad():
         r["unplanned_then_runs_err"] = _rel(model(x), _mlp()(x))
     out["unplanned"] = r
