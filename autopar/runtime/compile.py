@@ -25,7 +25,7 @@ from autopar.plan import Plan
 from autopar.runtime.launch import device_mesh, init_distributed
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.monitor import Monitoring, StepMonitor
-from autopar.runtime.input_check_methods import missing_target
+from autopar.runtime.batch_checks import missing_target
 from autopar.runtime.in_place import is_sharded_in_place, plain_state, shard_in_place
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.runtime.shard_init import check_init_arg

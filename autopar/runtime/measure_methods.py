@@ -73,7 +73,7 @@ class MeasureMethods:
             raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
         self._ensure_planned(inputs, target)
         with collective_failures("train_step", self.collective_log):  # outside the measurement: the check is not the step's
-            self._check_batch("train_step", inputs, target, self.step, self._train)
+            self._checks.check("train_step", inputs, target, self._train, self.step)
         cuda = self._device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

@@ -59,11 +59,11 @@ class NativeLoopMethods:
         kind = "forward" if self.training else "forward-eval"
         prog = self._program_for(kind, inputs, None)
         with collective_failures("forward", self.collective_log):
-            self._check_batch("forward", inputs, None, self._calls["forward"], prog)
+            self._checks.check("forward", inputs, None, prog)
             self._sync_zero_params()
             with active_mesh(self.comm):
                 out = self._run(self._args(inputs, None, prog, where="forward"), prog.program)
-        self._calls["forward"] += 1
+        self._checks.counted("forward")
         leaves = list(out) if isinstance(out, (list, tuple)) else [out]
         if torch.is_grad_enabled():
             needs = [(t, rows) for t, rows in zip(leaves, prog.rows_mask) if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InputMismatchError
 from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
 from autopar.layouts import Replicate, Shard
 from autopar.runtime.collectives import active_mesh, shard_tensor
@@ -57,8 +57,8 @@ from autopar.runtime.copyable_state import copyable_state_dict_hook
 from autopar.runtime.grad_sync import GradSync, backward_order
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree, tied_keys
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
-from autopar.runtime.input_check_methods import InputCheckMethods
-from autopar.runtime.loss_value_methods import LossValueMethods
+from autopar.runtime.batch_checks import BatchChecker, missing_target
+from autopar.runtime.loss_value import LossValue
 from autopar.runtime.input_checks import (
     CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, refuse_uneven_inputs,
 )
@@ -74,7 +74,7 @@ from autopar.trace import TensorMeta
 __all__ = ["ParallelModel", "StepMeasurement", "CHECK_INPUTS_MODES", "FIRST_CHECKED_STEPS"]
 
 
-class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, MeasureMethods, NativeLoopMethods,
+class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
                     torch.nn.Module):
     """A model compiled for this rank. Build it with ``autopar.compile``.
 
@@ -92,7 +92,6 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._fused = builder.optimizer is not None
         self._local = builder.local  # each rank passes its own shard of the batch
         self._model_class = type(model).__name__
-        self._calls = {"eval_step": 0, "forward": 0}  # train_step counts in ``step``
         self.collective_log = CollectiveLog()  # what this model's collectives serve; the last one (errors name it)
         self.plan = None
         self.step = 0
@@ -169,6 +168,8 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             for g in program.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes if n.op == "call_function")
         self._grad_sync = GradSync(self.store, deferred, self.comm,
                                    self._policy.torch_reduce_dtype if self._policy.mixed else None)
+        self._loss = LossValue(comm=self.comm, grad_sync=self._grad_sync, plan=plan, device=self._device, local=self._local,
+                               train_layout=prog.loss_layout if self._fused else None)
         if self._fused:
             self.optimizer = b.optimizer(self.store.optimizer_params())
             self.lr_scheduler = b.lr_scheduler(self.optimizer) if b.lr_scheduler is not None else None
@@ -184,12 +185,14 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if traced.stacked:  # experts the trace merged: the stacked DTensors take the per-expert ones' place
             register_stacked(self, self._tensors, self._param_of_key, self._state, traced.stacked)
         self._programs[kind] = prog
+        self._checks = BatchChecker(mode=self._check_mode, local=self._local, device=self._device, comm=self.comm,
+                                    plan=plan, data_split=self._data_split())
         self._pipeline = None
         if pipelined:
             self._pipeline = PipelineRunner(
                 plan=plan, traced=traced, program=program, pp_rank=self._stage, pp_group=self._pp_group, store=self.store,
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
-                loss_scale=self._loss_grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
+                loss_scale=self._loss.grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
                 stage_ranks=stage_ranks)
         self._note_zero_versions()
         b.attached(self)  # the user's module follows this tree; the original full tensors are released
@@ -222,6 +225,12 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if self.plan is None:
             raise AutoparError(f"{what} needs the plan, which is made at the first call (pm(*inputs) or train_step); "
                                "call the model once, or compile with example_inputs= to plan ahead")
+
+    def _require_target(self, where: str, inputs: tuple, target: Any) -> None:
+        """Before anything is traced for a step with the compiled ``loss_fn``: its target is given
+        (by keyword). Raised alike on every rank where every rank calls alike."""
+        if target is None and self._builder.loss_fn is not None:
+            raise InputMismatchError(missing_target(where, len(inputs), self._builder.model))
 
     def _ensure_planned(self, inputs: tuple, target: Any) -> None:
         """Plan from this call's batch if no plan exists yet (``autopar.compile`` without examples)."""
@@ -373,7 +382,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 "loss.backward(); opt.step() with opt = torch.optim.AdamW(pm.parameters(), ...)")
         self._ensure_planned(inputs, target)
         with collective_failures("train_step", self.collective_log):
-            self._check_batch("train_step", inputs, target, self.step, self._train)
+            self._checks.check("train_step", inputs, target, self._train, self.step)
         return self._checked_train_step(inputs, target)
 
     def _checked_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
@@ -411,7 +420,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             return self._pipelined_train_step(inputs, target)
         micro = self._microbatches(inputs, target)
         m = len(micro)
-        weights = self._microbatch_weights(micro, self._train)
+        weights = self._loss.microbatch_weights(micro, self._train)
         values, pending, riding = [], [], False
         with active_mesh(self.comm):
             for i, (x, t) in enumerate(micro):
@@ -421,16 +430,16 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                     if isinstance(loss, (tuple, list)):
                         loss = loss[0]
                     values.append(loss.detach().reshape(1).float() * weights[i])
-                    if i == m - 1:  # the step's values, summed here, reduced once (loss_value_methods)
-                        value, pending, riding = self._reduce_loss_riding(torch.cat(values).sum().reshape(1))
+                    if i == m - 1:  # the step's values, summed here, reduced once (runtime.loss_value)
+                        value, pending, riding = self._loss.reduce_riding(torch.cat(values).sum().reshape(1))
                 with self._phase("backward"):
-                    (loss * (self._loss_grad_scale() * weights[i])).backward()
+                    (loss * (self._loss.grad_scale() * weights[i])).backward()
                 del loss
             carried = []
             self._sync_and_step(lambda: carried.append(self._grad_sync.carried()) if riding else None)
             for w in pending:
                 w.wait()
-            return self._finish_loss(carried[0] if riding else value)
+            return self._loss.finish(carried[0] if riding else value)
 
     def _sync_and_step(self, before_step=None) -> None:
         """After the step's last backward: finish the gradient reductions (then ``before_step``),
@@ -459,14 +468,14 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                                  uses=self._pipeline.local_uses)
             with self._phase("forward"):
                 # the last stage's losses, each times its weight; empty on the other ranks
-                losses = self._pipeline.step(feed, self._microbatch_weights(self._microbatches(inputs, target), self._train))
+                losses = self._pipeline.step(feed, self._loss.microbatch_weights(self._microbatches(inputs, target), self._train))
             self._sync_and_step(self._pipeline.sum_tied_grads)
             # the last stage's microbatch values, summed here and reduced once
             local = torch.cat([v.detach().reshape(1).float() for v in losses]).sum().reshape(1) if losses else None
-            value, works = self._reduce_loss_async(local) if local is not None else (None, [])
+            value, works = self._loss.reduce_async(local) if local is not None else (None, [])
             for w in works:
                 w.wait()
-            total = self._pipeline.broadcast_loss(self._finish_loss(value) if losses else torch.zeros(1))
+            total = self._pipeline.broadcast_loss(self._loss.finish(value) if losses else torch.zeros(1))
         return total.reshape(())
 
     @torch.no_grad()
@@ -482,24 +491,24 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._ensure_planned(inputs, target)
         prog = self._program_for("step-eval", inputs, target)
         with collective_failures("eval_step", self.collective_log):
-            self._check_batch("eval_step", inputs, target, self._calls["eval_step"], prog)
+            self._checks.check("eval_step", inputs, target, prog)
             total = self._eval_step(inputs, target, prog)
-        self._calls["eval_step"] += 1
+        self._checks.counted("eval_step")
         return total
 
     def _eval_step(self, inputs: tuple, target: Any, prog: "RankProgram") -> float:
         micro = self._microbatches(inputs, target)
-        weights = self._microbatch_weights(micro, prog)
+        weights = self._loss.microbatch_weights(micro, prog)
         total = 0.0
         with active_mesh(self.comm):
             for (x, t), weight in zip(micro, weights):
                 loss = self._run(self._args(x, t, prog), prog.program)
                 if isinstance(loss, (tuple, list)):
                     loss = loss[0]
-                value, pending = self._reduce_loss_async(loss, prog.loss_layout)
+                value, pending = self._loss.reduce_async(loss, prog.loss_layout)
                 for w in pending:
                     w.wait()
-                total += float(self._finish_loss(value, prog.loss_layout)) * float(weight)
+                total += float(self._loss.finish(value, prog.loss_layout)) * float(weight)
         return total
 
 
