@@ -109,7 +109,7 @@ class BatchChecker:
         ``step``: the call's number (default: the count of ``where``'s calls)."""
         step = self.calls[where] if step is None else step
         if self.local:
-            ex, rows = self.local_example(prog)
+            ex, rows = self._local_example(prog)
         else:
             ex, rows = prog.example, None
         problem = self._batch_problem(where, inputs, target, ex, rows)
