@@ -16,7 +16,7 @@ from autopar.resharding import reshard_steps_for
 from autopar.runtime.checkpoint import Resumed
 from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
-from autopar.runtime.collectives import active_mesh, apply_steps
+from autopar.runtime.collectives import apply_steps
 from autopar.stack_experts import unstack_entries
 
 __all__ = ["CheckpointMethods"]
@@ -109,9 +109,7 @@ class CheckpointMethods:
 
     def _after_state_load(self) -> None:
         """Parameters were overwritten in place (their shards): ZeRO-1/2 gathers them whole again."""
-        with active_mesh(self.comm):
-            self.store.gather_zero_params()
-        self._note_zero_versions()
+        self._zero.gather()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``torch.nn.Module.load_state_dict`` taking DTensors (``pm.state_dict()``, as

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from autopar.errors import AutoparError, InputMismatchError
 from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
@@ -64,7 +65,7 @@ from autopar.runtime.input_checks import (
 )
 from autopar.runtime.measure_methods import MeasureMethods, StepMeasurement
 from autopar.memory_tracker import MemoryTracker
-from autopar.runtime.native_loop_methods import NativeLoopMethods
+from autopar.runtime.native_loop import BackwardPass, OptimizerWatch, ZeroRegather
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.shard_init import initialise_deferred
 from autopar.runtime.prefetch import drain_gradient_reductions
@@ -74,8 +75,7 @@ from autopar.trace import TensorMeta
 __all__ = ["ParallelModel", "StepMeasurement", "CHECK_INPUTS_MODES", "FIRST_CHECKED_STEPS"]
 
 
-class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
-                    torch.nn.Module):
+class ParallelModel(CheckpointMethods, MeasureMethods, torch.nn.Module):
     """A model compiled for this rank. Build it with ``autopar.compile``.
 
     Two ways to train it: ``train_step`` (compiled with ``optimizer=``: the loss inside the plan,
@@ -101,12 +101,7 @@ class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
         self._state: StateView | None = None
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
-        self._zero_versions: dict[str, int] = {}
-        self._zero12_of, self._zero12 = None, False  # (store, whether any rank holds ZeRO-1/2 slots)
-        self._backward_mesh = False  # the native loop's backward pass entered the plan's mesh
-        self._backward_running = False  # a native-loop backward pass through this model has started
-        self._optimizer_watch = None  # the native loop's check of the user's optimizers (a torch hook)
-        self._checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        self._watch = OptimizerWatch(originals=builder.original_params, model_class=self._model_class)
         self._tracker: MemoryTracker | None = None  # set by measure_step
         self._checkpointer = Checkpointer(self)
         self._checkpointing: Checkpointing | None = None  # compile(checkpoint=...): train_step saves
@@ -194,7 +189,9 @@ class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
                 loss_scale=self._loss.grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
                 stage_ranks=stage_ranks)
-        self._note_zero_versions()
+        self._backward = BackwardPass(store=self.store, grad_sync=self._grad_sync, state=self._state, comm=self.comm,
+                                      collective_log=self.collective_log, watch=self._watch)
+        self._zero = ZeroRegather(store=self.store, state=self._state, comm=self.comm)
         b.attached(self)  # the user's module follows this tree; the original full tensors are released
         if self._resume_from is not None:
             folder, self._resume_from = self._resume_from, None
@@ -290,9 +287,9 @@ class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
     def close(self) -> None:
         """Remove hooks and release process-group references (then destroy_process_group is safe).
         Models still open at interpreter exit are closed then (``_close_all``)."""
-        parts = [self._stop_watching_optimizers]
+        parts = [self._watch.close]
         if self.plan is not None:
-            parts += [self._leave_backward_mesh, self._grad_sync.close, self.comm.close]
+            parts += [self._backward.leave_mesh, self._grad_sync.close, self.comm.close]
             if self._pipeline is not None:
                 parts.append(self._pipeline.close)
         parts.append(self._checkpointer.close)  # the save in flight completes (or its failure is raised)
@@ -453,7 +450,7 @@ class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
         with self._phase("optimizer"):
             self.optimizer.step()
             self.store.gather_zero_params()
-            self._note_zero_versions()
+            self._zero.note()
         self.store.zero_grads()
 
     def _pipelined_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
@@ -477,6 +474,42 @@ class ParallelModel(CheckpointMethods, MeasureMethods, NativeLoopMethods,
                 w.wait()
             total = self._pipeline.broadcast_loss(self._loss.finish(value) if losses else torch.zeros(1))
         return total.reshape(())
+
+    def forward(self, *args, **kwargs):
+        """The sharded forward: returns what the model returns, each tensor whole on every rank (as
+        one device would hold it), ready for the user's loss; ``loss.backward()`` then runs the
+        plan's backward and gradient sync and sets every parameter's ``.grad`` (a DTensor;
+        ``runtime.native_loop``).
+
+        Every rank calls it with the same global batch; in ``eval()`` mode it runs the model's
+        evaluation graph (planned at its first use), under ``torch.no_grad()`` without autograd."""
+        inputs = self._builder.bind(args, kwargs)
+        if self._fused and self.training and torch.is_grad_enabled():
+            raise AutoparError(
+                "this model was compiled with optimizer= for train_step (the loss inside the plan): train it with "
+                "pm.train_step(...); pm(x) serves evaluation here (pm.eval() or torch.no_grad()). For your own training "
+                "loop, compile without optimizer= and build the optimizer over pm.parameters()")
+        self._ensure_planned(inputs, None)
+        self._backward.leave_mesh()  # a backward pass that failed midway never left it
+        kind = "forward" if self.training else "forward-eval"
+        prog = self._program_for(kind, inputs, None)
+        with collective_failures("forward", self.collective_log):
+            self._checks.check("forward", inputs, None, prog)
+            self._zero.sync()
+            with active_mesh(self.comm):
+                out = self._run(self._args(inputs, None, prog, where="forward"), prog.program)
+        self._checks.counted("forward")
+        leaves = list(out) if isinstance(out, (list, tuple)) else [out]
+        if torch.is_grad_enabled():
+            needs = [(t, rows) for t, rows in zip(leaves, prog.rows_mask) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self._local:
+                self._backward.average_local_losses(needs)
+            self._backward.arm([t for t, _ in needs])
+        return pytree.tree_unflatten(leaves, prog.traced.out_spec) if prog.traced.out_spec is not None else out
+
+    def _sync_zero_params(self) -> None:
+        """ZeRO-1/2 parameters the user's optimizer updated, gathered whole (``ZeroRegather.sync``)."""
+        self._zero.sync()
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:
