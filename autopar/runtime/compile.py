@@ -201,7 +201,7 @@ def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
 
     if not isinstance(cfg, Checkpointing):
         raise AutoparError(f"checkpoint= takes autopar.Checkpointing(root, every=...), got a {type(cfg).__name__}")
-    pm._checkpointing = cfg
+    pm._checkpointer.config = cfg
     check_writable(cfg.root, "checkpoint root", every_rank_writes=True, error=CheckpointError)  # before any work
     step = pm._checkpointer.latest(cfg.root)
     if step is None:
@@ -210,7 +210,7 @@ def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
     if not cfg.resume:
         raise AutoparError(f"{cfg.root} already holds checkpoints of a run (newest: {folder}); resume from it "
                            "(Checkpointing(resume=True)) or save into an empty root")
-    pm._resume_from = str(folder)
+    pm._checkpointer.resume_from = str(folder)
     # the step, RNG and tracked states now (the batches drawn before the first step depend on
     # them); parameters and optimizer when the plan exists
     pm._checkpointer.restore_early(folder)

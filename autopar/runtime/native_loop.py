@@ -107,7 +107,7 @@ class BackwardPass:
             t.register_hook(start)
 
     def begin(self) -> None:
-        self.store.own_grads()  # a .grad the user replaced is a buffer's view again
+        self.store.grads.own()  # a .grad the user replaced is a buffer's view again
         cleared = set(self.state.user_grads_cleared())
         trainable = [ph for ph, s in self.store.slots.items() if s.trainable]
         sync = self.grad_sync
@@ -117,10 +117,10 @@ class BackwardPass:
             taken = sync.start_empty()
             for ph in trainable:
                 if ph not in taken:
-                    self.store.zero_grad_of(ph)
+                    self.store.grads.zero_of(ph)
         else:
             for ph in cleared:
-                self.store.zero_grad_of(ph)
+                self.store.grads.zero_of(ph)
             sync.prepare_accumulation()
             sync.arm(last_microbatch=True)
         # recomputed blocks and the expert exchanges' backward communicate over the plan's mesh
