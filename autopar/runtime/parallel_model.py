@@ -54,8 +54,8 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import AutoparError, InputMismatchError
 from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
-from autopar.layouts import Replicate, Shard
-from autopar.runtime.collectives import active_mesh, shard_tensor
+from autopar.layouts import Shard
+from autopar.runtime.collectives import active_mesh
 from autopar.runtime.checkpoint import Checkpointer, Resumed
 from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
@@ -74,8 +74,8 @@ from autopar.memory_tracker import MemoryReport
 from autopar.runtime.native_loop import BackwardPass, OptimizerWatch, ZeroRegather
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.shard_init import initialise_deferred
+from autopar.runtime.steps import StepRunner
 from autopar.runtime.state_dicts import full_optimizer_state_dict, full_state_dict, shards_of_full
-from autopar.runtime.prefetch import drain_gradient_reductions
 from autopar.runtime.rank_program import RankProgram
 from autopar.trace import TensorMeta
 
@@ -195,6 +195,9 @@ class ParallelModel(torch.nn.Module):
         self._backward = BackwardPass(store=self.store, grad_sync=self._grad_sync, state=self._state, comm=self.comm,
                                       collective_log=self.collective_log, watch=self._watch)
         self._zero = ZeroRegather(store=self.store, state=self._state, comm=self.comm)
+        self._steps = StepRunner(plan=plan, store=self.store, grad_sync=self._grad_sync, loss=self._loss, measure=self._measure,
+                                 zero=self._zero, comm=self.comm, optimizer=self.optimizer, pipeline=self._pipeline,
+                                 device=self._device, local=self._local, train=prog if self._fused else None, run=self._run)
         b.attached(self)  # the user's module follows this tree; the original full tensors are released
         if self._checkpointer.resume_from is not None:
             folder, self._checkpointer.resume_from = self._checkpointer.resume_from, None
@@ -423,33 +426,6 @@ class ParallelModel(torch.nn.Module):
         return full_state_dict(self)
 
     # ------------------------------------------------------------------ steps
-    def _args(self, inputs: tuple, target: Any, prog: "RankProgram | None" = None, where: str = "train_step") -> list:
-        prog = prog or self._train
-        names = prog.traced.input_names
-        if len(inputs) != len(names):
-            raise AutoparError(f"{where} got {len(inputs)} inputs; the model was compiled with {len(names)}")
-        feed = dict(zip(names, inputs))
-        if prog.traced.target_name is not None:
-            if target is None:
-                raise AutoparError("train_step needs target= (the loss_fn's second argument)")
-            feed[prog.traced.target_name] = target
-        args = []
-        slots, buffers = self.store.slots, self.store.buffers
-        for ph in prog.placeholders:
-            if ph in slots:
-                args.append(slots[ph].local)
-            elif ph in buffers:
-                args.append(buffers[ph])
-            else:
-                x = feed[ph]
-                if isinstance(x, torch.Tensor):
-                    layout = prog.input_layouts[ph]
-                    if self._local and layout[0] == Shard(0):  # it arrives as this rank's rows on "dp"
-                        layout = (Replicate(),) + tuple(layout[1:])
-                    x = shard_tensor(x.to(self._device), layout, self.comm)
-                args.append(x)
-        return args
-
     def _run(self, args, program: fx.GraphModule | None = None):
         from autopar.runtime.param_regather import regather_saved_params
 
@@ -463,15 +439,6 @@ class ParallelModel(torch.nn.Module):
                     return program(*args)
             return program(*args)
 
-
-    def _microbatches(self, inputs: tuple, target: Any) -> list[tuple[tuple, Any]]:
-        m = self.plan.microbatches
-        if m == 1:
-            return [(inputs, target)]
-        split = lambda t: t.chunk(m, dim=0) if isinstance(t, torch.Tensor) else [t] * m  # noqa: E731
-        parts = [split(x) for x in inputs]
-        targets = split(target) if target is not None else [None] * m
-        return [(tuple(p[i] for p in parts), targets[i]) for i in range(m)]
 
     def train_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> torch.Tensor:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
@@ -511,7 +478,7 @@ class ParallelModel(torch.nn.Module):
                    and self._monitor.tracks_memory(self.step + 1))
         t0 = time.perf_counter()
         with collective_failures("train_step", self.collective_log), self._measure.tracked() if tracked else contextlib.nullcontext() as tracker:
-            total = self._train_step(inputs, target)
+            total = self._steps.train(inputs, target)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
@@ -528,70 +495,6 @@ class ParallelModel(torch.nn.Module):
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)
         return total
-
-    def _train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
-        self.store.grads.own()  # pm.optimizer.zero_grad() set .grad to None: the buffers' views again
-        if self._pipeline is not None:
-            return self._pipelined_train_step(inputs, target)
-        micro = self._microbatches(inputs, target)
-        m = len(micro)
-        weights = self._loss.microbatch_weights(micro, self._train)
-        values, pending, riding = [], [], False
-        with active_mesh(self.comm):
-            for i, (x, t) in enumerate(micro):
-                self._grad_sync.arm(last_microbatch=i == m - 1)
-                with self._measure.phase("forward"):
-                    loss = self._run(self._args(x, t))
-                    if isinstance(loss, (tuple, list)):
-                        loss = loss[0]
-                    values.append(loss.detach().reshape(1).float() * weights[i])
-                    if i == m - 1:  # the step's values, summed here, reduced once (runtime.loss_value)
-                        value, pending, riding = self._loss.reduce_riding(torch.cat(values).sum().reshape(1))
-                with self._measure.phase("backward"):
-                    (loss * (self._loss.grad_scale() * weights[i])).backward()
-                del loss
-            carried = []
-            self._sync_and_step(lambda: carried.append(self._grad_sync.carried()) if riding else None)
-            for w in pending:
-                w.wait()
-            return self._loss.finish(carried[0] if riding else value)
-
-    def _sync_and_step(self, before_step=None) -> None:
-        """After the step's last backward: finish the gradient reductions (then ``before_step``),
-        step the optimizer, gather ZeRO-1/2 shards back into whole parameters, zero the gradient
-        buffers."""
-        with self._measure.phase("backward"):
-            self._grad_sync.finish()
-            drain_gradient_reductions(self.comm)
-            if before_step is not None:
-                before_step()
-        with self._measure.phase("optimizer"):
-            self.optimizer.step()
-            self.store.gather_zero_params()
-            self._zero.note()
-        self.store.grads.zero()
-
-    def _pipelined_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
-        """``train_step`` of a pipeline plan: the schedule runs every microbatch's forward and backward
-        (``runtime.pipeline``), then gradient sync over the stage's submesh and the optimizer step."""
-        feed = dict(zip(self._train.traced.input_names, inputs))
-        if self._train.traced.target_name is not None:
-            feed[self._train.traced.target_name] = target
-        with active_mesh(self.comm):
-            # a bucket is reduced once its gradients hold every microbatch (the rest after the schedule)
-            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches,
-                                 uses=self._pipeline.local_uses)
-            with self._measure.phase("forward"):
-                # the last stage's losses, each times its weight; empty on the other ranks
-                losses = self._pipeline.step(feed, self._loss.microbatch_weights(self._microbatches(inputs, target), self._train))
-            self._sync_and_step(self._pipeline.sum_tied_grads)
-            # the last stage's microbatch values, summed here and reduced once
-            local = torch.cat([v.detach().reshape(1).float() for v in losses]).sum().reshape(1) if losses else None
-            value, works = self._loss.reduce_async(local) if local is not None else (None, [])
-            for w in works:
-                w.wait()
-            total = self._pipeline.broadcast_loss(self._loss.finish(value) if losses else torch.zeros(1))
-        return total.reshape(())
 
     def forward(self, *args, **kwargs):
         """The sharded forward: returns what the model returns, each tensor whole on every rank (as
@@ -615,7 +518,7 @@ class ParallelModel(torch.nn.Module):
             self._checks.check("forward", inputs, None, prog)
             self._zero.sync()
             with active_mesh(self.comm):
-                out = self._run(self._args(inputs, None, prog, where="forward"), prog.program)
+                out = self._run(self._steps.args(inputs, None, prog, where="forward"), prog.program)
         self._checks.counted("forward")
         leaves = list(out) if isinstance(out, (list, tuple)) else [out]
         if torch.is_grad_enabled():
@@ -661,25 +564,9 @@ class ParallelModel(torch.nn.Module):
         prog = self._program_for("step-eval", inputs, target)
         with collective_failures("eval_step", self.collective_log):
             self._checks.check("eval_step", inputs, target, prog)
-            total = self._eval_step(inputs, target, prog)
+            total = self._steps.evaluate(inputs, target, prog)
         self._checks.counted("eval_step")
         return total
-
-    def _eval_step(self, inputs: tuple, target: Any, prog: "RankProgram") -> float:
-        micro = self._microbatches(inputs, target)
-        weights = self._loss.microbatch_weights(micro, prog)
-        total = 0.0
-        with active_mesh(self.comm):
-            for (x, t), weight in zip(micro, weights):
-                loss = self._run(self._args(x, t, prog), prog.program)
-                if isinstance(loss, (tuple, list)):
-                    loss = loss[0]
-                value, pending = self._loss.reduce_async(loss, prog.loss_layout)
-                for w in pending:
-                    w.wait()
-                total += float(self._loss.finish(value, prog.loss_layout)) * float(weight)
-        return total
-
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()
 
