@@ -550,7 +550,7 @@ def test_warnings_silenced_by_two_planner_threads_come_back():
 
 def test_pending_loss_value_is_priced_overlapped_with_backward():
     """A data-parallel loss is left pending (``P(avg)``) and its value all-reduced by the runtime
-    asynchronously while backward runs (``ParallelModel._reduce_loss_async``): the planner prices
+    asynchronously while backward runs (``LossValue.reduce_async``): the planner prices
     it in the backward window, not as a collective the step waits for."""
     from examples.mlp import MLP, example_batch, mlp_loss
 

@@ -292,7 +292,7 @@ def rank_element_costs(ctx: CostContext, rank_numel: float | None = None) -> tup
 
 def gradient_buffer_time(meta: TensorMeta, strategy: Strategy, ctx: CostContext, microbatches: int = 1) -> float:
     """Seconds per step of a parameter's gradient buffer besides the GEMMs that produce its
-    gradient: zeroed once per step (``runtime.param_store``'s ``zero_grads``), and each
+    gradient: zeroed once per step (``runtime.grad_buffers``' ``GradBuffers.zero``), and each
     microbatch's gradient added into it in place (autograd accumulates into a ``.grad`` that
     exists; a ZeRO-2 shard takes each reduce-scattered gradient the same way), over what the
     rank holds of it. Per element, the device's calibrated ``grad_buffer_element_s``, else

@@ -176,7 +176,7 @@ def _edge_table(U: NodeVar, idx: int, V: NodeVar | None, i: int, count: int, ctx
     ``loss_value``: the edge hands the program's only output, the loss, back: a scalar still
     pending a sum or mean is reduced by the runtime once per step (the microbatches' values
     summed), with the last gradient bucket or asynchronously while the last backward runs
-    (``runtime.loss_value_methods``): overlapped, in the backward window.
+    (``runtime.loss_value``): overlapped, in the backward window.
     ``lead``: the edge moves a batch-only value, started as soon as the batch arrives
     (``early_leads``): that share of its collectives' time is in the forward window, the rest
     blocks."""

@@ -81,7 +81,7 @@ def local_counts_reduction(problem) -> tuple[int, float] | None:
     """(the 'dp' axis, bytes) of the all-reduce that sums the microbatches' target counts over the
     data-parallel ranks, or None where the runtime runs none: with local batches (each rank reads
     its own rows) and microbatches, a token-mean loss weighs each microbatch by its share of the
-    count (``LossValueMethods._microbatch_weights``), and each rank counts only its own rows."""
+    count (``LossValue.microbatch_weights``), and each rank counts only its own rows."""
     from autopar.ir import is_local_batch
     from autopar.loss_rewrite import token_count_program
     from autopar.planner.meshes import axis_names

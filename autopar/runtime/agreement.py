@@ -24,7 +24,7 @@ The runtime's agreed branches (audited; keep this list current):
 * ``checkpoint`` save/load failures that can happen on one rank (preparing tensors, writing or
   reading files, a full disk): gathered, so that every rank raises; rank 0's manifest and rename
   (the end of every save, so no rank runs ahead of a late rename): rank 0 decides;
-* ``native_loop_methods``: whether a ZeRO-1/2 parameter was updated by the user's optimizer (its
+* ``native_loop``: whether a ZeRO-1/2 parameter was updated by the user's optimizer (its
   version counter moved) before re-gathering: ``any_rank``;
 * ``compile``: the plan (made on rank 0), the shapes of the first batch, the software versions;
 * writability of the folders at start (``runtime.writable``): the checkpoint root on every rank,
@@ -35,7 +35,7 @@ The runtime's agreed branches (audited; keep this list current):
   uninitialised on one rank: gathered, so that every rank raises;
 * ``in_place``: whether a ``model(x)`` batch under ``no_grad`` has the compiled shapes (the program)
   or not (the model's own forward, eagerly): ``every_rank`` (skipped with ``check_inputs="never"``);
-* ``input_check_methods``: a batch one rank refuses, or rows that differ within a data shard (local
+* ``batch_checks``: a batch one rank refuses, or rows that differ within a data shard (local
   batches too): the ranks' checks are all-gathered on the checked steps, so every rank raises.
 * ``weights``: what a weights folder holds (DCP or files: ``dcp.load`` is a collective): rank 0
   decides; a source that does not read or weights that do not fit: gathered, every rank raises;

@@ -104,10 +104,19 @@ def describe_mesh(plan) -> str:
 
 
 class Checkpointer:
-    """One ParallelModel's saves and loads (see the module docstring)."""
+    """One ParallelModel's saves and loads (see the module docstring), a part of it: it owns the
+    checkpointing config, the tracked objects, the loaded state still waiting for its object, and
+    the save in flight. ``pm`` is read for what a checkpoint holds (the step, the plan, the state
+    view, the optimizer); ``pm.step`` and ``pm.resumed`` are written back."""
 
     def __init__(self, pm):
         self.pm = pm
+        self.config: Checkpointing | None = None  # compile(checkpoint=...): train_step saves, every ``config.every``
+        self.resume_from: str | None = None  # compile's resume: a checkpoint folder to load once the plan exists
+        self.tracked: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict()
+        self.pending_tracked: dict[str, Any] = {}  # loaded states of objects not tracked yet
+        self.native_optimizer = None  # track(name, optimizer): the torch-native loop's optimizer
+        self.pending_optimizer: str | None = None  # a loaded checkpoint's folder whose optimizer state awaits track()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._group = None  # the background saves' process group, made at the first save
@@ -139,14 +148,14 @@ class Checkpointer:
         scalars, prepared = {}, None
         try:
             tensors = model_entries(pm._state)
-            optimizer = _optimizer_of(pm)
+            optimizer = self.optimizer()
             if optimizer is not None:
                 opt_tensors, scalars = optimizer_entries(pm, optimizer, cache=self._wrapped)
                 tensors.update(opt_tensors)
             extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_states(pm._device),
                       "param_groups": param_groups_of(optimizer) if optimizer is not None else [],
                       "lr_scheduler": pm.lr_scheduler.state_dict() if pm.lr_scheduler is not None else None,
-                      "tracked": {name: obj.state_dict() for name, obj in pm._tracked.items()}}
+                      "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()}}
             prepared = check_weights_only(extras, "the step's extras (tracked states, RNG)")
             check_weights_only(scalars, "the optimizer's non-tensor state")
             failure = None
@@ -331,7 +340,7 @@ class Checkpointer:
         _check_same_model(manifest, model_identity(pm._traced), pm._model_class, folder)
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         target = model_entries(pm._state)
-        optimizer = _optimizer_of(pm)
+        optimizer = self.optimizer()
         if optimizer is not None:
             target.update(self._optimizer_target(optimizer, saved_keys))
         # else: the optimizer state waits for track(name, optimizer) (the native loop builds it later)
@@ -343,7 +352,7 @@ class Checkpointer:
             raise CheckpointError(problems[0])
         dcp.load(target, storage_reader=SafeReader(str(folder)))
         pm._after_state_load()
-        pm._pending_optimizer = None if optimizer is not None or not optimizer_state_fqns(saved_keys) else str(folder)
+        self.pending_optimizer = None if optimizer is not None or not optimizer_state_fqns(saved_keys) else str(folder)
         extras = self._read_extras(folder, manifest, verified=True)
         if self._early != folder:  # not restored at compile
             self._restore_run_state(extras, pm._device)
@@ -352,8 +361,8 @@ class Checkpointer:
             self._restore_optimizer_extras(optimizer, extras)
         if pm.lr_scheduler is not None and extras.get("lr_scheduler") is not None:
             pm.lr_scheduler.load_state_dict(extras["lr_scheduler"])
-        for name, obj in pm._tracked.items():
-            pm._restore_tracked(name, obj)
+        for name, obj in self.tracked.items():
+            self.restore_tracked(name, obj)
         resumed = Resumed(manifest.step, str(folder), manifest.world_size, manifest.mesh,
                           tuple(self._changes(manifest)))
         if rank == 0:
@@ -379,7 +388,7 @@ class Checkpointer:
         """The step, the RNG states, and the tracked objects' states (each restored as it is tracked)."""
         self.pm.step = int(extras["step"])
         restore_rng(extras["rng"], device)
-        self.pm._pending_tracked = dict(extras["tracked"])
+        self.pending_tracked = dict(extras["tracked"])
 
     def _read_extras(self, folder: Path, manifest: Manifest, verified: bool = False) -> dict:
         """This rank's extras (rank 0's beyond the saved world) and the shared ones, checked against
@@ -403,15 +412,14 @@ class Checkpointer:
         """The optimizer part of ``load`` for an optimizer tracked after the load (native loop)."""
         import torch.distributed.checkpoint as dcp
 
-        pm = self.pm
         folder = Path(folder)
-        optimizer = _optimizer_of(pm)
+        optimizer = self.optimizer()
         saved_keys = set(SafeReader(str(folder)).read_metadata().state_dict_metadata)
         with torch.no_grad():
             dcp.load(self._optimizer_target(optimizer, saved_keys), storage_reader=SafeReader(str(folder)))
         manifest = decided_by_rank0(lambda: read_manifest(folder))  # verified at the load; its extras again here
         self._restore_optimizer_extras(optimizer, self._read_extras(folder, manifest))
-        pm._pending_optimizer = None
+        self.pending_optimizer = None
 
     def _restore_optimizer_extras(self, optimizer, extras: dict) -> None:
         restore_param_groups(optimizer, extras["param_groups"])
@@ -421,13 +429,17 @@ class Checkpointer:
             if fqn in by_fqn:
                 optimizer.state[by_fqn[fqn]].update(values)
 
+    def optimizer(self):
+        """train_step's optimizer, or the native loop's one given to ``pm.track`` (None: neither)."""
+        return self.pm.optimizer if self.pm.optimizer is not None else self.native_optimizer
+
+    def restore_tracked(self, name: str, obj: Any) -> None:
+        """Load the state a checkpoint holds for ``name`` into ``obj`` (once)."""
+        if name in self.pending_tracked:
+            obj.load_state_dict(self.pending_tracked.pop(name))
+
     def close(self) -> None:
         self.wait()
-
-
-def _optimizer_of(pm):
-    """train_step's optimizer, or the native loop's one given to ``pm.track`` (None: neither)."""
-    return pm.optimizer if pm.optimizer is not None else pm._native_optimizer
 
 
 def _from_rank0(value):

@@ -25,7 +25,7 @@ from autopar.plan import Plan
 from autopar.runtime.launch import device_mesh, init_distributed
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.monitor import Monitoring, StepMonitor
-from autopar.runtime.input_check_methods import missing_target
+from autopar.runtime.batch_checks import missing_target
 from autopar.runtime.in_place import is_sharded_in_place, plain_state, shard_in_place
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.runtime.shard_init import check_init_arg
@@ -201,7 +201,7 @@ def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
 
     if not isinstance(cfg, Checkpointing):
         raise AutoparError(f"checkpoint= takes autopar.Checkpointing(root, every=...), got a {type(cfg).__name__}")
-    pm._checkpointing = cfg
+    pm._checkpointer.config = cfg
     check_writable(cfg.root, "checkpoint root", every_rank_writes=True, error=CheckpointError)  # before any work
     step = pm._checkpointer.latest(cfg.root)
     if step is None:
@@ -210,7 +210,7 @@ def _set_up_checkpointing(pm: ParallelModel, cfg: Checkpointing) -> None:
     if not cfg.resume:
         raise AutoparError(f"{cfg.root} already holds checkpoints of a run (newest: {folder}); resume from it "
                            "(Checkpointing(resume=True)) or save into an empty root")
-    pm._resume_from = str(folder)
+    pm._checkpointer.resume_from = str(folder)
     # the step, RNG and tracked states now (the batches drawn before the first step depend on
     # them); parameters and optimizer when the plan exists
     pm._checkpointer.restore_early(folder)

@@ -74,7 +74,7 @@ def plan_buckets(store: ParamStore, deferred: dict[str, tuple[int, ...]]) -> lis
         if ph not in deferred:
             cur = None
             continue
-        dtype, off, n = store.grad_range(ph)
+        dtype, off, n = store.grads.range_of(ph)
         axes = deferred[ph]
         if (cur is None or cur.dtype != dtype or cur.axes != axes or cur.start + cur.numel != off
                 or bucket_full(cur.numel * s.local.element_size(), len(buckets))):
@@ -94,7 +94,7 @@ class GradSync:
         self.buckets = plan_buckets(store, deferred)
         self._bucket_of = {ph: b for b in self.buckets for ph in b.members}
         # the bucket that ends the float32 buffer, next to its rider element (``carry``)
-        flat = store.flat_grad(torch.float32) if store.rider(torch.float32) is not None else None
+        flat = store.grads.flat(torch.float32) if store.grads.rider(torch.float32) is not None else None
         self._rider_bucket = next((b for b in self.buckets if flat is not None and b.dtype == torch.float32
                                    and b.start + b.numel == flat.numel() - 1), None)
         self._zero2 = {ph: deferred.get(ph, ()) for ph in store.grad_order if store.slots[ph].zero_stage == 2}
@@ -140,7 +140,7 @@ class GradSync:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        view = self.store.flat_grad(b.dtype)[b.span()]
+        view = self.store.grads.flat(b.dtype)[b.span()]
         if self.reduce_dtype is not None and self.reduce_dtype != b.dtype:
             # as FSDP2's reduce_dtype: fewer bytes on the wire; at most WIRE_BUCKETS such copies
             # are alive (earlier ones are finished first)
@@ -155,7 +155,7 @@ class GradSync:
     def _finish_bucket(self, b: _Bucket) -> None:
         if b.work is not None:
             b.work.wait()
-        view = self.store.flat_grad(b.dtype)[b.span()]
+        view = self.store.grads.flat(b.dtype)[b.span()]
         for a in b.axes[1:]:  # further axes reduce after the first (rare: 2-D data parallel)
             with collective_site(self.comm, self._bucket_site(b)):
                 self.comm.all_reduce(b.wire if b.wire is not None else view, a)
@@ -228,7 +228,7 @@ class GradSync:
             self.store.slots[ph].local.grad = None
         self._empty = set(self._views)
         for dtype in {b.dtype for b in self.buckets}:
-            rider = self.store.rider(dtype)
+            rider = self.store.grads.rider(dtype)
             if rider is not None:
                 rider.zero_()
         return set(self._views)
@@ -252,7 +252,7 @@ class GradSync:
         if b.axes != (axis,) or b.work is not None or b.ready == -1:
             return False
         b.rider = 1
-        rider = self.store.rider(torch.float32)
+        rider = self.store.grads.rider(torch.float32)
         rider += value.reshape(1).to(rider.dtype)
         return True
 
@@ -262,7 +262,7 @@ class GradSync:
         if b is None or not b.rider:
             return None
         b.rider = 0
-        rider = self.store.rider(torch.float32)
+        rider = self.store.grads.rider(torch.float32)
         out = rider.clone()
         rider.zero_()
         return out
@@ -299,7 +299,7 @@ class GradSync:
                 continue
             zero1 = [ph for ph in b.members if self.store.slots[ph].zero_stage == 1]
             if not zero1:
-                self.store.flat_grad(b.dtype)[b.start: b.start + b.numel].div_(n)
+                self.store.grads.flat(b.dtype)[b.start: b.start + b.numel].div_(n)
                 continue
             for ph in b.members:
                 s = self.store.slots[ph]

@@ -30,52 +30,59 @@ The torch-native loop (``pm(x)``, ``loss.backward()``, the user's optimizer):
 * ZeRO-1/2 parameters the user's optimizer updated (their DTensor's version counter moved) are
   gathered back into whole parameters before the next forward (and before ``full_state_dict``).
 
-Planning, the programs and the steps are here; the other methods are mixins, one module per job:
-``checkpoint_methods``, ``input_check_methods``, ``measure_methods``, ``native_loop_methods``.
+Planning, the programs and the steps are here. The rest is done by parts, each a small object
+that owns its state (``ARCHITECTURE.md``): ``ParamStore`` (shards), ``GradSync`` (reductions),
+``LossValue`` (``runtime.loss_value``), ``BatchChecker`` (``runtime.batch_checks``),
+``BackwardPass``, ``ZeroRegather`` and ``OptimizerWatch`` (``runtime.native_loop``), ``Measurer``
+(``runtime.measure``), ``Checkpointer`` (``runtime.checkpoint``; the full state dicts:
+``runtime.state_dicts``) and ``StepMonitor`` (``runtime.monitor``). The public methods delegate.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import time
+import warnings
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InputMismatchError
 from autopar.ir import GRAD_SYNC_KEY, gather_param_start, reshard
-from autopar.layouts import Replicate, Shard
-from autopar.runtime.collectives import active_mesh, shard_tensor
-from autopar.runtime.checkpoint import Checkpointer, Checkpointing, Resumed
-from autopar.runtime.checkpoint_methods import CheckpointMethods
+from autopar.layouts import Shard
+from autopar.runtime.collectives import active_mesh
+from autopar.runtime.checkpoint import Checkpointer, Resumed
+from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import CollectiveLog, MeshComm
 from autopar.runtime.copyable_state import copyable_state_dict_hook
 from autopar.runtime.grad_sync import GradSync, backward_order
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree, tied_keys
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
-from autopar.runtime.input_check_methods import InputCheckMethods
-from autopar.runtime.loss_value_methods import LossValueMethods
+from autopar.runtime.batch_checks import BatchChecker, missing_target
+from autopar.runtime.loss_value import LossValue
 from autopar.runtime.input_checks import (
     CHECK_INPUTS_MODES, FIRST_CHECKED_STEPS, Example, check_inputs_mode, refuse_uneven_inputs,
 )
-from autopar.runtime.measure_methods import MeasureMethods, StepMeasurement
-from autopar.memory_tracker import MemoryTracker
-from autopar.runtime.native_loop_methods import NativeLoopMethods
+from autopar.runtime.measure import Measurer, StepMeasurement
+from autopar.memory_tracker import MemoryReport
+from autopar.runtime.native_loop import BackwardPass, OptimizerWatch, ZeroRegather
 from autopar.runtime.param_store import ParamStore
 from autopar.runtime.shard_init import initialise_deferred
-from autopar.runtime.prefetch import drain_gradient_reductions
+from autopar.runtime.steps import StepRunner
+from autopar.runtime.state_dicts import full_optimizer_state_dict, full_state_dict, shards_of_full
 from autopar.runtime.rank_program import RankProgram
 from autopar.trace import TensorMeta
 
 __all__ = ["ParallelModel", "StepMeasurement", "CHECK_INPUTS_MODES", "FIRST_CHECKED_STEPS"]
 
 
-class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, MeasureMethods, NativeLoopMethods,
-                    torch.nn.Module):
+class ParallelModel(torch.nn.Module):
     """A model compiled for this rank. Build it with ``autopar.compile``.
 
     Two ways to train it: ``train_step`` (compiled with ``optimizer=``: the loss inside the plan,
@@ -92,7 +99,6 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._fused = builder.optimizer is not None
         self._local = builder.local  # each rank passes its own shard of the batch
         self._model_class = type(model).__name__
-        self._calls = {"eval_step": 0, "forward": 0}  # train_step counts in ``step``
         self.collective_log = CollectiveLog()  # what this model's collectives serve; the last one (errors name it)
         self.plan = None
         self.step = 0
@@ -102,21 +108,9 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._state: StateView | None = None
         self._pipeline: PipelineRunner | None = None  # pipeline plans: this rank's stage and schedule
         self._pp_group = None
-        self._zero_versions: dict[str, int] = {}
-        self._zero12_of, self._zero12 = None, False  # (store, whether any rank holds ZeRO-1/2 slots)
-        self._backward_mesh = False  # the native loop's backward pass entered the plan's mesh
-        self._backward_running = False  # a native-loop backward pass through this model has started
-        self._optimizer_watch = None  # the native loop's check of the user's optimizers (a torch hook)
-        self._checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
-        self._tracker: MemoryTracker | None = None  # set by measure_step
-        self._checkpointer = Checkpointer(self)
-        self._checkpointing: Checkpointing | None = None  # compile(checkpoint=...): train_step saves
+        self._watch = OptimizerWatch(originals=builder.original_params, model_class=self._model_class)
+        self._checkpointer = Checkpointer(self)  # owns the checkpointing config and the tracked objects
         self._monitor = None  # compile(monitor=...): a runtime.monitor.StepMonitor, records every train_step
-        self._resume_from = None  # a checkpoint folder to load once the plan exists
-        self._tracked: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict()
-        self._pending_tracked: dict[str, Any] = {}  # loaded states of objects not tracked yet
-        self._native_optimizer = None  # track(name, optimizer): the torch-native loop's optimizer
-        self._pending_optimizer = None  # a loaded checkpoint's folder whose optimizer state awaits track()
         self.resumed: Resumed | None = None  # what the last load restored
         mesh = builder.placeholder_mesh()
         self._tensors = register_tree(self, model, lambda name, t, is_param: (
@@ -169,10 +163,12 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             for g in program.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes if n.op == "call_function")
         self._grad_sync = GradSync(self.store, deferred, self.comm,
                                    self._policy.torch_reduce_dtype if self._policy.mixed else None)
+        self._loss = LossValue(comm=self.comm, grad_sync=self._grad_sync, plan=plan, device=self._device, local=self._local,
+                               train_layout=prog.loss_layout if self._fused else None)
         if self._fused:
             self.optimizer = b.optimizer(self.store.optimizer_params())
             self.lr_scheduler = b.lr_scheduler(self.optimizer) if b.lr_scheduler is not None else None
-        self._note_optimizer(self.optimizer if self._fused else self._native_optimizer)
+        self._note_optimizer(self.optimizer if self._fused else self._checkpointer.native_optimizer)
         self._state = StateView(self.store, traced, self.device_mesh)
         initialise_deferred(self.store, traced, b.model, self.device_mesh, b.init)  # meta tensors, shard by shard
         for name, current in self._tensors.items():
@@ -184,17 +180,27 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if traced.stacked:  # experts the trace merged: the stacked DTensors take the per-expert ones' place
             register_stacked(self, self._tensors, self._param_of_key, self._state, traced.stacked)
         self._programs[kind] = prog
+        self._checks = BatchChecker(mode=self._check_mode, local=self._local, device=self._device, comm=self.comm,
+                                    plan=plan, data_split=self._data_split())
         self._pipeline = None
         if pipelined:
             self._pipeline = PipelineRunner(
                 plan=plan, traced=traced, program=program, pp_rank=self._stage, pp_group=self._pp_group, store=self.store,
                 comm=self.comm, device=self._device, run=weakref.WeakMethod(self._run), input_layouts=prog.input_layouts,
-                loss_scale=self._loss_grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
+                loss_scale=self._loss.grad_scale(),  # times each microbatch's weight (PipelineRunner.step)
                 stage_ranks=stage_ranks)
-        self._note_zero_versions()
+        user_model = b.model if isinstance(b.model, torch.nn.Module) and b.model is not self else None
+        self._measure = Measurer(plan=plan, store=self.store, comm=self.comm, device=self._device, optimizer=self.optimizer,
+                                 user_model=user_model, stages=self._pipeline.mine if pipelined else None)
+        self._backward = BackwardPass(store=self.store, grad_sync=self._grad_sync, state=self._state, comm=self.comm,
+                                      collective_log=self.collective_log, watch=self._watch)
+        self._zero = ZeroRegather(store=self.store, state=self._state, comm=self.comm)
+        self._steps = StepRunner(plan=plan, store=self.store, grad_sync=self._grad_sync, loss=self._loss, measure=self._measure,
+                                 zero=self._zero, comm=self.comm, optimizer=self.optimizer, pipeline=self._pipeline,
+                                 device=self._device, local=self._local, train=prog if self._fused else None, run=self._run)
         b.attached(self)  # the user's module follows this tree; the original full tensors are released
-        if self._resume_from is not None:
-            folder, self._resume_from = self._resume_from, None
+        if self._checkpointer.resume_from is not None:
+            folder, self._checkpointer.resume_from = self._checkpointer.resume_from, None
             self.resumed = self._checkpointer.load(folder)
 
     def _apply(self, fn, recurse: bool = True):
@@ -222,6 +228,12 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         if self.plan is None:
             raise AutoparError(f"{what} needs the plan, which is made at the first call (pm(*inputs) or train_step); "
                                "call the model once, or compile with example_inputs= to plan ahead")
+
+    def _require_target(self, where: str, inputs: tuple, target: Any) -> None:
+        """Before anything is traced for a step with the compiled ``loss_fn``: its target is given
+        (by keyword). Raised alike on every rank where every rank calls alike."""
+        if target is None and self._builder.loss_fn is not None:
+            raise InputMismatchError(missing_target(where, len(inputs), self._builder.model))
 
     def _ensure_planned(self, inputs: tuple, target: Any) -> None:
         """Plan from this call's batch if no plan exists yet (``autopar.compile`` without examples)."""
@@ -281,9 +293,9 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
     def close(self) -> None:
         """Remove hooks and release process-group references (then destroy_process_group is safe).
         Models still open at interpreter exit are closed then (``_close_all``)."""
-        parts = [self._stop_watching_optimizers]
+        parts = [self._watch.close]
         if self.plan is not None:
-            parts += [self._leave_backward_mesh, self._grad_sync.close, self.comm.close]
+            parts += [self._backward.leave_mesh, self._grad_sync.close, self.comm.close]
             if self._pipeline is not None:
                 parts.append(self._pipeline.close)
         parts.append(self._checkpointer.close)  # the save in flight completes (or its failure is raised)
@@ -296,34 +308,124 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ steps
-    def _args(self, inputs: tuple, target: Any, prog: "RankProgram | None" = None, where: str = "train_step") -> list:
-        prog = prog or self._train
-        names = prog.traced.input_names
-        if len(inputs) != len(names):
-            raise AutoparError(f"{where} got {len(inputs)} inputs; the model was compiled with {len(names)}")
-        feed = dict(zip(names, inputs))
-        if prog.traced.target_name is not None:
-            if target is None:
-                raise AutoparError("train_step needs target= (the loss_fn's second argument)")
-            feed[prog.traced.target_name] = target
-        args = []
-        slots, buffers = self.store.slots, self.store.buffers
-        for ph in prog.placeholders:
-            if ph in slots:
-                args.append(slots[ph].local)
-            elif ph in buffers:
-                args.append(buffers[ph])
-            else:
-                x = feed[ph]
-                if isinstance(x, torch.Tensor):
-                    layout = prog.input_layouts[ph]
-                    if self._local and layout[0] == Shard(0):  # it arrives as this rank's rows on "dp"
-                        layout = (Replicate(),) + tuple(layout[1:])
-                    x = shard_tensor(x.to(self._device), layout, self.comm)
-                args.append(x)
-        return args
+    # ------------------------------------------------------------------ checkpoints (runtime.checkpoint)
+    def save(self, root: str | None = None, *, step: int | None = None, asynchronous: bool = False) -> str:
+        """Save the training state (parameters, optimizer, step, RNG, tracked objects) into
+        ``root/step-<step>`` on every rank (``runtime.checkpoint``); returns that folder. ``root``
+        defaults to compile's ``Checkpointing.root``. Asynchronous: complete after ``wait_saved()``.
+        ``step``: set ``pm.step`` first (the torch-native loop counts its own steps; train_step counts)."""
+        self._require_plan("save")
+        if step is not None:
+            if not isinstance(step, int) or step < 0:
+                raise AutoparError(f"save(step={step!r}): the step is an integer >= 0")
+            self.step = step
+        cfg = self._checkpointer.config
+        root = root if root is not None else self._checkpoint_root("save")
+        # ``keep`` prunes the run's own root only, never a folder given for one save
+        keep = cfg.keep if cfg is not None and os.path.abspath(root) == os.path.abspath(cfg.root) else None
+        with collective_failures("checkpoint", self.collective_log):
+            return str(self._checkpointer.save(root, asynchronous=asynchronous, keep=keep))
 
+    def wait_saved(self) -> None:
+        """Wait for an asynchronous save in flight; raise ``CheckpointError`` if it failed."""
+        self._checkpointer.wait()
+
+    def load(self, folder: str) -> "Resumed":
+        """Load the checkpoint ``folder`` (one ``step-<n>``), resharded into this plan."""
+        self._require_plan("load")
+        with collective_failures("checkpoint", self.collective_log):
+            self.resumed = self._checkpointer.load(folder)
+        return self.resumed
+
+    def load_latest(self, root: str | None = None) -> int | None:
+        """Load the newest complete checkpoint under ``root``; its step, or None when there is none."""
+        self._require_plan("load_latest")
+        root = root if root is not None else self._checkpoint_root("load_latest")
+        self._checkpointer.wait()  # a save in flight is the newest once complete
+        step = self._checkpointer.latest(root)
+        if step is None:
+            return None
+        self.load(str(step_dir(root, step)))
+        return step
+
+    def track(self, name: str, obj: Any) -> Any:
+        """Save ``obj.state_dict()`` with every checkpoint under ``name`` (an LR scheduler, a
+        ``StatefulDataLoader``, anything with ``state_dict``/``load_state_dict``), and restore it at
+        once if a checkpoint already loaded holds it. Returns ``obj``."""
+        ckpt = self._checkpointer
+        if isinstance(obj, torch.optim.Optimizer):
+            if self._fused:
+                raise AutoparError("train_step's optimizer (pm.optimizer) is saved already; track() takes the optimizer of "
+                                   "the torch-native loop (over pm.parameters())")
+            ckpt.native_optimizer = obj  # saved as DTensors (``checkpoint_state``), not as a pickled state
+            self._note_optimizer(obj)
+            if ckpt.pending_optimizer is not None:  # a load already ran, without this optimizer
+                ckpt.load_optimizer(ckpt.pending_optimizer)
+            return obj
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise AutoparError(f"track({name!r}, ...) needs an object with state_dict() and load_state_dict(), got a "
+                               f"{type(obj).__name__}")
+        ckpt.tracked[name] = obj
+        ckpt.restore_tracked(name, obj)
+        return obj
+
+    def _note_optimizer(self, optimizer) -> None:
+        """The plan's summary names the optimizer the loop steps; a warning says where the plan
+        priced another (the torch-native loop's plan prices AdamW's state)."""
+        if optimizer is None or self.plan is None:
+            return
+        from autopar.report import note_optimizer
+
+        note = note_optimizer(self.plan, optimizer)
+        if note:
+            warnings.warn(note, stacklevel=3)
+
+    def _checkpoint_root(self, what: str) -> str:
+        if self._checkpointer.config is None:
+            raise AutoparError(f"{what}() needs a folder: pass it, or compile with checkpoint=autopar.Checkpointing(root)")
+        return self._checkpointer.config.root
+
+    def _after_state_load(self) -> None:
+        """Parameters were overwritten in place (their shards): ZeRO-1/2 gathers them whole again."""
+        self._zero.gather()
+
+    # ------------------------------------------------------------------ state dicts (runtime.state_dicts)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``torch.nn.Module.load_state_dict`` taking DTensors (``pm.state_dict()``, as
+        torch.distributed.checkpoint loads them) or plain full tensors (one device's
+        ``model.state_dict()``, ``pm.full_state_dict()``): each rank copies its shard out of each
+        full tensor, as DCP's ``set_model_state_dict(..., full_state_dict=True)`` does. Full
+        entries of another pipeline stage's parameters are skipped, and per-expert ones of experts
+        the plan stacks are stacked. ZeRO-1/2's whole copies are gathered again afterwards."""
+        from torch.distributed.tensor import DTensor
+
+        self._require_plan("load_state_dict")
+        if assign:
+            raise AutoparError("load_state_dict(assign=True) would put plain tensors where the plan keeps its DTensor "
+                               "shards; load without assign (the values are copied into the shards)")
+        if any(isinstance(v, torch.Tensor) and not isinstance(v, DTensor) for v in state_dict.values()):
+            state_dict = shards_of_full(self, state_dict)
+        with torch.no_grad():
+            result = torch.nn.Module.load_state_dict(self, state_dict, strict=strict)
+        self._after_state_load()
+        return result
+
+    def full_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """train_step's optimizer state, gathered whole on every rank: ``"<fqn>/<state key>"`` ->
+        tensor (what a checkpoint's ``optim/`` entries hold, as one device would)."""
+        self._require_plan("full_optimizer_state_dict")
+        if self.optimizer is None:
+            raise AutoparError("full_optimizer_state_dict is train_step's optimizer state; compile with optimizer=")
+        return full_optimizer_state_dict(self)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) copies under the user's ``model.state_dict()`` keys, on every rank.
+        (``state_dict()``: the sharded DTensors, for torch.distributed.checkpoint.)"""
+        self._require_plan("full_state_dict")
+        self._zero.sync()
+        return full_state_dict(self)
+
+    # ------------------------------------------------------------------ steps
     def _run(self, args, program: fx.GraphModule | None = None):
         from autopar.runtime.param_regather import regather_saved_params
 
@@ -337,17 +439,6 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                     return program(*args)
             return program(*args)
 
-    def _phase(self, name: str):
-        return self._tracker.phase(name) if self._tracker is not None else contextlib.nullcontext()
-
-    def _microbatches(self, inputs: tuple, target: Any) -> list[tuple[tuple, Any]]:
-        m = self.plan.microbatches
-        if m == 1:
-            return [(inputs, target)]
-        split = lambda t: t.chunk(m, dim=0) if isinstance(t, torch.Tensor) else [t] * m  # noqa: E731
-        parts = [split(x) for x in inputs]
-        targets = split(target) if target is not None else [None] * m
-        return [(tuple(p[i] for p in parts), targets[i]) for i in range(m)]
 
     def train_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> torch.Tensor:
         """One optimizer step on the global batch ``inputs`` (identical on every rank).
@@ -373,7 +464,7 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
                 "loss.backward(); opt.step() with opt = torch.optim.AdamW(pm.parameters(), ...)")
         self._ensure_planned(inputs, target)
         with collective_failures("train_step", self.collective_log):
-            self._check_batch("train_step", inputs, target, self.step, self._train)
+            self._checks.check("train_step", inputs, target, self._train, self.step)
         return self._checked_train_step(inputs, target)
 
     def _checked_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
@@ -383,11 +474,11 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             torch.cuda.reset_peak_memory_stats(self._device)
         before = self.comm.stats.totals() if self._monitor is not None else None
         # off CUDA the monitor measures every n-th step's memory under the storage tracker
-        tracked = (not cuda and self._monitor is not None and self._tracker is None
+        tracked = (not cuda and self._monitor is not None and self._measure.tracker is None
                    and self._monitor.tracks_memory(self.step + 1))
         t0 = time.perf_counter()
-        with collective_failures("train_step", self.collective_log), self._memory_tracked() if tracked else contextlib.nullcontext() as tracker:
-            total = self._train_step(inputs, target)
+        with collective_failures("train_step", self.collective_log), self._measure.tracked() if tracked else contextlib.nullcontext() as tracker:
+            total = self._steps.train(inputs, target)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
@@ -399,75 +490,65 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
             peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else memory.peak_bytes if tracked else None
             self._monitor.record(self.plan, dist.get_world_size() if dist.is_initialized() else 1, self.step,
                                  wall, float(total), inputs, peak, self.comm.stats.since(before),
-                                 dict(memory.category_peaks) if tracked else None, self._predicted_comm_bytes())
-        cfg = self._checkpointing
+                                 dict(memory.category_peaks) if tracked else None, self._measure.predicted_comm_bytes())
+        cfg = self._checkpointer.config
         if cfg is not None and cfg.every and self.step % cfg.every == 0:
             self.save(asynchronous=cfg.asynchronous)
         return total
 
-    def _train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
-        self.store.own_grads()  # pm.optimizer.zero_grad() set .grad to None: the buffers' views again
-        if self._pipeline is not None:
-            return self._pipelined_train_step(inputs, target)
-        micro = self._microbatches(inputs, target)
-        m = len(micro)
-        weights = self._microbatch_weights(micro, self._train)
-        values, pending, riding = [], [], False
-        with active_mesh(self.comm):
-            for i, (x, t) in enumerate(micro):
-                self._grad_sync.arm(last_microbatch=i == m - 1)
-                with self._phase("forward"):
-                    loss = self._run(self._args(x, t))
-                    if isinstance(loss, (tuple, list)):
-                        loss = loss[0]
-                    values.append(loss.detach().reshape(1).float() * weights[i])
-                    if i == m - 1:  # the step's values, summed here, reduced once (loss_value_methods)
-                        value, pending, riding = self._reduce_loss_riding(torch.cat(values).sum().reshape(1))
-                with self._phase("backward"):
-                    (loss * (self._loss_grad_scale() * weights[i])).backward()
-                del loss
-            carried = []
-            self._sync_and_step(lambda: carried.append(self._grad_sync.carried()) if riding else None)
-            for w in pending:
-                w.wait()
-            return self._finish_loss(carried[0] if riding else value)
+    def forward(self, *args, **kwargs):
+        """The sharded forward: returns what the model returns, each tensor whole on every rank (as
+        one device would hold it), ready for the user's loss; ``loss.backward()`` then runs the
+        plan's backward and gradient sync and sets every parameter's ``.grad`` (a DTensor;
+        ``runtime.native_loop``).
 
-    def _sync_and_step(self, before_step=None) -> None:
-        """After the step's last backward: finish the gradient reductions (then ``before_step``),
-        step the optimizer, gather ZeRO-1/2 shards back into whole parameters, zero the gradient
-        buffers."""
-        with self._phase("backward"):
-            self._grad_sync.finish()
-            drain_gradient_reductions(self.comm)
-            if before_step is not None:
-                before_step()
-        with self._phase("optimizer"):
-            self.optimizer.step()
-            self.store.gather_zero_params()
-            self._note_zero_versions()
-        self.store.zero_grads()
+        Every rank calls it with the same global batch; in ``eval()`` mode it runs the model's
+        evaluation graph (planned at its first use), under ``torch.no_grad()`` without autograd."""
+        inputs = self._builder.bind(args, kwargs)
+        if self._fused and self.training and torch.is_grad_enabled():
+            raise AutoparError(
+                "this model was compiled with optimizer= for train_step (the loss inside the plan): train it with "
+                "pm.train_step(...); pm(x) serves evaluation here (pm.eval() or torch.no_grad()). For your own training "
+                "loop, compile without optimizer= and build the optimizer over pm.parameters()")
+        self._ensure_planned(inputs, None)
+        self._backward.leave_mesh()  # a backward pass that failed midway never left it
+        kind = "forward" if self.training else "forward-eval"
+        prog = self._program_for(kind, inputs, None)
+        with collective_failures("forward", self.collective_log):
+            self._checks.check("forward", inputs, None, prog)
+            self._zero.sync()
+            with active_mesh(self.comm):
+                out = self._run(self._steps.args(inputs, None, prog, where="forward"), prog.program)
+        self._checks.counted("forward")
+        leaves = list(out) if isinstance(out, (list, tuple)) else [out]
+        if torch.is_grad_enabled():
+            needs = [(t, rows) for t, rows in zip(leaves, prog.rows_mask) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self._local:
+                self._backward.average_local_losses(needs)
+            self._backward.arm([t for t, _ in needs])
+        return pytree.tree_unflatten(leaves, prog.traced.out_spec) if prog.traced.out_spec is not None else out
 
-    def _pipelined_train_step(self, inputs: tuple, target: Any) -> torch.Tensor:
-        """``train_step`` of a pipeline plan: the schedule runs every microbatch's forward and backward
-        (``runtime.pipeline``), then gradient sync over the stage's submesh and the optimizer step."""
-        feed = dict(zip(self._train.traced.input_names, inputs))
-        if self._train.traced.target_name is not None:
-            feed[self._train.traced.target_name] = target
-        with active_mesh(self.comm):
-            # a bucket is reduced once its gradients hold every microbatch (the rest after the schedule)
-            self._grad_sync.hold(whole_zero2=self._pipeline.split_backward, rounds=self.plan.microbatches,
-                                 uses=self._pipeline.local_uses)
-            with self._phase("forward"):
-                # the last stage's losses, each times its weight; empty on the other ranks
-                losses = self._pipeline.step(feed, self._microbatch_weights(self._microbatches(inputs, target), self._train))
-            self._sync_and_step(self._pipeline.sum_tied_grads)
-            # the last stage's microbatch values, summed here and reduced once
-            local = torch.cat([v.detach().reshape(1).float() for v in losses]).sum().reshape(1) if losses else None
-            value, works = self._reduce_loss_async(local) if local is not None else (None, [])
-            for w in works:
-                w.wait()
-            total = self._pipeline.broadcast_loss(self._finish_loss(value) if losses else torch.zeros(1))
-        return total.reshape(())
+    def _sync_zero_params(self) -> None:
+        """ZeRO-1/2 parameters the user's optimizer updated, gathered whole (``ZeroRegather.sync``)."""
+        self._zero.sync()
+
+    def measure_step(self, *inputs: torch.Tensor, target: Any = None) -> StepMeasurement:
+        """Run one ``train_step`` (it trains) while measuring this rank's memory by category and
+        the bytes of every collective, and return them beside the plan's prediction
+        (``runtime.measure``).
+
+        Measure after at least one step: optimizers such as Adam create their state lazily in
+        the first step, which would show up as step temporaries then."""
+        if not self._fused:
+            raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
+        self._ensure_planned(inputs, target)
+        with collective_failures("train_step", self.collective_log):  # outside the measurement: the check is not the step's
+            self._checks.check("train_step", inputs, target, self._train, self.step)
+        return self._measure.step(lambda: self._checked_train_step(inputs, target), inputs, target)
+
+    def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
+        """``measure_step(...).memory``: this rank's memory during one training step, by category."""
+        return self.measure_step(*inputs, target=target).memory
 
     @torch.no_grad()
     def eval_step(self, *inputs: torch.Tensor, target: Any = None, **kwargs) -> float:
@@ -482,26 +563,10 @@ class ParallelModel(CheckpointMethods, InputCheckMethods, LossValueMethods, Meas
         self._ensure_planned(inputs, target)
         prog = self._program_for("step-eval", inputs, target)
         with collective_failures("eval_step", self.collective_log):
-            self._check_batch("eval_step", inputs, target, self._calls["eval_step"], prog)
-            total = self._eval_step(inputs, target, prog)
-        self._calls["eval_step"] += 1
+            self._checks.check("eval_step", inputs, target, prog)
+            total = self._steps.evaluate(inputs, target, prog)
+        self._checks.counted("eval_step")
         return total
-
-    def _eval_step(self, inputs: tuple, target: Any, prog: "RankProgram") -> float:
-        micro = self._microbatches(inputs, target)
-        weights = self._microbatch_weights(micro, prog)
-        total = 0.0
-        with active_mesh(self.comm):
-            for (x, t), weight in zip(micro, weights):
-                loss = self._run(self._args(x, t, prog), prog.program)
-                if isinstance(loss, (tuple, list)):
-                    loss = loss[0]
-                value, pending = self._reduce_loss_async(loss, prog.loss_layout)
-                for w in pending:
-                    w.wait()
-                total += float(self._finish_loss(value, prog.loss_layout)) * float(weight)
-        return total
-
 
 _LIVE: "weakref.WeakSet[ParallelModel]" = weakref.WeakSet()
 

@@ -7,13 +7,8 @@ Invariants:
 * ZeRO-1/2 parameters stay whole on their zero axes for compute; the optimizer sees
   ``ParamSlot.opt``, a *view* of ``local`` cut along ``state_dim`` (DTensor ``Shard(state_dim)``
   on each zero axis), so its state is sharded and the update writes into ``local`` in place;
-* gradients live in persistent flat buffers, one per dtype (as DDP's ``gradient_as_bucket_view``):
-  ``local.grad`` is a view, backward accumulates into it in place, and data-parallel buckets are
-  contiguous ranges of it: nothing holds a second copy. ZeRO-2 parameters instead accumulate a
-  full gradient only until it is reduce-scattered into their shard of a flat shard buffer
-  (``opt.grad`` is a view of it). ``zero_grads()`` zeroes the buffers; the buffers own ``.grad``:
-  where the user's ``zero_grad(set_to_none=True)`` (or an assignment) took a view away,
-  ``own_grads()`` puts it back (zeroed, or holding what was assigned) before the next backward;
+* gradients live in persistent flat buffers (``grads``, a ``runtime.grad_buffers.GradBuffers``),
+  which own every trainable slot's ``.grad`` (and re-attach it where the user took it away);
 * replicas start equal: full tensors are broadcast from rank 0 before each rank takes its shard
   (as DDP does), whatever seed each process used; a tensor on the meta device (in rank 0's model:
   the set is agreed, ``meta_fqns``) is not broadcast: its shard is allocated empty (``deferred``)
@@ -34,6 +29,7 @@ from autopar.layouts import Layout, chunk_range, parse_layout, state_dim, zero_g
 from autopar.runtime.agreement import decided_by_rank0
 from autopar.runtime.collectives import gather_dim, shard_tensor
 from autopar.runtime.comm import MeshComm
+from autopar.runtime.grad_buffers import GradBuffers
 
 __all__ = ["ParamSlot", "ParamStore", "state_chunk"]
 
@@ -125,116 +121,25 @@ class ParamStore:
                 shard_tensor(full, layout, comm).clone())
             if deferred:
                 self.deferred.add(ph)
-        self._grad_flat: dict[torch.dtype, torch.Tensor] = {}
-        self._shard_flat: dict[torch.dtype, torch.Tensor] = {}
-        self._views: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # ph -> (local.grad, opt.grad)
         self.grad_order = [ph for ph in order if ph in self.slots and self.slots[ph].trainable]
-        self._make_grads()
-
-    # ------------------------------------------------------------------ gradients
-    def _make_grads(self) -> None:
-        """Flat gradient buffers (one per dtype) with each trainable parameter's grad a view, in
-        ``grad_order``; ZeRO-2 parameters get a view in a flat *shard* buffer instead."""
-        full_sizes: dict[torch.dtype, int] = {}
-        shard_sizes: dict[torch.dtype, int] = {}
-        for ph in self.grad_order:
+        for ph in self.grad_order:  # what the optimizer updates: the slot, or its ZeRO-1/2 piece
             s = self.slots[ph]
-            dt = s.local.dtype
-            if s.zero_stage == 2:
-                shard_sizes[dt] = shard_sizes.get(dt, 0) + self._opt_numel(s)
-            else:
-                full_sizes[dt] = full_sizes.get(dt, 0) + s.local.numel()
-        for dt, n in full_sizes.items():
-            # one element past the gradients: a scalar the last gradient bucket carries along
-            # (``GradSync.carry``: the loss value rides that all-reduce rather than one of its own)
-            self._grad_flat[dt] = torch.zeros(n + 1, dtype=dt, device=self.device)
-        for dt, n in shard_sizes.items():
-            self._shard_flat[dt] = torch.zeros(n, dtype=dt, device=self.device)
-        offsets = dict.fromkeys(list(full_sizes) + list(shard_sizes), 0)
-        shard_offsets = dict.fromkeys(shard_sizes, 0)
-        for ph in self.grad_order:
-            s = self.slots[ph]
-            dt = s.local.dtype
-            if s.zero_stage == 2:
-                s.opt = self._opt_view(s)
-                n = s.opt.numel()
-                o = shard_offsets[dt]
-                region = self._shard_flat[dt][o: o + n]
-                moved = list(s.opt.shape)
-                moved.insert(0, moved.pop(s.state_dim))
-                s.opt.grad = region.view(moved).movedim(0, s.state_dim)
-                shard_offsets[dt] = o + n
-                self._views[ph] = (None, s.opt.grad)
-            else:
-                n = s.local.numel()
-                o = offsets[dt]
-                s.local.grad = self._grad_flat[dt][o: o + n].view_as(s.local)
-                offsets[dt] = o + n
-                if s.zero_stage == 1:
-                    s.opt = self._opt_view(s)
-                    start, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
-                    s.opt.grad = s.local.grad.narrow(s.state_dim, start, length)
-                else:
-                    s.opt = s.local
-                self._views[ph] = (s.local.grad, s.opt.grad if s.zero_stage == 1 else None)
+            s.opt = self._opt_view(s) if s.zero_stage in (1, 2) else s.local
+        self.grads = GradBuffers(self.slots, self.grad_order, device,
+                                 lambda s: state_chunk(s.local.shape[s.state_dim], s.zero_axes, comm))
 
-    def own_grads(self) -> None:
-        """Put every gradient view of the buffers back where ``.grad`` lost it: a torch loop's
-        ``optimizer.zero_grad()`` sets ``.grad`` to None (the view then starts from zero), an
-        assignment puts another tensor there (its values are copied in). Call before a backward:
-        the bucketed all-reduce and the reduce-scatters read and write the buffers, so a ``.grad``
-        cut off them would be neither reduced nor reach the optimizer."""
-        for ph, (local_view, opt_view) in self._views.items():
-            s = self.slots[ph]
-            if local_view is not None:
-                _own(s.local, local_view)
-            if opt_view is not None:
-                _own(s.opt, opt_view)
-
-    def _opt_numel(self, s: ParamSlot) -> int:
-        _, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
-        return s.local.numel() // max(s.local.shape[s.state_dim], 1) * length
-
+    # ------------------------------------------------------------------ the optimizer's view
     def _opt_view(self, s: ParamSlot) -> torch.nn.Parameter:
         start, length = state_chunk(s.local.shape[s.state_dim], s.zero_axes, self.comm)
         return torch.nn.Parameter(s.local.detach().narrow(s.state_dim, start, length))
-
-    def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
-        """The flat gradient buffer of ``dtype``: the gradients, then one rider element."""
-        return self._grad_flat[dtype]
-
-    def rider(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The rider element of the flat gradient buffer of ``dtype`` (a one-element view), or
-        None where no parameter's gradient has that dtype."""
-        flat = self._grad_flat.get(dtype)
-        return None if flat is None else flat[-1:]
-
-    def grad_range(self, ph: str) -> tuple[torch.dtype, int, int]:
-        """(dtype, offset, numel) of a parameter's gradient in its flat buffer (not ZeRO-2)."""
-        s = self.slots[ph]
-        flat = self._grad_flat[s.local.dtype]
-        off = (s.local.grad.data_ptr() - flat.data_ptr()) // flat.element_size()
-        return s.local.dtype, off, s.local.numel()
-
-    def zero_grads(self) -> None:
-        for flat in list(self._grad_flat.values()) + list(self._shard_flat.values()):
-            flat.zero_()
-
-    def zero_grad_of(self, ph: str) -> None:
-        """Zero one parameter's gradient views (the rest keep accumulating)."""
-        s = self.slots[ph]
-        for g in (s.local.grad, s.opt.grad if s.opt is not None else None):
-            if g is not None:
-                g.zero_()
 
     def persistent_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What stays allocated across steps, by memory category (for measurement)."""
         return {
             "params": [s.local for s in self.slots.values()] + list(self.buffers.values()),
-            "grads": list(self._grad_flat.values()) + list(self._shard_flat.values()),
+            "grads": self.grads.tensors(),
         }
 
-    # ------------------------------------------------------------------ optimizer side
     def optimizer_params(self) -> list[torch.nn.Parameter]:
         return [s.opt for s in self.slots.values() if s.trainable]
 
@@ -270,19 +175,6 @@ class ParamStore:
 def _written(t: torch.Tensor) -> None:
     """Move ``t``'s version counter once, whatever the write into its storage already did."""
     torch.autograd.graph.increment_version(t)
-
-
-def _own(param: torch.Tensor, view: torch.Tensor) -> None:
-    """Make ``view`` (a gradient buffer's) ``param.grad`` again, holding what ``.grad`` held."""
-    g = param.grad
-    if g is view:
-        return
-    with torch.no_grad():
-        if g is None:
-            view.zero_()
-        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.stride() != view.stride():
-            view.copy_(g)
-    param.grad = view
 
 
 def _replicate_from_rank0(t: torch.Tensor) -> torch.Tensor:

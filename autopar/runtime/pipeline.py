@@ -402,7 +402,7 @@ class PipelineRunner:
     def step(self, feed: dict, weights: list) -> list[torch.Tensor]:
         """Forward and backward of every microbatch. ``feed``: batch placeholder name -> value
         (used where stage 0 runs); ``weights``: per microbatch, its loss's weight in the step's
-        (``LossValueMethods._microbatch_weights``). Returns the last stage's per-microbatch local
+        (``LossValue.microbatch_weights``). Returns the last stage's per-microbatch local
         losses, weighted (empty on the ranks that do not run it)."""
         self._values = []
         kwargs = self._fed_inputs(feed)

@@ -1,4 +1,4 @@
-"""``ParallelModel``'s measurement: ``measure_step`` runs one ``train_step`` while the storage
+"""``Measurer``, a part of ``ParallelModel``: ``measure_step`` runs one ``train_step`` while the storage
 tracker (``memory_tracker``) counts this rank's memory by category and ``runtime.comm`` counts the
 bytes of every collective, and returns them in a ``StepMeasurement`` beside the plan's prediction.
 
@@ -23,11 +23,9 @@ from typing import Any
 import torch
 
 from autopar.api import cyclic_gc_paused
-from autopar.errors import AutoparError
-from autopar.runtime.collective_errors import collective_failures
 from autopar.memory_tracker import MemoryReport, MemoryTracker
 
-__all__ = ["StepMeasurement", "MeasureMethods", "CUDA_WITHOUT_TENSOR"]
+__all__ = ["StepMeasurement", "Measurer", "CUDA_WITHOUT_TENSOR"]
 
 CUDA_WITHOUT_TENSOR = "(CUDA allocations no Python tensor holds)"  # a holder name in unaccounted_by_holder
 
@@ -58,66 +56,70 @@ class StepMeasurement:
         return "\n".join(lines)
 
 
-class MeasureMethods:
-    """Mixed into ``ParallelModel`` (which holds ``plan``, ``store``, ``optimizer``, ``comm``, ``step``,
-    ``_fused``, ``_device``, ``_pipeline``, ``_train`` and ``_tracker``, and runs ``_ensure_planned``, ``_check_batch``
-    and ``_checked_train_step``)."""
+class Measurer:
+    """Measures this rank's steps of one plan. Owns the storage tracker of the step being measured
+    (``phase`` names the step's phases to it; without one they cost nothing)."""
 
-    def measure_step(self, *inputs: torch.Tensor, target: Any = None) -> StepMeasurement:
-        """Run one ``train_step`` (it trains) while measuring this rank's memory by category and
-        the bytes of every collective, and return them beside the plan's prediction.
+    def __init__(self, *, plan, store, comm, device: torch.device, optimizer, user_model, stages=None):
+        """``user_model``: the module given to ``compile`` where it is not the compiled model itself
+        (its storages are named apart), else None; ``stages``: this rank's pipeline stages (None
+        without pipelining)."""
+        self.plan = plan
+        self.store = store
+        self.comm = comm
+        self.device = device
+        self.optimizer = optimizer
+        self.user_model = user_model
+        self.stages = stages
+        self.tracker: MemoryTracker | None = None  # set while a step is measured
 
-        Measure after at least one step: optimizers such as Adam create their state lazily in
-        the first step, which would show up as step temporaries then."""
-        if not self._fused:
-            raise AutoparError("measure_step measures train_step: compile with optimizer= to use it")
-        self._ensure_planned(inputs, target)
-        with collective_failures("train_step", self.collective_log):  # outside the measurement: the check is not the step's
-            self._check_batch("train_step", inputs, target, self.step, self._train)
-        cuda = self._device.type == "cuda"
+    def phase(self, name: str):
+        """The step's phase ``name`` ("forward", "backward", "optimizer") under the tracker, if any."""
+        return self.tracker.phase(name) if self.tracker is not None else contextlib.nullcontext()
+
+    def step(self, run, inputs: tuple, target: Any) -> StepMeasurement:
+        """Run ``run()`` (one checked ``train_step`` on ``inputs``, returning its loss) while
+        measuring memory by category and the bytes of every collective, beside the prediction."""
+        cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(self._device)
-        with self._memory_tracked(inputs, target) as tracker:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with self.tracked(inputs, target) as tracker:
             # on CUDA, allocations no Python tensor holds (cuBLAS workspaces, a C++ cache) are in
             # the allocator's count but in no storage the tracker saw: named apart
-            hidden = int(torch.cuda.memory_allocated(self._device)) - tracker.current_bytes if cuda else 0
+            hidden = int(torch.cuda.memory_allocated(self.device)) - tracker.current_bytes if cuda else 0
             self.comm.stats.reset()
             t0 = time.perf_counter()
-            loss = self._checked_train_step(inputs, target)
+            loss = run()
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
         # on CUDA the caching allocator's peak: every allocation of the process
-        device_peak = int(torch.cuda.max_memory_allocated(self._device)) if cuda else None
+        device_peak = int(torch.cuda.max_memory_allocated(self.device)) if cuda else None
         memory = tracker.report(device_peak)
         if hidden > 0:
             memory = dataclasses.replace(memory, unaccounted_by_holder={
                 **memory.unaccounted_by_holder, CUDA_WITHOUT_TENSOR: hidden})
         pred = self.plan.predicted
         peak = pred.peak_memory_bytes
-        if self._pipeline is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
-            peak = max(self.plan.stages[s].peak_memory_bytes for s in self._pipeline.mine)
+        if self.stages is not None:  # this rank's pipeline rank (the plan's figure is the worst rank's)
+            peak = max(self.plan.stages[s].peak_memory_bytes for s in self.stages)
         return StepMeasurement(
             loss=float(loss), step_time_s=elapsed, predicted_step_time_s=pred.step_time_s,
             memory=memory, predicted_peak_bytes=peak,
             predicted_memory=dict(pred.memory_bytes), comm_bytes=self.comm.stats.snapshot(),
-            predicted_comm_bytes=self._predicted_comm_bytes(),
+            predicted_comm_bytes=self.predicted_comm_bytes(),
         )
 
-    def _predicted_comm_bytes(self) -> dict:
+    def predicted_comm_bytes(self) -> dict:
         """The bytes per collective kind the plan predicts for this rank's step: its pipeline
         rank's (``Stage.comm_bytes``) under a pipeline plan, whose own figure is the busiest rank's."""
-        if self._pipeline is not None:
-            return dict(self.plan.stages[self._pipeline.mine[0]].comm_bytes)
+        if self.stages is not None:
+            return dict(self.plan.stages[self.stages[0]].comm_bytes)
         return dict(self.plan.predicted.comm_bytes)
 
-    def measure_memory(self, *inputs: torch.Tensor, target: Any = None) -> MemoryReport:
-        """``measure_step(...).memory``: this rank's memory during one training step, by category."""
-        return self.measure_step(*inputs, target=target).memory
-
     @contextlib.contextmanager
-    def _memory_tracked(self, inputs: tuple = (), target: Any = None):
+    def tracked(self, inputs: tuple = (), target: Any = None):
         """Run a step under the storage tracker (``memory_tracker``), the state it keeps across
         steps registered by category first, then every other storage of the process as
         ``unaccounted`` (``inputs`` and ``target`` named as the step's inputs); yields the tracker."""
@@ -128,14 +130,14 @@ class MeasureMethods:
                 for category, tensors in self.store.persistent_tensors().items():
                     tracker.register(tensors, category)
                 tracker.register(self._optimizer_state(), "optimizer_state")
-                tracker.register_process(self._device.type, self._named_roots(inputs, target))
-                self._tracker = tracker
+                tracker.register_process(self.device.type, self._named_roots(inputs, target))
+                self.tracker = tracker
                 try:
                     yield tracker
                 finally:
-                    self._tracker = None
+                    self.tracker = None
                 tracker.register(self._optimizer_state(), "optimizer_state")
-                tracker.register_process(self._device.type, self._named_roots(inputs, target))
+                tracker.register_process(self.device.type, self._named_roots(inputs, target))
 
     def _named_roots(self, inputs: tuple, target: Any) -> dict:
         """What the unaccounted storages are named after first: the module given to ``compile``
@@ -144,10 +146,9 @@ class MeasureMethods:
         for i, x in enumerate([*inputs, target]):
             if isinstance(x, torch.Tensor):
                 batch.register_buffer(f"input{i}" if i < len(inputs) else "target", x, persistent=False)
-        model = getattr(self._builder, "model", None)
         roots = {"the step's batch": batch}
-        if isinstance(model, torch.nn.Module) and model is not self:
-            roots[f"the user's model ({type(model).__name__})"] = model
+        if self.user_model is not None:
+            roots[f"the user's model ({type(self.user_model).__name__})"] = self.user_model
         return roots
 
     def _optimizer_state(self) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``ParallelModel``'s loss value: the program returns this rank's loss, a sum or mean still
+"""``LossValue``, a part of ``ParallelModel``: the step's loss value. The program returns this rank's loss, a sum or mean still
 pending over the mesh axes of its layout (``ir.LOSS_LAYOUT_KEY``). A step's microbatch values
 are summed on the rank and reduced once: riding the all-reduce of the last gradient bucket where
 one is still to come over the loss's first axis (``GradSync.carry``), else all-reduced
@@ -17,27 +17,38 @@ import torch
 from autopar.layouts import Partial
 from autopar.runtime.comm import collective_site
 
-__all__ = ["LossValueMethods"]
+__all__ = ["LossValue"]
 
 
-class LossValueMethods:
-    """Mixed into ``ParallelModel`` (uses its ``comm`` and ``_train``)."""
+class LossValue:
+    """The loss's reductions of one plan on this rank (no state of its own beyond its inputs)."""
 
-    def _partial_axes(self, layout=None) -> list[tuple[int, str]]:
-        layout = layout if layout is not None else self._train.loss_layout
+    def __init__(self, *, comm, grad_sync, plan, device: torch.device, local: bool, train_layout=None):
+        """``train_layout``: the layout of ``train_step``'s loss (``RankProgram.loss_layout``), the
+        default of every method's ``layout``; ``local``: each rank passes its own batch shard."""
+        self.comm = comm
+        self.grad_sync = grad_sync
+        self.plan = plan
+        self.device = device
+        self.local = local
+        self.train_layout = train_layout
+
+    def partial_axes(self, layout=None) -> list[tuple[int, str]]:
+        """(mesh axis, reduce op) of each axis over which the loss is still partial."""
+        layout = layout if layout is not None else self.train_layout
         if layout is None:
             return []
         return [(a, p.reduce_op) for a, p in enumerate(layout) if isinstance(p, Partial) and self.comm.sizes[a] > 1]
 
-    def _loss_grad_scale(self) -> float:
+    def grad_scale(self) -> float:
         """d(global loss)/d(local loss): 1/n for each axis the loss is averaged over."""
         scale = 1.0
-        for a, op in self._partial_axes():
+        for a, op in self.partial_axes():
             if op == "avg":
                 scale /= self.comm.sizes[a]
         return scale
 
-    def _microbatch_weights(self, micro: list, prog) -> list:
+    def microbatch_weights(self, micro: list, prog) -> list:
         """Per microbatch, the weight of its loss in the step's: 1 for a sum; for a mean, its share
         of the count a token mean divides by (``RankProgram.token_count``, evaluated on each
         microbatch's whole tensors: the batch's mean whatever each holds; with local batches
@@ -57,7 +68,7 @@ class LossValueMethods:
                 feed[prog.traced.target_name] = t
             counts.append(torch.as_tensor(counter(*(feed[name] for name in names))).to(torch.float64).reshape(()))
         counts = torch.stack([c.to(counts[0].device) for c in counts])
-        if self._local and m > 1:
+        if self.local and m > 1:
             counts = self._summed_over_data_ranks(counts)
         total = counts.sum()
         # an all-ignored batch (count 0) weighs its microbatches alike, as 1/m
@@ -71,34 +82,34 @@ class LossValueMethods:
         if self.plan.mesh.get("dp", 1) == 1:
             return counts
         a = self.plan.mesh_axes_index("dp")
-        summed = counts.to(self._device, torch.float64, copy=True)
+        summed = counts.to(self.device, torch.float64, copy=True)
         with collective_site(self.comm, "the microbatches' target counts"):
             self.comm.all_reduce(summed, a)
         return summed
 
-    def _reduce_loss_riding(self, value: torch.Tensor):
+    def reduce_riding(self, value: torch.Tensor):
         """(``value``, works, whether it rides the gradient sync): a step's summed train loss
         value, reduced over its first partial axis by the last gradient bucket's all-reduce
         (read it back with ``GradSync.carried()`` after ``finish()``), else asynchronously."""
-        axes = self._partial_axes()
-        if axes and self._grad_sync.carry(value, axes[0][0]):
+        axes = self.partial_axes()
+        if axes and self.grad_sync.carry(value, axes[0][0]):
             return value, [], True
-        value, works = self._reduce_loss_async(value)
+        value, works = self.reduce_async(value)
         return value, works, False
 
-    def _reduce_loss_async(self, loss: torch.Tensor, layout=None):
+    def reduce_async(self, loss: torch.Tensor, layout=None):
         value = loss.detach().clone().reshape(1).float()
         with collective_site(self.comm, "the loss's all-reduce"):
-            works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self._partial_axes(layout)[:1]]
+            works = [self.comm.all_reduce(value, a, async_op=True) for a, _ in self.partial_axes(layout)[:1]]
         return value, [w for w in works if w is not None]
 
-    def _finish_loss(self, value: torch.Tensor, layout=None) -> torch.Tensor:
+    def finish(self, value: torch.Tensor, layout=None) -> torch.Tensor:
         """The global loss from this rank's partly reduced ``value``: a float32 0-dim tensor on its
         device (not read on the host)."""
-        for a, _ in self._partial_axes(layout)[1:]:
+        for a, _ in self.partial_axes(layout)[1:]:
             with collective_site(self.comm, "the loss's all-reduce"):
                 self.comm.all_reduce(value, a)
-        for a, op in self._partial_axes(layout):
+        for a, op in self.partial_axes(layout):
             if op == "avg":
                 value = value / self.comm.sizes[a]
         return value.reshape(())

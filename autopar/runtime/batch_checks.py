@@ -1,4 +1,4 @@
-"""``ParallelModel``'s batch checks, apart from the step machinery: every call's batch against the
+"""``BatchChecker``, a part of ``ParallelModel``: every call's batch checked against the
 compiled example (``runtime.input_checks``: number of inputs, shapes, dtypes, constants), and on
 the steps ``check_inputs`` names, the ranks' checksums compared in one small all-gather: with
 global batches every rank must hold the same batch; with local ones (``batch="local"``) the ranks
@@ -24,18 +24,27 @@ from autopar.trace import TensorMeta, model_class_name
 if TYPE_CHECKING:
     from autopar.runtime.rank_program import RankProgram
 
-__all__ = ["InputCheckMethods", "missing_target"]
+__all__ = ["BatchChecker", "missing_target"]
 
 
-class InputCheckMethods:
-    """Mixed into ``ParallelModel`` (which holds ``_check_mode``, ``_local``, ``_device``, ``comm``
-    and ``data_parallel_size``)."""
+class BatchChecker:
+    """The batch checks of one plan on this rank; it owns the count of ``forward`` and
+    ``eval_step`` calls (``train_step`` counts in ``ParallelModel.step``)."""
 
-    def _require_target(self, where: str, inputs: tuple, target: Any) -> None:
-        """Before anything is traced for a step with the compiled ``loss_fn``: its target is given
-        (by keyword). Raised alike on every rank where every rank calls alike."""
-        if target is None and self._builder.loss_fn is not None:
-            raise InputMismatchError(missing_target(where, len(inputs), self._builder.model))
+    def __init__(self, *, mode: str, local: bool, device: torch.device, comm, plan, data_split: tuple[int, int]):
+        """``mode``: ``check_inputs`` ("first", "always", "never"); ``local``: each rank passes its
+        own batch shard; ``data_split``: (``data_parallel_size``, ``data_parallel_rank``)."""
+        self.mode = mode
+        self.local = local
+        self.device = device
+        self.comm = comm
+        self.plan = plan
+        self.data_parallel_size, self.data_parallel_rank = data_split
+        self.calls = {"eval_step": 0, "forward": 0}
+
+    def counted(self, where: str) -> None:
+        """One more call of ``where`` ran (the count ``check`` compares with ``FIRST_CHECKED_STEPS``)."""
+        self.calls[where] += 1
 
     def _batch_problem(self, where: str, inputs: tuple, target: Any, ex: Example,
                        rows: dict[str, tuple[int, int]] | None = None) -> InputMismatchError | None:
@@ -91,18 +100,20 @@ class InputCheckMethods:
                 f"(a model that branches on the batch size would silently keep the compiled branch): {fix}")
         return None
 
-    def _check_batch(self, where: str, inputs: tuple, target: Any, step: int, prog: "RankProgram") -> None:
+    def check(self, where: str, inputs: tuple, target: Any, prog: "RankProgram", step: int | None = None) -> None:
         """Raise if the batch does not match the compiled example; on the steps ``check_inputs``
         names, compare every input's checksum across the ranks (one small all-gather over every
         rank), so that a rank holding a different or mis-shaped batch is reported on every rank.
         Global batches: every rank must hold the same one. Local batches: the ranks of one data
-        shard (equal ``data_parallel_rank``: the tensor, pipeline... ranks of one replica) must."""
-        if self._local:
+        shard (equal ``data_parallel_rank``: the tensor, pipeline... ranks of one replica) must.
+        ``step``: the call's number (default: the count of ``where``'s calls)."""
+        step = self.calls[where] if step is None else step
+        if self.local:
             ex, rows = self._local_example(prog)
         else:
             ex, rows = prog.example, None
         problem = self._batch_problem(where, inputs, target, ex, rows)
-        due = self._check_mode == "always" or (self._check_mode == "first" and step < FIRST_CHECKED_STEPS)
+        due = self.mode == "always" or (self.mode == "first" and step < FIRST_CHECKED_STEPS)
         if due and dist.is_initialized() and dist.get_world_size() > 1:
             self._compare_across_ranks(where, inputs, target, problem, step, prog.example)
         if problem is not None:
@@ -135,14 +146,14 @@ class InputCheckMethods:
         labels = [f"input {i}" for i in range(len(ex.inputs))] + (["target"] if ex.has_target else [])
         # [local problem?, data shard, then per input: kind/shape/dtype, sum, weighted sum]; ranks
         # of one data shard hold the same rows (global batches: one shard, every rank)
-        vec = [0, self.data_parallel_rank if self._local else 0] + [0] * (3 * len(labels))
+        vec = [0, self.data_parallel_rank if self.local else 0] + [0] * (3 * len(labels))
         if problem is not None:
             vec[0] = 1
         else:
             values = list(inputs) + ([target] if ex.has_target else [])
             for j, x in enumerate(values):
                 vec[2 + 3 * j: 5 + 3 * j] = checksum(x)
-        mine = torch.tensor(vec, dtype=torch.int64, device=self._device)  # NCCL gathers device tensors
+        mine = torch.tensor(vec, dtype=torch.int64, device=self.device)  # NCCL gathers device tensors
         world = dist.get_world_size()
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)  # the default group: every rank joins, whatever its problem
@@ -151,7 +162,7 @@ class InputCheckMethods:
             raise problem
         bad = [r for r in range(world) if int(table[r, 0]) != 0]
         if bad:
-            held = ("passes its own local batch (its data shard's rows)" if self._local
+            held = ("passes its own local batch (its data shard's rows)" if self.local
                     else "passes the same global batch")
             raise InputMismatchError(
                 f"{where} at step {step}: rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} got a batch that "
@@ -167,7 +178,7 @@ class InputCheckMethods:
             if not differ:
                 continue
             r = differ[0]
-            if self._local:
+            if self.local:
                 raise InputMismatchError(
                     f"ranks {first[shard[r]]} and {r} read the same data shard ({shard[r]} of "
                     f"{self.data_parallel_size}) but hold different batches at step {step} (they differ on {label}): "
