@@ -295,7 +295,8 @@ class ParallelModel(torch.nn.Module):
         Models still open at interpreter exit are closed then (``_close_all``)."""
         parts = [self._watch.close]
         if self.plan is not None:
-            parts += [self._backward.leave_mesh, self._grad_sync.close, self.comm.close]
+            backward = self.__dict__.get("_backward")  # None where _attach raised before building it
+            parts += ([backward.leave_mesh] if backward is not None else []) + [self._grad_sync.close, self.comm.close]
             if self._pipeline is not None:
                 parts.append(self._pipeline.close)
         parts.append(self._checkpointer.close)  # the save in flight completes (or its failure is raised)
