@@ -14,6 +14,8 @@ because no other mesh fits."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +200,36 @@ def test_cp_constraint_meshes_and_errors():
         mesh_candidates(cluster, Constraints(cp=2, hsdp=2))
     with pytest.raises(ConstraintError):
         Constraints(cp=0)
+
+
+# --------------------------------------------------------------------------- the planner chooses it
+def _llama3_8b_shape_plan(seq: int, batch: int):
+    """The free plan of a Llama-3-8B-shaped GPT (32 layers, hidden 4096, 32 heads, vocabulary
+    128256; ``examples/gpt.py``, causal SDPA) at ``seq`` tokens on 8 dgx-h100 nodes, bf16-mixed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from gpt import GPT, GPTConfig, gpt_loss
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(128256, seq, 32, 32, 4096))
+    idx = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return autopar.plan(model, Cluster.preset("dgx-h100", nodes=8), (idx,), loss_fn=gpt_loss, example_target=idx,
+                        precision="bf16-mixed")
+
+
+def _ms_per_step(outcomes, with_cp: bool) -> list[float]:
+    return [float(text.split(" ms/step")[0]) for label, text in outcomes
+            if " ms/step" in text and ("cp=" in label) == with_cp]
+
+
+@pytest.mark.slow
+def test_llama3_8b_shape_at_131k_tokens_on_8x8_h100_plans_a_context_axis():
+    """At 131,072 tokens attention is ~70% of the work: the search tries the context meshes and
+    the fastest plan splits every attention along the sequence on 'cp', predicted faster than
+    every mesh without a context axis it solved."""
+    plan = _llama3_8b_shape_plan(131072, 1)
+    mesh = dict(plan.mesh_axes)
+    assert mesh.get("cp", 1) > 1, (plan.mesh_axes, plan.solver.candidates)
+    assert _split_attention(plan) == 32
+    flat, context = _ms_per_step(plan.solver.candidates, False), _ms_per_step(plan.solver.candidates, True)
+    assert flat and context, plan.solver.candidates
+    assert plan.predicted.step_time_s * 1e3 == pytest.approx(min(context), rel=1e-3) and min(context) < min(flat)
