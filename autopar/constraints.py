@@ -28,7 +28,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpip
 # equal). Checked here, where a pin is written, so a bad axis is refused at ``annotate`` /
 # ``Constraints(...)`` rather than deep inside the solver.
 # 'ep': only on a ('dp', 'ep') mesh, 'dp_shard': only on an HSDP mesh (planner.meshes; checked when planning)
-MESH_AXES = ("dp", "tp", "ep", "dp_shard")
+MESH_AXES = ("dp", "tp", "ep", "dp_shard", "cp")
 _ANNOTATION_ATTR = "_autopar_annotations"
 _PLACEMENT_FORMS = "'R' (replicated), 'S(<dim>)' (sharded on tensor dim <dim>, e.g. 'S(0)'), 'P(sum)' or 'P(avg)' (partial, outputs only)"
 _AXIS_HINTS = {
@@ -171,9 +171,12 @@ class Constraints:
     # HSDP: ZeRO-3 within groups of ``hsdp`` neighbouring data-parallel ranks (a node), replicated
     # across the groups (the ('dp', 'dp_shard') mesh, ``planner.meshes``)
     hsdp: int | None = None
+    # context parallelism: attention split along the sequence over ``cp`` ranks (the ('dp', 'cp',
+    # 'tp') mesh, ``planner.meshes.context_mesh``); dp x cp x tp = the world size
+    cp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages", "hsdp"):
+        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages", "hsdp", "cp"):
             _check_degree(name, getattr(self, name))
         if self.hsdp is not None:
             self._check_hsdp()
@@ -238,6 +241,7 @@ class Constraints:
             "outputs": [[g, [list(a) for a in axes]] for g, axes in self.outputs],
             "zero_params": [[g, z] for g, z in self.zero_params],
             **({"hsdp": self.hsdp} if self.hsdp is not None else {}),  # absent when unset: older JSON unchanged
+            **({"cp": self.cp} if self.cp is not None else {}),
         }
 
     @classmethod
@@ -266,7 +270,7 @@ class Constraints:
         return Constraints(
             self.dp, self.tp, self.pp, self.ep, self.microbatches, self.zero, self.recompute, self.schedule,
             tuple(sorted(merged.items())), tuple(sorted(outs.items())), self.virtual_stages, self.zero_params,
-            hsdp=self.hsdp,
+            hsdp=self.hsdp, cp=self.cp,
         )
 
     def __str__(self) -> str:

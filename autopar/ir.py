@@ -3,7 +3,8 @@
 The graph targets the passes insert: ``reshard`` for every layout change (implemented in
 ``autopar.runtime.collectives``), ``sharded_batch_norm`` for a batch norm over a split batch,
 ``gather_param_start`` / ``gather_param_finish`` for prefetched parameter gathers
-(``autopar.runtime.prefetch``); and the ``GraphModule.meta`` keys the passes leave for the runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
+(``autopar.runtime.prefetch``), ``context_sdpa`` for causal attention whose queries are split
+along the sequence (``autopar.runtime.context_attention``); and the ``GraphModule.meta`` keys the passes leave for the runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
 Rules both sides must apply identically (what the planner prices is what the passes emit) live
 here too.
 """
@@ -14,9 +15,10 @@ import torch.fx as fx
 from autopar.layouts import Layout, Partial, Replicate, Shard, grad_layout, parse_layout
 from autopar.runtime.batch_norm import sharded_batch_norm
 from autopar.runtime.collectives import reshard, reshard_finish, reshard_start
+from autopar.runtime.context_attention import context_sdpa
 from autopar.runtime.prefetch import gather_param_finish, gather_param_start
 
-__all__ = ["reshard_start", "reshard_finish", "batch_only_values", "block_instance", "early_start_lead", "region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "prefetched_grad_all_reduces", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
+__all__ = ["context_sdpa", "context_split_axis", "context_causal_imbalance", "reshard_start", "reshard_finish", "batch_only_values", "block_instance", "early_start_lead", "region_expert_axis", "region_exchanges", "reshard", "sharded_batch_norm", "gather_param_start", "gather_param_finish", "param_cast_dtype", "edge_reshard", "pure_all_reduce_axes", "reshard_summed_axes", "reshard_source", "pending_loss", "gradient_sink_params", "sunk_param_grad", "prefetchable_gather", "prefetched_grad_all_reduces", "batch_norm_split", "batch_norm_sync", "training_batch_norms", "GRAD_SYNC_KEY",
            "LOSS_LAYOUT_KEY", "RECOMPUTE_KEY", "LOCAL_OUTPUTS_KEY", "local_rows", "boundary_layout", "mark_local_batch",
            "is_local_batch"]
 
@@ -165,6 +167,30 @@ def early_start_lead(graph: fx.Graph, flops) -> dict[tuple[str, str], float]:
         total += flops(n)
     total = total or 1.0
     return {(u, v.name): before[v.name] / total for u in early for v in by_name[u].users if v.op != "output"}
+
+
+def context_split_axis(node: fx.Node, q_layout: Layout | None, mesh_shape) -> int | None:
+    """The mesh axis (of size > 1) on which an attention node's queries, laid out ``q_layout``, are
+    split along the sequence (dim -2: context parallelism, ``strategies.rules.sdpa``); None when
+    they are not. ``passes.context_attention`` runs such a causal attention as ``context_sdpa``,
+    and the planner prices its load imbalance (``context_causal_imbalance``) by this one rule."""
+    from autopar.node_view import op_name
+
+    if q_layout is None or node.op != "call_function" or op_name(node) != "scaled_dot_product_attention":
+        return None
+    q = (node.args[0].meta.get("autopar.outputs") or (None,))[0] if isinstance(node.args[0], fx.Node) else None
+    if q is None or len(q.shape) < 2:
+        return None
+    seq = len(q.shape) - 2
+    return next((a for a, (p, n) in enumerate(zip(q_layout, mesh_shape)) if n > 1 and p == Shard(seq)), None)
+
+
+def context_causal_imbalance(parts: int) -> float:
+    """How much more than ``1 / parts`` of a causal attention's work the busiest rank does when its
+    queries are split into ``parts`` contiguous blocks of the sequence (``context_sdpa``): the
+    last block sees every key, ``(2 * parts - 1) / parts**2`` of the (halved) causal work. Load
+    balancing (each rank a block from both ends) would bring it to 1; it is not implemented."""
+    return (2 * parts - 1) / parts
 
 
 def pending_loss(layout: Layout) -> bool:

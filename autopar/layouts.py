@@ -45,6 +45,7 @@ __all__ = [
     "state_dim",
     "state_layout",
     "DATA_AXIS_NAMES",
+    "CONTEXT_AXIS_NAMES",
     "nests_only_data_axes",
 ]
 
@@ -58,6 +59,9 @@ R = Replicate()
 # ``dp``, see ``planner.meshes``); 'dp_shard' is the inner data axis of an HSDP mesh (ZeRO-3 shards
 # there, parameters are replicated on 'dp'); on a ('dp', 'tp') mesh no dim is ever sharded twice.
 DATA_AXIS_NAMES = ("dp", "ep", "dp_shard")
+# Mesh axes that carry context parallelism: attention may split its queries along the sequence
+# there, with the keys and values whole (gathered over the axis; ``strategies.rules.sdpa``).
+CONTEXT_AXIS_NAMES = ("cp",)
 
 
 def nests_only_data_axes(layout: Sequence[Placement], axis_names: Sequence[str]) -> bool:

@@ -11,6 +11,7 @@ from typing import Callable
 import torch.fx as fx
 
 from autopar.passes.cleanup import eliminate_dead_code_pass
+from autopar.passes.context_attention import context_attention_pass
 from autopar.passes.context import PassContext
 from autopar.passes.defer_gradient_sync import defer_gradient_sync_pass
 from autopar.passes.expert_dispatch import expert_dispatch_pass
@@ -29,6 +30,7 @@ PASSES: list[Callable[[fx.GraphModule, PassContext], fx.GraphModule]] = [
     sync_batch_norm_pass,
     expert_dispatch_pass,
     insert_collectives_pass,
+    context_attention_pass,
     sink_gradient_sums_pass,
     defer_gradient_sync_pass,
     prefetch_param_gathers_pass,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
-from autopar.planner.meshes import expert_data_mesh, hsdp_mesh
+from autopar.planner.meshes import context_mesh, expert_data_mesh, hsdp_mesh
 
-__all__ = ["USABLE_MEMORY_FRACTION", "PIPELINE_STAGES", "mesh_candidates", "microbatch_counts"]
+__all__ = ["USABLE_MEMORY_FRACTION", "PIPELINE_STAGES", "mesh_candidates", "context_mesh_candidates", "microbatch_counts"]
 
 # Fraction of device memory a plan may use: the rest is for the allocator's fragmentation, the
 # CUDA context and library workspaces (cuBLAS, NCCL buffers).
@@ -45,7 +45,7 @@ def mesh_candidates(cluster: Cluster, c: Constraints, hsdp: bool = True) -> list
                 f"{name}={v} does not divide the {world} devices of {'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world} "
                 f"(e.g. {', '.join(str(d) for d in _divisors(world) if d <= 64)})"
             )
-    if c.dp is not None and c.tp is not None and c.dp * c.tp != world:
+    if c.cp is None and c.dp is not None and c.tp is not None and c.dp * c.tp != world:
         raise ConstraintError(f"dp={c.dp} x tp={c.tp} = {c.dp * c.tp} but {'a pipeline stage' if pp > 1 else 'the cluster'} has "
                               f"{world} devices; the product must equal {'the world size / pp' if pp > 1 else 'the world size'}")
     if c.tp is not None:
@@ -57,6 +57,8 @@ def mesh_candidates(cluster: Cluster, c: Constraints, hsdp: bool = True) -> list
     if c.ep is not None and world % c.ep:
         raise ConstraintError(f"ep={c.ep} does not divide the {world} devices of "
                               f"{'a pipeline stage' if pp > 1 else 'the cluster'}; choose a divisor of {world}")
+    if c.cp is not None:
+        return _context_meshes(cluster, c, world, tps)
     meshes = [(world // t, t) for t in tps]
     if c.hsdp is not None:
         hsdp_meshes = [hsdp_mesh(world // t, c.hsdp, tp=t) for t in tps if (world // t) % c.hsdp == 0 and world // t > c.hsdp]
@@ -79,6 +81,33 @@ def mesh_candidates(cluster: Cluster, c: Constraints, hsdp: bool = True) -> list
                  if 1 < c.ep < world // t and (world // t) % c.ep == 0]
         if inner:
             meshes = inner if c.dp is not None else meshes + inner
+    return meshes
+
+
+def context_mesh_candidates(cluster: Cluster, c: Constraints) -> list:
+    """The ('dp', 'cp', 'tp') meshes (``planner.meshes.context_mesh``) the free search tries for a
+    model with attention when no other single-stage mesh fits: every context degree above 1 that,
+    with the tensor-parallel degree, divides a node (both axes inside it)."""
+    if c.pp not in (None, 1) or c.hsdp is not None or (c.ep or 1) > 1:
+        return []
+    world = cluster.world_size
+    tps = [c.tp] if c.tp is not None else [t for t in _divisors(min(cluster.devices_per_node, world)) if world % t == 0]
+    return [context_mesh(world // (t * cp), cp, t) for t in tps for cp in _divisors(cluster.devices_per_node // t)
+            if cp > 1 and world % (t * cp) == 0 and (c.dp is None or c.dp * cp * t == world)]
+
+
+def _context_meshes(cluster: Cluster, c: Constraints, world: int, tps: list[int]) -> list:
+    """The meshes ``Constraints(cp=C)`` allows: ('dp', 'cp', 'tp') = (world / (C * T), C, T)."""
+    if c.hsdp is not None or (c.ep or 1) > 1:
+        raise ConstraintError(f"cp={c.cp} with {'hsdp' if c.hsdp is not None else 'ep'} is not supported: context "
+                              "parallelism runs on a ('dp', 'cp', 'tp') mesh; drop one of them")
+    if c.tp is None and c.dp is not None:
+        tps = [world // (c.dp * c.cp)] if world % (c.dp * c.cp) == 0 else []
+    meshes = [context_mesh(world // (t * c.cp), c.cp, t) for t in tps
+              if t >= 1 and world % (t * c.cp) == 0 and (c.dp is None or c.dp * c.cp * t == world)]
+    if not meshes:
+        raise ConstraintError(f"cp={c.cp} does not fit the {world} devices with dp={c.dp} and tp={c.tp}: dp x cp x tp "
+                              f"must equal {world}; choose cp dividing {world} (and dp, tp to match)")
     return meshes
 
 

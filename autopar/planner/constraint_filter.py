@@ -14,10 +14,11 @@ import torch.fx as fx
 
 from autopar.constraints import MESH_AXES, Constraints
 from autopar.errors import ConstraintError
-from autopar.ir import is_local_batch
+from autopar.ir import context_split_axis, is_local_batch
+from autopar.node_view import op_name
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
 from autopar.planner.experts import expert_axis, expert_params
-from autopar.planner.meshes import axis_names, data_axes, data_degree, describe, shard_axis
+from autopar.planner.meshes import CONTEXT_AXIS, axis_names, data_axes, data_degree, describe, shard_axis
 from autopar.regions import REGION_FLOPS_KEY
 from autopar.strategies import Strategy
 from autopar.strategies.rules import rule_for
@@ -144,6 +145,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
     data_parallel = c.dp is not None or c.hsdp is not None  # every input's batch split on the data axes
     tp_a = names.index("tp") if "tp" in names else None  # ('dp', 'ep') meshes have none
     tensor_parallel = tp_a is not None and mesh[tp_a] > 1 and (c.tp or 1) > 1
+    cp_a = names.index(CONTEXT_AXIS) if CONTEXT_AXIS in names and mesh[names.index(CONTEXT_AXIS)] > 1 else None
     data = [a for a in data_axes(mesh) if mesh[a] > 1]
     out_pins = {}
     for pattern, axes in c.outputs:
@@ -262,6 +264,9 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
             for arg, lay in zip(tensor_inputs(node), s.ins):
                 if arg.name in experts and lay is not None and lay[ep_a] != Shard(0):
                     return f"{ep_rule}: tokens move to their experts, experts are not gathered"
+        if kind == "op" and cp_a is not None and c.cp is not None and op_name(node) == "scaled_dot_product_attention" \
+                and context_split_axis(node, s.ins[0], mesh) != cp_a:
+            return f"cp={c.cp} splits attention's queries along the sequence on axis 'cp' (context parallel)"
         if node.name in out_pins and kind == "op":
             if not _pin_layout_ok(s.outs[0], out_pins[node.name], mesh):
                 return f"output pinned to {dict(out_pins[node.name])}"

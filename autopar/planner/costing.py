@@ -22,6 +22,7 @@ from autopar.cost_models.compute import matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
 from autopar.regions import REGION_GROUPED_KEY
+from autopar.ir import context_causal_imbalance, context_split_axis
 from autopar.layouts import Layout, local_numel, local_shape, split_factor, state_layout
 from autopar.resharding import layout_after, reshard_steps_for
 from autopar.node_view import VIEW_OPS, OpView, node_flops, op_name, single_meta
@@ -127,6 +128,8 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
         flops = _imbalanced_region_flops(node, strategy, ctx, flops)
     ref = next((o for o in strategy.outs if o is not None), None)
     split = split_factor(ref, ctx.mesh_shape) if ref is not None else 1
+    if kind == "attention" and strategy.ins:
+        split /= _context_imbalance(node, strategy, ctx)
     dtype = ctx.policy.compute_dtype
     device = ctx.cluster.device
     eff = _efficiency(device, kind)
@@ -162,6 +165,15 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
     work = op_time(ratio * flops / split, ratio * nbytes / split, device, dtype, kind, efficiency=eff)
     bwd = with_overhead(overhead * BWD_OPS.get(kind, 1), work, queued)
     return fwd, bwd
+
+
+def _context_imbalance(node: fx.Node, strategy: Strategy, ctx: CostContext) -> float:
+    """The busiest rank's share of a causal attention over an even share (``ir.context_causal_imbalance``)
+    when its queries are split along the sequence (context parallelism), else 1: the step waits for it."""
+    axis = context_split_axis(node, strategy.ins[0], ctx.mesh_shape)
+    if axis is None or not OpView(node).arg("is_causal", False):
+        return 1.0
+    return context_causal_imbalance(ctx.mesh_shape[axis])
 
 
 def host_queues(cluster) -> bool:

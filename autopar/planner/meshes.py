@@ -15,6 +15,11 @@ the inner one, 'dp_shard' (``shard_axis``, a node or a group of neighbouring ran
 replicated on 'dp' (across groups): a gradient is reduce-scattered in its group, then its shard is
 all-reduced across groups; a parameter is all-gathered within its group (FSDP2's HSDP).
 
+Context parallelism (``Constraints(cp=C)``, or tried by the search when no other mesh fits) is the
+('dp', 'cp', 'tp') mesh ``(D, C, T)``: 'cp' (``CONTEXT_AXIS``, a ``layouts.CONTEXT_AXIS_NAMES``
+role) sits between the data and tensor axes, inside a node with 'tp' where ``C * T`` divides the
+node; attention may split its queries along the sequence there (``strategies.rules.sdpa``).
+
 ``MeshShape`` carries the names; it compares and hashes with them, so the planner's memos keyed
 by mesh keep a ('dp', 'ep') mesh apart from the ('dp', 'tp') mesh of the same sizes.
 """
@@ -24,10 +29,12 @@ import math
 
 from autopar.layouts import DATA_AXIS_NAMES
 
-__all__ = ["DEFAULT_AXES", "MeshShape", "axis_names", "data_axes", "data_degree", "describe", "expert_data_mesh", "hsdp_mesh", "shard_axis", "SHARD_AXIS"]
+__all__ = ["DEFAULT_AXES", "MeshShape", "axis_names", "data_axes", "data_degree", "describe", "expert_data_mesh", "hsdp_mesh", "shard_axis", "SHARD_AXIS",
+           "CONTEXT_AXIS", "context_mesh"]
 
 DEFAULT_AXES = ("dp", "tp")
 SHARD_AXIS = "dp_shard"  # HSDP's axis of ZeRO-3 shards (replicated on 'dp')
+CONTEXT_AXIS = "cp"  # context parallelism's axis (layouts.CONTEXT_AXIS_NAMES)
 
 
 class MeshShape(tuple):
@@ -100,3 +107,9 @@ def shard_axis(mesh) -> int | None:
     """The axis of an HSDP mesh that ZeRO-3 shards on ('dp_shard'); None on any other mesh."""
     names = axis_names(mesh)
     return names.index(SHARD_AXIS) if SHARD_AXIS in names else None
+
+
+def context_mesh(data: int, cp: int, tp: int = 1) -> MeshShape:
+    """The ('dp', 'cp', 'tp') mesh ``(data, cp, tp)``: context parallelism over ``cp`` ranks next to
+    the tensor-parallel ones (tensor parallelism innermost, then the context axis)."""
+    return MeshShape((data, cp, tp), ("dp", CONTEXT_AXIS, "tp"))

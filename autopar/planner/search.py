@@ -21,7 +21,7 @@ from autopar.planner.bounded_memo import BoundedMemo
 from autopar.planner.blocks import find_repeated_blocks
 from autopar.planner.constraint_filter import AXES, check_heads, make_filter, pin_key, validate_pins
 from autopar.planner.experts import check_experts
-from autopar.planner.candidates import (PIPELINE_STAGES, USABLE_MEMORY_FRACTION, mesh_candidates,
+from autopar.planner.candidates import (PIPELINE_STAGES, USABLE_MEMORY_FRACTION, context_mesh_candidates, mesh_candidates,
                                        microbatch_counts)
 from autopar.layouts import DATA_AXIS_NAMES
 from autopar.planner.meshes import axis_names, data_degree, describe, shard_axis
@@ -34,6 +34,7 @@ from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
 from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem
 from autopar.planner.threads import run_concurrently
 from autopar.trace import TracedGraph
+from autopar.node_view import node_flops, op_name
 
 __all__ = ["search_plan", "mesh_candidates", "naive_dp_baseline", "USABLE_MEMORY_FRACTION", "AXES"]
 
@@ -224,6 +225,25 @@ def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: di
     return None
 
 
+# The share of a model's forward FLOPs in attention from which the free search also tries context
+# parallelism when other meshes fit (long sequences: Llama-3-8B's shape reaches it near 20k
+# tokens). Below it the attention a context axis would split costs too little to pay for the
+# keys' and values' all-gathers and the causal imbalance, and skipping saves the meshes' ILPs.
+CONTEXT_ATTENTION_SHARE = 0.25
+
+
+def _attention_share(traced: TracedGraph) -> float:
+    """The share of the forward FLOPs in ``scaled_dot_product_attention`` (context parallelism
+    splits it); 0 for a model without it."""
+    total = attention = 0.0
+    for n in traced.graph.nodes:
+        flops, kind = node_flops(n)
+        total += flops
+        if kind == "attention" and op_name(n) == "scaled_dot_product_attention":
+            attention += flops
+    return attention / total if total else 0.0
+
+
 def _candidates(c: Constraints, has_blocks: bool):
     recomputes = [c.recompute] if c.recompute is not None else ([False, True] if has_blocks else [False])
     micros = [c.microbatches] if c.microbatches is not None else [1]
@@ -388,6 +408,13 @@ def _search_single_stage(
         if reason:
             skipped[twin] = (describe(twin), reason)
     done.update(run_concurrently({m: search(m) for m in twins if m not in skipped}, solver.planner_threads))
+    # context parallelism ('dp', 'cp', 'tp') for a model with attention where memory demands it
+    # (nothing else fits) or speed may (long sequences: attention's share of the work)
+    share = _attention_share(traced) if c.cp is None and PIPELINE_STAGES not in (_cache or {}) else 0.0
+    if share and (share >= CONTEXT_ATTENTION_SHARE or not any(done[m][0] for m in searched if m not in skipped)):
+        context = [m for m in context_mesh_candidates(cluster, c) if m not in done]
+        done.update(run_concurrently({m: search(m) for m in context}, solver.planner_threads))
+        meshes = list(meshes) + context
     for mesh in meshes:
         if mesh in skipped:
             outcomes.append(skipped[mesh])

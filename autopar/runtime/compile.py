@@ -321,7 +321,7 @@ class _Builder:
         ep = sizes.get("ep")  # a ('dp', 'ep') mesh: data parallel over both axes (planner.meshes)
         shard = sizes.get("dp_shard")  # an HSDP ('dp', 'dp_shard') mesh: the same
         constraints = Constraints(dp=sizes.get("dp") * (ep or 1) * (shard or 1), tp=sizes.get("tp"), ep=ep, hsdp=shard,
-                                  microbatches=plan.microbatches if with_loss else 1,
+                                  cp=sizes.get("cp"), microbatches=plan.microbatches if with_loss else 1,
                                   recompute=None if train else False, placements=pins)
         other = _plan_on_rank0(traced, self.cluster, constraints, self.policy, self.spec, baseline=False)
         with plain_state(self.model), cyclic_gc_paused():

@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.layouts import (
+    CONTEXT_AXIS_NAMES,
     Layout,
     R,
     Replicate,
@@ -211,6 +212,8 @@ def _op_strategies(node: fx.Node, rule, metas, mesh_shape: tuple, axis_names: tu
             continue
         if any(not _is_all_r(per_axis[a]) for a in trivial_axes):
             continue  # a size-1 axis only carries Replicate
+        if any(o.context and axis_names[a] not in CONTEXT_AXIS_NAMES for a, o in enumerate(per_axis)):
+            continue  # context parallelism (attention split along the sequence) only on a context axis
         # nested shards of one dim cut it into the product of their axes (conservatively: of every
         # axis whose option counts groups)
         nested = not all(_valid_layout(x) for x in ins + outs)  # a dim sharded on several axes

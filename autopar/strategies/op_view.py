@@ -20,3 +20,4 @@ class AxisOption:
     ins: tuple[Placement | None, ...]
     outs: tuple[Placement, ...]
     divides: int = 0  # when set, the option is valid only on axes whose size divides it (conv groups)
+    context: bool = False  # when set, the option is valid only on a context axis (``layouts.CONTEXT_AXIS_NAMES``)

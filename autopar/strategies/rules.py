@@ -459,7 +459,32 @@ def sdpa(op: OpView) -> list[AxisOption]:
                 k = d - (4 - len(m.shape))
                 ins.append(Shard(k) if k >= 0 and m.shape[k] == q.shape[d] else R)
         options.append(AxisOption(tuple(ins), (Shard(d),) * len(op.out_metas)))
+    options += _context_sdpa(op)
     return options
+
+
+def _context_sdpa(op: OpView) -> list[AxisOption]:
+    """Context parallelism (on a context axis only): the queries' rows split along the sequence
+    (dim -2), keys and values whole on the axis (all-gathered there; their gradients come back
+    partial and are reduce-scattered), a mask split on its query rows. Exact without a causal
+    mask as it stands; with ``is_causal`` the passes run ``ir.context_sdpa``, which masks by this
+    rank's global rows (``passes.context_attention``)."""
+    q = op.in_metas[0]
+    nd = len(q.shape)
+    if nd < 2 or q.shape[-2] <= 1 or op.arg("is_causal", False) and q.shape[-2] != op.in_metas[1].shape[-2]:
+        return []  # (a causal mask over keys of another length: not split)
+    ins = []
+    for i, m in enumerate(op.in_metas):
+        if m is None:
+            ins.append(None)
+        elif i == 0:
+            ins.append(Shard(nd - 2))
+        elif i < 3:
+            ins.append(R)
+        else:  # attention mask, broadcast against [..., Tq, Tk]: split on its query rows where it has them
+            k = len(m.shape) - 2
+            ins.append(Shard(k) if k >= 0 and m.shape[k] == q.shape[-2] else R)
+    return [AxisOption(tuple(ins), (Shard(nd - 2),) * len(op.out_metas), context=True)]
 
 
 def along_dim(op: OpView) -> list[AxisOption]:

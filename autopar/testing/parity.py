@@ -96,10 +96,10 @@ def build_case(name: str, seed: int = 0):
         model = _TupleGPT(cfg)
         batches = [example_batch(cfg, 8, seed=s) for s in range(8)]
         return model, batches, _tuple_loss
-    if name in ("manual_gpt", "tiny_llama"):
-        from autopar.testing.zoo import ManualAttentionGPT, TinyLlama, lm_loss
+    if name in ("manual_gpt", "tiny_llama", "tiny_encoder"):
+        from autopar.testing.zoo import ManualAttentionGPT, TinyEncoder, TinyLlama, lm_loss
 
-        model = ManualAttentionGPT() if name == "manual_gpt" else TinyLlama()
+        model = {"manual_gpt": ManualAttentionGPT, "tiny_llama": TinyLlama, "tiny_encoder": TinyEncoder}[name]()
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g))
                    for _ in range(8)]

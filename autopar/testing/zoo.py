@@ -13,6 +13,9 @@ one part of it, so a pipeline's stages use one submesh axis differently.
 ``WhereLoopMoE``: a mixture-of-experts layer written as many tutorials write it: top-2 routing,
 each expert (an ``nn.ModuleList`` of MLPs) computing on the rows ``torch.where`` picks, its gated
 output ``index_add``-ed back (sizes that depend on the routing; ``autopar.data_dependent``).
+``TinyEncoder``: bidirectional (non-causal) attention through ``scaled_dot_product_attention``
+with a key padding mask computed from the tokens (token 0 is padding), learned positions,
+per-token classification (a BERT-style encoder).
 ``RoutedResidualMLP``: residual layers whose first one also picks, per token, an integer index and
 a boolean mask (routing-like values, no gradient) that the last layer reads: a pipeline cut between
 them sends an integer, a boolean and a detached float across.
@@ -25,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ManualAttentionGPT", "TinyLlama", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "WideEmbeddingMLP", "WhereLoopMoE", "lm_loss"]
+__all__ = ["ManualAttentionGPT", "TinyLlama", "TinyEncoder", "SmallCNN", "OddMLP", "ResidualMLP", "RoutedResidualMLP", "WideEmbeddingMLP", "WhereLoopMoE", "lm_loss"]
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -158,6 +161,42 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
         return self.lm_head(self.norm(x))
+
+
+class _EncoderBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.h = heads
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x, keep):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class TinyEncoder(nn.Module):
+    def __init__(self, vocab=128, T=16, d=32, heads=4, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(T, d) * 0.02)
+        self.blocks = nn.ModuleList(_EncoderBlock(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        keep = (idx != 0)[:, None, None, :]  # keys that are not padding
+        x = self.tok(idx) + self.pos
+        for block in self.blocks:
+            x = block(x, keep)
+        return self.head(self.norm(x))
 
 
 class SmallCNN(nn.Module):
