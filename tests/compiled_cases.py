@@ -128,3 +128,51 @@ def loopback_step(fn, args, comm) -> tuple[torch.Tensor, list, dict]:
         loss.backward()
         drain_gradient_reductions(comm)
     return loss.detach(), [a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad], dict(comm.stats.bytes)
+
+
+def adamw(ps):
+    """The AdamW factory of the compiled-training tests."""
+    return torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)
+
+
+def _one_device(model, batches, loss_fn, optimizer) -> list[float]:
+    from helpers import one_device_losses
+
+    return one_device_losses(copy.deepcopy(model), batches, loss_fn, optimizer)
+
+
+def compiled_training_worker(cases: list, backend: str, steps: int = 3) -> list[dict]:
+    """Per case ``(name, constraints, optimizer name, path)``: the losses of ``steps`` steps of
+    ``autopar.compile(..., compile=backend)`` ("train_step" or the torch-native loop "native"),
+    one device's, and dynamo's graph and graph-break counts over the run."""
+    from torch._dynamo.utils import counters
+
+    from helpers import sgd
+
+    out = []
+    for name, constraints, opt_name, path in cases:
+        optimizer = {"sgd": sgd, "adamw": adamw}[opt_name]
+        model, batches, loss_fn = model_case(name, steps)
+        want = _one_device(model, batches, loss_fn, optimizer)
+        torch._dynamo.reset()
+        counters.clear()
+        x0, t0 = batches[0]
+        cons = autopar.Constraints(**constraints)
+        losses = []
+        if path == "train_step":
+            pm = autopar.compile(model, autopar.Cluster.local(), (x0,), example_target=t0, loss_fn=loss_fn,
+                                 optimizer=optimizer, constraints=cons, compile=backend)
+            losses = [float(pm.train_step(x, target=t)) for x, t in batches]
+        else:
+            pm = autopar.compile(model, autopar.Cluster.local(), (x0,), constraints=cons, compile=backend)
+            opt = optimizer(pm.parameters())
+            for x, t in batches:
+                loss = loss_fn(pm(x), t)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss.detach()))
+        pm.close()
+        out.append({"losses": losses, "want": want, "graphs": int(counters["stats"]["unique_graphs"]),
+                    "breaks": sum(counters["graph_break"].values()), "reasons": dict(counters["graph_break"])})
+    return out
