@@ -5,7 +5,8 @@ The graph targets the passes insert: ``reshard`` for every layout change (implem
 ``gather_param_start`` / ``gather_param_finish`` for prefetched parameter gathers
 (``autopar.runtime.prefetch``); and the ``GraphModule.meta`` keys the passes leave for the runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
 Rules both sides must apply identically (what the planner prices is what the passes emit) live
-here too.
+here too. ``autopar.ir_ops`` declares the same communication as registered ``torch.library`` ops
+(fake kernels, autograd formulas) for compiled programs (``runtime.compiled_program``).
 """
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from autopar.runtime.compiled_program import traceable
 
 TOL = 1e-5
 
-LOOPBACK = [("gpt", 2, {"tp": 2}), ("mlp", 2, {"dp": 2, "zero": 3})]
-LOOPBACK_SLOW = [("gpt", 2, {"dp": 2}), ("gpt", 4, {"dp": 2, "tp": 2}), ("gpt", 2, {"dp": 2, "zero": 3}),
-                 ("mlp", 2, {"dp": 2}), ("mlp", 2, {"tp": 2}), ("mlp", 4, {"dp": 2, "tp": 2})]
+LOOPBACK = [("mlp", 2, {"tp": 2})]  # the fast tier's
+LOOPBACK_SLOW = [("gpt", 2, {"dp": 2}), ("gpt", 2, {"tp": 2}), ("gpt", 4, {"dp": 2, "tp": 2}), ("gpt", 2, {"dp": 2, "zero": 3}),
+                 ("mlp", 2, {"dp": 2}), ("mlp", 4, {"dp": 2, "tp": 2}), ("mlp", 2, {"dp": 2, "zero": 3})]
 
 
 def _id(case) -> str:
@@ -58,6 +58,7 @@ def test_compiled_program_is_one_graph_equal_to_eager_more(case):
     _check_loopback(case)
 
 
+@pytest.mark.slow
 def test_the_eager_program_breaks_at_its_collectives():
     """The counter sees breaks where there are some: the eager GPT tp=2 program breaks."""
     program, args, comm = program_on_loopback("gpt", 2, {"tp": 2})
