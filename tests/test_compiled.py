@@ -107,3 +107,18 @@ def test_compiled_training_equals_one_device_4():
 def test_inductor_training_equals_one_device():
     cases = [("mlp", {"dp": 2, "tp": 2}, "sgd", "train_step")]
     _check_training(autopar.launch(compiled_training_worker, 4, cases, "inductor", timeout_s=900), cases, 4)
+
+
+def test_a_runtime_call_without_an_op_is_refused():
+    """A program calling a runtime function the rewrite does not know (batch-norm statistics here)
+    is refused by name instead of compiled with breaks."""
+    import torch.fx as fx
+
+    from autopar.ir import sharded_batch_norm
+    from compiled_cases import LoopbackComm
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(sharded_batch_norm, (x,)))
+    with pytest.raises(autopar.AutoparError, match="sharded_batch_norm"):
+        traceable(fx.GraphModule(torch.nn.Module(), g), LoopbackComm((2,), (0,)))

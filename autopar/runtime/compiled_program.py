@@ -61,6 +61,10 @@ def _listed(x):
 
 def traceable(program: fx.GraphModule, comm: MeshComm) -> fx.GraphModule:
     """A copy of ``program`` (sharing its attributes) calling the IR's ops on ``comm``'s mesh."""
+    for sub in program.modules():  # a recomputed block or a pipeline stage: not rewritten (yet)
+        if sub is not program and isinstance(sub, fx.GraphModule) and any(_runtime_call(n) for n in sub.graph.nodes):
+            raise AutoparError("compile=True cannot run this program yet: it holds a submodule graph that calls the runtime "
+                               "(activation checkpointing or pipeline stages); compile without compile=")
     new = _copy_graph(program.graph)
     sizes, coords = list(comm.sizes), list(comm.coords)
     for node in list(new.nodes):
@@ -87,12 +91,18 @@ def traceable(program: fx.GraphModule, comm: MeshComm) -> fx.GraphModule:
             _replace(new, node, GATHER_PARAM, args)
         elif t is gather_param_finish:
             node.target = gathered_view
-        elif not isinstance(t, torch._ops.OpOverload) and t is not operator.getitem \
-                and getattr(t, "__module__", "").startswith("autopar."):
+        elif _runtime_call(node):
             raise AutoparError(f"compile=True cannot run this program yet: it calls {t.__module__}.{t.__name__} "
                                f"(node {node.name}), which has no registered op; compile without compile=")
     new.lint()
     return fx.GraphModule(program, new)
+
+
+def _runtime_call(node: fx.Node) -> bool:
+    """Whether ``node`` calls a Python function of autopar (the eager runtime)."""
+    t = node.target
+    return node.op == "call_function" and not isinstance(t, torch._ops.OpOverload) and t is not operator.getitem \
+        and getattr(t, "__module__", "").startswith("autopar.")
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
