@@ -32,7 +32,7 @@ from autopar.resharding import reshard_steps_for
 
 __all__ = ["RESHARD", "GATHER_PARAM", "REDUCE_GRAD", "reshard_local_shape", "reshard_steps"]
 
-_LIB = torch.library.Library("autopar", "DEF")  # noqa: the ops' namespace, alive as long as the module
+_LIB = torch.library.Library("autopar", "DEF")  # the ops' namespace: registered while this module lives
 _LIB.define("reshard(Tensor x, str src, str dst, str? grad_src, str? grad_dst, int[]? shape, int[] sizes, int[] coords, "
             "ScalarType? dtype, ScalarType? reduce_dtype, str? site) -> Tensor")
 _LIB.define("gather_param(Tensor x, int axis, int dim, int? size, int[] sizes, int[] coords, ScalarType? dtype, "
