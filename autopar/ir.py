@@ -6,7 +6,8 @@ The graph targets the passes insert: ``reshard`` for every layout change (implem
 (``autopar.runtime.prefetch``), ``context_sdpa`` for causal attention whose queries are split
 along the sequence (``autopar.runtime.context_attention``); and the ``GraphModule.meta`` keys the passes leave for the runtime. Passes import from here, never from the runtime's modules; the runtime reads these keys.
 Rules both sides must apply identically (what the planner prices is what the passes emit) live
-here too.
+here too. ``autopar.ir_ops`` declares the same communication as registered ``torch.library`` ops
+(fake kernels, autograd formulas) for compiled programs (``runtime.compiled_program``).
 """
 from __future__ import annotations
 

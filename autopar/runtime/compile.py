@@ -24,6 +24,7 @@ from autopar.errors import AutoparError, ConstraintError, InputMismatchError, Pl
 from autopar.plan import Plan
 from autopar.runtime.launch import device_mesh, init_distributed
 from autopar.runtime.checkpoint import Checkpointing
+from autopar.runtime.compiled_program import CompiledPrograms, check_compile_arg
 from autopar.runtime.monitor import Monitoring, StepMonitor
 from autopar.runtime.batch_checks import missing_target
 from autopar.runtime.in_place import is_sharded_in_place, plain_state, shard_in_place
@@ -52,6 +53,7 @@ def compile(
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     monitor: Monitoring | None = None,
     init: Callable[[torch.nn.Module], Any] | str | None = None,
+    compile: bool | str = False,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's sharded program. Call it in every process.
 
@@ -114,6 +116,11 @@ def compile(
     same init for the buffers no state dict holds only (a rotary ``inv_freq``, ``freqs_cis``).
     ``init=fn`` with a model holding no meta tensor is refused.
 
+    ``compile=True`` runs each per-rank program's forward and backward under ``torch.compile``
+    (Inductor; or name the backend: "aot_eager", "eager"), the program's collectives as the IR's
+    registered ops inside the graph (``runtime.compiled_program``); False (the default) runs it
+    eagerly.
+
     >>> # in a torchrun script:
     >>> # pm = autopar.compile(model, autopar.Cluster.local())
     >>> # opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -161,6 +168,7 @@ def compile(
             raise AutoparError("example_target= without example_inputs=: pass both to plan ahead, or neither")
     _check_plan_args(plan, constraints, precision, collective_timeout_s, cluster)
     check_init_arg(init)
+    backend = check_compile_arg(compile)
     if monitor is not None and not isinstance(monitor, Monitoring):
         raise AutoparError(f"monitor= takes autopar.Monitoring(run_dir), got a {type(monitor).__name__}")
     if not fused and constraints is not None and (constraints.microbatches or 1) > 1:
@@ -179,6 +187,7 @@ def compile(
     spec = describe_optimizer(optimizer, device.type) if fused else optimizer_spec("adamw")
     builder = _Builder(model=model, cluster=cluster, constraints=constraints, given_plan=plan, policy=policy,
                        spec=spec, device=device, loss_fn=loss_fn, optimizer=optimizer, local=batch == "local", lr_scheduler=lr_scheduler)
+    builder.compiled_programs = CompiledPrograms(backend) if backend is not None else None
     builder.init = init  # meta models: how ``runtime.shard_init`` initialises the shards
     pm = ParallelModel(model=model, builder=builder, check_inputs=check_inputs)
     shard_in_place(model, pm, builder)  # model holds pm's tensors from here on (``runtime.in_place``)
@@ -234,6 +243,7 @@ class _Builder:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.autocast = policy.torch_compute_dtype if policy.mixed else None
+        self.compiled_programs = None  # compile(compile=...): ``runtime.compiled_program.CompiledPrograms``
         self.init = None  # compile(init=...): a meta model's init (``runtime.shard_init``); "skip": buffers only
         self._signature = None
         # the model's original tensors: ``source`` (a shallow copy of its tree, ``runtime.in_place``)

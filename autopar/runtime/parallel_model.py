@@ -431,6 +431,8 @@ class ParallelModel(torch.nn.Module):
         from autopar.runtime.param_regather import regather_saved_params
 
         program = program if program is not None else self.program
+        if self._builder.compiled_programs is not None:  # compile=True (``runtime.compiled_program``)
+            return self._builder.compiled_programs.run(self, program, args)
         # saved-tensor hooks only where a parameter is gathered (ZeRO-3) and autograd records:
         # they cost a Python call per saved tensor
         regather = self._gathers_params and torch.is_grad_enabled()
