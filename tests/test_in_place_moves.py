@@ -11,6 +11,10 @@ On 2 gloo processes, under tensor parallelism and data parallelism:
   naming the change and the fix (``precision='bf16-mixed'``, a Cluster's ``device_type``,
   ``export_module``), and leaves the model as it was: before, ``.half()`` turned the DTensors
   float16 while the program went on reading the float32 shards;
+* the same on a submodule (``model[0].half()``, ``model[2].to(torch.float16)``, ``pm``'s submodule):
+  before, a child's ``.half()`` converted its DTensors silently and the program went on training
+  the old float32 shards; a no-op move of a child returns it unchanged, and ``export_module``'s
+  copy is a plain module again (its children convert, their class is the user's);
 * BatchNorm in train mode outside ``train_step`` (``model(x)`` under ``no_grad``: a batch of other
   shapes runs eagerly, the compiled shape runs the program) updates the running statistics as one
   device does (ResNet-18's layout, small), and ``eval()`` then gives one device's outputs;
@@ -18,6 +22,8 @@ On 2 gloo processes, under tensor parallelism and data parallelism:
   module's weights whole at a time (never the model's), equal to the exported one-device model.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 
@@ -65,14 +71,23 @@ def moves_worker() -> dict:
         r["noop_same_storage"] = _storage(model) == held
         with torch.no_grad():
             r["noop_out_err"] = _rel(model(x), before)
+        child_noop = model[0].to("cpu") is model[0] and model[2].float() is model[2]
         r["refused"] = {name: error_of(move) for name, move in (
+            ("child_half", lambda: model[0].half()), ("child_to_f16", lambda: model[2].to(torch.float16)),
+            ("child_meta", lambda: model[2].to("meta")), ("pm_child_half", lambda: pm.get_submodule("0").half()),
             ("half", lambda: model.half()), ("bfloat16", lambda: model.bfloat16()), ("double", lambda: model.double()),
             ("to_f16", lambda: model.to(torch.float16)), ("cuda", lambda: model.cuda()),
             ("meta", lambda: model.to("meta")), ("to_empty", lambda: model.to_empty(device="cpu")),
             ("pm_half", lambda: pm.half()))}
         r["after_refusals_same"] = _storage(model) == held
+        r["child_noop"] = child_noop and _storage(model) == held
         with torch.no_grad():
             r["after_refusals_err"] = _rel(model(x), before)
+        plain = autopar.export_module(model)
+        r["export_children_plain"] = (type(plain[0]) is torch.nn.Linear and plain[0].half() is plain[0]
+                                      and plain[0].weight.dtype == torch.float16)
+        copied = copy.deepcopy(model[0])  # a copy is no part of the program: it converts as any module
+        r["copy_converts"] = copied.half() is copied and copied.weight.dtype == torch.float16
         out[str(cons)] = r
         pm.close()
     # before the plan exists: placeholders; the same rules
@@ -118,7 +133,9 @@ def _pipelined_eager() -> dict:
     plain = autopar.export_module(model)
     with torch.no_grad():
         want = plain(x[:3])
-    r = {"stages": len(pm.plan.stages), "err": _rel(got, want), "type": type(got).__name__,
+    # each stage's module is refused on every rank, the rank holding it and the one that does not
+    halves = [error_of(lambda: model[i].half()) for i in (0, 7)]
+    r = {"halves": halves, "stages": len(pm.plan.stages), "err": _rel(got, want), "type": type(got).__name__,
          "most_whole": max(whole), "one_module": 32 * 32 + 32, "model": sum(p.numel() for p in plain.parameters()),
          "hooks_ran": len(whole)}
     pm.close()
@@ -188,7 +205,12 @@ def test_a_conversion_is_refused_naming_the_fix_and_changes_nothing(results, con
                              ("double", "float32 to torch.float64"), ("to_f16", "float32 to torch.float16"),
                              ("meta", "cpu to meta"), ("pm_half", "float32 to torch.float16")):
             assert change in r["refused"][name], (rank, cons, name, r["refused"][name])
+        for name, change in (("child_half", "float32 to torch.float16"), ("child_to_f16", "float32 to torch.float16"),
+                             ("child_meta", "cpu to meta"), ("pm_child_half", "float32 to torch.float16")):
+            assert change in r["refused"][name], (rank, cons, name, r["refused"][name])
+        assert "model.0 (a Linear)" in r["refused"]["child_half"], r["refused"]["child_half"]
         assert r["after_refusals_same"] and r["after_refusals_err"] == 0.0, (rank, cons, r)
+        assert r["child_noop"] and r["export_children_plain"] and r["copy_converts"], (rank, cons, r)
 
 
 @pytest.mark.slow
@@ -219,3 +241,5 @@ def test_pipelined_eager_forward_holds_one_module_whole_at_a_time(results):
         assert r["stages"] == 2 and r["hooks_ran"] == 8, (rank, r)
         assert r["type"] == "Tensor" and r["err"] <= TOL, (rank, r)
         assert r["most_whole"] == r["one_module"] < r["model"], (rank, r)
+        for msg in r["halves"]:
+            assert msg.startswith("AutoparError: ") and "float32 to torch.float16" in msg, (rank, msg)

@@ -34,7 +34,8 @@ Invariants:
 
 ``model.to(...)``, ``.half()``, ``.cuda()``... (``nn.Module._apply``) are no-ops where they change
 nothing and refused where they would (``runtime.module_moves``): the program reads the plan's
-shards as they are. ``export_module`` is the way back to one device (every stage's weights, on
+shards as they are; on a submodule too (``model.h[0].half()``: each submodule of ``model`` and
+``pm`` holds a move guard as its own ``_apply``). ``export_module`` is the way back to one device (every stage's weights, on
 every rank).
 """
 from __future__ import annotations
@@ -135,10 +136,13 @@ def shard_in_place(model: torch.nn.Module, pm: torch.nn.Module, builder) -> None
     """At compile: ``builder.source`` takes the original tensors, ``model`` records its names
     (``_Tree``), takes ``pm``'s placeholders and becomes ``Autopar<Class>`` (see the module docstring)."""
     from autopar.runtime.copyable_state import copyable_state_dict_hook
+    from autopar.runtime.module_moves import guard_children
 
     builder.source = _shadow(model)
     model.__dict__[_TREE] = _Tree.of(model)
     adopt(model, pm)
+    guard_children(model, builder.device, "model")  # model.h[0].half(): refused as model.half() is
+    guard_children(pm, builder.device, "pm")
     model.__class__ = _in_place_class(type(model))
     model.__dict__[_PM] = pm
     model.register_state_dict_post_hook(copyable_state_dict_hook)  # deepcopy(model.state_dict()) on every rank
@@ -427,6 +431,7 @@ def export_module(model) -> torch.nn.Module:
     >>> # if rank == 0: torch.save(plain.state_dict(), "model.pt")
     """
     from autopar.runtime.collective_errors import collective_failures
+    from autopar.runtime.module_moves import unguard
     from autopar.runtime.parallel_model import ParallelModel
 
     if isinstance(model, ParallelModel):
@@ -457,6 +462,7 @@ def export_module(model) -> torch.nn.Module:
     out = copy.deepcopy(model, memo)
     out.__class__ = type(model)._autopar_original_class
     del out.__dict__[_PM], out.__dict__[_TREE]
+    unguard(out)  # a plain module: its submodules convert and move as any
     for path, mod in out.named_modules(remove_duplicate=False):  # each module's entries, in the order it had them
         leaves = tree.leaves.get(path, ())
         kept = [e for e in leaves if e.name is None or e.name in fulls]
