@@ -19,13 +19,20 @@ On 2 gloo processes, under tensor parallelism and data parallelism:
   shapes runs eagerly, the compiled shape runs the program) updates the running statistics as one
   device does (ResNet-18's layout, small), and ``eval()`` then gives one device's outputs;
 * under a pipeline plan (pp=2), ``model(x)`` under ``no_grad`` runs eagerly on every rank with one
-  module's weights whole at a time (never the model's), equal to the exported one-device model.
+  module's weights whole at a time (never the model's), equal to the exported one-device model;
+  also where a parameter is read outside its own module's forward (``_SharedReads``: the root's
+  ``F.linear(h, self.wte.weight)`` head tied to the embedding, block 5 reading block 0's bias),
+  on pp=2 and pp=2 x dp=2: the logits equal one device's (before and after a train_step), with
+  at most one module's weights plus the parameters read outside their module whole at a time.
+  Before, a rank whose stage does not hold such a parameter failed (``_Scale`` has no ``g``); one
+  whose stage holds it met it as its stage's DTensor.
 """
 from __future__ import annotations
 
 import copy
 
 import pytest
+import torch
 
 import autopar
 from helpers import error_of
@@ -142,6 +149,87 @@ def _pipelined_eager() -> dict:
     return r
 
 
+V, D, LAYERS = 64, 32, 6
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+
+    def forward(self, h, other=None):
+        h = h + torch.tanh(self.fc(h))
+        return h if other is None else h + other.fc.bias  # another module's parameter, read here
+
+
+class _Scale(torch.nn.Module):
+    """Holds a parameter it never uses itself (its forward is never called): the root reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.nn.Parameter(1 + 0.1 * torch.randn(V))
+
+
+class _SharedReads(torch.nn.Module):
+    """A decoder-like stack whose head is the embedding read in the root's forward, scaled by a
+    parameter of a module never called (only the last stage uses it), and whose last block reads
+    the first block's bias: parameters used outside their own module's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(V, D)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(LAYERS))
+        self.scale = _Scale()
+
+    def forward(self, idx):
+        h = self.wte(idx)
+        for i, b in enumerate(self.blocks):
+            h = b(h, self.blocks[0] if i == LAYERS - 1 else None)
+        return torch.nn.functional.linear(h, self.wte.weight) * self.scale.g
+
+
+def _lm_loss(out, t):
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
+def shared_reads_worker(cons: dict) -> dict:
+    """pp eager ``model(x)`` of ``_SharedReads`` against one device, before and after a train_step
+    (the one-device model trained by the same SGD step on the same batch)."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = _SharedReads()
+    ref = _SharedReads()
+    ref.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, V, (8, 5), generator=g), torch.randint(0, V, (8, 5), generator=g)
+    pm = autopar.compile(model, autopar.Cluster.local(), (x,), loss_fn=_lm_loss, example_target=y,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), constraints=autopar.Constraints(**cons))
+    whole = []
+
+    def count(*_):
+        whole.append(sum(p.numel() for m in model.modules() for p in m._parameters.values()
+                         if p is not None and not isinstance(p, DTensor)))
+
+    handles = [m.register_forward_hook(count) for m in model.modules() if m is not model]
+    r = {"stages": len(pm.plan.stages)}
+    with torch.no_grad():
+        r["before_err"] = _rel(model(x[:3]), ref(x[:3]))
+    for h in handles:
+        h.remove()
+    pm.train_step(x, target=y)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    _lm_loss(ref(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        r["after_err"] = _rel(model(x[:3]), ref(x[:3]))
+    r["most_whole"] = max(whole)
+    r["bound"] = D * D + D + V * D + D + V  # one block, plus what is read outside: the embedding, block 0's bias, g
+    r["model"] = sum(p.numel() for p in ref.parameters())
+    pm.close()
+    return r
+
+
 def _batch_norm() -> dict:
     """ResNetTiny (ResNet-18's layout) under dp=2 and tp=2: train-mode forwards outside train_step,
     eager (batch 4) and compiled (batch 8), against one device; then eval outputs."""
@@ -232,6 +320,15 @@ def test_batch_norm_statistics_outside_train_step_as_one_device(results, cons):
             assert s["out_err"] <= TOL and s["stats_err"] <= TOL, (rank, cons, label, s)
             assert s["batches_tracked"] == s["want_tracked"], (rank, cons, label, s)
         assert r["eval_err"] <= TOL, (rank, cons, r["eval_err"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cons,nproc", [({"pp": 2}, 2), ({"pp": 2, "dp": 2}, 4)], ids=["pp2", "pp2xdp2"])
+def test_pipelined_eager_fetches_parameters_read_outside_their_module(cons, nproc):
+    for rank, r in enumerate(autopar.launch(shared_reads_worker, nproc, cons, timeout_s=600)):
+        assert r["stages"] == 2, (rank, r)
+        assert r["before_err"] <= TOL and r["after_err"] <= TOL, (rank, r)
+        assert r["most_whole"] <= r["bound"] < r["model"], (rank, r)
 
 
 @pytest.mark.slow
