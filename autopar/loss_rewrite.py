@@ -35,7 +35,9 @@ _MEAN_LOSSES = {
 
 def exact_token_mean(gm: fx.GraphModule) -> int:
     """Rewrite every mean-reduced, unweighted target loss in ``gm`` as sum / count of the targets
-    not ignored (see the module docstring). Returns how many were rewritten."""
+    not ignored (see the module docstring). Returns how many were rewritten. Only the graph is
+    rewritten: the caller regenerates ``gm``'s code (``trace_model`` does once, at its end; about
+    30 us a node)."""
     done = 0
     for node in list(gm.graph.nodes):
         spec = _MEAN_LOSSES.get(node.target) if node.op == "call_function" else None
@@ -72,8 +74,6 @@ def exact_token_mean(gm: fx.GraphModule) -> int:
         node.replace_all_uses_with(mean)
         gm.graph.erase_node(node)
         done += 1
-    if done:
-        gm.recompile()
     return done
 
 

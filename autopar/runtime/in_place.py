@@ -34,7 +34,8 @@ Invariants:
 
 ``model.to(...)``, ``.half()``, ``.cuda()``... (``nn.Module._apply``) are no-ops where they change
 nothing and refused where they would (``runtime.module_moves``): the program reads the plan's
-shards as they are. ``export_module`` is the way back to one device (every stage's weights, on
+shards as they are; on a submodule too (``model.h[0].half()``: each submodule of ``model`` and
+``pm`` holds a move guard as its own ``_apply``). ``export_module`` is the way back to one device (every stage's weights, on
 every rank).
 """
 from __future__ import annotations
@@ -135,10 +136,13 @@ def shard_in_place(model: torch.nn.Module, pm: torch.nn.Module, builder) -> None
     """At compile: ``builder.source`` takes the original tensors, ``model`` records its names
     (``_Tree``), takes ``pm``'s placeholders and becomes ``Autopar<Class>`` (see the module docstring)."""
     from autopar.runtime.copyable_state import copyable_state_dict_hook
+    from autopar.runtime.module_moves import guard_children
 
     builder.source = _shadow(model)
     model.__dict__[_TREE] = _Tree.of(model)
     adopt(model, pm)
+    guard_children(model, builder.device, "model")  # model.h[0].half(): refused as model.half() is
+    guard_children(pm, builder.device, "pm")
     model.__class__ = _in_place_class(type(model))
     model.__dict__[_PM] = pm
     model.register_state_dict_post_hook(copyable_state_dict_hook)  # deepcopy(model.state_dict()) on every rank
@@ -326,6 +330,12 @@ class _Whole:
             return None, False
         return fetch_whole(t, owner, self.rank, self.pm._device), owner.requires_grad
 
+    def has(self, name: str) -> bool:
+        """Whether some rank holds ``name`` (``fetch`` gives a tensor)."""
+        if name in self.row_of:
+            return True
+        return name in (self.owners if self.owners is not None else self.held)
+
     def shares_storage(self, full: torch.Tensor, name: str) -> bool:
         """Whether ``full`` is this rank's own shard's storage (a replicated DTensor's local tensor)."""
         t = self.held.get(name)
@@ -337,13 +347,19 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
     """The original forward, eagerly, under ``no_grad``: each module's own parameters and buffers
     are gathered whole as it is called and put back when it returns (as FSDP unshards one module at
     a time: at most one module's parameters whole beyond the shards; experts the plan stacks: their
-    layer's stacked tensors, while its experts run), so every op runs on plain
-    tensors; a DTensor used outside its module meets plain tensors as replicated
-    (``implicit_replication``). Under a pipeline plan a module's entries another stage holds (which
-    this rank's tree lacks, ``adopt``) are fetched from that stage the same way (by the names
-    ``_Tree`` kept) and removed again on return, so every rank runs the whole forward. DTensor
-    outputs come back as plain full tensors. Gathers are collectives: every rank calls, and runs
-    the same modules in the same order. A buffer the forward writes (BatchNorm's running
+    layer's stacked tensors, while its experts run), so every op runs on plain tensors. A parameter
+    or buffer read outside its own module's forward (a tied head's ``F.linear(x, self.wte.weight)``
+    in the root, module A's weight read in module B) is fetched whole where it is read
+    (``_Fetching``: each module's ``_parameters`` and ``_buffers`` while this runs) and put back
+    when the module running then returns: at most one module's weights whole at a time plus the
+    parameters read outside their module. Under a pipeline plan a module's entries another stage
+    holds (which this rank's tree lacks, ``adopt``) are fetched from that stage the same way (by
+    the names ``_Tree`` kept) and removed again on return, so every rank runs the whole forward.
+    What is whole is the same on every rank at every read (every rank runs the same code on the
+    same batch), so every rank fetches the same names in the same order. A DTensor met otherwise
+    (``model.parameters()`` iterated in the forward) meets plain tensors as replicated
+    (``implicit_replication``). DTensor outputs come back as plain full tensors. Gathers are
+    collectives: every rank calls. A buffer the forward writes (BatchNorm's running
     statistics in train mode) is updated as on one device: every rank runs the whole batch, so
     every rank computes the same new value, and this rank's shard of it takes that value (a
     replicated buffer's gathered tensor is its local tensor already; any other is copied back
@@ -354,30 +370,52 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
 
     tree: _Tree = model.__dict__[_TREE]
     entries = {}  # module id -> its leaves (a module shared under several paths: its first)
+    modules = {}
     for path, mod in model.named_modules(remove_duplicate=False):
         entries.setdefault(id(mod), tree.leaves.get(path, ()))
+        modules.setdefault(id(mod), mod)
     gathered: dict[int, list] = {}  # module id -> a stack of (dict, name, what it held: a DTensor or None)
+    running: list[list] = []  # the put-back lists of the modules running now, innermost last
     whole_of = _Whole(pm)  # on every rank before any fetch (a pipeline plan's: an all-gather)
+
+    def fetch(own: dict, e: _Leaf, put: list) -> torch.Tensor | None:
+        t = dict.get(own, e.leaf)
+        full = whole_of.fetch(e.name)[0]
+        if full is not None:
+            put.append((own, e.leaf, t, None if e.is_param else (full, full._version)))
+            dict.__setitem__(own, e.leaf, full)
+        return full
 
     def whole(mod, *_):
         put = []
         for e in entries.get(id(mod), ()):
             own = mod._parameters if e.is_param else mod._buffers
-            t = own.get(e.leaf)
-            if e.name is None or not (isinstance(t, DTensor) or e.leaf not in own):
+            t = dict.get(own, e.leaf)
+            if e.name is None or not (isinstance(t, DTensor) or not dict.__contains__(own, e.leaf)):
                 continue  # registered as None, or plain already
-            full = whole_of.fetch(e.name)[0]
-            if full is not None:
-                put.append((own, e.leaf, t, None if e.is_param else (full, full._version)))
-                own[e.leaf] = full
+            fetch(own, e, put)
         gathered.setdefault(id(mod), []).append(put)
+        running.append(put)
 
     def back(mod, *_):
+        running.pop()
         _put_back(gathered[id(mod)].pop())
 
+    def read(own: dict, e: _Leaf) -> torch.Tensor | None:  # an entry read while not whole: for the running module
+        return fetch(own, e, running[-1])
+
     handles = []
+    swapped = []  # (module, attribute, its own dict) while the forward runs
     mixed = pm._policy.mixed
     try:
+        for mid, mod in modules.items():
+            for attr, is_param in (("_parameters", True), ("_buffers", False)):
+                own = mod.__dict__[attr]
+                leaves = {e.leaf: e for e in entries.get(mid, ()) if e.is_param == is_param and e.name is not None
+                          and whole_of.has(e.name)}
+                if leaves:
+                    swapped.append((mod, attr, own))
+                    mod.__dict__[attr] = _Fetching(own, leaves, read)
         with collective_failures("forward", pm.collective_log), implicit_replication(), torch.no_grad(), \
                 torch.autocast(pm._device.type, dtype=pm._policy.torch_compute_dtype) if mixed else contextlib.nullcontext():
             for mod in model.modules():
@@ -392,6 +430,34 @@ def _eager(model: torch.nn.Module, pm, original, args: tuple, kwargs: dict):
         for stack in gathered.values():  # what a failure left whole
             while stack:
                 _put_back(stack.pop())
+        for mod, attr, own in swapped:  # the module's own dict again, with what the forward left in it
+            now = mod.__dict__[attr]
+            own.clear()
+            own.update(dict.items(now))
+            mod.__dict__[attr] = own
+
+
+class _Fetching(dict):
+    """A module's ``_parameters`` or ``_buffers`` while ``_eager`` runs: reading (``[]``, ``in``:
+    what ``nn.Module.__getattr__`` does) one of ``leaves`` while it is not whole (a DTensor, or
+    another stage's entry this rank's tree lacks) returns ``read(self, leaf)``, the entry fetched
+    whole for the module running now. Other reads (``get``, iteration) see what the dict holds."""
+
+    def __init__(self, own: dict, leaves: dict, read):
+        super().__init__(own)
+        self._leaves = leaves
+        self._read = read
+
+    def __contains__(self, leaf) -> bool:
+        return dict.__contains__(self, leaf) or leaf in self._leaves
+
+    def __getitem__(self, leaf):
+        t = dict.get(self, leaf)
+        if leaf in self._leaves and (t is None or isinstance(t, DTensor)):
+            full = self._read(self, self._leaves[leaf])
+            if full is not None:
+                return full
+        return dict.__getitem__(self, leaf)
 
 
 def _put_back(put: list) -> None:
@@ -427,6 +493,7 @@ def export_module(model) -> torch.nn.Module:
     >>> # if rank == 0: torch.save(plain.state_dict(), "model.pt")
     """
     from autopar.runtime.collective_errors import collective_failures
+    from autopar.runtime.module_moves import unguard
     from autopar.runtime.parallel_model import ParallelModel
 
     if isinstance(model, ParallelModel):
@@ -457,6 +524,7 @@ def export_module(model) -> torch.nn.Module:
     out = copy.deepcopy(model, memo)
     out.__class__ = type(model)._autopar_original_class
     del out.__dict__[_PM], out.__dict__[_TREE]
+    unguard(out)  # a plain module: its submodules convert and move as any
     for path, mod in out.named_modules(remove_duplicate=False):  # each module's entries, in the order it had them
         leaves = tree.leaves.get(path, ())
         kept = [e for e in leaves if e.name is None or e.name in fulls]
