@@ -214,9 +214,9 @@ def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: di
         return None
     groups = tuple(axis_group(mesh, a, cluster.devices_per_node) for a in range(len(mesh)))
     key = tuple(sorted(((g.size, g.ranks_per_node) for g in groups)))
-    hsdp = shard_axis(mesh)
-    if hsdp is not None:  # an HSDP mesh's data axes (the batch nested on them) are told apart from the others
-        key = ("hsdp",) + tuple(sorted((g.size, g.ranks_per_node, name in DATA_AXIS_NAMES)
+    nested = "hsdp" if shard_axis(mesh) is not None else "ep" if "ep" in axis_names(mesh) else None
+    if nested:  # an HSDP or expert mesh's data axes (the batch nested on them) are told apart from the others
+        key = (nested,) + tuple(sorted((g.size, g.ranks_per_node, name in DATA_AXIS_NAMES)
                                        for g, name in zip(groups, axis_names(mesh))))
     if key in seen:
         return seen[key]
@@ -332,8 +332,9 @@ def _search_single_stage(
     precision = policy.name
     optimizer = optimizer_spec(optimizer)
     c = constraints
-    # (HSDP twins only for a whole single-stage plan, not for a pipeline stage's submesh)
-    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c, hsdp=PIPELINE_STAGES not in (_cache or {})))
+    # (HSDP twins and free expert meshes only for a whole single-stage plan, not for a pipeline stage's submesh)
+    whole = PIPELINE_STAGES not in (_cache or {})
+    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c, hsdp=whole), cluster.devices_per_node if whole else None)
     check_heads(traced, c)
     for mesh in meshes:
         validate_pins(traced, c, mesh)
