@@ -370,9 +370,9 @@ def _search_single_stage(
         return lambda: _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c, budget, solver,
                                     cache, progress)
 
-    # the free search's HSDP twins run after their flat meshes: a twin whose flat mesh fits nothing
-    # is skipped (_twin_cannot_fit)
-    twins = [m for m in searched if c.hsdp is None and shard_axis(m) is not None]
+    # the free search's HSDP twins and expert meshes (planner.experts.free_expert_meshes) run after
+    # their flat meshes: an HSDP twin whose flat mesh fits nothing is skipped (_twin_cannot_fit)
+    twins = [m for m in searched if (c.hsdp is None and shard_axis(m) is not None) or (c.ep is None and "ep" in axis_names(m))]
     for mesh in sorted((m for m in searched if m not in twins), key=lambda m: -min(m)):  # both axes split first
         tasks[mesh] = search(mesh)
     if _with_baseline and not _step_time_only:
@@ -380,9 +380,18 @@ def _search_single_stage(
     done = run_concurrently(tasks, solver.planner_threads)
     flat_best = min((a for m in done if isinstance(m, tuple) and m in searched for a in done[m][0]),
                     key=lambda a: a.evaluation.step_time_s, default=None)
+    # the expert mesh tried: the one beside the fastest flat mesh of its tensor-parallel degree
+    flat_times: dict[int, float] = {}
+    for a in (a for m in done if isinstance(m, tuple) and m in searched for a in done[m][0]):
+        flat_times[_tp_of(a.mesh)] = min(flat_times.get(_tp_of(a.mesh), float("inf")), a.evaluation.step_time_s)
+    expert_best = min((t for t in twins if shard_axis(t) is None),
+                      key=lambda t: flat_times.get(_tp_of(t), float("inf")), default=None)
     for twin in twins:
-        reason = _twin_cannot_fit(twin, done)
-        if reason is None and flat_best is not None and _tp_of(twin) != _tp_of(flat_best.mesh):
+        reason = _twin_cannot_fit(twin, done) if shard_axis(twin) is not None else None
+        if reason is None and shard_axis(twin) is None and twin != expert_best:
+            reason = (f"skipped: only the expert mesh beside the fastest flat mesh that has one ({describe(expert_best)}) "
+                      "is tried (plan time: one expert mesh per search)")
+        elif reason is None and shard_axis(twin) is not None and flat_best is not None and _tp_of(twin) != _tp_of(flat_best.mesh):
             # one twin per search, the best flat plan's: each twin's ILP costs as much as a flat mesh's
             reason = (f"skipped: only the HSDP twin of the fastest mesh ({describe(flat_best.mesh)}) is tried "
                       "(plan time: one twin per search)")
