@@ -104,24 +104,26 @@ def test_ep_over_data_and_tensor_axes_trains_with_parity():
     """dp=2 x tp=2 with ep=4 on 4 processes: every expert on one rank (nested over both axes),
     tokens exchanged among all 4; loss, gradients and parameters match one device within 1e-5
     (SGD and AdamW); per layer the row counts once, the rows out and the results back, forward
-    and backward (2 layers: 10 all-to-alls), the bytes sent first as predicted."""
+    and backward (2 layers: 10 all-to-alls, beside tensor parallelism's), their bytes near the
+    balanced prediction (they depend on the routing), every other collective's bytes as predicted."""
     results = autopar.launch(_axes_suite, 4)
     failures = [line for r in results[0]["parity"] for line in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)
     assert {r["optimizer"] for r in results[0]["parity"]} == {"adamw", "sgd"}
     for r in results:
         assert r["layouts"] == ["[S(0), S(0)]"], r["layouts"]
-        assert r["calls"].get("all_to_all") == 10, r["calls"]
+        # (tensor parallelism's own reshards add all-to-alls of their own beside them)
+        assert r["calls"].get("all_to_all", 0) >= 10, r["calls"]
         assert 0.5 < r["bytes"]["all_to_all"] / r["predicted"]["all_to_all"] < 1.5, (r["bytes"], r["predicted"])
+        assert {k: v for k, v in r["bytes"].items() if k != "all_to_all"} == \
+            {k: v for k, v in r["predicted"].items() if k != "all_to_all"}
 
 
-@pytest.mark.slow
-def test_mixtral_8x7b_on_64_h100_gets_ep_8_where_it_is_priced_fastest(capsys):
-    """The Mixtral-8x7B shape of benchmarks/plan_speed.py (8 experts of 14336, 32 layers) on 8
-    dgx-h100 nodes, planned free: the search proposes ('dp', 'ep') = (8, 8) (the experts over the 8
-    GPUs of a node, the all-to-alls on NVLink, the batch over all 64) beside the flat meshes; the
-    plan is the fastest priced attempt, and when it is the expert mesh the experts sit on 'ep'. The
-    alternatives' predicted times are printed (-s)."""
+def _mixtral_free_plan(inter_node_bandwidth: float | None = None):
+    """The free plan of the Mixtral-8x7B shape of benchmarks/plan_speed.py (8 experts of 14336, 32
+    layers, seq 4096, batch 256, bf16) on 8 dgx-h100 nodes (optionally with another inter-node
+    bandwidth per GPU), and its priced attempts: label -> ms/step."""
+    import dataclasses
     import re
     import sys
 
@@ -132,20 +134,38 @@ def test_mixtral_8x7b_on_64_h100_gets_ep_8_where_it_is_priced_fastest(capsys):
         model = MoEGPT(MoEConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, n_experts=8,
                                  top_k=2, ff=14336, capacity_factor=1.25))
     idx = torch.empty(256, 4096, dtype=torch.long, device="meta")
-    plan = autopar.plan(model, autopar.Cluster.preset("dgx-h100", nodes=8), (idx,), loss_fn=moe_loss,
-                        example_target=idx, precision="bf16-mixed")
-    priced = {}
-    for label, outcome in plan.solver.candidates:
-        m = re.match(r"([\d.]+) ms/step", outcome)
-        if m:
-            priced[label] = float(m.group(1))
+    cluster = autopar.Cluster.preset("dgx-h100", nodes=8)
+    if inter_node_bandwidth is not None:
+        cluster = dataclasses.replace(cluster, inter_node=dataclasses.replace(cluster.inter_node,
+                                                                              bandwidth=inter_node_bandwidth))
+    plan = autopar.plan(model, cluster, (idx,), loss_fn=moe_loss, example_target=idx, precision="bf16-mixed")
+    priced = {label: float(m.group(1)) for label, outcome in plan.solver.candidates
+              if (m := re.match(r"([\d.]+) ms/step", outcome))}
+    return plan, priced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bandwidth", [None, 12.5e9])
+def test_mixtral_8x7b_on_64_h100_prices_ep_8_and_takes_the_fastest(bandwidth, capsys):
+    """Mixtral-8x7B shape on 64 H100s, planned free: the search proposes ('dp', 'ep') = (8, 8)
+    (each node's 8 GPUs hold the 8 experts, one each, the all-to-alls on NVLink; the batch over
+    all 64) beside the flat meshes and prices it; the plan is the fastest priced attempt. On the
+    preset's network (50 GB/s per GPU between nodes) and on a 100 Gb/s one (12.5 GB/s), where
+    sharding everything over all 64 ranks (ZeRO-3 across nodes) costs more: whichever is priced
+    fastest is taken, ep=8 included (on both, measured 2026-12-08, ZeRO-3 over dp=64 is priced
+    2.5-2.6% below ep=8 and wins). The attempts' predicted times are printed (-s)."""
+    plan, priced = _mixtral_free_plan(bandwidth)
+    ranked = sorted(priced.items(), key=lambda kv: kv[1])
     with capsys.disabled():
-        print("\nMixtral-8x7B shape on 64 H100, priced attempts (ms/step):")
-        for label, ms in sorted(priced.items(), key=lambda kv: kv[1]):
-            print(f"  {ms:10.3f}  {label}")
-        print(f"  chosen: {plan.mesh_axes} {plan.predicted.step_time_s * 1e3:.3f} ms/step")
-    assert any(label.startswith("dp=8 ep=8 ") for label in priced), plan.solver.candidates
-    assert plan.predicted.step_time_s * 1e3 <= min(priced.values()) * (1 + 1e-9)
-    assert plan.mesh_axes == (("dp", 8), ("ep", 8)), (plan.mesh_axes, sorted(priced.items(), key=lambda kv: kv[1])[:4])
-    assert plan.params["blocks.0.moe.w_in"].layout.split(", ")[1] == "S(0)"
-    assert dict(plan.predicted.comm_bytes).get("all_to_all", 0) > 0
+        print(f"\nMixtral-8x7B shape on 64 H100, inter-node {bandwidth or 50e9:.3g} B/s per GPU: priced attempts")
+        for label, ms in ranked:
+            print(f"  {ms:10.3f} ms/step  {label}")
+        print(f"  chosen: {' '.join(f'{a}={n}' for a, n in plan.mesh_axes)}"
+              f"{f' pp={len(plan.stages)}' if len(plan.stages) > 1 else ''}, {plan.predicted.step_time_s * 1e3:.3f} ms/step")
+    ep8 = [label for label in priced if label.startswith("dp=8 ep=8 ")]
+    assert ep8, plan.solver.candidates
+    assert plan.predicted.step_time_s * 1e3 == pytest.approx(ranked[0][1], rel=1e-6)
+    if ranked[0][0] in ep8:
+        assert plan.mesh_axes == (("dp", 8), ("ep", 8))
+        assert plan.params["blocks.0.moe.w_in"].layout.split(", ")[1] == "S(0)"
+        assert dict(plan.predicted.comm_bytes).get("all_to_all", 0) > 0

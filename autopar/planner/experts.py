@@ -172,10 +172,12 @@ def free_expert_meshes(graph: fx.Graph, meshes: list[tuple[int, ...]], devices_p
 def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]],
                   devices_per_node: int | None = None) -> list[tuple[int, ...]]:
     """The meshes of ``meshes`` with an axis for ``c.ep`` (all of them without ``ep``, and with
-    ``devices_per_node`` given the expert meshes ``free_expert_meshes`` proposes beside them);
+    ``devices_per_node`` given and dp, ZeRO and HSDP left free, the expert meshes
+    ``free_expert_meshes`` proposes beside them);
     errors say what is wrong: no expert layers, a degree no mesh axis has, experts that do not
     divide."""
-    if c.ep is None and c.hsdp is None and devices_per_node is not None:
+    if c.ep is None and c.hsdp is None and c.dp is None and c.zero is None and not c.zero_params \
+            and devices_per_node is not None:  # (as HSDP twins: with dp and ZeRO left free)
         return meshes + free_expert_meshes(graph, meshes, devices_per_node)
     if not c.ep or c.ep == 1:
         return meshes

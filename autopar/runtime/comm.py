@@ -239,6 +239,20 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
+def _time_out_as_default(group) -> None:
+    """``group`` times out as the default group autopar initialised (``launch.device_mesh`` does
+    the same for a mesh's axis groups; torch gives a new group its own default timeout)."""
+    import datetime
+
+    from autopar.runtime.launch import group_timeout_s
+
+    seconds = group_timeout_s()
+    if seconds is not None and dist.get_world_size() > 1 and group is not dist.group.WORLD:
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # private in torch 2.11-2.13
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
 class MeshComm:
     """Per mesh axis: process group, size and this rank's coordinate; and the collectives."""
 
@@ -266,7 +280,9 @@ class MeshComm:
         names = mesh.mesh_dim_names
         flat = {}
         for axes in sorted(set(tuple(a) for a in flat_axes)):
-            flat[axes] = mesh[tuple(names[a] for a in axes)]._flatten().get_group().group_name
+            group = mesh[tuple(names[a] for a in axes)]._flatten().get_group()
+            _time_out_as_default(group)
+            flat[axes] = group.group_name
         return cls(
             groups=tuple(mesh.get_group(n).group_name for n in names),
             sizes=tuple(mesh.size(i) for i in range(len(names))),
