@@ -284,17 +284,19 @@ def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tu
     return out
 
 
-def region_expert_axis(node: fx.Node, ins: list, mesh_shape) -> int | None:
+def region_expert_axis(node: fx.Node, ins: list, mesh_shape) -> int | tuple[int, ...] | None:
     """The mesh axis (size > 1) a token-wise region's expert weights are split over, by experts
-    (dim 0), in the input layouts ``ins``; None when they are not."""
+    (dim 0), in the input layouts ``ins``; where they are split over several axes (nested, outer
+    axis first: an expert axis borrowing data and tensor ranks), the tuple of those axes in mesh
+    order, whose ranks form one all-to-all group; None when they are not split."""
     from autopar.regions import REGION_EXPERTS_KEY
 
     experts = set(node.meta.get(REGION_EXPERTS_KEY, ()))
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node) and a.name in experts and i < len(ins) and ins[i] is not None:
-            for axis, p in enumerate(ins[i]):
-                if isinstance(p, Shard) and p.dim == 0 and mesh_shape[axis] > 1:
-                    return axis
+            axes = tuple(axis for axis, p in enumerate(ins[i]) if isinstance(p, Shard) and p.dim == 0 and mesh_shape[axis] > 1)
+            if axes:
+                return axes[0] if len(axes) == 1 else axes
     return None
 
 

@@ -9,6 +9,7 @@ axes of ``AXES`` = ("dp", "tp", "ep", "dp_shard"); a mesh has ('dp', 'tp'), ('dp
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch.fx as fx
 
@@ -17,7 +18,7 @@ from autopar.errors import ConstraintError
 from autopar.ir import context_split_axis, is_local_batch
 from autopar.node_view import op_name
 from autopar.layouts import Layout, Replicate, Shard, parse_placement, state_dim
-from autopar.planner.experts import expert_axis, expert_params
+from autopar.planner.experts import expert_axes, expert_params
 from autopar.planner.meshes import CONTEXT_AXIS, axis_names, data_axes, data_degree, describe, shard_axis
 from autopar.regions import REGION_FLOPS_KEY
 from autopar.strategies import Strategy
@@ -159,9 +160,12 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
 
     local = is_local_batch(traced.graph)
     batch = traced.global_batch
-    ep_a = expert_axis(mesh, c.ep)
-    experts = expert_params(traced.graph) if ep_a is not None else {}
-    ep_rule = f"ep={c.ep} shards experts (dim 0) on axis '{names[ep_a]}'" if ep_a is not None else ""
+    # (several: the experts nested over them, outer first); an 'ep' axis holds experts, also where
+    # the free search proposed its mesh (planner.experts.free_expert_meshes)
+    ep_axes = expert_axes(mesh, c.ep if c.ep is not None or "ep" not in names else mesh[names.index("ep")])
+    experts = expert_params(traced.graph) if ep_axes else {}
+    ep_rule = (f"ep={math.prod(mesh[a] for a in ep_axes)} shards experts (dim 0) on {'axes' if len(ep_axes) > 1 else 'axis'} "
+               f"{', '.join(repr(names[a]) for a in ep_axes)}" if ep_axes else "")
 
     def allowed(node: fx.Node, s: Strategy) -> str | None:
         kind = node.meta.get("autopar.kind")
@@ -200,12 +204,12 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 if _matches(fqn, pattern) and not _pin_layout_ok(lay, axes, mesh):
                     return f"pinned to {dict(axes)}"
             if node.name in experts:
-                if lay[ep_a] != Shard(0) or ep_a in s.zero_axes:
+                if any(lay[a] != Shard(0) or a in s.zero_axes for a in ep_axes):
                     return ep_rule
-                if ep_a == dp_a:
+                if dp_a in ep_axes:
                     return None  # the data-parallel axis holds experts, not replicas: no ZeRO there
             if z in (0, 1, 2) and any(
-                    a != dp_a and (a in s.zero_axes or (isinstance(lay[a], Shard) and not (node.name in experts and a == ep_a)))
+                    a != dp_a and (a in s.zero_axes or (isinstance(lay[a], Shard) and not (node.name in experts and a in ep_axes)))
                     for a in data):
                 return f"zero={z} keeps parameters whole on the data axes (ZeRO's shards are on 'dp')"
             if z is not None and hsdp_a is not None and mesh[dp_a] > 1 and (not isinstance(lay[dp_a], Replicate)
@@ -248,7 +252,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
                 if arg.meta.get("autopar.kind") != "param" or lay is None:
                     continue
                 for a in data:
-                    if not (arg.name in experts and a == ep_a) and not isinstance(lay[a], Replicate):
+                    if not (arg.name in experts and a in ep_axes) and not isinstance(lay[a], Replicate):
                         return f"dp={c.dp or data_degree(mesh)} uses whole weights on axis '{names[a]}'"  # (an expert is used where it lives)
         if kind == "op" and tensor_parallel and REGION_FLOPS_KEY not in node.meta:
             # tensor parallel: weights are used sharded on 'tp', never gathered there (that would be
@@ -262,7 +266,7 @@ def make_filter(traced: TracedGraph, c: Constraints, mesh: tuple[int, ...], micr
         if kind == "op" and experts:
             # each expert computes on the devices that hold it: tokens move to it, it does not move
             for arg, lay in zip(tensor_inputs(node), s.ins):
-                if arg.name in experts and lay is not None and lay[ep_a] != Shard(0):
+                if arg.name in experts and lay is not None and any(lay[a] != Shard(0) for a in ep_axes):
                     return f"{ep_rule}: tokens move to their experts, experts are not gathered"
         if kind == "op" and cp_a is not None and c.cp is not None and op_name(node) == "scaled_dot_product_attention" \
                 and context_split_axis(node, s.ins[0], mesh) != cp_a:

@@ -10,18 +10,33 @@ computation (GShard), which the planner prices as any other reshard.
 The expert axis is a mesh axis of size ``k``: 'dp' or 'tp' ('dp' first: experts borrow the
 data-parallel devices, as GShard and DeepSpeed-MoE place them), or, with ``k`` smaller than the
 data parallelism, the 'ep' axis of a ('dp', 'ep') mesh (``planner.meshes``): the batch is split
-over both axes and each expert is held by ``dp`` groups of ``k`` ranks.
+over both axes and each expert is held by ``dp`` groups of ``k`` ranks. Where no axis has ``k``
+ranks, dropless experts (token regions, ``autopar.regions``) may borrow several axes
+(``expert_axes``): on dp=2 x tp=2, ep=4 nests each expert weight's dim 0 over 'dp' then 'tp', the
+region's tokens split over both, and its rows go by all-to-all among those axes' ranks as one
+group (``ir.region_expert_axis``, ``runtime.expert_dispatch``), priced over that group's shape
+(``sync_pricing.axes_group``). Experts contracted by einsum/bmm keep one axis (their reshards do
+not nest parameters).
+
+Without ``ep`` the search proposes expert meshes itself (``free_expert_meshes``): for each
+('dp', 'tp') mesh, the ('dp', 'ep'[, 'tp']) mesh whose 'ep' axis is the largest number of data
+ranks that divides every expert layer's experts and keeps the all-to-alls inside a node (``ep``
+times ``tp`` ranks divide the devices of a node); the ILP then prices it beside the others (the
+all-to-all over the 'ep' group's shape, ``cost_models.communication.axis_group``).
 """
 from __future__ import annotations
+
+import math
 
 import torch.fx as fx
 
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
 from autopar.node_view import op_name
-from autopar.planner.meshes import axis_names, describe
+from autopar.planner.meshes import axis_names, describe, expert_data_mesh, shard_axis
 
-__all__ = ["expert_params", "expert_axis", "check_experts", "expert_module_lists"]
+__all__ = ["expert_params", "expert_axes", "check_experts", "expert_module_lists", "expert_counts",
+           "free_expert_meshes"]
 
 _CONTRACTIONS = ("einsum", "bmm", "matmul")
 
@@ -94,23 +109,76 @@ def _computed_in_region(graph: fx.Graph, prefix: str) -> bool:
                for n in graph.nodes)
 
 
-def expert_axis(mesh: tuple[int, ...], ep: int | None) -> int | None:
-    """The mesh axis experts are sharded on for ``Constraints(ep=ep)`` (None: no expert axis)."""
+def expert_axes(mesh: tuple[int, ...], ep: int | None, nested: bool = True) -> tuple[int, ...]:
+    """The mesh axes experts are sharded on for ``Constraints(ep=ep)`` (() without an expert axis):
+    the 'ep' axis where the mesh has one, else the first axis of size ``ep`` ('dp' first), else
+    (``nested``: dropless experts, whose dim 0 may nest) the first set of axes, in mesh order, whose
+    sizes multiply to ``ep``: an expert axis borrowing data and tensor ranks, its all-to-all group
+    their ranks together."""
+    import itertools
+
     if not ep or ep == 1:
-        return None
+        return ()
     names = axis_names(mesh)
     if "ep" in names:
         a = names.index("ep")
-        return a if mesh[a] == ep else None
+        return (a,) if mesh[a] == ep else ()
     for a, size in enumerate(mesh):
         if size == ep:
-            return a
-    return None
+            return (a,)
+    if nested:
+        split = [a for a, size in enumerate(mesh) if size > 1]
+        for k in range(2, len(split) + 1):
+            for axes in itertools.combinations(split, k):
+                if math.prod(mesh[a] for a in axes) == ep:
+                    return axes
+    return ()
 
 
-def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The meshes of ``meshes`` with an axis for ``c.ep`` (all of them without ``ep``); errors
-    say what is wrong: no expert layers, a degree no mesh axis has, experts that do not divide."""
+def _region_experts(graph: fx.Graph) -> set[str]:
+    """Names of the expert weights of token-wise regions (dropless experts, ``autopar.regions``)."""
+    from autopar.regions import REGION_EXPERTS_KEY
+
+    return {name for n in graph.nodes for name in n.meta.get(REGION_EXPERTS_KEY, ())}
+
+
+def expert_counts(graph: fx.Graph) -> dict[str, int]:
+    """fqn -> number of experts (dim 0) of every expert weight (``expert_params``)."""
+    experts = expert_params(graph)
+    return {experts[n.name]: n.meta["autopar.outputs"][0].shape[0] for n in graph.nodes if n.name in experts}
+
+
+def free_expert_meshes(graph: fx.Graph, meshes: list[tuple[int, ...]], devices_per_node: int) -> list[tuple[int, ...]]:
+    """The expert meshes the free search adds to ``meshes`` (module docstring): for each
+    ('dp', 'tp') mesh of ``dp`` data ranks, ('dp', 'ep'[, 'tp']) with 'ep' the largest divisor of
+    every expert layer's experts with ``1 < ep < dp`` and ``ep * tp`` dividing ``devices_per_node``
+    (the all-to-all group inside a node: ranks are laid out row-major, 'tp' innermost). None when
+    the graph has no expert weights (other models' searches are unchanged)."""
+    counts = set(expert_counts(graph).values())
+    if not counts:
+        return []
+    common = math.gcd(*counts)
+    out = []
+    for mesh in meshes:
+        if axis_names(mesh) != ("dp", "tp") or shard_axis(mesh) is not None:
+            continue
+        data, tp = mesh
+        fits = [ep for ep in range(2, data) if common % ep == 0 and data % ep == 0 and devices_per_node % (ep * tp) == 0]
+        if fits:
+            out.append(expert_data_mesh(data, max(fits), tp=tp))
+    return [m for m in out if m not in meshes]
+
+
+def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]],
+                  devices_per_node: int | None = None) -> list[tuple[int, ...]]:
+    """The meshes of ``meshes`` with an axis for ``c.ep`` (all of them without ``ep``, and with
+    ``devices_per_node`` given and dp, ZeRO and HSDP left free, the expert meshes
+    ``free_expert_meshes`` proposes beside them);
+    errors say what is wrong: no expert layers, a degree no mesh axis has, experts that do not
+    divide."""
+    if c.ep is None and c.hsdp is None and c.dp is None and c.zero is None and not c.zero_params \
+            and devices_per_node is not None:  # (as HSDP twins: with dp and ZeRO left free)
+        return meshes + free_expert_meshes(graph, meshes, devices_per_node)
     if not c.ep or c.ep == 1:
         return meshes
     experts = expert_params(graph)
@@ -145,10 +213,14 @@ def check_experts(graph: fx.Graph, c: Constraints, meshes: list[tuple[int, ...]]
     if uneven:
         f, e = next(iter(uneven.items()))
         raise ConstraintError(f"ep={c.ep} does not divide the {e} experts of {f!r}; choose ep dividing {e}")
-    fitting = [m for m in meshes if expert_axis(m, c.ep) is not None]
+    nested = set(experts) <= _region_experts(graph)  # only dropless experts may nest over several axes
+    fitting = [m for m in meshes if expert_axes(m, c.ep, nested)]
     if not fitting:
         shapes = ", ".join(describe(m) for m in meshes)
         raise ConstraintError(
             f"ep={c.ep}: the expert axis is one mesh axis of size {c.ep} (dp or tp, or an 'ep' axis inside dp), and no "
-            f"allowed mesh has one ({shapes}); choose ep dividing the data-parallel degree, or set dp={c.ep} or tp={c.ep}")
+            f"allowed mesh has one ({shapes}); an expert axis over several mesh axes (e.g. ep=4 on dp=2 tp=2) needs "
+            "dropless experts (grouped matmuls: torch.nn.functional.grouped_mm, see examples/moe.py), and these "
+            f"experts are contracted by einsum/bmm; choose ep dividing the data-parallel degree, or set dp={c.ep} or "
+            f"tp={c.ep}")
     return fitting

@@ -215,9 +215,9 @@ def _mirror_of(mesh: tuple[int, int], cluster: Cluster, c: Constraints, seen: di
         return None
     groups = tuple(axis_group(mesh, a, cluster.devices_per_node) for a in range(len(mesh)))
     key = tuple(sorted(((g.size, g.ranks_per_node) for g in groups)))
-    hsdp = shard_axis(mesh)
-    if hsdp is not None:  # an HSDP mesh's data axes (the batch nested on them) are told apart from the others
-        key = ("hsdp",) + tuple(sorted((g.size, g.ranks_per_node, name in DATA_AXIS_NAMES)
+    nested = "hsdp" if shard_axis(mesh) is not None else "ep" if "ep" in axis_names(mesh) else None
+    if nested:  # an HSDP or expert mesh's data axes (the batch nested on them) are told apart from the others
+        key = (nested,) + tuple(sorted((g.size, g.ranks_per_node, name in DATA_AXIS_NAMES)
                                        for g, name in zip(groups, axis_names(mesh))))
     if key in seen:
         return seen[key]
@@ -352,8 +352,9 @@ def _search_single_stage(
     precision = policy.name
     optimizer = optimizer_spec(optimizer)
     c = constraints
-    # (HSDP twins only for a whole single-stage plan, not for a pipeline stage's submesh)
-    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c, hsdp=PIPELINE_STAGES not in (_cache or {})))
+    # (HSDP twins and free expert meshes only for a whole single-stage plan, not for a pipeline stage's submesh)
+    whole = PIPELINE_STAGES not in (_cache or {})
+    meshes = check_experts(traced.graph, c, mesh_candidates(cluster, c, hsdp=whole), cluster.devices_per_node if whole else None)
     check_heads(traced, c)
     for mesh in meshes:
         validate_pins(traced, c, mesh)
@@ -389,9 +390,9 @@ def _search_single_stage(
         return lambda: _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c, budget, solver,
                                     cache, progress)
 
-    # the free search's HSDP twins run after their flat meshes: a twin whose flat mesh fits nothing
-    # is skipped (_twin_cannot_fit)
-    twins = [m for m in searched if c.hsdp is None and shard_axis(m) is not None]
+    # the free search's HSDP twins and expert meshes (planner.experts.free_expert_meshes) run after
+    # their flat meshes: an HSDP twin whose flat mesh fits nothing is skipped (_twin_cannot_fit)
+    twins = [m for m in searched if (c.hsdp is None and shard_axis(m) is not None) or (c.ep is None and "ep" in axis_names(m))]
     for mesh in sorted((m for m in searched if m not in twins), key=lambda m: -min(m)):  # both axes split first
         tasks[mesh] = search(mesh)
     if _with_baseline and not _step_time_only:
@@ -399,9 +400,18 @@ def _search_single_stage(
     done = run_concurrently(tasks, solver.planner_threads)
     flat_best = min((a for m in done if isinstance(m, tuple) and m in searched for a in done[m][0]),
                     key=lambda a: a.evaluation.step_time_s, default=None)
+    # the expert mesh tried: the one beside the fastest flat mesh of its tensor-parallel degree
+    flat_times: dict[int, float] = {}
+    for a in (a for m in done if isinstance(m, tuple) and m in searched for a in done[m][0]):
+        flat_times[_tp_of(a.mesh)] = min(flat_times.get(_tp_of(a.mesh), float("inf")), a.evaluation.step_time_s)
+    expert_best = min((t for t in twins if shard_axis(t) is None),
+                      key=lambda t: flat_times.get(_tp_of(t), float("inf")), default=None)
     for twin in twins:
-        reason = _twin_cannot_fit(twin, done)
-        if reason is None and flat_best is not None and _tp_of(twin) != _tp_of(flat_best.mesh):
+        reason = _twin_cannot_fit(twin, done) if shard_axis(twin) is not None else None
+        if reason is None and shard_axis(twin) is None and twin != expert_best:
+            reason = (f"skipped: only the expert mesh beside the fastest flat mesh that has one ({describe(expert_best)}) "
+                      "is tried (plan time: one expert mesh per search)")
+        elif reason is None and shard_axis(twin) is not None and flat_best is not None and _tp_of(twin) != _tp_of(flat_best.mesh):
             # one twin per search, the best flat plan's: each twin's ILP costs as much as a flat mesh's
             reason = (f"skipped: only the HSDP twin of the fastest mesh ({describe(flat_best.mesh)}) is tried "
                       "(plan time: one twin per search)")

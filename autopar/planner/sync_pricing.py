@@ -9,6 +9,7 @@ one instance (the caller multiplies by the number of block instances sharing the
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch.fx as fx
@@ -18,7 +19,35 @@ from autopar.layouts import local_numel, local_shape, state_dim, zero_gather_in_
 from autopar.planner.costing import CostContext
 from autopar.strategies import Strategy
 
-__all__ = ["own_sync_time", "post_step_gather_time"]
+__all__ = ["own_sync_time", "post_step_gather_time", "axes_group"]
+
+
+def axes_group(ctx: CostContext, axes):
+    """The group of mesh axis ``axes`` (``CostContext.groups``), or of the ranks differing only in
+    the coordinates of a tuple of axes (an expert axis borrowing several mesh axes: one all-to-all
+    group), its ranks per node the most any such group has on one node."""
+    if isinstance(axes, int):
+        return ctx.groups[axes]
+    return _axes_group(tuple(ctx.mesh_shape), tuple(axes), ctx.cluster.devices_per_node)
+
+
+@functools.lru_cache(maxsize=256)
+def _axes_group(shape: tuple[int, ...], axes: tuple[int, ...], dpn: int):
+    import itertools
+
+    from autopar.cost_models.communication import CommGroup
+
+    strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+    others = [range(n) if a not in axes else range(1) for a, n in enumerate(shape)]
+    busiest = 1
+    for base in itertools.product(*others):  # each group once, from its ranks' zero coordinates on ``axes``
+        start = sum(c * strides[a] for a, c in enumerate(base))
+        per_node: dict[int, int] = {}
+        for coords in itertools.product(*(range(shape[a]) for a in axes)):
+            node = (start + sum(c * strides[a] for a, c in zip(axes, coords))) // dpn
+            per_node[node] = per_node.get(node, 0) + 1
+        busiest = max(busiest, max(per_node.values()))
+    return CommGroup(size=math.prod(shape[a] for a in axes), ranks_per_node=busiest)
 
 
 def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, recomputed: bool) -> dict[str, float]:
@@ -35,7 +64,7 @@ def own_sync_time(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, 
     moves += [(k, a, b * imbalance, f) for k, a, b, f in
               region_exchanges(n, list(s.ins), s.outs[0] if s.outs else None, ctx.mesh_shape)]
     for kind, axis, nbytes, forward in moves:
-        t = blocking_collective_time(kind, nbytes, ctx.groups[axis], ctx.cluster) * microbatches
+        t = blocking_collective_time(kind, nbytes, axes_group(ctx, axis), ctx.cluster) * microbatches
         out[kind] = out.get(kind, 0.0) + t * (2.0 if recomputed and forward else 1.0)
     return out
 

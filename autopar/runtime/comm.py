@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import time
 from collections import Counter
@@ -238,12 +239,29 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
+def _time_out_as_default(group) -> None:
+    """``group`` times out as the default group autopar initialised (``launch.device_mesh`` does
+    the same for a mesh's axis groups; torch gives a new group its own default timeout)."""
+    import datetime
+
+    from autopar.runtime.launch import group_timeout_s
+
+    seconds = group_timeout_s()
+    if seconds is not None and dist.get_world_size() > 1 and group is not dist.group.WORLD:
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # private in torch 2.11-2.13
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
 class MeshComm:
     """Per mesh axis: process group, size and this rank's coordinate; and the collectives."""
 
     def __init__(self, groups: Sequence, sizes: Sequence[int], coords: Sequence[int],
-                 stats: CommStats | None = None, log: CollectiveLog | None = None):
+                 stats: CommStats | None = None, log: CollectiveLog | None = None, flat: dict | None = None):
         self.groups = tuple(groups)  # process groups, or their names (looked up per collective)
+        # tuple of axes -> the group (or its name) of the ranks differing only on those axes, its
+        # ranks in row-major order of their coordinates (an expert axis borrowing several axes)
+        self.flat = dict(flat or {})
         self.sizes = tuple(int(s) for s in sizes)
         self.coords = tuple(int(c) for c in coords)
         self.stats = stats if stats is not None else CommStats()
@@ -256,14 +274,26 @@ class MeshComm:
         self.shard_grad_edges = False
 
     @classmethod
-    def from_device_mesh(cls, mesh, log: CollectiveLog | None = None) -> "MeshComm":
+    def from_device_mesh(cls, mesh, log: CollectiveLog | None = None, flat_axes=()) -> "MeshComm":
+        """``flat_axes``: tuples of axes that collectives run over as one group (made here, on every
+        rank in the same order: ``DeviceMesh._flatten``, private in torch 2.11-2.13)."""
         names = mesh.mesh_dim_names
+        flat = {}
+        for axes in sorted(set(tuple(a) for a in flat_axes)):
+            group = mesh[tuple(names[a] for a in axes)]._flatten().get_group()
+            _time_out_as_default(group)
+            flat[axes] = group.group_name
         return cls(
             groups=tuple(mesh.get_group(n).group_name for n in names),
             sizes=tuple(mesh.size(i) for i in range(len(names))),
             coords=tuple(mesh.get_local_rank(n) for n in names),
             log=log,
+            flat=flat,
         )
+
+    def size_of(self, axis) -> int:
+        """Ranks along mesh axis ``axis``, or along a tuple of axes (their product)."""
+        return self.sizes[axis] if isinstance(axis, int) else math.prod(self.sizes[a] for a in axis)
 
     def axis_view(self, axis: int) -> "MeshComm":
         """A one-axis mesh over ``axis`` sharing this mesh's statistics and log."""
@@ -272,28 +302,31 @@ class MeshComm:
     def close(self) -> None:
         """Forget the process groups (call before ``destroy_process_group``)."""
         self.groups = (None,) * len(self.sizes)
+        self.flat = {k: None for k in self.flat}
         self.step_cache.clear()
         self.pending_gathers.clear()
         self.pending_grads.clear()
 
     # ------------------------------------------------------------------ collectives
-    def _group(self, axis: int):
-        g = self.groups[axis]
+    def _group(self, axis):
+        g = self.groups[axis] if isinstance(axis, int) else self.flat[tuple(axis)]
         if g is None:
             raise RuntimeError("this autopar model was closed: its process groups are released")
         return _resolve(g) if isinstance(g, str) else g
 
     def _run(self, kind: str, nbytes: int, call, out: torch.Tensor | None, inp: torch.Tensor, axis: int,
              async_op: bool):
-        """Count and issue one collective on ``axis`` (on a one-rank axis: ``out`` takes ``inp``)."""
-        if self.sizes[axis] == 1:
+        """Count and issue one collective on ``axis`` (a tuple of axes: over their flattened group,
+        ``flat``; on a one-rank axis: ``out`` takes ``inp``)."""
+        if self.size_of(axis) == 1:
             if out is not None:
                 out.copy_(inp)
             return None
         self.stats.record(kind, nbytes)
         args = (inp,) if out is None else (out, inp)
         group = self._group(axis)
-        self.log.last = dict(kind=kind, nbytes=int(nbytes), axis=axis, group=self.groups[axis], site=self.log.site)
+        self.log.last = dict(kind=kind, nbytes=int(nbytes), axis=axis,
+                             group=self.groups[axis] if isinstance(axis, int) else self.flat[tuple(axis)], site=self.log.site)
         poll = polls(kind, inp)
         t0 = time.perf_counter()
         work = call(*args, group=group, async_op=async_op or poll)

@@ -27,7 +27,7 @@ from autopar.grouped_mm import grouped_mm
 from autopar.regions import ROW_LOCAL_OPS
 from autopar.runtime.collectives import current_mesh
 
-__all__ = ["ExpertRows", "row_local_name"]
+__all__ = ["ExpertRows", "row_local_name", "expert_group_axes"]
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -55,7 +55,7 @@ def _routing(offs: torch.Tensor, axis: int, n: int) -> tuple:
     one all-to-all of the per-expert counts, then one host read of the split sizes (the only one
     per routing: dropless experts' step syncs once per expert layer, dense models' never)."""
     comm = current_mesh()
-    ep = comm.sizes[axis]
+    ep = comm.size_of(axis)
     ends = offs.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert, this rank's tokens
     recv_counts = torch.empty_like(counts)
@@ -95,12 +95,28 @@ def row_local_name(func) -> str:
 NOT_ROW_LOCAL = object()
 
 
-class ExpertRows:
-    """One region call's grouped matmuls over mesh ``axis`` (see the module docstring): the routing
-    per ``offs`` tensor, and the values held as experts' rows (by id, with their routing and the
-    token rows they came from)."""
+def expert_group_axes(plan) -> tuple[tuple[int, ...], ...]:
+    """The tuples of mesh axes (each of size > 1) whose ranks exchange expert rows as one group: the
+    axes a parameter's dim 0 is split over, nested, where there are several (only expert weights
+    nest; ``ir.region_expert_axis``). The same on every rank: read from the plan."""
+    from autopar.layouts import Shard, parse_layout
 
-    def __init__(self, axis: int):
+    sizes = [n for _, n in plan.mesh_axes]
+    out = set()
+    for p in plan.params.values():
+        axes = tuple(a for a, q in enumerate(parse_layout(p.layout)) if isinstance(q, Shard) and q.dim == 0 and sizes[a] > 1)
+        if len(axes) > 1:
+            out.add(axes)
+    return tuple(sorted(out))
+
+
+class ExpertRows:
+    """One region call's grouped matmuls over mesh ``axis`` (see the module docstring; a tuple of
+    axes: their flattened group, ``MeshComm.flat``, whose rank k holds the k-th block of experts as
+    the nested ``Shard(0)`` cuts them, outer axis first): the routing per ``offs`` tensor, and the
+    values held as experts' rows (by id, with their routing and the token rows they came from)."""
+
+    def __init__(self, axis):
         self.axis = axis
         self.routed: dict = {}
         self.held: dict = {}  # id -> (tensor, routing key, token rows)
@@ -108,7 +124,7 @@ class ExpertRows:
 
     def grouped_mm(self, x: torch.Tensor, w_local: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """The rows of this rank's experts times ``w_local``, held as experts' rows."""
-        ep, n = current_mesh().sizes[self.axis], w_local.shape[0]
+        ep, n = current_mesh().size_of(self.axis), w_local.shape[0]
         if offs.shape[0] != ep * n:
             raise RuntimeError(f"expert parallelism: {offs.shape[0]} experts over {ep} ranks of {n} each do not add up")
         key = (id(offs), self.axis)

@@ -61,6 +61,7 @@ from autopar.runtime.checkpoint_files import step_dir
 from autopar.runtime.collective_errors import collective_failures
 from autopar.runtime.comm import CollectiveLog, MeshComm
 from autopar.runtime.copyable_state import copyable_state_dict_hook
+from autopar.runtime.expert_dispatch import expert_group_axes
 from autopar.runtime.grad_sync import GradSync, backward_order
 from autopar.runtime.dtensor_params import StateView, drop_registered, placeholder, register_stacked, register_tree, tied_keys
 from autopar.runtime.pipeline import PipelineRunner, stage_state_names
@@ -144,7 +145,7 @@ class ParallelModel(torch.nn.Module):
             self._pp_group = self.device_mesh.get_group("pp")
             self._stage = self.device_mesh.get_local_rank("pp")
             self.device_mesh = self.device_mesh[tuple(a for a, _ in plan.mesh_axes)]
-        self.comm = MeshComm.from_device_mesh(self.device_mesh, self.collective_log)
+        self.comm = MeshComm.from_device_mesh(self.device_mesh, self.collective_log, expert_group_axes(plan))
         self._traced = traced
         self._device = b.device
         self._policy = precision_policy(plan.precision)

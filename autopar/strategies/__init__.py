@@ -35,7 +35,7 @@ from autopar.layouts import (
     nests_only_data_axes,
     state_dim,
 )
-from autopar.strategies.rules import AxisOption, OpView, rule_for
+from autopar.strategies.rules import AxisOption, OpView, rule_for, token_region
 from autopar.trace import TensorMeta, tensor_inputs
 
 __all__ = ["Strategy", "NodeStrategies", "enumerate_strategies", "UnknownOpWarning"]
@@ -71,12 +71,29 @@ class NodeStrategies:
     fallback: bool = False
 
 
-def _valid_layout(layout: Layout | None, axis_names: Sequence[str] = (), nested: bool = False) -> bool:
-    """A dim is sharded on one axis, or (``nested``) on several data axes (``layouts.DATA_AXIS_NAMES``)."""
+def _valid_layout(layout: Layout | None, axis_names: Sequence[str] = (), nested: bool = False,
+                  any_axes: bool = False) -> bool:
+    """A dim is sharded on one axis, or (``nested``) on several data axes (``layouts.DATA_AXIS_NAMES``),
+    or (``any_axes`` too) on several axes of any role."""
     if layout is None:
         return True
     dims = [p.dim for p in layout if isinstance(p, Shard)]
-    return len(dims) == len(set(dims)) or (nested and nests_only_data_axes(layout, axis_names))
+    return len(dims) == len(set(dims)) or (nested and (any_axes or nests_only_data_axes(layout, axis_names)))
+
+
+def _is_region_expert(node: fx.Node) -> bool:
+    """Whether ``node`` is an expert weight of a token-wise region (``autopar.regions``): the one
+    parameter whose dim 0 (its experts) may be split over several mesh axes, nested, so an expert
+    axis may borrow data and tensor ranks at once (``ir.region_expert_axis``)."""
+    from autopar.regions import REGION_EXPERTS_KEY
+
+    return any(node.name in u.meta.get(REGION_EXPERTS_KEY, ()) for u in node.users)
+
+
+def _experts_nested(layout: Layout) -> bool:
+    """Only dim 0 (the experts) is sharded on more than one axis."""
+    dims = [p.dim for p in layout if isinstance(p, Shard)]
+    return all(d == 0 for d in dims if dims.count(d) > 1)
 
 
 def _uneven_reason(meta: TensorMeta, layout: Layout, mesh_shape, axis_names) -> str | None:
@@ -128,10 +145,13 @@ def enumerate_strategies(
             return NodeStrategies(node.name, (Strategy((), (None,), ()),), ())
         per_axis = [_placeholder_options(meta, kind, n) for n in mesh_shape]
         strategies = []
+        experts = kind == "param" and _is_region_expert(node)
         for combo in itertools.product(*per_axis):
             layout = tuple(p for p, _ in combo)
             zero = tuple(a for a, (_, z) in enumerate(combo) if z)
-            if not _valid_layout(layout, axis_names, nested=kind != "param"):  # parameters never nest
+            # parameters never nest, but a token region's experts over several axes
+            if not (_valid_layout(layout, axis_names, nested=kind != "param")
+                    or (experts and _experts_nested(layout) and divides_evenly(meta.shape, layout, mesh_shape))):
                 continue
             reason = _uneven_reason(meta, layout, mesh_shape, axis_names)
             if reason and kind != "param":
@@ -208,7 +228,8 @@ def _op_strategies(node: fx.Node, rule, metas, mesh_shape: tuple, axis_names: tu
         if key in seen:
             continue
         seen.add(key)
-        if not all(_valid_layout(x, axis_names, nested=True) for x in ins + outs):
+        # a token region's tokens (and experts) may be split over axes of any role
+        if not all(_valid_layout(x, axis_names, nested=True, any_axes=rule is token_region) for x in ins + outs):
             continue
         if any(not _is_all_r(per_axis[a]) for a in trivial_axes):
             continue  # a size-1 axis only carries Replicate
