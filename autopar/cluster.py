@@ -151,6 +151,13 @@ class DeviceSpec:
     # library's GEMM can run a transposed operand at another speed (on a CPU, a few rows against
     # a 4 MiB weight ran 2x slower so); empty: linears are priced by ``matmul_table``
     linear_table: tuple[tuple[int, int, int, float], ...] = ()
+    # measured fp32 convolutions (``autopar calibrate`` on CPU processes): (m, k, n, forward
+    # seconds, backward seconds) over a grid of their implicit GEMM's shapes (m: batch x output
+    # pixels, k: input channels x kernel elements, n: output channels); a convolution is then priced
+    # at the efficiency interpolated from its shape (``cost_models.compute.conv_time``): on 4 CPU
+    # processes a 3x3 convolution of 8 channels ran at a few percent of the matmul rate its FLOPs
+    # had been priced at. Empty: convolutions are priced by their FLOPs, as matmuls
+    conv_table: tuple[tuple[int, int, int, float, float], ...] = ()
     # host seconds per collective the runtime issues, besides the collective: its reshard's
     # autograd node, buffers and layout copies (``autopar calibrate``, on CPU processes only, where
     # host and device are one and this time is on the critical path; a GPU's host runs ahead).
@@ -213,6 +220,12 @@ class DeviceSpec:
                 lambda r: len(r) == 4 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
                                               for v in r[:3]) and is_real(r[3], strict=True),
                 lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3])), "(m, k, n, seconds > 0)", unique=False))
+        object.__setattr__(self, "conv_table", check_rows(
+            "DeviceSpec", "conv_table", self.conv_table,
+            lambda r: len(r) == 5 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                                          for v in r[:3]) and all(is_real(v, strict=True) for v in r[3:]),
+            lambda r: (int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4])),
+            "(m, k, n, forward seconds > 0, backward seconds > 0)", unique=False))
         if not is_real(self.collective_host_s, high=1.0):
             raise ClusterSpecError(f"DeviceSpec.collective_host_s must be seconds in [0, 1), got "
                                    f"{self.collective_host_s!r}; it is the host's time per collective")

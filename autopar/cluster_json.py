@@ -45,14 +45,15 @@ def cluster_from_json(s: str) -> Cluster:
         top["device"].setdefault("op_costs", [])
         top["device"].setdefault("matmul_table", [])
         top["device"].setdefault("linear_table", [])
+        top["device"].setdefault("conv_table", [])
         top["device"].setdefault("collective_host_s", 0.0)
         top["device"].setdefault("collective_host_byte_s", 0.0)
     dev = json_fields(top["device"], "device.", ["name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                              "matmul_efficiency", "attention_efficiency", "attention_costs", "op_overhead",
                                              "update_op_overhead", "update_element_s", "grad_buffer_element_s",
-                                             "warm_elements", "shared_cache_bytes", "op_costs", "matmul_table", "linear_table",
+                                             "warm_elements", "shared_cache_bytes", "op_costs", "matmul_table", "linear_table", "conv_table",
                                              "collective_host_s", "collective_host_byte_s"])
-    for key in ("op_costs", "matmul_table", "linear_table", "update_element_s", "grad_buffer_element_s",
+    for key in ("op_costs", "matmul_table", "linear_table", "conv_table", "update_element_s", "grad_buffer_element_s",
                 "warm_elements", "attention_costs"):
         dev[key] = json_rows(dev[key])
     flops = json_fields(dev["peak_flops"], "device.peak_flops.", ["fp32", "tf32", "bf16", "fp16"])

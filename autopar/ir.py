@@ -262,10 +262,12 @@ def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tu
     """What ``sharded_batch_norm`` moves per microbatch for ``node``, a batch norm whose input
     arrives in ``layout``: ``(kind, mesh axis, bytes, whether forward moves them)`` (a checkpointed
     block moves the forward ones twice). In training, on each axis splitting the batch or spatial
-    dims, all-reduces of the mean and the variance (C local channels, fp32) and in backward one of
-    the two gradient sums (2C); where channels are split, the whole running statistics (mean and
-    variance) are all-gathered to update them on every rank. The comm model counts these bytes
-    and the planner prices their time (blocking), from this one list."""
+    dims, forward all-reduces the sum (C local channels, fp32), then the centred squares (the
+    variance needs the global mean: two blocking collectives, one after the other, each waiting
+    its latency and the ranks' skew), and backward one of the two gradient sums (2C); where
+    channels are split, the whole running mean and running variance are all-gathered (one each)
+    to update them on every rank: one entry per collective ``sharded_batch_norm`` issues. The comm
+    model counts these bytes and the planner prices their time (blocking), from this one list."""
     import math
 
     from autopar.node_view import OpView, op_name
@@ -278,9 +280,10 @@ def batch_norm_sync(node: fx.Node, layout: Layout | None, mesh_shape) -> list[tu
     sync, channel_axes = batch_norm_split(layout, mesh_shape)
     channels = view.in_metas[0].shape[1]
     local = channels // math.prod(mesh_shape[a] for a in channel_axes) * 4
-    out = [e for a in sync for e in (("all_reduce", a, 2.0 * local, True), ("all_reduce", a, 2.0 * local, False))]
+    out = [e for a in sync for e in (("all_reduce", a, float(local), True), ("all_reduce", a, float(local), True),
+                                     ("all_reduce", a, 2.0 * local, False))]
     if channel_axes and view.input_index("running_mean") is not None:
-        out += [("all_gather", a, 2.0 * channels * 4, True) for a in channel_axes]
+        out += [e for a in channel_axes for e in (("all_gather", a, channels * 4.0, True),) * 2]
     return out
 
 

@@ -19,7 +19,8 @@ call may override them by argument. Sources of the starting values:
   ops run on the vector units (CUDA cores), not tensor cores. Their FLOPs are counted against the
   fp32 peak whatever the dtype (half precision's 2x vector rate is ignored: conservative, and
   these ops are memory bound anyway), which also lets integer ops through. Engineering guesses.
-  Convolutions run as implicit GEMMs: classify them as ``"matmul"``.
+  Convolutions run as implicit GEMMs: classify them as ``"matmul"`` (a device with a measured
+  ``conv_table``, a CPU's: ``conv_time``).
 
 Example:
     >>> from autopar.cluster import Cluster
@@ -50,6 +51,7 @@ __all__ = [
     "OP_KINDS",
     "op_time",
     "matmul_time",
+    "conv_time",
     "dtype_bytes",
 ]
 
@@ -159,7 +161,37 @@ def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: i
         raise AutoparError(f"matmul_time: device {device.name!r} has no measured matmul table; "
                            "run `autopar calibrate` or price with op_time")
     table = device.linear_table if linear and device.linear_table else device.matmul_table
-    dims, log_eff = _efficiency_grid(table, device.peak_flops.fp32)
+    return _tabled_time(table, m, k, n, batch, device.peak_flops.fp32, device.peak_flops.for_dtype(dtype))
+
+
+def conv_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, backward: bool = False) -> float:
+    """Seconds of a convolution whose implicit GEMM is [m, k] x [k, n] (m: batch x output pixels,
+    k: input channels per group x kernel elements, n: output channels) on a device with a measured
+    ``DeviceSpec.conv_table``: its forward (``backward``: the input's and the weight's gradients)
+    at the efficiency interpolated from the table over (m, k, n), as ``matmul_time`` does from the
+    matmul table (the backward's as if it were twice the forward's FLOPs). A CPU convolution's
+    speed follows its channels, not its FLOPs: a 3x3 convolution of 8 channels on 4 processes
+    sharing 2 cores ran at a few percent of the matmul rate.
+    """
+    if not device.conv_table:
+        raise AutoparError(f"conv_time: device {device.name!r} has no measured convolution table; "
+                           "run `autopar calibrate` or price with op_time")
+    scale = 2.0 if backward else 1.0
+    table = _conv_rows(device.conv_table, backward, scale)
+    return scale * _tabled_time(table, m, k, n, 1, device.peak_flops.fp32, device.peak_flops.for_dtype(dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _conv_rows(table: tuple, backward: bool, scale: float) -> tuple:
+    """(m, k, n, seconds per ``scale`` forward FLOPs) rows of ``conv_table``'s forward or backward."""
+    return tuple((m, k, n, (b if backward else f) / scale) for m, k, n, f, b in table)
+
+
+def _tabled_time(table: tuple, m: int, k: int, n: int, batch: int, table_peak: float, peak: float) -> float:
+    """``batch`` [m, k] x [k, n] products priced from ``table``'s (m, k, n, seconds) rows: the
+    efficiency (of ``table_peak``) interpolated at the shape, run at ``peak``; a dim below the
+    grid's smallest priced there and scaled by the elements moved (``matmul_time``)."""
+    dims, log_eff = _efficiency_grid(table, table_peak)
     # a dim below the grid's smallest: priced at that smallest, scaled by the elements moved (so
     # tiny a dim leaves the op bound by its other operands, as it runs: a weight gradient over 4
     # rows takes about the time of one over 8, not half of it)
@@ -167,7 +199,7 @@ def matmul_time(m: int, k: int, n: int, device: DeviceSpec, dtype: Any, batch: i
     shape = [max(float(v), 1.0) for v in (m, k, n)]
     at = [max(v, lo) for v, lo in zip(shape, lowest)]
     eff = float(np.exp(_interpolate(dims, log_eff, [np.log(v) for v in at])))
-    seconds = 2.0 * batch * at[0] * at[1] * at[2] / (device.peak_flops.for_dtype(dtype) * eff)
+    seconds = 2.0 * batch * at[0] * at[1] * at[2] / (peak * eff)
     if at != shape:
         moved = lambda a, b, c: a * b + b * c + a * c  # noqa: E731 - both operands and the result
         seconds *= moved(*shape) / moved(*at)

@@ -184,7 +184,10 @@ def _synthetic_measurements(world: int = 4) -> dict:
                 "stream": [(b, slow * (overhead + b / bw)) for b in (1e4, 1e6, 1e8)],
                 # the shape grid as torch.mm and as nn.Linear's forward (here twice as slow)
                 "gemm": [(m, 64, 64, slow * 2.0 * m * 64 * 64 / rate) for m in (8, 64)],
-                "gemm_linear": [(m, 64, 64, slow * 4.0 * m * 64 * 64 / rate) for m in (8, 64)]}
+                "gemm_linear": [(m, 64, 64, slow * 4.0 * m * 64 * 64 / rate) for m in (8, 64)],
+                # convolutions' implicit GEMMs: forward at a tenth of the matmul rate, backward 3x it
+                "conv": [(m, 36, 16, slow * 20.0 * m * 36 * 16 / rate, slow * 80.0 * m * 36 * 16 / rate)
+                         for m in (256, 1024)]}
         coll = {k: [(p, n, ring_terms(k, p)[0] * 50e-6 + ring_terms(k, p)[1] * n / 2e9)
                     for p in (2, world) for n in (1e4, 1e6, 1e7)] for k in KINDS}
         fb_units, up_units = probe_units()
@@ -244,6 +247,11 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert [r[:3] for r in d.matmul_table] == [r[:3] for r in d.linear_table] == [(8, 64, 64), (64, 64, 64)]
     assert [b[3] / a[3] for a, b in zip(d.matmul_table, d.linear_table)] == pytest.approx([2.0, 2.0])
     assert d.collective_host_s == pytest.approx(1.5e-4) and d.collective_host_byte_s == pytest.approx(3e-10)
+    # the convolutions: (m, k, n, forward s, backward s), the backward the difference of the two windows
+    assert [r[:3] for r in d.conv_table] == [(256, 36, 16), (1024, 36, 16)]
+    assert [r[3] for r in d.conv_table] == pytest.approx([1.05 * 20.0 * m * 36 * 16 / 4e10 for m in (256, 1024)])
+    assert [r[4] / r[3] for r in d.conv_table] == pytest.approx([3.0, 3.0])
+    assert any("2 fp32 convolutions" in s for s in c.sources), c.sources
     assert Cluster.from_json(c.to_json()) == c
 
 
@@ -383,7 +391,7 @@ def test_device_overhead_and_attention_efficiency_are_validated():
 
 def test_specs_written_before_the_calibrated_fields_still_load():
     d = json.loads(Cluster.preset("dgx-h100").to_json())
-    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table", "collective_host_s",
+    for key in ("attention_efficiency", "op_overhead", "matmul_table", "linear_table", "conv_table", "collective_host_s",
                 "collective_host_byte_s", "grad_buffer_element_s", "update_element_s"):
         del d["device"][key]
     for link in ("intra_node", "inter_node"):
@@ -403,6 +411,7 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     d = spec.device
     assert d.op_overhead is not None and d.matmul_efficiency == 1.0 and d.peak_flops.fp32 > 1e8
     assert len(d.matmul_table) == 8 and len(d.op_costs) == 3 and d.update_element_s is not None
+    assert len(d.conv_table) == 8 and all(f > 0 and b > 0 for *_, f, b in d.conv_table)  # the quick grid: 2 x 2 x 2
     assert d.attention_costs is not None and d.attention_costs[1] + d.attention_costs[3] > 0
     assert all(0.0 < t < 1e-7 for t in d.grad_buffer_element_s)  # per element: under 100 ns
     from autopar.calibration.cpu_cache import last_level_cache_bytes

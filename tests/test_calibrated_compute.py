@@ -364,3 +364,57 @@ def test_a_gpu_op_costs_the_longer_of_its_launch_and_its_kernel_a_cpu_op_both():
     # forward: the launch; backward: BWD_OPS launches (both GEMMs' kernels shorter than them)
     assert all(t == pytest.approx(overhead * (1 + BWD_OPS["matmul"]), rel=1e-9) for t in per_op["gpu"].values())
     assert all(t > overhead * (1 + BWD_OPS["matmul"]) * 1.001 for t in per_op["cpu"].values())
+
+
+def _conv_device(eff, peak=1e11):
+    """A device whose convolution table runs each implicit GEMM shape at ``eff(m, k, n)`` of
+    ``peak`` forward and 3x that time backward; matmuls at the peak, no per-op overhead."""
+    ms, ks, ns = (256, 1024, 4096), (36, 144, 576), (4, 16, 64)
+    table = tuple((m, k, n, 2.0 * m * k * n / (peak * eff(m, k, n)), 6.0 * m * k * n / (peak * eff(m, k, n)))
+                  for m in ms for k in ks for n in ns)
+    base = Cluster.local(4, calibrated=False)
+    flops = autopar.cluster.PeakFlops(fp32=peak, tf32=peak, bf16=peak, fp16=peak)
+    return dataclasses.replace(base, device=dataclasses.replace(base.device, conv_table=table, op_overhead=0.0,
+                                                                peak_flops=flops, matmul_efficiency=1.0))
+
+
+def test_conv_time_gives_back_the_measured_convolutions_and_interpolates_between_them():
+    """Each measured shape is priced as measured, forward and backward; a shape between two
+    measured ones between them; few output channels at a small share of the rate."""
+    from autopar.cost_models.compute import conv_time
+
+    cluster = _conv_device(lambda m, k, n: 0.02 if n == 4 else 0.5)
+    d = cluster.device
+    for m, k, n, f, b in d.conv_table:
+        assert conv_time(m, k, n, d, "fp32") == pytest.approx(f, rel=1e-9)
+        assert conv_time(m, k, n, d, "fp32", backward=True) == pytest.approx(b, rel=1e-9)
+    between = conv_time(1024, 144, 8, d, "fp32")
+    assert conv_time(1024, 144, 4, d, "fp32") * 2 > between > conv_time(1024, 144, 16, d, "fp32") / 2
+    assert 2.0 * 1024 * 144 * 4 / conv_time(1024, 144, 4, d, "fp32") == pytest.approx(0.02 * 1e11, rel=1e-9)
+
+
+def test_a_convolution_is_priced_by_the_convolution_table_at_its_local_shape():
+    """A calibrated convolution table prices a conv2d node by its local implicit GEMM (batch x
+    pixels, input channels x kernel, output channels), not by its FLOPs at the matmul rate: the
+    data-parallel plan's node by a quarter of the batch, the tensor-parallel one's by a quarter
+    of the channels it splits (the output's, or the input's with a partial sum out), each forward +
+    backward as the table says."""
+    from autopar.cost_models.compute import conv_time
+
+    cluster = _conv_device(lambda m, k, n: 0.05 * (n / 4) ** 0.5)  # 0.05 at 4 channels, 0.2 at 64
+    d = cluster.device
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 64, 3, padding=1, bias=False), torch.nn.Flatten(),
+                                torch.nn.Linear(64 * 16 * 16, 10))
+    x = torch.randn(16, 16, 16, 16)
+    for constraints in (autopar.Constraints(dp=4), autopar.Constraints(tp=4, dp=1)):
+        plan = autopar.plan(model, cluster, x, optimizer="sgd", constraints=constraints)
+        node = next(n for n in plan.nodes.values() if "conv2d" in n.op)
+        if constraints.dp == 4:
+            m, k, n = 4 * 256, 144, 64
+        else:
+            assert node.outs[0] in ("[R, S(1)]", "[R, P(sum)]"), node.outs
+            m, k, n = (16 * 256, 144, 16) if "S(1)" in node.outs[0] else (16 * 256, 36, 64)
+        # the input is the model's: no gradient for it, but the weight's (one backward op, priced as measured)
+        expected = conv_time(m, k, n, d, "fp32") + conv_time(m, k, n, d, "fp32", backward=True)
+        assert node.compute_s == pytest.approx(expected, rel=1e-6)
+        assert node.compute_s > 3 * 4 * 2.0 * m * k * n / 1e11  # over 3x what its FLOPs cost at the matmul rate

@@ -363,8 +363,9 @@ def test_solver_report_says_why_the_solver_stopped():
 
 def test_batch_norm_statistics_sync_is_in_the_planned_step_time():
     """A batch norm over a split batch all-reduces its statistics every step: the planner charges
-    that time to the strategy (blocking, in the ILP and the step evaluation alike), for exactly the
-    bytes the comm model counts, and nothing where the batch norm's input is whole."""
+    that time to the strategy (blocking, in the ILP and the step evaluation alike), one collective
+    for each that ``sharded_batch_norm`` issues (two in forward: the variance needs the global
+    mean), for exactly the bytes the comm model counts, and nothing where the input is whole."""
     import torch.nn.functional as F
 
     from autopar.cost_models.communication import collective_time
@@ -385,14 +386,16 @@ def test_batch_norm_statistics_sync_is_in_the_planned_step_time():
     ctx = cost_context((2, 1), cluster, precision_policy("fp32"), optimizer_spec("sgd"))
     problem = build_problem(traced, find_repeated_blocks(traced.graph), ctx, recompute=False, microbatches=2)
     bn = next(v for v in problem.nodes.values() if "batch_norm" in str(v.node.target))
-    one_sync = collective_time("all_reduce", 2 * 16 * 4, ctx.groups[0], cluster)  # mean and variance, C fp32
-    gather_stats = collective_time("all_gather", 2 * 16 * 4, ctx.groups[0], cluster)  # whole running stats
+    # forward: the sum, then the centred squares (C fp32 each, one after the other); backward: 2C
+    syncs = 2 * collective_time("all_reduce", 16 * 4, ctx.groups[0], cluster) + collective_time(
+        "all_reduce", 2 * 16 * 4, ctx.groups[0], cluster)
+    gather_stats = 2 * collective_time("all_gather", 16 * 4, ctx.groups[0], cluster)  # whole running mean, var
     seen = set()
     for i, s in enumerate(bn.strategies):
         priced = 0.0 if bn.comm_s is None else bn.comm_s[i]
         p = s.ins[0][0]
         if p in (Shard(0), Shard(2), Shard(3)):  # batch or spatial split: sync forward and backward, 2 microbatches
-            assert priced == pytest.approx(2 * 2 * one_sync)
+            assert priced == pytest.approx(2 * syncs)
             assert bn.comm_kinds["all_reduce"][i] == pytest.approx(priced)
         elif p == Shard(1):  # channels split: the running statistics gathered every microbatch
             assert priced == pytest.approx(2 * gather_stats)

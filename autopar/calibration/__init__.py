@@ -13,6 +13,9 @@ local model:
   on a GPU the preset's datasheet peaks stay and ``matmul_efficiency`` is the measured share;
 * ``device.matmul_table`` and ``device.linear_table``: fp32 matmul times over a grid of shapes,
   as ``torch.mm`` and as nn.Linear's forward (``x @ W.T``), with operands cold in cache;
+* ``device.conv_table``: on CPU processes, fp32 convolutions' forward and backward times over a
+  grid of their implicit GEMM's shapes (a convolution is priced by it, not by its FLOPs at the
+  matmul rate: a few channels run at a small share of that rate);
 * ``device.attention_efficiency`` and ``device.memory_bandwidth`` (stated so that the cost
   model's ``MEMORY_EFFICIENCY`` gives back the measured rate); ``device.attention_costs``:
   attention's forward and backward per (batch, head) pair and per FLOP;
@@ -66,7 +69,7 @@ def _over_ranks(rows_per_rank: list[list], keep: int, reduce) -> list[tuple]:
 
 
 # per compute table, its leading columns that say what was measured (the rest are times)
-_MEASURED_COLUMNS = {"gemm": 3, "gemm_linear": 3, "attention_grad": 2}
+_MEASURED_COLUMNS = {"gemm": 3, "gemm_linear": 3, "attention_grad": 2, "conv": 3}
 
 
 def combine_ranks(per_rank: list[dict]) -> dict:
@@ -197,6 +200,14 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
         ratios = [b[3] / a[3] for a, b in zip(comp["gemm"], comp["gemm_linear"])]
         sources.append(f"the same shapes as nn.Linear's forward (x @ W.T): {min(ratios):.2f} to {max(ratios):.2f}x "
                        f"torch.mm's time (median {statistics.median(ratios):.2f}x)")
+    conv_table = conv_rows(comp.get("conv", ()))
+    if conv_table:
+        effs = [2.0 * m * k * n / f / peaks.fp32 for m, k, n, f, _ in conv_table]
+        back = [b / f for _, _, _, f, b in conv_table]
+        sources.append(f"{len(conv_table)} fp32 convolutions (3x3; implicit GEMM m in {sorted({r[0] for r in conv_table})}, "
+                       f"k in {sorted({r[1] for r in conv_table})}, n in {sorted({r[2] for r in conv_table})}): forward "
+                       f"efficiency {min(effs):.3f} to {max(effs):.2f} of {peaks.fp32 / 1e9:.1f} GFLOP/s, backward "
+                       f"{min(back):.1f} to {max(back):.1f}x the forward's time")
     if op_costs:
         sources.append("per element, forward / backward: " + ", ".join(
             f"{name} {f * 1e9:.2f} / {b * 1e9:.2f} ns" for name, f, b in op_costs))
@@ -204,6 +215,7 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                  attention_costs=attention_costs,
                                  op_costs=op_costs, matmul_table=tuple(tuple(r) for r in comp.get("gemm", [])),
                                  linear_table=tuple(tuple(r) for r in comp.get("gemm_linear", [])),
+                                 conv_table=conv_table,
                                  op_overhead=op_overhead, update_op_overhead=update_overhead,
                                  update_element_s=per_element, grad_buffer_element_s=grad_buffer,
                                  warm_elements=warm, shared_cache_bytes=measured.get("shared_cache_bytes"),
@@ -263,6 +275,17 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                                       exposed_comm_share=share, collective_skew_s=skew,
                                       pipeline_microbatch_s=per_micro)
     return dataclasses.replace(cluster, sources=tuple(sources))
+
+
+def conv_rows(measured) -> tuple[tuple[int, int, int, float, float], ...]:
+    """``DeviceSpec.conv_table`` from the probe's (m, k, n, forward s, forward + backward s): the
+    backward's own time, never below a tenth of the forward's (timing noise can put the two
+    windows' difference near 0). Pure.
+
+    >>> conv_rows([(256, 72, 8, 1e-4, 3.5e-4)])
+    ((256, 72, 8, 0.0001, 0.00025),)
+    """
+    return tuple((int(m), int(k), int(n), float(f), max(float(b) - float(f), 0.1 * float(f))) for m, k, n, f, b in measured)
 
 
 def pipeline_microbatch_seconds(excess: list[float], message_s: float) -> float:

@@ -10,6 +10,9 @@ measured, per rank (``measure_rank``):
 * attention (``scaled_dot_product_attention``, causal) over a few shapes, forward and forward +
   backward: (batch x heads, flops, seconds, seconds);
 * a streaming op (``torch.add(a, b, out=c)``) over sizes: (bytes read + written, seconds);
+* fp32 convolutions (``F.conv2d``, 3x3) over a grid of their implicit GEMM's shapes (output
+  pixels, input channels x kernel, output channels: ``conv_grid``), forward and forward +
+  backward: a CPU convolution's speed is not a matmul's of its FLOPs (``DeviceSpec.conv_table``);
 * the common non-matmul ops of training graphs (``MEASURED_OPS``), forward and forward +
   backward, at two sizes: their cost per element;
 * a training probe (small linears, GELUs and views, forward + backward with autograd, then
@@ -110,6 +113,53 @@ def _gemm_table(spec: MicrobenchSpec, device: torch.device, barrier) -> dict[str
     return rows
 
 
+# the convolution grid: 3x3 kernels (padding 1, stride 1) on CONV_IMAGE x CONV_IMAGE images; batch,
+# input and output channels per axis: the implicit GEMM's m (batch x pixels), k (input channels x
+# 9) and n (output channels) from a few channels, where a CPU convolution runs at a small share of
+# a matmul's rate, to many
+CONV_IMAGE = 16
+CONV_BATCHES, CONV_CHANNELS = (1, 4, 16), (4, 16, 64)
+CONV_KERNEL = 3
+_CONV_MAX_MKN = 1 << 27  # multiply-adds of the largest convolution timed (a corner not timed takes the best)
+CONV_REPEATS = 3
+
+
+def conv_grid(quick: bool = False) -> list[tuple[int, int, int]]:
+    """(batch, input channels, output channels) of the convolutions timed for
+    ``DeviceSpec.conv_table``: every combination of ``CONV_BATCHES`` and ``CONV_CHANNELS`` (quick:
+    the first two of each) up to ``_CONV_MAX_MKN`` multiply-adds."""
+    batches, channels = (CONV_BATCHES[:2], CONV_CHANNELS[:2]) if quick else (CONV_BATCHES, CONV_CHANNELS)
+    return [(b, ci, co) for b in batches for ci in channels for co in channels
+            if b * CONV_IMAGE**2 * ci * CONV_KERNEL**2 * co <= _CONV_MAX_MKN]
+
+
+def _conv_table(spec: MicrobenchSpec, device: torch.device, barrier) -> list[tuple]:
+    """[(m, k, n, forward seconds, forward + backward seconds)] of fp32 ``F.conv2d`` over
+    ``conv_grid``, m = batch x output pixels, k = input channels x kernel elements, n = output
+    channels (its implicit GEMM's shape, as ``planner.costing`` reads a convolution node); the
+    backward computes the input's and the weight's gradients, as a convolution inside a network does."""
+    grid = conv_grid(spec.quick)
+    progress(f"{len(grid)} convolution shapes, forward and backward")
+    conv = torch.nn.functional.conv2d
+    keys, fns = [], []
+    for b, ci, co in grid:
+        x = torch.randn(b, ci, CONV_IMAGE, CONV_IMAGE, device=device, requires_grad=True)
+        w = torch.randn(co, ci, CONV_KERNEL, CONV_KERNEL, device=device, requires_grad=True)
+        grad = torch.randn(b, co, CONV_IMAGE, CONV_IMAGE, device=device)
+
+        def fwd(x=x, w=w):
+            with torch.no_grad():
+                return conv(x, w, padding=CONV_KERNEL // 2)
+
+        def both(x=x, w=w, grad=grad):  # autograd.grad: no accumulation into leaves' .grad
+            return torch.autograd.grad(conv(x, w, padding=CONV_KERNEL // 2), (x, w), grad)
+
+        keys.append((b * CONV_IMAGE**2, ci * CONV_KERNEL**2, co))
+        fns += [fwd, both]
+    times = per_op_spread(fns, device, min(spec.repeats, CONV_REPEATS), barrier)
+    return [(m, k, n, times[2 * i], times[2 * i + 1]) for i, (m, k, n) in enumerate(keys)]
+
+
 def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
     progress("matmuls, attention and streaming ops")
     shapes = MATMUL_SHAPES[:4] if spec.quick else MATMUL_SHAPES
@@ -137,6 +187,8 @@ def _compute(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:
                        min(spec.repeats, ATTENTION_REPEATS), barrier=barrier)
         out["attention"].append((flops, fwd))
         out["attention_grad"].append((float(b * h), flops, fwd, both))
+    if device.type == "cpu":  # a GPU's convolutions: priced by their FLOPs (cuDNN's implicit GEMMs)
+        out["conv"] = _conv_table(spec, device, barrier)
     for numel in _STREAM_NUMELS[:4] if spec.quick else _STREAM_NUMELS:
         x, y, z = (torch.randn(numel, device=device) for _ in range(3))
         out["stream"].append((3.0 * numel * 4, per_op(lambda: torch.add(x, y, out=z), device, spec.repeats,
@@ -181,6 +233,7 @@ def _op_operands(name: str, xy: torch.Tensor, device: torch.device):
     table = torch.randn(512, width, device=device, requires_grad=True) if name == "embedding" else None
     idx = torch.randint(0, 512, (rows,), device=device)
     target = torch.randint(0, width, (rows,), device=device)
+    stats = (torch.zeros(BN_CHANNELS, device=device), torch.ones(BN_CHANNELS, device=device))  # running mean, var
     ops = {
         "gelu": lambda: F.gelu(x), "relu": lambda: F.relu(x), "silu": lambda: F.silu(x),
         "tanh": lambda: torch.tanh(x), "sigmoid": lambda: torch.sigmoid(x),
@@ -190,12 +243,16 @@ def _op_operands(name: str, xy: torch.Tensor, device: torch.device):
         "cross_entropy_loss": lambda: F.cross_entropy(x, target),
         "embedding": lambda: F.embedding(idx, table),
         "dropout": lambda: F.dropout(x, 0.1, training=True),
+        # a convolution network's: [rows, 16 channels, 8, width / 128], statistics over all but the channels
+        "batch_norm": lambda: F.batch_norm(x.view(rows, BN_CHANNELS, 8, -1), stats[0], stats[1], w[:BN_CHANNELS],
+                                           b[:BN_CHANNELS], training=True),
     }
     return ops[name]
 
 
 MEASURED_OPS = ("gelu", "relu", "silu", "tanh", "sigmoid", "add", "mul", "layer_norm", "rms_norm", "softmax",
-                "log_softmax", "cross_entropy_loss", "embedding", "dropout")
+                "log_softmax", "cross_entropy_loss", "embedding", "dropout", "batch_norm")
+BN_CHANNELS = 16  # batch_norm's probe: channels of its [rows, channels, 8, width / 128] input
 
 
 def _op_costs(spec: MicrobenchSpec, device: torch.device, barrier) -> dict:

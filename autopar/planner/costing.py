@@ -18,7 +18,7 @@ import torch.fx as fx
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import (CommGroup, axis_group, blocking_collective_time, collective_latency,
                                                collective_time)
-from autopar.cost_models.compute import matmul_time, op_time
+from autopar.cost_models.compute import conv_time, matmul_time, op_time
 from autopar.cost_models.compute import dtype_bytes
 from autopar.cost_models.memory import OptimizerSpec, PrecisionPolicy
 from autopar.regions import REGION_GROUPED_KEY
@@ -142,6 +142,15 @@ def node_compute_time(node: fx.Node, strategy: Strategy, ctx: CostContext,
             return fwd, 0.0
         bwd = (per_bwd * elements + flop_bwd * flops) / split
         return fwd, with_overhead(overhead * BWD_OPS.get(kind, 1), bwd, queued)
+    conv = _conv_dims(node, strategy, ctx) if kind == "matmul" and device.conv_table else None
+    if conv is not None:  # the measured convolution of this implicit GEMM shape, per microbatch
+        m, k, n = conv
+        m = -(-m // runs)
+        fwd = with_overhead(overhead, runs * conv_time(m, k, n, device, dtype), queued)
+        if not node.meta.get("autopar.needs_grad", False):
+            return fwd, 0.0
+        # one backward op (convolution_backward: the input's and the weight's gradients)
+        return fwd, with_overhead(overhead, runs * conv_time(m, k, n, device, dtype, backward=True), queued)
     gemm = _gemm_dims(node, strategy, ctx) if kind == "matmul" and device.matmul_table else None
     if gemm is not None:  # the measured efficiency of this shape, for each microbatch's matmul
         batch, m, k, n = gemm
@@ -218,6 +227,26 @@ def _gemm_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int
     if name == "linear":
         return 1, math.prod(lo[:-1]), la[-1], lo[-1]
     return math.prod(lo[:-2]), lo[-2], la[-1], lo[-1]
+
+
+_CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d"})
+
+
+def _conv_dims(node: fx.Node, strategy: Strategy, ctx: CostContext) -> tuple[int, int, int] | None:
+    """(m, k, n) of the implicit GEMM of a convolution node's local work under ``strategy``: m the
+    local batch x output pixels, k the local input channels per group x kernel elements, n the
+    local output channels (a tensor-parallel split of either channel axis shrinks k or n); None
+    for other ops or unknown layouts."""
+    if op_name(node) not in _CONV_OPS or len(strategy.ins) < 2 or strategy.ins[1] is None or not strategy.outs \
+            or strategy.outs[0] is None:
+        return None
+    w = OpView(node).in_metas[1]
+    out = node.meta["autopar.outputs"][0]
+    if w is None or out is None or len(out.shape) < 3 or len(w.shape) != len(out.shape):
+        return None
+    lw = local_shape(w.shape, strategy.ins[1], ctx.mesh_shape)
+    lo = local_shape(out.shape, strategy.outs[0], ctx.mesh_shape)
+    return lo[0] * math.prod(lo[2:]), math.prod(lw[1:]), lo[1]
 
 
 def _right_transposed(node: fx.Node) -> bool:
