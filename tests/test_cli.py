@@ -75,24 +75,57 @@ def test_plan_rejects_a_bad_factory():
         main(["plan", "examples.gpt"])
 
 
+_TRAIN_SCRIPT = textwrap.dedent("""
+    import torch, torch.distributed as dist, autopar
+    from examples.mlp import MLP, example_batch, mlp_loss
+    x, t = example_batch()
+    pm = autopar.compile(MLP(), autopar.Cluster.local(), (x,), example_target=t, loss_fn=mlp_loss,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    losses = [float(pm.train_step(x, target=t)) for _ in range(3)]
+    if dist.get_rank() == 0:
+        print("LOSSES", losses, "WORLD", dist.get_world_size(), "MESH", pm.plan.mesh)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every ``autopar run`` of this file, started side by side when a test first asks (each
+    torchrun --standalone rendezvous on its own free port): most of a run is process start-up and
+    torchrun's waits, which overlap. name -> CompletedProcess; "<case>_starts": the ranks' start
+    log ("rank attempt") of the restart cases."""
+    tmp = tmp_path_factory.mktemp("runs")
+    (tmp / "train.py").write_text(_TRAIN_SCRIPT)
+    (tmp / "restart.py").write_text(_RESTART_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    commands = {"train": [str(tmp / "train.py"), "--nproc", "2"],
+                # examples/train_hf.py: a HF causal LM from a local config in the torch-native loop
+                "hf": [str(root / "examples" / "train_hf.py"), "--nproc", "2", "--steps", "3"],
+                "constraint": [str(tmp / "restart.py"), "--nproc", "2", "--max-restarts", "3", "constraint"],
+                "crash": [str(tmp / "restart.py"), "--nproc", "2", "--max-restarts", "3", "crash"]}
+    procs = {}
+    for name, args in commands.items():
+        env = dict(os.environ, OMP_NUM_THREADS="1", RUN_LOG=str(tmp / f"{name}.log"))
+        procs[name] = subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", *args], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    out = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for case in ("constraint", "crash"):
+        out[case + "_starts"] = sorted((tmp / f"{case}.log").read_text().split("\n")[:-1])
+    return out
+
+
 @pytest.mark.slow
-def test_run_launches_a_training_script_with_torchrun(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
-        import torch, torch.distributed as dist, autopar
-        from examples.mlp import MLP, example_batch, mlp_loss
-        x, t = example_batch()
-        pm = autopar.compile(MLP(), autopar.Cluster.local(), (x,), example_target=t, loss_fn=mlp_loss,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        losses = [float(pm.train_step(x, target=t)) for _ in range(3)]
-        if dist.get_rank() == 0:
-            print("LOSSES", losses, "WORLD", dist.get_world_size(), "MESH", pm.plan.mesh)
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-        dist.destroy_process_group()
-    """))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "autopar.cli", "run", str(script), "--nproc", "2"],
-                          capture_output=True, text=True, timeout=300, env=env)
+def test_run_launches_a_training_script_with_torchrun(runs):
+    done = runs["train"]
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("LOSSES"))
     assert "WORLD 2" in line
@@ -101,13 +134,10 @@ def test_run_launches_a_training_script_with_torchrun(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_hugging_face_example_trains_under_autopar_run():
+def test_the_hugging_face_example_trains_under_autopar_run(runs):
     """examples/train_hf.py: a HF causal LM from a local config in the torch-native loop, each rank
     reading its shard through a DistributedSampler (the README's example of local batches)."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "autopar.cli", "run", str(root / "examples" / "train_hf.py"),
-                           "--nproc", "2", "--steps", "3"], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    done = runs["hf"]
     assert done.returncode == 0, done.stderr[-2000:]
     steps = [l for l in done.stdout.splitlines() if l.startswith("step ")]
     assert len(steps) == 3, done.stdout[-2000:]
@@ -152,30 +182,11 @@ _RESTART_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_run_restarts_killed_ranks_but_not_deterministic_errors(tmp_path):
+def test_run_restarts_killed_ranks_but_not_deterministic_errors(runs):
     """A ConstraintError every rank raises at compile is deterministic: ``autopar run`` stops torchrun
     before it restarts anyone (despite --max-restarts 3), prints one traceback naming the ranks and
     exits 2. A rank killed by a signal is a process failure: restarted, and the run completes."""
-    script = tmp_path / "train.py"
-    script.write_text(_RESTART_SCRIPT)
-    root = Path(__file__).resolve().parents[1]
-    out, runs = {}, {}
-    # the two runs side by side (each torchrun --standalone rendezvous on its own free port): most
-    # of a run is process start-up and torchrun's waits, which overlap
-    for case in ("constraint", "crash"):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RUN_LOG=str(tmp_path / f"{case}.log"))
-        runs[case] = subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", str(script), "--nproc", "2",
-                                       "--max-restarts", "3", case], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env, cwd=root)
-    for case, proc in runs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for other in runs.values():
-                other.kill()
-            raise
-        out[case] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        out[case + "_starts"] = sorted((tmp_path / f"{case}.log").read_text().split("\n")[:-1])
+    out = runs
     bad = out["constraint"]
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert out["constraint_starts"] == ["0 0", "1 0"]  # each rank started once: no restart

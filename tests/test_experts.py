@@ -250,7 +250,10 @@ def test_free_plan_puts_many_experts_on_an_expert_axis():
     batch or its heads split); explain() lists what the expert weights' alternatives would cost."""
     from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
-    cfg = MoEConfig(vocab_size=32000, n_experts=16, n_embd=1024, ff=4096, n_layer=4, n_head=16, block_size=1024,
+    # one layer: the choice is per layer, and a single layer plans in ~4 s on 2 cores where 2 or 4
+    # layers take 40-50 s (the search then prices pipelines and more meshes); the plan puts the
+    # experts on the data axis (attention's batch split there), with 4 layers on tp (heads split)
+    cfg = MoEConfig(vocab_size=32000, n_experts=16, n_embd=1024, ff=4096, n_layer=1, n_head=16, block_size=1024,
                     capacity_factor=1.25)
     with torch.device("meta"):
         model = MoEGPT(cfg)

@@ -257,12 +257,12 @@ def local_microbatches_worker(optimizer: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_local_batches_weigh_microbatches_by_the_count_over_ranks(optimizer):
+def test_local_batches_weigh_microbatches_by_the_count_over_ranks():
     """Padded rows put different numbers of counted targets on each rank and microbatch: the
     step's loss and parameters still equal one device's, and the counts' all-reduce is the plan's
-    (its bytes predicted)."""
-    for out in autopar.launch(local_microbatches_worker, 2, optimizer):
+    (its bytes predicted). SGD only (it ran with AdamW too): a microbatch weighed wrongly scales
+    its gradient, which SGD shows and Adam's per-entry normalisation would mostly hide."""
+    for out in autopar.launch(local_microbatches_worker, 2, "sgd"):
         assert out["mesh"] == {"dp": 2, "tp": 1} and out["microbatches"] == 2
         assert out["loss_err"] <= TOL and out["param_err"] <= TOL, out
         assert out["bytes"] == out["predicted"], (out["bytes"], out["predicted"])
