@@ -35,12 +35,14 @@ from dataclasses import dataclass, field
 from autopar.ir import edge_reshard, gradient_sink_params, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import Layout, Shard, grad_layout, local_shape, split_factor, state_dim, state_layout
 from autopar.planner.costing import reshard_staging_bytes
+from autopar.planner.ilp_model import InfeasibleProblem
 from autopar.planner.op_memory import OpMemory, op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
 from autopar.resharding import reshard_steps_for
+from autopar.strategies import Strategy
 from autopar.trace import TensorMeta, tensor_inputs
 
-__all__ = ["MemoryEstimate", "simulate_step_memory", "persistent_bytes"]
+__all__ = ["MemoryEstimate", "simulate_step_memory", "persistent_bytes", "persistent_floor", "check_state_fits"]
 
 from autopar.sync_settings import ZERO2_MAX_INFLIGHT as _ZERO2_INFLIGHT  # noqa: E402
 from autopar.sync_settings import ZERO3_MAX_INFLIGHT as _ZERO3_INFLIGHT  # noqa: E402
@@ -172,23 +174,53 @@ class _Sizes:
 def persistent_bytes(problem: Problem, choice: dict[str, int]) -> dict[str, float]:
     """Per-rank bytes kept across steps: parameters (+buffers), gradient buffers, optimizer state."""
     ctx = problem.ctx
-    mesh = ctx.mesh_shape
     out = {"params": 0.0, "grads": 0.0, "optimizer_state": 0.0}
     for n in problem.traced.graph.nodes:
-        kind = n.meta.get("autopar.kind")
-        if kind not in ("param", "buffer"):
-            continue
-        s = problem.strategy_of(n.name, choice)
-        meta = n.meta["autopar.outputs"][0]
-        local = _local_bytes(meta, s.outs[0], mesh)
-        out["params"] += local
-        if kind != "param" or not n.meta.get("autopar.requires_grad", True):
-            continue
-        state = state_layout(meta.shape, s.outs[0], s.zero_axes) or s.outs[0]
-        state_bytes = _local_bytes(meta, state, mesh)
-        out["grads"] += state_bytes if s.zero_stage == 2 else local
-        out["optimizer_state"] += state_bytes * ctx.optimizer.states
+        if n.meta.get("autopar.kind") in ("param", "buffer"):
+            for k, b in zip(out, _held(n, problem.strategy_of(n.name, choice), ctx)):
+                out[k] += b
     return out
+
+
+def _held(n, s: Strategy, ctx) -> tuple[float, float, float]:
+    """(parameter, gradient buffer, optimizer state) bytes a rank keeps across steps for the
+    parameter or buffer node ``n`` under strategy ``s``."""
+    meta = n.meta["autopar.outputs"][0]
+    local = _local_bytes(meta, s.outs[0], ctx.mesh_shape)
+    if n.meta.get("autopar.kind") != "param" or not n.meta.get("autopar.requires_grad", True):
+        return local, 0.0, 0.0
+    state = state_layout(meta.shape, s.outs[0], s.zero_axes) or s.outs[0]
+    state_bytes = _local_bytes(meta, state, ctx.mesh_shape)
+    return local, state_bytes if s.zero_stage == 2 else local, state_bytes * ctx.optimizer.states
+
+
+def persistent_floor(traced, blocks, ctx, strategies_of) -> float:
+    """A lower bound on every choice's simulated peak (``simulate_step_memory``, which is the
+    persistent bytes plus a peak of what the step allocates, never below zero): per
+    representative parameter or buffer, the least persistent bytes its instances hold together
+    under any one of its allowed strategies (``strategies_of(node)``; a node with none adds 0)."""
+    members: dict[str, list] = {}
+    for n in traced.graph.nodes:
+        if n.meta.get("autopar.kind") in ("param", "buffer"):
+            members.setdefault(blocks.rep[n.name], []).append(n)
+    by_name = {n.name: n for n in traced.graph.nodes}
+    floor = 0.0
+    for rep, nodes in members.items():
+        floor += min((sum(sum(_held(n, s, ctx)) for n in nodes) for s in strategies_of(by_name[rep])), default=0.0)
+    return floor
+
+
+def check_state_fits(traced, blocks, ctx, strategies_of, budget: float | None) -> None:
+    """Raise the memory ``InfeasibleProblem`` every plan on ``ctx``'s mesh would end in when the
+    persistent bytes alone (``persistent_floor``) exceed ``budget``: an attempt need not build
+    and solve its problem to learn that no choice fits."""
+    if budget is None:
+        return
+    floor = persistent_floor(traced, blocks, ctx, strategies_of)
+    if floor > budget:
+        raise InfeasibleProblem(
+            "memory", f"the parameters, gradients and optimizer state alone take at least {floor / 2**30:.2f} GiB per "
+                      f"device under any allowed layout, beyond the {budget / 2**30:.2f} GiB budget")
 
 
 # ---------------------------------------------------------------------------- the simulation

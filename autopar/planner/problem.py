@@ -30,8 +30,8 @@ from autopar.planner.variables import NodeVar
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.trace import TracedGraph, tensor_inputs
 
-__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter", "batch_derived", "producer_of",
-           "REFUSED_RESHARD_S"]
+__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "node_strategies", "StrategyFilter", "batch_derived",
+           "producer_of", "REFUSED_RESHARD_S"]
 
 # (node, strategy) -> None if allowed, else the reason it is not
 StrategyFilter = Callable[[fx.Node, Strategy], "str | None"]
@@ -114,22 +114,7 @@ def build_problem(
     for n in graph.nodes:
         if n.op == "output" or rep[n.name] != n.name or is_alias_getitem(n):
             continue
-        key = (n.name, ctx.mesh_shape)
-        if key not in cache:
-            with warnings_silenced():
-                cache[key] = enumerate_strategies(n, ctx.mesh_shape, ctx.axis_names)
-        ns: NodeStrategies = cache[key]
-        strategies = list(ns.strategies)
-        excluded = list(ns.excluded)
-        if strategy_filter is not None:
-            kept = []
-            for s in strategies:
-                why = strategy_filter(n, s)
-                if why is None:
-                    kept.append(s)
-                else:
-                    excluded.append((s.describe(), why))
-            strategies = kept
+        ns, strategies, excluded = node_strategies(n, ctx, strategy_filter, cache)
         c = count[n.name]
         in_block = n.name in blocks.instance_of and c > 1
         k = len(strategies)
@@ -175,6 +160,29 @@ def build_problem(
     _merge_followers(traced, blocks, nodes, ctx)
     edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
+
+
+def node_strategies(n: fx.Node, ctx: CostContext, strategy_filter: StrategyFilter | None,
+                    cache: dict) -> tuple[NodeStrategies, list[Strategy], list[tuple[str, str]]]:
+    """(every strategy of ``n`` on ``ctx``'s mesh, memoised in ``cache`` per (node, mesh); those
+    ``strategy_filter`` allows; (description, reason) of each it excludes)."""
+    key = (n.name, ctx.mesh_shape)
+    if key not in cache:
+        with warnings_silenced():
+            cache[key] = enumerate_strategies(n, ctx.mesh_shape, ctx.axis_names)
+    ns: NodeStrategies = cache[key]
+    strategies = list(ns.strategies)
+    excluded = list(ns.excluded)
+    if strategy_filter is not None:
+        kept = []
+        for s in strategies:
+            why = strategy_filter(n, s)
+            if why is None:
+                kept.append(s)
+            else:
+                excluded.append((s.describe(), why))
+        strategies = kept
+    return ns, strategies, excluded
 
 
 def _input_bytes(n: fx.Node, i: int, s: Strategy, ctx: CostContext, batch: set[str], microbatches: int,

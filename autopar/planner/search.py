@@ -31,7 +31,8 @@ from autopar.planner.contexts import (MEMO_LOCK, MEMO_SIZE, cost_context, estima
 from autopar.planner.evaluate import Evaluation, evaluate
 from autopar.planner.extract import extract_plan, predicted_of
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
-from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem
+from autopar.planner.memory_model import check_state_fits
+from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem, node_strategies
 from autopar.planner.threads import run_concurrently
 from autopar.trace import TracedGraph
 
@@ -86,10 +87,10 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     stages = cache.get(PIPELINE_STAGES, 1)
     ctx = cost_context(mesh, cluster, policy, optimizer, traced,
                        estimated_state_numel(traced, mesh) / stages if stages > 1 else None)
-    problem = build_problem(
-        traced, blocks, ctx, recompute=recompute, microbatches=micro,
-        strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,
-    )
+    allowed = make_filter(traced, c, mesh, micro)  # (every choice's state over the budget: no problem built)
+    check_state_fits(traced, blocks, ctx, lambda n: node_strategies(n, ctx, allowed, cache)[1], budget)
+    problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=micro, strategy_filter=allowed,
+                            strategy_cache=cache)
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
     numel = plan_state_numel(problem, sol.choice) / stages
