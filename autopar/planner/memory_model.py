@@ -199,14 +199,19 @@ def persistent_floor(traced, blocks, ctx, strategies_of) -> float:
     persistent bytes plus a peak of what the step allocates, never below zero): per
     representative parameter or buffer, the least persistent bytes its instances hold together
     under any one of its allowed strategies (``strategies_of(node)``; a node with none adds 0)."""
-    members: dict[str, list] = {}
+    # per representative: its instances by what their bytes depend on (block instances are alike)
+    members: dict[str, dict[tuple, list]] = {}
     for n in traced.graph.nodes:
-        if n.meta.get("autopar.kind") in ("param", "buffer"):
-            members.setdefault(blocks.rep[n.name], []).append(n)
+        kind = n.meta.get("autopar.kind")
+        if kind in ("param", "buffer"):
+            meta = n.meta["autopar.outputs"][0]
+            alike = (kind, n.meta.get("autopar.requires_grad", True), tuple(meta.shape), meta.itemsize)
+            members.setdefault(blocks.rep[n.name], {}).setdefault(alike, []).append(n)
     by_name = {n.name: n for n in traced.graph.nodes}
     floor = 0.0
-    for rep, nodes in members.items():
-        floor += min((sum(sum(_held(n, s, ctx)) for n in nodes) for s in strategies_of(by_name[rep])), default=0.0)
+    for rep, groups in members.items():
+        floor += min((sum(len(ns) * sum(_held(ns[0], s, ctx)) for ns in groups.values())
+                      for s in strategies_of(by_name[rep])), default=0.0)
     return floor
 
 
@@ -217,7 +222,7 @@ def check_state_fits(traced, blocks, ctx, strategies_of, budget: float | None) -
     if budget is None:
         return
     floor = persistent_floor(traced, blocks, ctx, strategies_of)
-    if floor > budget:
+    if floor > budget * (1.0 + 1e-9):  # (a margin for the floor's rounding, summed in another order)
         raise InfeasibleProblem(
             "memory", f"the parameters, gradients and optimizer state alone take at least {floor / 2**30:.2f} GiB per "
                       f"device under any allowed layout, beyond the {budget / 2**30:.2f} GiB budget")
