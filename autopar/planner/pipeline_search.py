@@ -198,9 +198,13 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     problem, choice = att.problem, att.solution.choice
     plain, again, as_cut, update = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
     param_s: dict[str, tuple[float, float]] = {}  # per parameter: (its planned compute, its gradient buffer's share)
+    buffer_s: dict[str, float] = {}  # per representative parameter: its gradient buffer's share
     for n in placements.values():
         if n.op == "param":  # priced below, on every stage holding it
-            param_s[n.name] = (n.compute_s, _gradient_buffer_s(problem, choice, n.rep or n.name, m))
+            rep = n.rep or n.name  # (the instances of a repeated block's parameter share one price)
+            if rep not in buffer_s:
+                buffer_s[rep] = _gradient_buffer_s(problem, choice, rep, m)
+            param_s[n.name] = (n.compute_s, buffer_s[rep])
             continue
         as_cut[stage_of(n.name)] += n.compute_s
         extra = 0.0
@@ -213,11 +217,15 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # the activations a stage keeps for backward scale with what its operators produce (per
     # device, in their planned layouts); their share of the submesh plan's working set is the stage's
     produced = [0.0] * n_stages
+    held_bytes: dict[tuple, float] = {}
     for node in traced.graph.nodes:
         placed = placements.get(node.name)
         if node.op != "call_function" or node.target is operator.getitem or placed is None:
             continue
-        produced[stage_of(node.name)] += local_bytes(node, placed.outs[0] if placed.outs else None, mesh_sizes)
+        key = (placed.rep or node.name, placed.outs[0] if placed.outs else None)  # (instances alike)
+        if key not in held_bytes:
+            held_bytes[key] = local_bytes(node, key[1], mesh_sizes)
+        produced[stage_of(node.name)] += held_bytes[key]
     total_produced = sum(produced) or 1.0
     with_rc = _memory_parts(dict(inner.predicted.memory_bytes), inner.predicted.peak_memory_bytes)
     without_rc = with_rc
