@@ -144,7 +144,7 @@ def build_problem(
                                 transient_bytes=transient if transient.any() else None, comm_kinds=kinds or None)
 
     _merge_followers(traced, blocks, nodes, ctx)
-    edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
+    edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast, memo=cache)
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
 
 
