@@ -154,7 +154,7 @@ def _priced_strategies(cache: dict, n: fx.Node, ns: NodeStrategies, ctx: CostCon
     ``cache`` (the search's strategy cache: one traced graph) for every problem built on ``ctx``
     alike (the search without constraints beside one with them, the baseline, recompute options
     for the nodes outside blocks)."""
-    key = ("priced strategies", n.name, microbatches, checkpointed, count, kept)
+    key = ("priced strategies", n.name, id(ctx), microbatches, checkpointed, count, kept)
     hit = cache.get(key)
     if hit is None or hit[0] is not ctx or hit[1] is not ns:
         hit = cache[key] = (ctx, ns, {})
