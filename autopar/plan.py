@@ -352,6 +352,8 @@ _NOT_DECISIONS = {
 def _decisions(v: Any) -> Any:
     """``_encode`` of a plan without what ``_NOT_DECISIONS`` names (a field added to the plan is
     a decision, and hashed, unless listed there)."""
+    if type(v) in _PLAIN:
+        return v
     if hasattr(v, "__dataclass_fields__"):
         return {name: _decisions(getattr(v, name)) for name in _field_names(type(v), True)}
     if isinstance(v, (list, tuple)):
@@ -372,7 +374,13 @@ def _decisions_json(plan: "Plan") -> str:
     return json.dumps(_decisions(plan), sort_keys=True, separators=(",", ":"))
 
 
+# leaf types ``_encode`` returns as they are (exactly these types: a subclass takes the long way)
+_PLAIN = frozenset((str, int, bool, type(None)))
+
+
 def _encode(v: Any) -> Any:
+    if type(v) in _PLAIN:
+        return v
     if hasattr(v, "__dataclass_fields__"):
         return {name: _encode(getattr(v, name)) for name in _field_names(type(v), False)}
     if isinstance(v, (list, tuple)):
