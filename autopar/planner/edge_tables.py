@@ -110,9 +110,8 @@ def early_leads(traced, blocks, recompute: bool) -> dict[tuple[str, str], float]
 
 
 def build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast, memo: dict | None = None) -> list[EdgeTable]:
-    """``memo``: a dict for one traced graph (the search's strategy cache) that keeps what
-    depends on the graph, ``blocks`` and ``autocast`` or ``recompute`` alone, for every problem
-    built on it."""
+    """``memo``: a dict for one traced graph that keeps what depends on the graph, ``blocks`` and
+    ``autocast`` or ``recompute`` alone, for every problem built on it."""
     memo = memo if memo is not None else {}
     key = ("build_edges.groups", id(blocks), str(autocast))
     hit = memo.get(key)

@@ -37,7 +37,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
-from autopar.planner.bounded_memo import BoundedMemo
+from autopar.planner.bounded_memo import BoundedMemo, memo_of
 from autopar.planner.axis_use import axis_use
 from autopar.planner.costing import gradient_buffer_time
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
@@ -514,11 +514,13 @@ def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimiz
            stages)
     found = _INNER.get(key)
     if found is None:
-        cache: dict = {PIPELINE_STAGES: stages}
+        # one strategy cache per graph and stage count: the submesh plans of one stage count (its
+        # schedules, its memory rounds) share strategies, node and edge prices
+        cache = memo_of(traced).setdefault(("stage strategy cache", stages), {PIPELINE_STAGES: stages})
         inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
                              progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False,
                              _cache=cache)
-        found = _INNER.put(key, (inner, cache["chosen"]))
+        found = _INNER.put(key, (inner, cache.pop("chosen")))
     return found
 
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.layouts import local_numel, local_shape, split_factor
 from autopar.node_view import op_name
 from autopar.planner.blocks import BlockInfo
+from autopar.planner.bounded_memo import memo_of
 from autopar.planner.costing import (CostContext, VIEW_OPS, gradient_buffer_time, node_compute_time, node_work,
                                      optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.edge_tables import REFUSED_RESHARD_S, EdgeTable, build_edges, is_alias_getitem, producer_of
@@ -144,7 +145,8 @@ def build_problem(
                                 transient_bytes=transient if transient.any() else None, comm_kinds=kinds or None)
 
     _merge_followers(traced, blocks, nodes, ctx)
-    edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast, memo=cache)
+    # (what the edges' grouping derives from the graph alone is kept per traced graph)
+    edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast, memo=memo_of(traced))
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
 
 
