@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 from dataclasses import MISSING, dataclass, field, fields
@@ -351,21 +352,37 @@ _NOT_DECISIONS = {
 def _decisions(v: Any) -> Any:
     """``_encode`` of a plan without what ``_NOT_DECISIONS`` names (a field added to the plan is
     a decision, and hashed, unless listed there)."""
+    if type(v) in _PLAIN:
+        return v
     if hasattr(v, "__dataclass_fields__"):
-        skip = _NOT_DECISIONS.get(type(v), ())
-        return {f.name: _decisions(getattr(v, f.name)) for f in fields(v) if f.name not in skip}
+        return {name: _decisions(getattr(v, name)) for name in _field_names(type(v), True)}
     if isinstance(v, (list, tuple)):
         return [_decisions(x) for x in v]
     return _encode(v)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type, decisions: bool) -> tuple[str, ...]:
+    """The fields of dataclass ``cls`` that ``_encode`` writes (``decisions``: that ``_decisions``
+    hashes), in declaration order (every plan is hashed at construction: once per type, not per
+    instance)."""
+    skip = _NOT_DECISIONS.get(cls, ()) if decisions else NOT_SERIALISED
+    return tuple(f.name for f in fields(cls) if f.name not in skip)
 
 
 def _decisions_json(plan: "Plan") -> str:
     return json.dumps(_decisions(plan), sort_keys=True, separators=(",", ":"))
 
 
+# leaf types ``_encode`` returns as they are (exactly these types: a subclass takes the long way)
+_PLAIN = frozenset((str, int, bool, type(None)))
+
+
 def _encode(v: Any) -> Any:
+    if type(v) in _PLAIN:
+        return v
     if hasattr(v, "__dataclass_fields__"):
-        return {f.name: _encode(getattr(v, f.name)) for f in fields(v) if f.name not in NOT_SERIALISED}
+        return {name: _encode(getattr(v, name)) for name in _field_names(type(v), False)}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars

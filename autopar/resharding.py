@@ -92,7 +92,7 @@ def reshard_steps(src: Sequence[Placement], dst: Sequence[Placement],
     return list(_reshard_steps(tuple(src), tuple(dst), frozenset(uneven)))
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=1 << 16)  # (the planner meets tens of thousands of pairs on a 3-axis mesh)
 def _reshard_steps(src: tuple, dst: tuple, uneven: frozenset) -> tuple[ReshardStep, ...]:
     if len(src) != len(dst):
         raise ValueError(f"layouts of different mesh rank: {src} vs {dst}")

@@ -562,3 +562,25 @@ def test_pending_loss_value_is_priced_overlapped_with_backward():
                         constraints=autopar.Constraints(dp=2, tp=1, zero=0))
     assert plan.predicted.blocking_comm_s == 0.0
     assert dict(plan.predicted.comm_bytes)["all_reduce"] > 0 and plan.predicted.overlappable_comm_s > 0
+
+
+def test_free_plan_accumulates_gradients_where_recompute_would_be_slower():
+    """MosaicML's MPT-13B run on one 8-A100 node (ZeRO-3, no recompute, 3 microbatches of 2
+    sequences, benchmarks/published_runs.json ``mpt-13b-a100-80-8gpu``): at one microbatch the
+    activations need recompute, which costs a forward pass more than accumulating gradients does.
+    The free plan must be no slower than that published configuration forced (issue 46)."""
+    from examples.gpt import GPT, GPTConfig, gpt_loss
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(50368, 2048, 40, 40, 5120))
+    idx = torch.empty(48, 2048, dtype=torch.long, device="meta")
+    cluster = Cluster.preset("dgx-a100", nodes=1)
+
+    def plan(c):
+        return autopar.plan(model, cluster, (idx,), loss_fn=gpt_loss, example_target=idx, precision="bf16-mixed",
+                            constraints=c)
+
+    free = plan(Constraints())
+    forced = plan(Constraints(dp=8, tp=1, zero=3, recompute=False, microbatches=3))
+    assert free.predicted.step_time_s <= forced.predicted.step_time_s * (1 + 1e-9)
+    assert free.microbatches > 1 and not free.recompute

@@ -78,7 +78,22 @@ def _signature(nodes: list[fx.Node], prefix: str, extra=None, constant_names: bo
 
 def find_repeated_blocks(graph: fx.Graph, node_key=None) -> BlockInfo:
     """``node_key(node)``, when given, must also agree between instances that share decisions
-    (the planner passes the user pins that apply to each node)."""
+    (the planner passes the user pins that apply to each node). Without one, kept per graph and
+    its node names (``bounded_memo.memo_of``): a search asks once per mesh, stage count and
+    baseline; callers must not change what they get."""
+    from autopar.planner.bounded_memo import memo_of
+
+    store = memo_of(graph) if node_key is None else None
+    key = ("repeated_blocks", hash(tuple(n.name for n in graph.nodes)))
+    if store is not None and key in store:
+        return store[key]
+    info = _find_repeated_blocks(graph, node_key)
+    if store is not None:
+        store[key] = info
+    return info
+
+
+def _find_repeated_blocks(graph: fx.Graph, node_key=None) -> BlockInfo:
     by_container: dict[str, dict[str, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
     instance_of: dict[str, str] = {}
     for node in graph.nodes:

@@ -37,14 +37,21 @@ def boundary_sender(ctx, m: int, link_bw: float):
     def seconds(micro, src, dst) -> float:
         return sum(reshard_time(micro, src, dst, ctx).values())
 
+    chosen: dict[tuple, object] = {}  # per (shape, dtype, gradient, layout, bytes): the values alike decide alike
+
     def choose(node, layout: str | None, nbytes: float):
         metas = node.meta.get("autopar.outputs") or ()
         if layout in (None, "-") or len(metas) != 1 or metas[0] is None or not metas[0].is_floating or nbytes <= 0:
             return None
-        meta, planned = metas[0], parse_layout(layout)
+        key = (tuple(metas[0].shape), metas[0].dtype, bool(node.meta.get("autopar.needs_grad", False)), layout, nbytes)
+        if key not in chosen:
+            chosen[key] = _choose(metas[0], key[2], layout, nbytes)
+        return chosen[key]
+
+    def _choose(meta, grads: bool, layout: str, nbytes: float):
+        planned = parse_layout(layout)
         micro = TensorMeta((meta.shape[0] // m,) + tuple(meta.shape[1:]), meta.dtype) if meta.shape and \
             meta.shape[0] % m == 0 else meta
-        grads = bool(node.meta.get("autopar.needs_grad", False))
         split = {p.dim for p in planned if isinstance(p, Shard)}
         best, best_cost = None, 2.0 * nbytes / link_bw
         for a, (p, n) in enumerate(zip(planned, ctx.mesh_shape)):

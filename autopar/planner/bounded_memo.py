@@ -10,7 +10,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-__all__ = ["BoundedMemo"]
+__all__ = ["BoundedMemo", "memo_of"]
 
 
 class BoundedMemo:
@@ -56,3 +56,21 @@ class BoundedMemo:
 
     def __contains__(self, key) -> bool:
         return key in self._table
+
+
+# per object (a traced graph, an fx graph): a dict of what the planner derives from it alone,
+# held apart from the object (an fx module's ``meta`` is copied with it, ``runtime.compile``
+# deep-copies the traced module); a dead or dropped object's entry only costs deriving again
+_PER_OBJECT = BoundedMemo(16)
+
+
+def memo_of(obj) -> dict:
+    """The memo dict of ``obj`` (while ``obj`` lives; checked by a weak reference, so a new
+    object at a dead one's address gets a fresh dict)."""
+    import weakref
+
+    with _PER_OBJECT._lock:
+        hit = _PER_OBJECT.get(id(obj))
+        if hit is not None and hit[0]() is obj:
+            return hit[1]
+        return _PER_OBJECT.put(id(obj), (weakref.ref(obj), {}))[1]

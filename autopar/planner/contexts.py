@@ -41,8 +41,23 @@ def cost_context(mesh, cluster, policy, optimizer, traced: TracedGraph | None = 
     grads = gradient_bytes(traced) if traced is not None else math.inf
     if rank_state_numel is None:
         rank_state_numel = estimated_state_numel(traced, mesh) if traced is not None else math.inf
-    return memo(_CONTEXTS, (mesh, cluster, policy, optimizer, grads, rank_state_numel),
+    # keyed by the cluster less its device's memory, which no price reads: a pipeline stage's
+    # submesh planned again with less memory shares the context (its reshard prices, its nodes')
+    return memo(_CONTEXTS, (mesh, _without_memory(cluster), policy, optimizer, grads, rank_state_numel),
                  lambda: CostContext(mesh, axis_names(mesh), cluster, policy, optimizer, grads, rank_state_numel))
+
+
+def _without_memory(cluster):
+    """``cluster`` with its device's memory set to 0: a key, not a spec (no cost reads the memory;
+    ``search`` and ``pipeline_search`` size budgets from the cluster they are given)."""
+    import copy
+
+    if cluster.device.memory_bytes == 0:
+        return cluster
+    device, view = copy.copy(cluster.device), copy.copy(cluster)
+    object.__setattr__(device, "memory_bytes", 0)
+    object.__setattr__(view, "device", device)
+    return view
 
 
 def estimated_state_numel(traced: TracedGraph, mesh) -> float:

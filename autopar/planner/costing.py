@@ -443,8 +443,13 @@ def reshard_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext
     can hide behind compute where the bytes cannot (``planner.overlap``)."""
     if src == dst or meta is None:
         return 0.0
-    return sum(collective_latency(step.kind, ctx.groups[step.axis], ctx.cluster)
-               for step in reshard_steps_for(meta.shape, tuple(src), tuple(dst), ctx.mesh_shape) if step.is_collective)
+    key = ("reshard_latency", meta.shape, tuple(src), tuple(dst))
+    hit = ctx.reshard_memo.get(key)
+    if hit is None:
+        hit = ctx.reshard_memo[key] = sum(
+            collective_latency(step.kind, ctx.groups[step.axis], ctx.cluster)
+            for step in reshard_steps_for(meta.shape, tuple(src), tuple(dst), ctx.mesh_shape) if step.is_collective)
+    return hit
 
 
 def bucketed_latency(meta: TensorMeta, src: Layout, dst: Layout, ctx: CostContext, per_elem: float | None = None) -> float:
@@ -483,6 +488,28 @@ def reshard_copy_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_sh
 def _collective_steps(shape, per_elem, src, dst, mesh_shape):
     """(step, collective bytes, copied bytes) of each collective step of the reshard."""
     out = []
+    key = (tuple(shape) if shape is not None else None, tuple(src), tuple(dst), tuple(mesh_shape))
+    for step, numel in _collective_numels(*key):
+        n = mesh_shape[step.axis]
+        nbytes = numel * per_elem
+        if step.kind == "all_reduce":
+            copies = nbytes
+        elif step.kind == "all_gather":
+            copies = nbytes if step.dim != 0 else 0.0
+        elif step.kind == "reduce_scatter":
+            copies = nbytes + nbytes / n if step.dim != 0 else 0.0
+        else:  # all_to_all
+            copies = (nbytes if step.dim != 0 else 0.0) + (nbytes if step.src_dim != 0 else 0.0)
+        out.append((step, nbytes, copies))
+    return out
+
+
+@lru_cache(maxsize=1 << 16)
+def _collective_numels(shape, src, dst, mesh_shape) -> tuple:
+    """(step, elements of its collective buffer) of each collective step of moving ``shape``
+    from ``src`` to ``dst`` (``_collective_steps`` without the bytes per element: the planner
+    prices each pair in several dtypes and windows)."""
+    out = []
     cur = src
     for step in reshard_steps_for(shape, src, dst, mesh_shape):
         if step.is_collective:
@@ -492,18 +519,9 @@ def _collective_steps(shape, per_elem, src, dst, mesh_shape):
                 local[step.dim] *= n
             elif step.kind == "reduce_scatter":
                 local[step.dim] = -(-local[step.dim] // n) * n
-            nbytes = math.prod(local) * per_elem
-            if step.kind == "all_reduce":
-                copies = nbytes
-            elif step.kind == "all_gather":
-                copies = nbytes if step.dim != 0 else 0.0
-            elif step.kind == "reduce_scatter":
-                copies = nbytes + nbytes / n if step.dim != 0 else 0.0
-            else:  # all_to_all
-                copies = (nbytes if step.dim != 0 else 0.0) + (nbytes if step.src_dim != 0 else 0.0)
-            out.append((step, nbytes, copies))
+            out.append((step, math.prod(local)))
         cur = layout_after(cur, step)
-    return out
+    return tuple(out)
 
 
 def reshard_staging_bytes(shape, per_elem: float, src: Layout, dst: Layout, mesh_shape) -> float:

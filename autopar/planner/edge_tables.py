@@ -109,7 +109,39 @@ def early_leads(traced, blocks, recompute: bool) -> dict[tuple[str, str], float]
     return out
 
 
-def build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast) -> list[EdgeTable]:
+def build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast, memo: dict | None = None) -> list[EdgeTable]:
+    """``memo``: a dict for one traced graph that keeps what depends on the graph, ``blocks`` and
+    ``autocast`` or ``recompute`` alone, for every problem built on it."""
+    memo = memo if memo is not None else {}
+    key = ("build_edges.groups", id(blocks), str(autocast))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not blocks:
+        hit = memo[key] = (blocks, *_edge_groups(traced, blocks, autocast))
+    _, grouped, saving = hit
+    edges = []
+    writes = written_edges(traced.graph)
+    key = ("build_edges.leads", id(blocks), recompute)
+    leads = memo.get(key)
+    if leads is None or leads[0] is not blocks:
+        leads = memo[key] = (blocks, early_leads(traced, blocks, recompute))
+    leads = leads[1]
+    one_output = len(next(n for n in traced.graph.nodes if n.op == "output").args) == 1
+    for (u, idx, v, i), c in grouped:
+        if u not in nodes or (v is not None and v not in nodes):
+            continue
+        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
+                            written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss,
+                            loss_value=v is None and traced.has_loss and one_output,
+                            lead=leads.get((u, v)), saved_share=saving.get((u, idx, v, i), 0) / c)
+        if table is not None:
+            edges.append(table)
+    # identical (u, v) edges collapse: the ILP simply sums them
+    return edges
+
+
+def _edge_groups(traced, blocks, autocast) -> tuple[list, dict]:
+    """(the representative edges ((producer, out index, consumer or None, in index), how many
+    original edges share it), sorted; per parameter edge, how many of its consumers save it)."""
     rep = blocks.rep
     grouped: dict[tuple, int] = defaultdict(int)
     # per parameter edge: how many of the consumers it stands for save the parameter for their
@@ -130,20 +162,7 @@ def build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, auto
     for a in tensor_inputs(out_node):  # consumer index 1: handed over as this rank's rows (local batches)
         u, idx = producer_of(a)
         grouped[(rep[u.name], idx, None, int(a.name in out_node.meta.get(LOCAL_OUTPUTS_KEY, ())))] += 1
-    edges = []
-    writes = written_edges(traced.graph)
-    leads = early_leads(traced, blocks, recompute)
-    for (u, idx, v, i), c in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])):
-        if u not in nodes or (v is not None and v not in nodes):
-            continue
-        table = _edge_table(nodes[u], idx, nodes[v] if v else None, i, c, ctx, microbatches, batch, recompute, autocast,
-                            written=v is not None and i in writes.get(v, ()), traced_loss=traced.has_loss,
-                            loss_value=v is None and traced.has_loss and len(out_node.args) == 1,
-                            lead=leads.get((u, v)), saved_share=saving.get((u, idx, v, i), 0) / c)
-        if table is not None:
-            edges.append(table)
-    # identical (u, v) edges collapse: the ILP simply sums them
-    return edges
+    return sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "", kv[0][3])), dict(saving)
 
 
 def _saves_input(v: fx.Node, i: int, autocast) -> bool:

@@ -67,6 +67,8 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
     names = axis_names(att.mesh)
     from autopar.planner.costing import param_memory
 
+    formatted: dict[int, tuple] = {}  # id(strategy) -> its (outs, ins, grad_ins) as the plan writes them
+    held: dict[tuple, float] = {}  # (id(strategy), shape, dtype) -> a parameter's bytes per device
     for n in traced.graph.nodes:
         if n.op == "output":
             continue
@@ -83,6 +85,11 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
             continue
         v = problem.nodes[r]
         s = v.strategies[choice[r]]
+        if id(s) not in formatted:  # (a repeated block's instances share their representative's strategy)
+            formatted[id(s)] = (tuple(format_layout(o) if o is not None else "-" for o in s.outs),
+                                tuple(format_layout(i) if i is not None else "any" for i in s.ins),
+                                tuple(format_layout(g) if g is not None else "any" for g in s.grad_ins))
+        outs, ins, grad_ins = formatted[id(s)]
         share = 1.0 / v.count
         alt_records = ()
         if r == n.name:
@@ -93,9 +100,9 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
             name=n.name,
             op=str(n.target) if n.op == "call_function" else n.meta.get("autopar.kind", n.op),
             module=n.meta.get("autopar.module", ""),
-            outs=tuple(format_layout(o) if o is not None else "-" for o in s.outs),
-            ins=tuple(format_layout(i) if i is not None else "any" for i in s.ins),
-            grad_ins=tuple(format_layout(g) if g is not None else "any" for g in s.grad_ins),
+            outs=outs,
+            ins=ins,
+            grad_ins=grad_ins,
             rep=r if r != n.name else "",
             compute_s=_r((v.fwd_s[choice[r]] + v.bwd_s[choice[r]]) * share),
             alternatives=alt_records,
@@ -104,10 +111,14 @@ def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimize
         ))
         if n.meta.get("autopar.kind") == "param":
             meta = n.meta["autopar.outputs"][0]
+            key = (id(s), tuple(meta.shape), meta.dtype)
+            if key not in held:
+                held[key] = _r(param_memory(meta, s, ctx))
             param_records.append(ParamPlacement(
-                fqn=n.meta["autopar.fqn"], node=n.name, layout=format_layout(s.outs[0]),
+                fqn=n.meta["autopar.fqn"], node=n.name,
+                layout=outs[0] if s.outs[0] is not None else format_layout(s.outs[0]),
                 zero_axes=tuple(names[a] for a in s.zero_axes), shape=meta.shape,
-                bytes_per_device=_r(param_memory(meta, s, ctx)),
+                bytes_per_device=held[key],
                 zero_stage=s.zero_stage if s.zero_axes else 0,
             ))
     mesh_axes = tuple(zip(names, att.mesh))

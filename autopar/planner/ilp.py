@@ -298,6 +298,8 @@ def solve(
 ) -> Solution:
     """Solve ``problem``; ``objective="memory"`` minimises per-device bytes instead of time."""
     t0 = time.perf_counter()
+    if objective == "time" and budget_bytes is not None and _memory_floor(problem) > budget_bytes * (1.0 + 1e-6):
+        raise _infeasible(budget_bytes)  # the relaxation is infeasible: no model need be built to learn so
     md = build_model(problem, budget_bytes, objective)
     build_s = time.perf_counter() - t0
     if objective == "time" and config.reduced_cost_fixing and len(md.lb) >= FIXING_MIN_COLUMNS:
@@ -323,6 +325,26 @@ def solve(
     proven = r.status == pywraplp.Solver.OPTIMAL
     return _solution(md, problem, budget_bytes, objective, build_s, time.perf_counter() - t1, r.choice, r.value,
                      r.bound, proven, not proven, 0.0, 0)
+
+
+def _memory_floor(problem: Problem) -> float:
+    """A lower bound on the memory row of ``build_model`` (``ilp_model.add_memory_limit``) over
+    its LP relaxation, in bytes: per strategy column group (a root and its followers) the least
+    state and saved bytes, plus the largest of the nodes' least working sets; 0 when every node
+    has one strategy (the model then names that assignment itself)."""
+    groups: dict[str, np.ndarray] = {}
+    working = 0.0
+    for name, v in problem.nodes.items():
+        if not len(v.strategies):
+            return 0.0
+        root = v.root or name
+        mem = np.asarray(v.static_bytes, dtype=float) + np.asarray(v.saved_bytes, dtype=float)
+        groups[root] = groups[root] + mem if root in groups else mem
+        if v.transient_bytes is not None:
+            working = max(working, float(np.min(v.transient_bytes)))
+    if all(len(g) == 1 for g in groups.values()):
+        return 0.0
+    return float(sum(float(np.min(g)) for g in groups.values())) + working
 
 
 def _solution(md, problem, budget_bytes, objective, build_s, solve_s, choice, value, bound, proven, hit_limit,

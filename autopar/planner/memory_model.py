@@ -35,12 +35,14 @@ from dataclasses import dataclass, field
 from autopar.ir import edge_reshard, gradient_sink_params, param_cast_dtype, prefetchable_gather, pure_all_reduce_axes
 from autopar.layouts import Layout, Shard, grad_layout, local_shape, split_factor, state_dim, state_layout
 from autopar.planner.costing import reshard_staging_bytes
+from autopar.planner.ilp_model import InfeasibleProblem
 from autopar.planner.op_memory import OpMemory, op_memory
 from autopar.planner.problem import Problem, batch_derived, producer_of
 from autopar.resharding import reshard_steps_for
+from autopar.strategies import Strategy
 from autopar.trace import TensorMeta, tensor_inputs
 
-__all__ = ["MemoryEstimate", "simulate_step_memory", "persistent_bytes"]
+__all__ = ["MemoryEstimate", "simulate_step_memory", "persistent_bytes", "persistent_floor", "check_state_fits"]
 
 from autopar.sync_settings import ZERO2_MAX_INFLIGHT as _ZERO2_INFLIGHT  # noqa: E402
 from autopar.sync_settings import ZERO3_MAX_INFLIGHT as _ZERO3_INFLIGHT  # noqa: E402
@@ -159,6 +161,24 @@ class _Sizes:
             hit = self.memo[key] = _local_bytes(meta, layout, self.mesh, itemsize)
         return hit
 
+    def grad_layout(self, layout) -> Layout:
+        """``layouts.grad_layout`` of ``layout``."""
+        key = ("grad_layout", layout)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = grad_layout(layout)
+        return hit
+
+    def split(self, layout) -> int:
+        """``layouts.split_factor`` of ``layout`` on this mesh (1 for None)."""
+        if layout is None:
+            return 1
+        key = ("split", layout)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = split_factor(layout, self.mesh)
+        return hit
+
     def reshard(self, meta: TensorMeta, per_elem: float, src, dst) -> tuple[bool, float]:
         """(whether it all-gathers, staging bytes beyond its input and output)."""
         key = ("sim-reshard", meta.shape, per_elem, src, dst)
@@ -172,23 +192,58 @@ class _Sizes:
 def persistent_bytes(problem: Problem, choice: dict[str, int]) -> dict[str, float]:
     """Per-rank bytes kept across steps: parameters (+buffers), gradient buffers, optimizer state."""
     ctx = problem.ctx
-    mesh = ctx.mesh_shape
     out = {"params": 0.0, "grads": 0.0, "optimizer_state": 0.0}
     for n in problem.traced.graph.nodes:
-        kind = n.meta.get("autopar.kind")
-        if kind not in ("param", "buffer"):
-            continue
-        s = problem.strategy_of(n.name, choice)
-        meta = n.meta["autopar.outputs"][0]
-        local = _local_bytes(meta, s.outs[0], mesh)
-        out["params"] += local
-        if kind != "param" or not n.meta.get("autopar.requires_grad", True):
-            continue
-        state = state_layout(meta.shape, s.outs[0], s.zero_axes) or s.outs[0]
-        state_bytes = _local_bytes(meta, state, mesh)
-        out["grads"] += state_bytes if s.zero_stage == 2 else local
-        out["optimizer_state"] += state_bytes * ctx.optimizer.states
+        if n.meta.get("autopar.kind") in ("param", "buffer"):
+            for k, b in zip(out, _held(n, problem.strategy_of(n.name, choice), ctx)):
+                out[k] += b
     return out
+
+
+def _held(n, s: Strategy, ctx) -> tuple[float, float, float]:
+    """(parameter, gradient buffer, optimizer state) bytes a rank keeps across steps for the
+    parameter or buffer node ``n`` under strategy ``s``."""
+    meta = n.meta["autopar.outputs"][0]
+    local = _local_bytes(meta, s.outs[0], ctx.mesh_shape)
+    if n.meta.get("autopar.kind") != "param" or not n.meta.get("autopar.requires_grad", True):
+        return local, 0.0, 0.0
+    state = state_layout(meta.shape, s.outs[0], s.zero_axes) or s.outs[0]
+    state_bytes = _local_bytes(meta, state, ctx.mesh_shape)
+    return local, state_bytes if s.zero_stage == 2 else local, state_bytes * ctx.optimizer.states
+
+
+def persistent_floor(traced, blocks, ctx, strategies_of) -> float:
+    """A lower bound on every choice's simulated peak (``simulate_step_memory``, which is the
+    persistent bytes plus a peak of what the step allocates, never below zero): per
+    representative parameter or buffer, the least persistent bytes its instances hold together
+    under any one of its allowed strategies (``strategies_of(node)``; a node with none adds 0)."""
+    # per representative: its instances by what their bytes depend on (block instances are alike)
+    members: dict[str, dict[tuple, list]] = {}
+    for n in traced.graph.nodes:
+        kind = n.meta.get("autopar.kind")
+        if kind in ("param", "buffer"):
+            meta = n.meta["autopar.outputs"][0]
+            alike = (kind, n.meta.get("autopar.requires_grad", True), tuple(meta.shape), meta.itemsize)
+            members.setdefault(blocks.rep[n.name], {}).setdefault(alike, []).append(n)
+    by_name = {n.name: n for n in traced.graph.nodes}
+    floor = 0.0
+    for rep, groups in members.items():
+        floor += min((sum(len(ns) * sum(_held(ns[0], s, ctx)) for ns in groups.values())
+                      for s in strategies_of(by_name[rep])), default=0.0)
+    return floor
+
+
+def check_state_fits(traced, blocks, ctx, strategies_of, budget: float | None) -> None:
+    """Raise the memory ``InfeasibleProblem`` every plan on ``ctx``'s mesh would end in when the
+    persistent bytes alone (``persistent_floor``) exceed ``budget``: an attempt need not build
+    and solve its problem to learn that no choice fits."""
+    if budget is None:
+        return
+    floor = persistent_floor(traced, blocks, ctx, strategies_of)
+    if floor > budget * (1.0 + 1e-9):  # (a margin for the floor's rounding, summed in another order)
+        raise InfeasibleProblem(
+            "memory", f"the parameters, gradients and optimizer state alone take at least {floor / 2**30:.2f} GiB per "
+                      f"device under any allowed layout, beyond the {budget / 2**30:.2f} GiB budget")
 
 
 # ---------------------------------------------------------------------------- the simulation
@@ -259,8 +314,12 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
     sizes = _Sizes(problem)
     mesh = sizes.mesh
     inv_m = 1.0 / problem.microbatches
-    strat = {name: problem.strategy_of(name, choice) for name, *_ in sk.placeholders}
-    strat.update({op.name: problem.strategy_of(op.name, choice) for op in sk.ops})
+    # what depends on the choice alone (the search simulates one choice under several recompute
+    # sets): each node's strategy, and each parameter input's gather dim when issued ahead
+    key = ("simulate_step_memory.choice", problem.choice_key(choice), str(autocast_dtype))
+    if key not in problem.memo:
+        problem.memo[key] = _choice_facts(problem, choice, sk, sizes)
+    strat, prefetch = problem.memo[key]
 
     def layout_of(inp: _In):
         s = strat.get(inp.producer)
@@ -289,7 +348,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             val[(name, 0)] = None  # parameters, buffers, whole inputs: not allocated by the step
     # parameter gathers issued one ahead (runtime.prefetch): (op, input) in program order
     ahead = [(op.name, i, op.instance) for op in sk.ops for i, inp in enumerate(op.ins)
-             if inp.param and _prefetched(inp, layout_of(inp), strat[op.name], i, sizes)]
+             if prefetch.get((op.name, i)) is not None]
     # (not across the edge of a checkpointed block: its recomputation gathers again itself)
     region = lambda inst: inst if inst in recompute else None  # noqa: E731
     next_ahead = {(a[0], a[1]): b for a, b in zip(ahead, ahead[1:]) if region(a[2]) == region(b[2])}
@@ -323,7 +382,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             early[(started[0], started[1])] = sim.alloc(nsize, "fwd", 1)
         resharded[op.name] = [a[2] for a in arrive]
         out_lay = next((o for o in s.outs if o is not None), None)
-        shrink = (inv_m if op.batch else 1.0) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
+        shrink = (inv_m if op.batch else 1.0) / sizes.split(out_lay)
         for j, om in enumerate(op.outs):
             if om is None:
                 continue
@@ -413,7 +472,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                 saved_at.setdefault(saver, []).append(sim.alloc(size, "bwd", 1))
             sim.check(extra_bwd=region_temp.get(inst, 0.0), phase="backward")
         out_lay = next((o for o in s.outs if o is not None), None)
-        shrink = (inv_m if op.batch else 1.0) / (split_factor(out_lay, mesh) if out_lay is not None else 1)
+        shrink = (inv_m if op.batch else 1.0) / sizes.split(out_lay)
         regather = regathered.get(op.name, 0.0) + (regather_next.get(op.name, 0.0) if op.name in regathered else 0.0)
         aliased = {al for al in prof.aliases if al is not None}
         for i, inp in enumerate(op.ins):
@@ -425,7 +484,7 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
             lin = s.ins[i] if i < len(s.ins) else None
             lout = layout_of(inp)
             # (a parameter cast before its prefetched gather gets its gradient in the cast dtype)
-            prefetch_dim = _prefetch_dim(inp, lout, s, i, sizes) if inp.param else None
+            prefetch_dim = prefetch.get((op.name, i))
             cast_grad = inp.cast is not None and prefetch_dim is not None
             g = sim.alloc(sizes.local(inp.meta, lin if lin is not None else lout,
                                       inp.cast.itemsize if cast_grad else None) * scale, "bwd")
@@ -447,11 +506,12 @@ def simulate_step_memory(problem: Problem, choice: dict[str, int], recompute: fr
                     sim.free(inflight3.pop(0))
                 continue
             # summed by GradSync (a parameter's, or one its producer hands back to its parameters)
+            gout = sizes.grad_layout(lout) if lout is not None else None
             deferred = (inp.param or inp.sink) and lin is not None and gin is not None and \
-                pure_all_reduce_axes(lout, lin, gin, grad_layout(lout)) is not None
-            if lin is not None and lout is not None and gin is not None and gin != grad_layout(lout) and not deferred:
-                g2 = sim.alloc(sizes.local(inp.meta, grad_layout(lout)) * scale, "bwd")
-                _, staging = sizes.reshard(inp.meta, float(inp.meta.itemsize), gin, grad_layout(lout))
+                pure_all_reduce_axes(lout, lin, gin, gout) is not None
+            if lin is not None and lout is not None and gin is not None and gin != gout and not deferred:
+                g2 = sim.alloc(sizes.local(inp.meta, gout) * scale, "bwd")
+                _, staging = sizes.reshard(inp.meta, float(inp.meta.itemsize), gin, gout)
                 sim.check(extra_bwd=regather + staging * scale, phase="backward")
                 sim.free(g)
                 g = g2
@@ -532,8 +592,21 @@ def _prefetch_dim(inp: _In, src, s, i: int, sizes: _Sizes) -> int | None:
     return sizes.memo[key]
 
 
-def _prefetched(inp: _In, src, s, i: int, sizes: _Sizes) -> bool:
-    return _prefetch_dim(inp, src, s, i, sizes) is not None
+def _choice_facts(problem: Problem, choice: dict[str, int], sk: _Skeleton, sizes: _Sizes) -> tuple[dict, dict]:
+    """(node -> its strategy under ``choice``, (op, input) -> ``_prefetch_dim`` of each parameter
+    input whose gather is issued ahead)."""
+    strat = {name: problem.strategy_of(name, choice) for name, *_ in sk.placeholders}
+    strat.update({op.name: problem.strategy_of(op.name, choice) for op in sk.ops})
+    prefetch = {}
+    for op in sk.ops:
+        for i, inp in enumerate(op.ins):
+            s = strat.get(inp.producer)
+            if not inp.param or s is None:
+                continue
+            dim = _prefetch_dim(inp, s.outs[inp.index] if inp.index < len(s.outs) else None, strat[op.name], i, sizes)
+            if dim is not None:
+                prefetch[(op.name, i)] = dim
+    return strat, prefetch
 
 
 def _wire_bytes(sk: _Skeleton, strat: dict, problem: Problem, sizes: _Sizes, wire_itemsize: int) -> float:

@@ -37,7 +37,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ConstraintError, NoFeasiblePlanError
 from autopar.plan import Plan, Stage, fingerprint_of
-from autopar.planner.bounded_memo import BoundedMemo
+from autopar.planner.bounded_memo import BoundedMemo, memo_of
 from autopar.planner.axis_use import axis_use
 from autopar.planner.costing import gradient_buffer_time
 from autopar.planner.boundary_choice import boundary_sender, send_layouts
@@ -198,9 +198,13 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     problem, choice = att.problem, att.solution.choice
     plain, again, as_cut, update = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
     param_s: dict[str, tuple[float, float]] = {}  # per parameter: (its planned compute, its gradient buffer's share)
+    buffer_s: dict[str, float] = {}  # per representative parameter: its gradient buffer's share
     for n in placements.values():
         if n.op == "param":  # priced below, on every stage holding it
-            param_s[n.name] = (n.compute_s, _gradient_buffer_s(problem, choice, n.rep or n.name, m))
+            rep = n.rep or n.name  # (the instances of a repeated block's parameter share one price)
+            if rep not in buffer_s:
+                buffer_s[rep] = _gradient_buffer_s(problem, choice, rep, m)
+            param_s[n.name] = (n.compute_s, buffer_s[rep])
             continue
         as_cut[stage_of(n.name)] += n.compute_s
         extra = 0.0
@@ -213,11 +217,15 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # the activations a stage keeps for backward scale with what its operators produce (per
     # device, in their planned layouts); their share of the submesh plan's working set is the stage's
     produced = [0.0] * n_stages
+    held_bytes: dict[tuple, float] = {}
     for node in traced.graph.nodes:
         placed = placements.get(node.name)
         if node.op != "call_function" or node.target is operator.getitem or placed is None:
             continue
-        produced[stage_of(node.name)] += local_bytes(node, placed.outs[0] if placed.outs else None, mesh_sizes)
+        key = (placed.rep or node.name, placed.outs[0] if placed.outs else None)  # (instances alike)
+        if key not in held_bytes:
+            held_bytes[key] = local_bytes(node, key[1], mesh_sizes)
+        produced[stage_of(node.name)] += held_bytes[key]
     total_produced = sum(produced) or 1.0
     with_rc = _memory_parts(dict(inner.predicted.memory_bytes), inner.predicted.peak_memory_bytes)
     without_rc = with_rc
@@ -506,11 +514,13 @@ def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimiz
            stages)
     found = _INNER.get(key)
     if found is None:
-        cache: dict = {PIPELINE_STAGES: stages}
+        # one strategy cache per graph and stage count: the submesh plans of one stage count (its
+        # schedules, its memory rounds) share strategies, node and edge prices
+        cache = memo_of(traced).setdefault(("stage strategy cache", stages), {PIPELINE_STAGES: stages})
         inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
                              progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False,
                              _cache=cache)
-        found = _INNER.put(key, (inner, cache["chosen"]))
+        found = _INNER.put(key, (inner, cache.pop("chosen")))
     return found
 
 

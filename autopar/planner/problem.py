@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.layouts import local_numel, local_shape, split_factor
 from autopar.node_view import op_name
 from autopar.planner.blocks import BlockInfo
+from autopar.planner.bounded_memo import memo_of
 from autopar.planner.costing import (CostContext, VIEW_OPS, gradient_buffer_time, node_compute_time, node_work,
                                      optimizer_update_time, param_memory, reshard_time)
 from autopar.planner.edge_tables import REFUSED_RESHARD_S, EdgeTable, build_edges, is_alias_getitem, producer_of
@@ -30,8 +31,8 @@ from autopar.planner.variables import NodeVar
 from autopar.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.trace import TracedGraph, tensor_inputs
 
-__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "StrategyFilter", "batch_derived", "producer_of",
-           "REFUSED_RESHARD_S"]
+__all__ = ["NodeVar", "EdgeTable", "Problem", "build_problem", "node_strategies", "StrategyFilter", "batch_derived",
+           "producer_of", "REFUSED_RESHARD_S"]
 
 # (node, strategy) -> None if allowed, else the reason it is not
 StrategyFilter = Callable[[fx.Node, Strategy], "str | None"]
@@ -114,22 +115,7 @@ def build_problem(
     for n in graph.nodes:
         if n.op == "output" or rep[n.name] != n.name or is_alias_getitem(n):
             continue
-        key = (n.name, ctx.mesh_shape)
-        if key not in cache:
-            with warnings_silenced():
-                cache[key] = enumerate_strategies(n, ctx.mesh_shape, ctx.axis_names)
-        ns: NodeStrategies = cache[key]
-        strategies = list(ns.strategies)
-        excluded = list(ns.excluded)
-        if strategy_filter is not None:
-            kept = []
-            for s in strategies:
-                why = strategy_filter(n, s)
-                if why is None:
-                    kept.append(s)
-                else:
-                    excluded.append((s.describe(), why))
-            strategies = kept
+        ns, strategies, excluded = node_strategies(n, ctx, strategy_filter, cache)
         c = count[n.name]
         in_block = n.name in blocks.instance_of and c > 1
         k = len(strategies)
@@ -138,34 +124,20 @@ def build_problem(
         static = np.zeros(k)
         saved = np.zeros(k)
         transient = np.zeros(k)
-        kind = n.meta.get("autopar.kind")
-        prof = op_memory(n, autocast) if kind == "op" else None
-        work = node_work(n, ctx) if kind == "op" else None
         kinds: dict[str, np.ndarray] = {}
+        priced = _priced_strategies(cache, n, ns, ctx, microbatches, recompute and in_block, c,
+                                    tuple(kept_inputs.get(n.name, ())))
+        profile = None  # (op_memory, node_work) of an op, once per node where a strategy is not priced yet
         for i, s in enumerate(strategies):
-            if kind == "param":
-                trainable = n.meta.get("autopar.requires_grad", True)
-                static[i] = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
-                if trainable:  # the gradient's buffer in backward and the optimizer's update after it
-                    meta = n.meta["autopar.outputs"][0]
-                    bwd[i] = (gradient_buffer_time(meta, s, ctx, microbatches) + optimizer_update_time(meta, s, ctx)) * c
-                if trainable and s.zero_axes:
-                    seconds = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx)
-                    kinds.setdefault("all_gather", np.zeros(k))[i] = seconds * c
-            elif kind == "op":
-                for ck, seconds in own_sync_time(n, s, ctx, microbatches, recompute and in_block).items():
-                    kinds.setdefault(ck, np.zeros(k))[i] += seconds * c
-                f, b = node_compute_time(n, s, ctx, work, runs=microbatches)
-                fwd[i], bwd[i] = f * c, b * c
-                own = saved_bytes(n, s, ctx, prof, batch, microbatches)
-                transient[i] = working_set_bytes(n, s, ctx, prof, batch, microbatches)
-                if recompute and in_block:
-                    # checkpointed: every instance keeps only its inputs; one instance's saved set
-                    # exists at a time, recomputed in backward
-                    saved[i] = own + c * sum(_input_bytes(n, k, s, ctx, batch, microbatches)
-                                             for k in kept_inputs.get(n.name, ()))
-                else:
-                    saved[i] = own * c
+            row = priced.get(id(s))
+            if row is None:
+                if profile is None and n.meta.get("autopar.kind") == "op":
+                    profile = (op_memory(n, autocast), node_work(n, ctx))
+                row = priced[id(s)] = _price_strategy(n, s, ctx, microbatches, recompute and in_block, c, batch,
+                                                      kept_inputs.get(n.name, ()), profile)
+            fwd[i], bwd[i], static[i], saved[i], transient[i], node_kinds = row
+            for ck, seconds in node_kinds:
+                kinds.setdefault(ck, np.zeros(k))[i] = seconds
         if recompute and in_block:
             fwd_extra = fwd.copy()
             bwd = bwd + fwd_extra  # recomputed forward runs inside backward
@@ -173,8 +145,79 @@ def build_problem(
                                 transient_bytes=transient if transient.any() else None, comm_kinds=kinds or None)
 
     _merge_followers(traced, blocks, nodes, ctx)
-    edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast)
+    # (what the edges' grouping derives from the graph alone is kept per traced graph)
+    edges = build_edges(traced, blocks, nodes, ctx, microbatches, batch, recompute, autocast, memo=memo_of(traced))
     return Problem(ctx, nodes, edges, recompute, microbatches, traced, blocks)
+
+
+def _priced_strategies(cache: dict, n: fx.Node, ns: NodeStrategies, ctx: CostContext, microbatches: int,
+                       checkpointed: bool, count: int, kept: tuple) -> dict:
+    """Per strategy of ``ns`` (by identity), ``_price_strategy``'s row for these arguments, kept in
+    ``cache`` (the search's strategy cache: one traced graph) for every problem built on ``ctx``
+    alike (the search without constraints beside one with them, the baseline, recompute options
+    for the nodes outside blocks)."""
+    key = ("priced strategies", n.name, id(ctx), microbatches, checkpointed, count, kept)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not ctx or hit[1] is not ns:
+        hit = cache[key] = (ctx, ns, {})
+    return hit[2]
+
+
+def _price_strategy(n: fx.Node, s: Strategy, ctx: CostContext, microbatches: int, checkpointed: bool, c: int,
+                    batch: set[str], kept: list[int], profile) -> tuple:
+    """(forward s, backward s, persistent bytes, saved bytes, working set bytes, ((collective kind,
+    seconds), ...)) of ``n`` under ``s``, for its ``c`` instances (``checkpointed``: run under
+    activation checkpointing, keeping the inputs ``kept``; ``profile``: an op's ``op_memory`` and
+    ``node_work``)."""
+    kind = n.meta.get("autopar.kind")
+    fwd = bwd = static = saved = transient = 0.0
+    kinds: dict[str, float] = {}
+    if kind == "param":
+        trainable = n.meta.get("autopar.requires_grad", True)
+        static = param_memory(n.meta["autopar.outputs"][0], s, ctx, trainable) * c
+        if trainable:  # the gradient's buffer in backward and the optimizer's update after it
+            meta = n.meta["autopar.outputs"][0]
+            bwd = (gradient_buffer_time(meta, s, ctx, microbatches) + optimizer_update_time(meta, s, ctx)) * c
+        if trainable and s.zero_axes:
+            kinds["all_gather"] = post_step_gather_time(n.meta["autopar.outputs"][0], s, ctx) * c
+    elif kind == "op":
+        prof, work = profile
+        for ck, seconds in own_sync_time(n, s, ctx, microbatches, checkpointed).items():
+            kinds[ck] = seconds * c
+        f, b = node_compute_time(n, s, ctx, work, runs=microbatches)
+        fwd, bwd = f * c, b * c
+        own = saved_bytes(n, s, ctx, prof, batch, microbatches)
+        transient = working_set_bytes(n, s, ctx, prof, batch, microbatches)
+        if checkpointed:
+            # checkpointed: every instance keeps only its inputs; one instance's saved set
+            # exists at a time, recomputed in backward
+            saved = own + c * sum(_input_bytes(n, k, s, ctx, batch, microbatches) for k in kept)
+        else:
+            saved = own * c
+    return fwd, bwd, static, saved, transient, tuple(kinds.items())
+
+
+def node_strategies(n: fx.Node, ctx: CostContext, strategy_filter: StrategyFilter | None,
+                    cache: dict) -> tuple[NodeStrategies, list[Strategy], list[tuple[str, str]]]:
+    """(every strategy of ``n`` on ``ctx``'s mesh, memoised in ``cache`` per (node, mesh); those
+    ``strategy_filter`` allows; (description, reason) of each it excludes)."""
+    key = (n.name, ctx.mesh_shape)
+    if key not in cache:
+        with warnings_silenced():
+            cache[key] = enumerate_strategies(n, ctx.mesh_shape, ctx.axis_names)
+    ns: NodeStrategies = cache[key]
+    strategies = list(ns.strategies)
+    excluded = list(ns.excluded)
+    if strategy_filter is not None:
+        kept = []
+        for s in strategies:
+            why = strategy_filter(n, s)
+            if why is None:
+                kept.append(s)
+            else:
+                excluded.append((s.describe(), why))
+        strategies = kept
+    return ns, strategies, excluded
 
 
 def _input_bytes(n: fx.Node, i: int, s: Strategy, ctx: CostContext, batch: set[str], microbatches: int,

@@ -31,7 +31,8 @@ from autopar.planner.contexts import (MEMO_LOCK, MEMO_SIZE, cost_context, estima
 from autopar.planner.evaluate import Evaluation, evaluate
 from autopar.planner.extract import extract_plan, predicted_of
 from autopar.planner.ilp import InfeasibleProblem, SolverConfig, Solution, solve
-from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem
+from autopar.planner.memory_model import check_state_fits
+from autopar.planner.problem import REFUSED_RESHARD_S, Problem, build_problem, node_strategies
 from autopar.planner.threads import run_concurrently
 from autopar.trace import TracedGraph
 from autopar.node_view import node_flops, op_name
@@ -87,10 +88,10 @@ def _solve_attempt(traced, blocks, cluster, policy, optimizer, mesh, recompute, 
     stages = cache.get(PIPELINE_STAGES, 1)
     ctx = cost_context(mesh, cluster, policy, optimizer, traced,
                        estimated_state_numel(traced, mesh) / stages if stages > 1 else None)
-    problem = build_problem(
-        traced, blocks, ctx, recompute=recompute, microbatches=micro,
-        strategy_filter=make_filter(traced, c, mesh, micro), strategy_cache=cache,
-    )
+    allowed = make_filter(traced, c, mesh, micro)  # (every choice's state over the budget: no problem built)
+    check_state_fits(traced, blocks, ctx, lambda n: node_strategies(n, ctx, allowed, cache)[1], budget)
+    problem = build_problem(traced, blocks, ctx, recompute=recompute, microbatches=micro, strategy_filter=allowed,
+                            strategy_cache=cache)
     # the unconstrained optimum first: when it fits, no memory-saving option can beat it
     sol = solve(problem, None, solver_cfg)
     numel = plan_state_numel(problem, sol.choice) / stages
@@ -456,6 +457,9 @@ def _search_single_stage(
                     break
                 except InfeasibleProblem as exc:
                     outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
+    if attempts and c.microbatches is None and c.recompute is None and batch and not training_batch_norms(traced.graph):
+        _accumulate_instead(attempts, outcomes, traced, blocks, cluster, policy, optimizer, c, budget, solver, cache,
+                            progress)
     if not attempts:
         from autopar.planner.diagnose import raise_no_plan
 
@@ -485,6 +489,33 @@ def _search_single_stage(
     plan.timings.update({"search_s": time.perf_counter() - t_start, "first_search_s": strategy_s,
                          "build_s": best.solution.build_s, "solve_s": best.solution.solve_s})
     return plan
+
+
+def _accumulate_instead(attempts, outcomes, traced, blocks, cluster, policy, optimizer, c, budget, solver, cache,
+                        progress) -> None:
+    """Gradient accumulation instead of recompute: where the fastest attempt recomputes to fit,
+    its mesh without recompute at the fewest microbatches that fit (each holds fewer activations;
+    the forward runs once) joins the attempts. Every count dividing the batch evenly over the data
+    ranks is tried in turn, fewest first, until one fits."""
+    lead = min(attempts, key=lambda a: (round(a.evaluation.step_time_s, 12), a.mesh[1], a.recompute, a.microbatches))
+    if not (lead.recompute and lead.evaluation.recompute) or lead.microbatches != 1 \
+            or traced.global_batch % data_degree(lead.mesh):
+        return
+    per_replica = traced.global_batch // data_degree(lead.mesh)
+    for micro in (m for m in range(2, per_replica + 1) if per_replica % m == 0):
+        label = f"{describe(lead.mesh)} recompute=False microbatches={micro}"
+        if progress:
+            progress(label)
+        try:
+            att = _solve_attempt(traced, blocks, cluster, policy, optimizer, lead.mesh, False, micro, c, budget, solver,
+                                 cache)
+        except InfeasibleProblem as exc:
+            outcomes.append((label, f"infeasible ({exc.family}): {exc.detail}"))
+            continue
+        attempts.append(att)
+        outcomes.append((label, f"{att.evaluation.step_time_s * 1e3:.3f} ms/step, peak {att.evaluation.peak_bytes / 2**30:.2f} GiB"
+                                + _solver_note(att.solution, solver)))
+        return
 
 
 def _search_mesh(traced, blocks, cluster, policy, optimizer, mesh, micro_options, c, budget, solver, cache, progress):

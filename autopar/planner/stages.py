@@ -177,10 +177,12 @@ def cut_model(graph: fx.Graph, placements: dict, mesh_sizes: tuple[int, ...], li
         # every value takes a gradient message back (zeros where it has none: runtime.pipeline)
         grad_messages[first + 1: last + 1] += 1
         grad_crossing[first + 1: last + 1] += nbytes
-    for inst in set((recompute_instances or {}).values()):
-        members = [pos[k] for k, v in recompute_instances.items() if v == inst and k in pos]
-        if members:
-            blocked[min(members) + 1: max(members) + 1] += 1
+    members: dict[str, list[int]] = {}  # per checkpointed instance: its operators' positions
+    for k, inst in (recompute_instances or {}).items():
+        if k in pos:
+            members.setdefault(inst, []).append(pos[k])
+    for at in members.values():
+        blocked[min(at) + 1: max(at) + 1] += 1
     allowed = [c for c in range(1, n) if blocked[c] == 0]
     if block_instances and len(allowed) > MAX_CUTS:
         # a long graph of repeated blocks: cut only where a block instance begins, or outside every
