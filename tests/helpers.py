@@ -46,3 +46,28 @@ def compiled_mlp(cluster, rows: int = 16, **kw):
     x, t = example_batch(64, rows)
     pm = autopar.compile(MLP(64, 256, 2), cluster, (x,), example_target=t, loss_fn=mlp_loss, optimizer=sgd, **kw)
     return pm, x, t
+
+
+def native_loop_errors(pm, ref, make_optimizer, batches, loss_fn, steps: int) -> tuple[float, float]:
+    """Train ``pm`` and its one-device reference ``ref`` side by side in the native loop
+    (``loss.backward()``, ``make_optimizer(model)``'s ``step``/``zero_grad``) for ``steps`` steps:
+    the worst relative error of the loss and of any gradient (read before each step)."""
+    from autopar.testing.parity import relative_error
+
+    runs = [(pm, make_optimizer(pm)), (ref, make_optimizer(ref))]
+    loss_err = grad_err = 0.0
+    for s in range(steps):
+        x, t = batches[s % len(batches)]
+        losses, grads = [], []
+        for m, o in runs:
+            loss = loss_fn(m(*(x if isinstance(x, tuple) else (x,))), t)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append({k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                          for k, p in m.named_parameters()})
+            o.step()
+            o.zero_grad()
+        loss_err = max(loss_err, abs(losses[0] - losses[1]) / abs(losses[1]))
+        assert grads[0].keys() == grads[1].keys()
+        grad_err = max(grad_err, max(relative_error(grads[0][k], grads[1][k]) for k in grads[1]))
+    return loss_err, grad_err

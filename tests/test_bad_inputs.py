@@ -43,17 +43,17 @@ def _plan(model=None, cluster=None, x=X, **kw):
 
 def test_annotate_output_on_unknown_axis_names_the_axes_and_pp():
     # before: accepted, then "tuple.index(x): x not in tuple" from inside the planner
-    with pytest.raises(ConstraintError, match=r"mesh axis 'pp'.*the mesh axes are 'dp', 'tp', 'ep' and 'dp_shard'.*Constraints\(pp=\.\.\.\)"):
+    with pytest.raises(ConstraintError, match=r"mesh axis 'pp'.*the mesh axes are 'dp', 'tp', 'ep', 'dp_shard' and 'cp'.*Constraints\(pp=\.\.\.\)"):
         autopar.annotate(_mlp()[0], output={"pp": "S(0)"})
 
 
 def test_annotate_parameter_on_unknown_axis():
-    with pytest.raises(ConstraintError, match=r"Linear\.weight names mesh axis 'xp'.*'dp', 'tp', 'ep' and 'dp_shard'"):
+    with pytest.raises(ConstraintError, match=r"Linear\.weight names mesh axis 'xp'.*'dp', 'tp', 'ep', 'dp_shard' and 'cp'"):
         autopar.annotate(nn.Linear(2, 2), weight={"xp": "S(0)"})
 
 
 def test_constraints_placement_on_unknown_axis():
-    with pytest.raises(ConstraintError, match=r"placement pin 'fc1\.weight' names mesh axis 'pp'.*'dp', 'tp', 'ep' and 'dp_shard'.*Constraints\(pp="):
+    with pytest.raises(ConstraintError, match=r"placement pin 'fc1\.weight' names mesh axis 'pp'.*'dp', 'tp', 'ep', 'dp_shard' and 'cp'.*Constraints\(pp="):
         Constraints(placements={"fc1.weight": {"pp": "S(0)"}})
     # 'ep' is an axis of ('dp', 'ep') meshes only: checked when planning (test_experts)
     Constraints(placements={"fc1.weight": {"ep": "S(0)"}})

