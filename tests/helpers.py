@@ -71,3 +71,17 @@ def native_loop_errors(pm, ref, make_optimizer, batches, loss_fn, steps: int) ->
         assert grads[0].keys() == grads[1].keys()
         grad_err = max(grad_err, max(relative_error(grads[0][k], grads[1][k]) for k in grads[1]))
     return loss_err, grad_err
+
+
+def measured_comm_bytes(case: str, constraints) -> tuple[dict, dict]:
+    """One measured ``train_step`` (after a first one) of the parity zoo's ``case`` compiled under
+    ``constraints`` with SGD: bytes per collective kind, measured and predicted."""
+    from autopar.testing.parity import build_case
+
+    model, batches, loss_fn = build_case(case)
+    x, t = batches[0]
+    pm = autopar.compile(model, autopar.Cluster.local(), (x,), example_target=t, loss_fn=loss_fn,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=constraints)
+    pm.train_step(x, target=t)
+    m = pm.measure_step(x, target=t)
+    return dict(m.comm_bytes), dict(m.predicted_comm_bytes)

@@ -23,7 +23,7 @@ import torch
 import autopar
 from autopar import Cluster, ConstraintError, Constraints
 from autopar.layouts import R, Shard, parse_layout
-from helpers import native_loop_errors
+from helpers import measured_comm_bytes, native_loop_errors
 from autopar.testing.parity import build_case, parity_failures, parity_worker, relative_error
 
 TOL = 1e-5
@@ -52,13 +52,8 @@ def native_cp_worker(case: str, constraints: dict, opt: str, steps: int = 3) -> 
 def measure_cp_worker() -> dict:
     """One measured ``train_step`` of the GPT with 4 ranks on 'cp' (after a first step): bytes per
     collective kind measured and predicted."""
-    model, batches, loss_fn = build_case("gpt")
-    x, t = batches[0]
-    pm = autopar.compile(model, Cluster.local(), (x,), example_target=t, loss_fn=loss_fn,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=Constraints(cp=4))
-    pm.train_step(x, target=t)
-    m = pm.measure_step(x, target=t)
-    return {"measured": dict(m.comm_bytes), "predicted": dict(m.predicted_comm_bytes)}
+    measured, predicted = measured_comm_bytes("gpt", Constraints(cp=4))
+    return {"measured": measured, "predicted": predicted}
 
 
 # (case, constraints, optimizer, causal)

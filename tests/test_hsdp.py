@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar import Cluster, ConstraintError, Constraints
-from helpers import native_loop_errors
+from helpers import measured_comm_bytes, native_loop_errors
 from autopar.testing.parity import build_case, parity_failures, parity_worker, relative_error
 
 TOL = 1e-5
@@ -56,13 +56,8 @@ def native_hsdp_worker(case: str, opt: str, steps: int = 3) -> dict:
 def measure_hsdp_worker() -> dict:
     """One measured ``train_step`` of the MLP under HSDP (after a first step): bytes per collective
     kind measured and predicted, and the bytes of its parameters."""
-    model, batches, loss_fn = build_case("mlp")
-    x, t = batches[0]
-    pm = autopar.compile(model, Cluster.local(), (x,), example_target=t, loss_fn=loss_fn,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), constraints=Constraints(hsdp=2))
-    pm.train_step(x, target=t)
-    m = pm.measure_step(x, target=t)
-    return {"measured": dict(m.comm_bytes), "predicted": dict(m.predicted_comm_bytes),
+    measured, predicted = measured_comm_bytes("mlp", Constraints(hsdp=2))
+    return {"measured": measured, "predicted": predicted,
             "param_bytes": sum(p.numel() * p.element_size() for p in build_case("mlp")[0].parameters())}
 
 
