@@ -239,20 +239,6 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _time_out_as_default(group) -> None:
-    """``group`` times out as the default group autopar initialised (``launch.device_mesh`` does
-    the same for a mesh's axis groups; torch gives a new group its own default timeout)."""
-    import datetime
-
-    from autopar.runtime.launch import group_timeout_s
-
-    seconds = group_timeout_s()
-    if seconds is not None and dist.get_world_size() > 1 and group is not dist.group.WORLD:
-        from torch.distributed.distributed_c10d import _set_pg_timeout  # private in torch 2.11-2.13
-
-        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
-
-
 class MeshComm:
     """Per mesh axis: process group, size and this rank's coordinate; and the collectives."""
 
@@ -278,10 +264,12 @@ class MeshComm:
         """``flat_axes``: tuples of axes that collectives run over as one group (made here, on every
         rank in the same order: ``DeviceMesh._flatten``, private in torch 2.11-2.13)."""
         names = mesh.mesh_dim_names
+        from autopar.runtime.launch import time_out_as_default
+
         flat = {}
         for axes in sorted(set(tuple(a) for a in flat_axes)):
             group = mesh[tuple(names[a] for a in axes)]._flatten().get_group()
-            _time_out_as_default(group)
+            time_out_as_default(group)
             flat[axes] = group.group_name
         return cls(
             groups=tuple(mesh.get_group(n).group_name for n in names),

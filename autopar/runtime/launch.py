@@ -20,7 +20,7 @@ from autopar.errors import AutoparError, WorkerFailedError
 from autopar.runtime.cpu_affinity import pin_local_rank
 from autopar.runtime.cpu_malloc import tune_cpu_malloc
 
-__all__ = ["init_distributed", "device_mesh", "process_group_backend", "launch", "free_port", "run_script", "collective_timeout_s",
+__all__ = ["init_distributed", "device_mesh", "time_out_as_default", "process_group_backend", "launch", "free_port", "run_script", "collective_timeout_s",
            "DEFAULT_COLLECTIVE_TIMEOUT_S", "software_versions"]
 
 
@@ -125,16 +125,21 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    for name in names:
+        time_out_as_default(mesh.get_group(name))
+    return mesh
+
+
+def time_out_as_default(group) -> None:
+    """Give ``group`` (a mesh's axis group, a flattened group of several axes) the timeout of the
+    default group autopar initialised: torch gives a new group its own default timeout. Nothing for
+    the default group itself, one process, or a default group the user initialised."""
     seconds = group_timeout_s()
-    if seconds is not None and dist.get_world_size() > 1:
+    if seconds is not None and dist.get_world_size() > 1 and group is not dist.group.WORLD:
         # private in torch 2.11-2.13 (public replacement: none); read here only
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        for name in names:
-            group = mesh.get_group(name)
-            if group is not dist.group.WORLD:
-                _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
-    return mesh
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 # torch's NCCL flight recorder: the last collectives of every rank, dumped when one times out
 # (read with ``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX``). torch 2.11
