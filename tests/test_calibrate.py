@@ -426,6 +426,9 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     from autopar.calibration.cpu_cache import last_level_cache_bytes
 
     assert d.shared_cache_bytes == last_level_cache_bytes()  # what the ranks' CPUs say, or None
+    # the waiting probe's share, and the speed probe's windows from the start to the end
+    assert spec.exposed_latency_share is not None and 0.0 <= spec.exposed_latency_share <= 1.0
+    assert any(s.startswith("machine speed while calibrating") for s in spec.sources), spec.sources
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
     # a reshard's autograd node and buffers cost the host something per collective
