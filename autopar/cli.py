@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="gloo: N CPU processes; nccl: N GPUs, one per process, written to local-cuda-N.json for "
                         "Cluster.from_json (default: nccl where CUDA shows N GPUs, else gloo)")
+    c.add_argument("--allow-noisy", action="store_true",
+                   help="write the spec even where the machine's speed moved while it was measured (refused by "
+                        "default after two tries: other work on its cores)")
     c.set_defaults(func=_cmd_calibrate)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
@@ -208,7 +211,8 @@ def _cmd_calibrate(args) -> int:
     what = "gloo processes" if backend == "gloo" else "GPUs over NCCL, one per process"
     print(f"autopar calibrate: measuring {args.nproc} {what} ...", flush=True)
     t0 = time.perf_counter()
-    cluster, path = calibrate(args.nproc, out=args.out, quick=args.quick, backend=backend)
+    cluster, path = calibrate(args.nproc, out=args.out, quick=args.quick, backend=backend,
+                              allow_noisy=args.allow_noisy)
     print("\n".join(cluster.sources))
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
     if cluster.device_type != "cpu":

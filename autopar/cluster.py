@@ -386,6 +386,11 @@ class Cluster:
     # latency can hide where its bytes cannot). None: the planner's default (``planner.overlap.EXPOSED_FLOOR``);
     # calibrated from a measured run of a given software stack.
     exposed_comm_share: float | None = None
+    # The share of overlappable communication's waiting (its latency) that stays exposed beside
+    # compute: 0 where something progresses a collective while the ranks compute (a GPU's
+    # streams); 1 where nothing does (gloo processes on every core). None: 0. Measured by
+    # ``autopar calibrate`` (``calibration.comm_probes.probe_waiting``; ``planner.overlap``).
+    exposed_latency_share: float | None = None
     # The routing assumption for dropless expert parallelism: the tokens the busiest rank's experts
     # receive over the mean (max / mean); 1.0 is balanced routing. Prices the exchanged rows'
     # time and the experts' compute of the busiest rank (bytes are predicted balanced).
@@ -440,13 +445,15 @@ class Cluster:
                 f"Cluster.intra_node.rails is {self.intra_node.rails!r}, but rails describe how a collective "
                 "leaves a node (NICs); set inter_node.rails and leave intra_node.rails None"
             )
-        share = self.exposed_comm_share
-        if share is not None and not (isinstance(share, numbers.Real) and not isinstance(share, bool)
-                                      and 0.0 <= float(share) <= 1.0):
-            raise ClusterSpecError(
-                f"Cluster.exposed_comm_share must be in [0, 1] or None, got {share!r}; it is the "
-                "share of overlappable communication that stays exposed"
-            )
+        for name, what in (("exposed_comm_share", "overlappable communication"),
+                           ("exposed_latency_share", "overlappable communication's waiting (latency)")):
+            share = getattr(self, name)
+            if share is not None and not (isinstance(share, numbers.Real) and not isinstance(share, bool)
+                                          and 0.0 <= float(share) <= 1.0):
+                raise ClusterSpecError(
+                    f"Cluster.{name} must be in [0, 1] or None, got {share!r}; it is the share of {what} "
+                    "that stays exposed"
+                )
         for name, meaning in (("collective_skew_s", "what a collective waits for ranks that arrive at different "
                                                      "times (e.g. 1e-4)"),
                               ("pipeline_microbatch_s", "what a pipeline stage spends per microbatch beyond compute "

@@ -28,6 +28,7 @@ def cluster_from_json(s: str) -> Cluster:
         raise ClusterSpecError(f"cluster JSON cannot be parsed: {e}") from None
     if isinstance(d, dict):
         d.setdefault("exposed_comm_share", None)  # specs written before they existed
+        d.setdefault("exposed_latency_share", None)
         d.setdefault("expert_imbalance", 1.0)
         d.setdefault("collective_skew_s", 0.0)
         d.setdefault("pipeline_microbatch_s", 0.0)

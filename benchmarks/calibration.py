@@ -270,7 +270,7 @@ def main() -> None:
     for n in args.nproc:
         if args.calibrate:
             cluster, path = calibrate(n)
-            print(f"calibrated {n} processes -> {path}", flush=True)
+            print(f"calibrated {n} processes -> {path}\n  " + "\n  ".join(cluster.sources), flush=True)
         configs = [c for c in sets[n] if not args.only or _config(c)[0] in args.only]
         rows += _run(launch, n, [c for c in configs if isinstance(c, tuple)], args)
         rows += _run(launch, n, [c for c in configs if not isinstance(c, tuple)], args)

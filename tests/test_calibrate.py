@@ -204,6 +204,11 @@ def _synthetic_measurements(world: int = 4) -> dict:
         ranks.append({"world": world, "device_type": "cpu", "compute": comp, "collectives": coll, "training": training,
                       # the overlap probe's median round (share 0.9) beside every round's share
                       "overlap": {"comm_s": 0.01, "compute_s": 0.02, "together_s": 0.029, "shares": [0.3, 0.9, 1.0]},
+                      # the waiting probe's passes: median 0.8 (each pass's share the ranks' mean)
+                      "waiting": {"comm_s": 5e-4, "compute_s": 1.5e-3, "together_s": 1.9e-3,
+                                  "shares": [0.6, 0.8, 1.0 - 0.1 * len(ranks)]},
+                      # the speed probe's windows: 2.0 to 2.4 ms (the slowest rank's per window)
+                      "speed": [2e-3, 2.2e-3 + 2e-4 * len(ranks), 2.1e-3],
                       # per kind (alone, after 1 ms of compute): waits of 0.3, 0.5 and 0.1 ms, median 0.3;
                       # window by window (each pass's own): median 0.2 ms, what is kept
                       "skew": {"compute_s": 1e-3, "kinds": {"all_reduce": [2e-4, 1.5e-3], "all_gather": [1e-4, 1.6e-3],
@@ -235,6 +240,10 @@ def test_fit_cluster_holds_every_fitted_figure_and_round_trips_through_json():
     assert d.attention_efficiency == pytest.approx(8e9 / 4e10, rel=1e-3)
     assert c.intra_node.collective("all_to_all") == pytest.approx((50e-6, 2e9), rel=1e-6)
     assert c.exposed_comm_share == pytest.approx(0.9)
+    assert c.exposed_latency_share == pytest.approx(0.8)  # the median pass of (0.6, 0.8, 0.95)
+    # windows 2.0, 2.1, 2.4 ms: 20th / 80th percentiles 2.04 and 2.28 ms
+    assert any(s.startswith("machine speed while calibrating") and "percentile of their times 1.12x" in s
+               for s in c.sources), c.sources
     assert any("the median round of 0.30, 0.90, 1.00" in s for s in c.sources), c.sources
     assert c.collective_skew_s == pytest.approx(2e-4)  # the median of the paired windows
     before = _synthetic_measurements()
@@ -417,6 +426,9 @@ def test_autopar_calibrate_measures_fits_and_writes_the_spec(tmp_path, capsys):
     from autopar.calibration.cpu_cache import last_level_cache_bytes
 
     assert d.shared_cache_bytes == last_level_cache_bytes()  # what the ranks' CPUs say, or None
+    # the waiting probe's share, and the speed probe's windows from the start to the end
+    assert spec.exposed_latency_share is not None and 0.0 <= spec.exposed_latency_share <= 1.0
+    assert any(s.startswith("machine speed while calibrating") for s in spec.sources), spec.sources
     assert {k for k, *_ in spec.intra_node.collectives} == set(KINDS) | {"send_recv"}
     assert 0.0 <= spec.exposed_comm_share <= 1.0 and spec.collective_skew_s >= 0.0
     # a reshard's autograd node and buffers cost the host something per collective
@@ -477,3 +489,31 @@ def test_calibrate_measures_gpus_over_nccl_where_cuda_shows_enough_of_them(monke
     with pytest.raises(AutoparError, match="no datasheet for the GPU 'NVIDIA GeForce RTX 4090'.*--backend gloo"):
         gpu_base_cluster(1)
     assert calibration_path(2, "cuda").name == "local-cuda-2.json" and calibration_path(2).name == "local-2.json"
+
+
+def test_a_calibration_whose_machine_speed_moved_is_measured_again_then_refused(monkeypatch, tmp_path):
+    """The speed probe's windows (the same matmul from the calibration's start to its end) differ
+    by more than ``SPEED_SPREAD_LIMIT``: measured again, and after ``CALIBRATION_TRIES`` noisy
+    measurements refused naming the spreads and the fix; ``allow_noisy`` keeps it; a quiet second
+    try is kept."""
+    import autopar.calibration as cal
+    import autopar.runtime.launch as launch_mod
+
+    quiet, noisy = _synthetic_measurements(), _synthetic_measurements()
+    noisy["speed"] = [2e-3, 3.4e-3, 2.2e-3]
+    # 20th / 80th percentiles of 2.0, 2.2, 3.4 ms: 2.08 and 2.92 ms
+    assert cal.speed_spread(noisy["speed"]) == pytest.approx(2.92 / 2.08) and not cal.check_quiet(noisy)
+    assert cal.check_quiet(noisy, allow_noisy=True) and cal.check_quiet(quiet)
+    for tries, allow, fails in (([noisy, noisy], False, True), ([noisy, quiet], False, False), ([noisy], True, False)):
+        runs = iter(tries)
+        monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: ["unused"])
+        monkeypatch.setattr(cal, "combine_ranks", lambda per_rank: next(runs))
+        out = tmp_path / f"spec-{len(tries)}-{allow}.json"
+        if fails:
+            with pytest.raises(AutoparError, match=r"speed moved while it was measured, 2 times \(1.40x, 1.40x.*"
+                                                   r"--allow-noisy"):
+                cal.calibrate(4, out=out, backend="gloo", allow_noisy=allow)
+            assert not out.exists()
+        else:
+            cluster, path = cal.calibrate(4, out=out, backend="gloo", allow_noisy=allow)
+            assert path == out and out.exists() and cluster.exposed_latency_share == pytest.approx(0.8)

@@ -159,6 +159,7 @@ def _edited_json(edit):
         (lambda d: d["inter_node"].update(rails=0.5), r"LinkSpec.rails must be a number >= 1"),
         (lambda d: d["intra_node"].update(rails=2), r"intra_node.rails is 2.*set inter_node.rails"),
         (lambda d: d.update(exposed_comm_share=1.5), r"exposed_comm_share must be in \[0, 1\]"),
+        (lambda d: d.update(exposed_latency_share=-0.1), r"exposed_latency_share must be in \[0, 1\]"),
     ],
 )
 def test_bad_json_fields(edit, match):

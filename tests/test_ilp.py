@@ -435,6 +435,28 @@ def test_calibrated_exposed_share_sets_the_floor_of_hidden_communication():
         assert math.isclose(evaluate(p, sol.choice).step_time_s, sol.objective_s, rel_tol=1e-9)
 
 
+def test_calibrated_exposed_latency_share_prices_the_waiting_alike_in_ilp_and_evaluation():
+    """``Cluster.exposed_latency_share``: the waiting of overlappable communication that stays
+    exposed beside compute. 0.5 s overlappable, 0.3 s of it waiting, all bytes exposed
+    (``exposed_comm_share`` 1): 0.2 s exposed where the waiting hides (share 0), 0.2 + 0.3 where it
+    does not (share 1); the ILP and the evaluation agree, and the choice follows the arithmetic
+    against a strategy with no communication and 0.35 s more compute."""
+    import dataclasses
+    graph = fx.Graph()
+    for lat_share, exposed, want in ((0.0, 0.2, 0), (1.0, 0.5, 1)):
+        cluster = dataclasses.replace(autopar.Cluster.local(2), exposed_comm_share=1.0, exposed_latency_share=lat_share)
+        ctx = CostContext((2, 1), ("dp", "tp"), cluster, precision_policy("fp32"), "adamw")
+        a = NodeVar("a", _fx_node(graph, f"a{lat_share}"), 1, _strategies(2), np.array([1.0, 1.35]),
+                    np.zeros(2), np.zeros(2), np.zeros(2), False)
+        e = EdgeTable("a", None, 0, 0, 1, np.array([0, 1]), np.zeros(1, dtype=np.int64),
+                      np.zeros((2, 1)), np.array([[0.5], [0.0]]), [[{}], [{}]], overlap_lat=np.array([[0.3], [0.0]]))
+        p = Problem(ctx, {"a": a}, [e], False, 1)
+        sol = solve(p, None, SolverConfig())
+        assert sol.choice == {"a": want}
+        assert math.isclose(sol.objective_s, min(1.0 + exposed, 1.35), rel_tol=1e-9)
+        assert math.isclose(evaluate(p, sol.choice).step_time_s, sol.objective_s, rel_tol=1e-9)
+
+
 def test_solver_output_hiding_on_two_threads_gives_stdout_back(capfd):
     # HiGHS's banner is hidden by pointing fd 1 at /dev/null while it solves; two planner threads
     # whose solves overlap (A in, B in, A out, B out) must leave fd 1 on the real stdout

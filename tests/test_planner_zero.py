@@ -138,3 +138,31 @@ def test_a_zero1_gather_that_cannot_run_in_place_prices_the_host_copies():
         gather = blocking_collective_time("all_gather", rows * 64 * 4.0, ctx.groups[0], cluster)
         want = gather + (1e-9 * rows * 64 * 4 if copied else 0.0)
         assert post_step_gather_time(meta, zero1, ctx) == pytest.approx(want, rel=1e-9), rows
+
+
+def test_zero2_reduce_scatters_pending_together_share_their_waiting_on_gloo_only():
+    """ZeRO-2's reduce-scatters, up to ``ZERO2_MAX_INFLIGHT`` pending (``runtime.grad_sync``), run
+    on gloo's worker threads side by side: each is priced its bytes and its waiting over
+    ``concurrent_waits`` (2 on gloo, 1 on NCCL, whose stream runs them one after another)."""
+    import dataclasses
+
+    from torch.distributed.tensor.placement_types import Replicate
+
+    from autopar.cost_models.communication import collective_latency, collective_time
+    from autopar.cost_models.memory import optimizer_spec, precision_policy
+    from autopar.planner.costing import CostContext
+    from autopar.planner.sync_pricing import concurrent_waits, zero2_reduce_latency, zero2_reduce_time
+    from autopar.trace import TensorMeta
+
+    gloo = Cluster.local(4, calibrated=False)
+    nccl = dataclasses.replace(Cluster.preset("dgx-a100"), nodes=1, devices_per_node=4)
+    meta = TensorMeta((256, 64), torch.float32)
+    for cluster, waits in ((gloo, 2), (nccl, 1)):
+        assert concurrent_waits(cluster) == waits
+        ctx = CostContext((4,), ("dp",), cluster, precision_policy("fp32"), optimizer_spec("adam"))
+        full = collective_time("reduce_scatter", 256 * 64 * 4.0, ctx.groups[0], cluster)
+        lat = collective_latency("reduce_scatter", ctx.groups[0], cluster)
+        assert 0 < lat < full
+        got = zero2_reduce_time(meta, (Replicate(),), (0,), (0,), ctx)
+        assert got == {"reduce_scatter": pytest.approx(full - (1 - 1 / waits) * lat, rel=1e-9)}
+        assert zero2_reduce_latency((0,), (0,), ctx) == pytest.approx(lat / waits, rel=1e-9)

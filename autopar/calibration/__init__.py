@@ -28,7 +28,9 @@ local model:
   interpolates at the group sizes measured;
 * ``exposed_comm_share``: the share of a collective left on the critical path with compute
   beside it (1.0 where processes share cores: the collective's threads take compute's time to
-  move its bytes; its latency, a wait, still hides: ``planner.overlap``);
+  move its bytes); ``exposed_latency_share``: the same of a small collective's waiting (where
+  nothing progresses it while the ranks compute, its latency does not hide either:
+  ``planner.overlap``);
 * ``device.warm_elements``: the optimizer's update and a gradient buffer per element where a
   rank holds 1M elements, beside ``update_element_s`` and ``grad_buffer_element_s`` at 8M; on
   CPU processes, ``device.shared_cache_bytes``: the last-level cache the node's ranks share, which
@@ -47,9 +49,10 @@ import dataclasses
 import datetime
 import pathlib
 import platform
+import sys
 import statistics
 
-from autopar.calibration.comm_probes import SKEW_BYTES
+from autopar.calibration.comm_probes import SKEW_BYTES, WAIT_BYTES
 from autopar.calibration.fit import (collective_skew, exposed_share, fit_attention, fit_collective, fit_compute,
                                      fit_op_cost, monotone_table)
 from autopar.calibration.microbench import MicrobenchSpec, measure_rank
@@ -58,7 +61,7 @@ from autopar.cluster import Cluster, LinkSpec, PeakFlops, calibration_path
 from autopar.errors import AutoparError
 from autopar.runtime.writable import check_writable
 
-__all__ = ["calibrate", "fit_cluster", "combine_ranks", "training_overheads"]
+__all__ = ["calibrate", "fit_cluster", "combine_ranks", "training_overheads", "speed_spread", "check_quiet"]
 
 
 def _over_ranks(rows_per_rank: list[list], keep: int, reduce) -> list[tuple]:
@@ -86,10 +89,15 @@ def combine_ranks(per_rank: list[dict]) -> dict:
                  **{k: first[k] for k in ("cores", "local_world", "shared_cache_bytes") if k in first},
                  "training": {k: median(r["training"][k] for r in per_rank) for k in first["training"]},
                  "ops": {name: _over_ranks([r["ops"][name] for r in per_rank], 1, median) for name in first.get("ops", {})}}
+    if "speed" in first:  # window by window, the slowest rank's (a window ends at a barrier on every rank)
+        out["speed"] = [max(col) for col in zip(*(r["speed"] for r in per_rank))]
     if "collectives" in first:
         out["collectives"] = {k: _over_ranks([r["collectives"][k] for r in per_rank], 2, mean) for k in first["collectives"]}
         out["overlap"] = {k: ([mean(col) for col in zip(*(r["overlap"][k] for r in per_rank))] if isinstance(v, list)
                               else mean(r["overlap"][k] for r in per_rank)) for k, v in first["overlap"].items()}
+        if "waiting" in first:  # pass by pass: the ranks' passes are the same seconds
+            out["waiting"] = {**{k: mean(r["waiting"][k] for r in per_rank) for k in ("comm_s", "compute_s", "together_s")},
+                              "shares": [mean(col) for col in zip(*(r["waiting"]["shares"] for r in per_rank))]}
         for key in ("collective_host_s", "collective_host_byte_s"):
             if key in first:
                 out[key] = median(r[key] for r in per_rank)
@@ -191,6 +199,8 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             sources.append(f"between the two by the {measured['shared_cache_bytes'] / 2**20:.0f} MiB last-level cache "
                            f"the node's ranks share: warm while their parameters, gradients and optimizer states "
                            f"fill at most half of it, cold from all of it")
+    if measured.get("speed"):
+        sources.append(speed_source(measured["speed"]))
     op_costs = tuple((name, *fit_op_cost(rows)) for name, rows in sorted(measured.get("ops", {}).items()))
     if comp.get("gemm"):
         effs = [2.0 * m * k * n / t / peaks.fp32 for m, k, n, t in comp["gemm"]]
@@ -247,6 +257,13 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
             share = 1.0
             sources.append(f"exposed share taken as 1.00: {local} processes on {cores} CPU core(s) leave none to "
                            "progress communication while the ranks compute")
+        latency_share = None
+        if "waiting" in measured:
+            wt = measured["waiting"]
+            latency_share = statistics.median(wt["shares"])
+            sources.append(f"exposed share of a collective's waiting beside compute {latency_share:.2f}, the median over "
+                           f"{len(wt['shares'])} passes (a {WAIT_BYTES // 1024} KiB all-reduce {wt['comm_s'] * 1e6:.0f} us "
+                           f"alone, small layers {wt['compute_s'] * 1e6:.0f} us, both {wt['together_s'] * 1e6:.0f} us)")
         skew = 0.0
         if "skew" in measured:
             sk = measured["skew"]
@@ -272,9 +289,48 @@ def fit_cluster(measured: dict, base: Cluster, when: str = "") -> Cluster:
                            "us per KiB")
         cluster = dataclasses.replace(cluster, intra_node=link,
                                       inter_node=link if base.nodes == 1 else base.inter_node,
-                                      exposed_comm_share=share, collective_skew_s=skew,
+                                      exposed_comm_share=share, exposed_latency_share=latency_share,
+                                      collective_skew_s=skew,
                                       pipeline_microbatch_s=per_micro)
     return dataclasses.replace(cluster, sources=tuple(sources))
+
+
+# the most the speed probe's windows may differ (their 80th percentile over their 20th) in a
+# calibration that is kept: beyond it the machine's speed moved while it was measured (other work
+# on its cores), and the spec would price moments of it. A fifth of the windows at either end
+# may be outliers: 4 gloo processes of a 2-core VM read the same matmul at 57-90 GFLOP/s in 50-200
+# ms windows of a quiet minute (80th / 20th percentile 1.05-1.1x), 38-79 in a calibration beside
+# other work
+SPEED_SPREAD_LIMIT = 1.3
+CALIBRATION_TRIES = 2  # measurements before a noisy calibration is refused
+
+
+def speed_spread(windows) -> float:
+    """The 80th over the 20th percentile of the speed probe's window times
+    (``microbench.SPEED_PROBE``; inclusive quantiles). Pure.
+
+    >>> round(speed_spread([2.0e-3, 2.2e-3, 3.4e-3]), 3)
+    1.404
+    """
+    q = statistics.quantiles(list(windows) * (1 if len(windows) > 1 else 2), n=5, method="inclusive")
+    return q[-1] / max(q[0], 1e-12)
+
+
+def speed_source(windows) -> str:
+    """The spec's line saying how much the machine's speed moved while it was calibrated."""
+    from autopar.calibration.microbench import SPEED_SHAPE
+
+    m, k, n = SPEED_SHAPE
+    rates = [2.0 * m * k * n / t / 1e9 for t in windows]
+    return (f"machine speed while calibrating: a {m}x{k}x{n} fp32 matmul at {min(rates):.1f} to {max(rates):.1f} "
+            f"GFLOP/s (median {statistics.median(rates):.1f}) over {len(windows)} windows from start to end (80th / "
+            f"20th percentile of their times {speed_spread(windows):.2f}x, kept below {SPEED_SPREAD_LIMIT}x)")
+
+
+def check_quiet(measured: dict, allow_noisy: bool = False) -> bool:
+    """Whether ``measured`` (``combine_ranks``'s form) was taken on a machine whose speed held
+    (``speed_spread`` of its speed windows within ``SPEED_SPREAD_LIMIT``); ``allow_noisy``: always."""
+    return allow_noisy or "speed" not in measured or speed_spread(measured["speed"]) <= SPEED_SPREAD_LIMIT
 
 
 def conv_rows(measured) -> tuple[tuple[int, int, int, float, float], ...]:
@@ -345,11 +401,14 @@ def gpu_base_cluster(nproc: int) -> Cluster:
 
 
 def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = False,
-              timeout_s: float = 600.0, backend: str | None = None) -> tuple[Cluster, pathlib.Path]:
+              timeout_s: float = 600.0, backend: str | None = None,
+              allow_noisy: bool = False) -> tuple[Cluster, pathlib.Path]:
     """Measure ``nproc`` local processes on ``backend`` (``calibration_backend``: gloo for CPU
     processes, nccl for one GPU each), fit, write the spec (default: ``calibration_path(nproc)``,
     which ``Cluster.local(nproc)`` then uses; GPUs: ``calibration_path(nproc, "cuda")``); return it
-    and its path."""
+    and its path. A measurement whose speed probe moved beyond ``SPEED_SPREAD_LIMIT`` is taken
+    again, up to ``CALIBRATION_TRIES`` times, then refused (``allow_noisy``: kept; ``quick``
+    calibrations, the tests', are never refused)."""
     from autopar.runtime.launch import launch
 
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
@@ -359,17 +418,31 @@ def calibrate(nproc: int, out: str | pathlib.Path | None = None, quick: bool = F
     # before minutes of measurements: the spec's folder must take the file (``runtime.writable``)
     check_writable(path.parent, "calibration output folder", every_rank_writes=False)
     spec = MicrobenchSpec(quick=quick, repeats=3 if quick else 5, backend=backend)
-    if backend == "nccl":
-        base = gpu_base_cluster(nproc)
-        # spawned: this process has touched CUDA (the GPU's name), and a forked child must not inherit that
-        per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s)
+    base = gpu_base_cluster(nproc) if backend == "nccl" else Cluster.local(nproc, calibrated=False)
+    spreads = []
+    for _ in range(CALIBRATION_TRIES):
+        if backend == "nccl":
+            # spawned: this process has touched CUDA (the GPU's name), and a forked child must not inherit that
+            per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s)
+        else:
+            # forked from a server that imported the measurements once: spawned, 4 ranks importing autopar
+            # on 2 cores took 5 s of the minute
+            per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s, start_method="forkserver")
+        measured = combine_ranks(per_rank)
+        if check_quiet(measured, allow_noisy or quick):
+            break
+        spreads.append(speed_spread(measured["speed"]))
+        print(f"autopar calibrate: the machine's speed moved {spreads[-1]:.2f}x while it was measured (limit "
+              f"{SPEED_SPREAD_LIMIT}x); measuring again", file=sys.stderr, flush=True)
     else:
-        base = Cluster.local(nproc, calibrated=False)
-        # forked from a server that imported the measurements once: spawned, 4 ranks importing autopar
-        # on 2 cores took 5 s of the minute
-        per_rank = launch(measure_rank, nproc, spec, timeout_s=timeout_s, start_method="forkserver")
+        raise AutoparError(
+            f"autopar calibrate: the machine's speed moved while it was measured, {CALIBRATION_TRIES} times "
+            f"({', '.join(f'{x:.2f}x' for x in spreads)}: the 80th over the 20th percentile of the same matmul's windows; "
+            f"limit {SPEED_SPREAD_LIMIT}x): a spec from it would price one moment of a machine shared with other "
+            "work. Calibrate when nothing else runs on its cores, or pass --allow-noisy (calibrate(allow_noisy=True)) "
+            "to write it anyway")
     when = f"{platform.node() or 'this machine'}, {datetime.date.today().isoformat()}"
-    cluster = fit_cluster(combine_ranks(per_rank), base, when)
+    cluster = fit_cluster(measured, base, when)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(cluster.to_json())

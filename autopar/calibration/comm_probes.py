@@ -144,6 +144,66 @@ def probe_overlap(spec: MicrobenchSpec, device: torch.device, barrier, world: in
 
 
 OVERLAP_ROUNDS = 5  # the overlap probe's rounds (its median share is kept)
+# the waiting probe: a latency-bound all-reduce (a small gradient bucket, a ZeRO shard) in flight
+# beside a training step's kind of compute, lasting WAIT_COMPUTE_RATIO times the collective alone
+WAIT_BYTES = 4 << 10
+WAIT_COMPUTE_RATIO = 3.0
+WAIT_REPEATS = 7  # passes over its three timings (a per-pass share; their median is kept)
+
+
+def probe_waiting(spec: MicrobenchSpec, device: torch.device, barrier, world: int) -> dict:
+    """Does a collective's waiting hide behind compute here? Seconds of a ``WAIT_BYTES``
+    all-reduce alone, of small layers forward and backward (the skew probe's block, repeated to
+    ``WAIT_COMPUTE_RATIO`` times the collective's time), and of both with the all-reduce issued
+    first and waited after the block (``runtime.comm.wait_for``, as gradient sync waits), in
+    passes: each pass's exposed share ``(both - block) / alone`` (``fit.exposed_share``).
+
+    The planner's overlap model hides a collective's latency behind compute
+    (``planner.overlap``); whether it does depends on what progresses the collective while the
+    ranks compute: on 2 gloo processes of 2 cores an asynchronous gradient sync saved 17-20 ms
+    of a step, while on 4 processes of 2 cores a 2 MiB all-reduce beside compute hid nothing,
+    latency included (``probe_overlap``). This probe measures the latency's share alone
+    (``Cluster.exposed_latency_share``): on that machine 1.0 in the median pass on 2 processes
+    and on 4 (single passes 0.49-1.0), 1.00 in three calibrations of 4 processes."""
+    import torch.distributed as dist
+
+    from autopar.runtime.comm import polls, wait_for
+
+    progress("whether a small collective's waiting hides behind compute")
+    buf = torch.randn(WAIT_BYTES // 4, device=device)
+    poll = polls("all_reduce", buf)
+    layer = torch.nn.Linear(SKEW_WIDTH, SKEW_WIDTH).to(device)
+    h0 = torch.randn(SKEW_ROWS, SKEW_WIDTH, device=device, requires_grad=True)
+
+    def block():
+        h = h0
+        for _ in range(SKEW_LAYERS):
+            h = torch.nn.functional.gelu(layer(h))
+        h.sum().backward()
+
+    def comm():
+        wait_for(dist.all_reduce(buf, async_op=True), poll)
+
+    t_comm = per_op(comm, device, 3, barrier=barrier, min_s=0.01)
+    t_block = per_op(block, device, 3, barrier=barrier, min_s=0.01)
+    n_blocks = barrier(max(1, round(WAIT_COMPUTE_RATIO * t_comm / max(t_block, 1e-9))))
+
+    def compute():
+        for _ in range(n_blocks):
+            block()
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        wait_for(work, poll)
+
+    _, runs = spread_runs([comm, compute, both], device, spec.repeats if spec.quick else WAIT_REPEATS, barrier,
+                          min_calls=COLLECTIVE_MIN_CALLS)
+    shares = [exposed_share(c, a, b) for a, c, b in zip(*runs)]
+    return {"comm_s": statistics.median(runs[0]), "compute_s": statistics.median(runs[1]),
+            "together_s": statistics.median(runs[2]), "shares": shares, "share": statistics.median(shares)}
+
+
 # the skew probe's compute before each collective: small layers forward and backward, as a training
 # step runs between its blocking collectives (a tensor-parallel step of the example GPT: 0.2-0.3
 # ms of small ops)

@@ -24,7 +24,8 @@ measured, per rank (``measure_rank``):
   nccl-tests' convention, seconds); and on pairs (the world, with 2 ranks), one message from one
   rank to the other (``send_recv``: a pipeline stage's send); these, the overlap, the skew and
   the pipeline below in ``calibration.comm_probes``;
-* overlap: a collective alone, a block of matmuls alone, then both with the collective in flight.
+* overlap: a collective alone, a block of matmuls alone, then both with the collective in flight;
+  and the same of a small (latency-bound) all-reduce beside small layers: whether its waiting hides;
 * skew: a block of matmuls, then a tiny blocking collective of each kind: what it waits beyond
   its own time;
 * on CPU processes, the host's own time per collective: the runtime's reshards with the network
@@ -289,7 +290,8 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
 
     import torch.distributed as dist
 
-    from autopar.calibration.comm_probes import probe_collectives, probe_meshes, probe_overlap, probe_pipeline, probe_skew
+    from autopar.calibration.comm_probes import (probe_collectives, probe_meshes, probe_overlap, probe_pipeline, probe_skew,
+                                                 probe_waiting)
     from autopar.calibration.cpu_cache import last_level_cache_bytes
     from autopar.calibration.host_probe import collective_host_s
     from autopar.calibration.training_probe import training_ops
@@ -305,7 +307,11 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
     barrier = agreed_barrier(world)
     cores = node_cores()  # the node's, before init_distributed pinned this rank to its share
     spread = SpreadProbe(device, barrier)  # sampled again after each later part
-    out = {"world": world, "device_type": device.type, "compute": _compute(spec, device, barrier),
+    a, b = torch.randn(SPEED_SHAPE[:2], device=device), torch.randn(SPEED_SHAPE[1:], device=device)
+    spread.add(SPEED_PROBE, lambda: torch.mm(a, b), SPEED_REPEATS, SPEED_WINDOW_S)  # the machine's speed, throughout
+    compute = _compute(spec, device, barrier)
+    spread.sample()
+    out = {"world": world, "device_type": device.type, "compute": compute,
            # the CPU cores this node's ranks share, and the processes on the node
            "cores": cores, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
            "shared_cache_bytes": last_level_cache_bytes() if device.type == "cpu" else None,
@@ -317,6 +323,8 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
         spread.sample()
         out["overlap"] = probe_overlap(spec, device, barrier, world)
         spread.sample()
+        out["waiting"] = probe_waiting(spec, device, barrier, world)
+        spread.sample()
         out["skew"] = probe_skew(spec, device, barrier, meshes)
         spread.sample()
         # a GPU's host runs ahead of its streams: its time per collective is hidden, not priced
@@ -327,4 +335,13 @@ def measure_rank(spec: MicrobenchSpec) -> dict:
             out["pipeline"] = probe_pipeline(spec, device, barrier, meshes)
             spread.sample()
     out["training"].update(spread.medians())
+    out["speed"] = spread.windows(SPEED_PROBE)
     return out
+
+
+# the speed probe: one fp32 matmul timed at the start and again after every part of the
+# calibration (``SpreadProbe``): how much the machine's speed moved while it was measured
+SPEED_PROBE = "speed_matmul_s"
+SPEED_SHAPE = (256, 256, 512)  # (m, k, n): compute-bound on a CPU core, ~1-4 ms
+SPEED_REPEATS = 3
+SPEED_WINDOW_S = 0.05  # long enough for 4 processes on 2 cores to take several turns inside it

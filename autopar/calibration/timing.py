@@ -102,6 +102,10 @@ class SpreadProbe:
         if self.fns:
             _pass(self.fns, self.calls, self.runs, self.device, self.barrier)
 
+    def windows(self, name: str) -> list[float]:
+        """Every window's seconds per call of probe ``name``, in the order they were taken."""
+        return list(self.runs[self.names.index(name)])
+
     def medians(self) -> dict[str, float]:
         """Seconds per call of each probe: the median of all its windows."""
         return {name: statistics.median(r) for name, r in zip(self.names, self.runs)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autopar.planner.costing import node_flops
 from autopar.cost_models.communication import blocking_collective_time
 from autopar.planner.loss_rider import local_counts_reduction, loss_rides
-from autopar.planner.overlap import exposed_floor, exposed_seconds
+from autopar.planner.overlap import exposed_floor, exposed_latency, exposed_seconds
 from autopar.planner.memory_model import MemoryEstimate, simulate_step_memory
 from autopar.planner.problem import Problem
 
@@ -108,7 +108,8 @@ def _evaluate(problem: Problem, choice: dict[str, int], recompute: frozenset[str
                       default=0.0)
     exposed_f, exposed_b = exposed_seconds(fwd, bwd, ovl["overlap"], ovl["overlap_bwd"], ovl["overlap_last"],
                                            problem.microbatches, exposed_floor(problem.ctx.cluster),
-                                           ovl["overlap_lat"], ovl["overlap_bwd_lat"], ovl["overlap_last_lat"])
+                                           ovl["overlap_lat"], ovl["overlap_bwd_lat"], ovl["overlap_last_lat"],
+                                           exposed_latency(problem.ctx.cluster))
     compute = fwd + bwd
     return Evaluation(
         step_time_s=compute + blocking + exposed_f + exposed_b,

@@ -11,8 +11,9 @@ deterministic, which the byte-identical Plan JSON needs.
 Objective (seconds, milliseconds inside the solver for numerical range)::
 
     step = F + B + blocking + exposed_f + exposed_b
-    exposed_f >= ovl_f - OVERLAP_EFFICIENCY * F,          exposed_f >= EXPOSED_FLOOR * (ovl_f - lat_f)
+    exposed_f >= ovl_f - OVERLAP_EFFICIENCY * F,          exposed_f >= EXPOSED_FLOOR * (ovl_f - lat_f) + L * lat_f
     exposed_b >= ovl_b + ovl_l - OVERLAP_EFFICIENCY * B,  exposed_b >= EXPOSED_FLOOR * (ovl_b - lat_b + ovl_l - lat_l)
+                                                                       + L * (lat_b + lat_l)
     exposed_b >= ovl_l - OVERLAP_EFFICIENCY * B / m
 
 *Overlap model*, following what the runtime runs asynchronously and when: ``F`` and ``B`` are
@@ -24,7 +25,8 @@ last microbatch's gradients exist, so only that microbatch's backward (``B / m``
 Up to ``OVERLAP_EFFICIENCY`` of a window hides communication and at least ``EXPOSED_FLOOR`` of it
 (the last bucket, the first gather; ``Cluster.exposed_comm_share`` where calibrated) stays exposed,
 of all but its waiting (``lat_*``: ``communication.collective_latency`` per collective; on CPU ranks
-that fill the cores only the waiting hides, ``overlap.exposed_seconds``). Everything else (activation resharding,
+that fill the cores only the waiting hides, ``overlap.exposed_seconds``), and at least ``L``
+(``Cluster.exposed_latency_share`` where calibrated, else 0) of the waiting. Everything else (activation resharding,
 synchronous collectives, ZeRO-1/2's all-gather after the optimizer step) blocks.
 
 Memory: parameter/gradient/optimizer bytes + saved activations + the largest working set of one

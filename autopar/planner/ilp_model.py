@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY, exposed_floor
+from autopar.planner.overlap import EXPOSED_FLOOR, OVERLAP_EFFICIENCY, exposed_floor, exposed_latency
 from autopar.planner.problem import Problem
 
 __all__ = ["IlpModel", "Rows", "Expr", "InfeasibleProblem", "build_model", "model_proto", "COL_STRATEGY",
@@ -284,7 +284,8 @@ def add_memory_limit(md: IlpModel, budget_bytes: float | None) -> None:
     md.row(-np.inf, budget_bytes / MIB, expr.add([(1.0, working)]), "memory")
 
 
-def add_overlap_objective(md: IlpModel, microbatches: int = 1, floor: float = EXPOSED_FLOOR) -> None:
+def add_overlap_objective(md: IlpModel, microbatches: int = 1, floor: float = EXPOSED_FLOOR,
+                          lat_share: float = 0.0) -> None:
     """Family *overlap*: exposed communication per the module's overlap model; minimise time."""
     fwd, bwd = Expr(md.fwd), Expr(md.bwd)
     ovl_f, ovl_b, ovl_l = Expr(md.ovl_f), Expr(md.ovl_b), Expr(md.ovl_l)
@@ -292,23 +293,25 @@ def add_overlap_objective(md: IlpModel, microbatches: int = 1, floor: float = EX
     exposed_f = md.col(COL_AUX, 0.0, np.inf, "exposed_f")
     exposed_b = md.col(COL_AUX, 0.0, np.inf, "exposed_b")
     ef, eb = Expr([(1.0, exposed_f)]), Expr([(1.0, exposed_b)])
-    for piece in _pieces_f(ovl_f, fwd, floor, lat_f):
+    for piece in _pieces_f(ovl_f, fwd, floor, lat_f, lat_share):
         md.row(0.0, np.inf, Expr().add(ef).add(piece, -1.0), "overlap")
-    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor, lat_b, lat_l):
+    for piece in _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor, lat_b, lat_l, lat_share):
         md.row(0.0, np.inf, Expr().add(eb).add(piece, -1.0), "overlap")
     obj = Expr().add(fwd).add(bwd).add(Expr(md.blocking)).add(ef).add(eb)
     md.objective, md.offset = obj.coefs, obj.const
 
 
-def _pieces_f(ovl_f, fwd, floor, lat_f=None):
+def _pieces_f(ovl_f, fwd, floor, lat_f=None, lat_share=0.0):
     """exposed_f >= each of these (``exposed_seconds``)."""
-    return [Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY), Expr().add(ovl_f, floor).add(lat_f or Expr(), -floor)]
+    return [Expr().add(ovl_f).add(fwd, -OVERLAP_EFFICIENCY),
+            Expr().add(ovl_f, floor).add(lat_f or Expr(), lat_share - floor)]
 
 
-def _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor, lat_b=None, lat_l=None):
+def _pieces_b(ovl_b, ovl_l, bwd, microbatches, floor, lat_b=None, lat_l=None, lat_share=0.0):
     return [Expr().add(ovl_b).add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY),
             Expr().add(ovl_l).add(bwd, -OVERLAP_EFFICIENCY / microbatches),
-            Expr().add(ovl_b, floor).add(ovl_l, floor).add(lat_b or Expr(), -floor).add(lat_l or Expr(), -floor)]
+            Expr().add(ovl_b, floor).add(ovl_l, floor).add(lat_b or Expr(), lat_share - floor)
+            .add(lat_l or Expr(), lat_share - floor)]
 
 
 def build_model(problem: Problem, budget_bytes: float | None, objective: str) -> IlpModel:
@@ -320,7 +323,8 @@ def build_model(problem: Problem, budget_bytes: float | None, objective: str) ->
         md.objective, md.offset = m.coefs, m.const
     else:
         add_memory_limit(md, budget_bytes)
-        add_overlap_objective(md, problem.microbatches, exposed_floor(problem.ctx.cluster))
+        cluster = problem.ctx.cluster
+        add_overlap_objective(md, problem.microbatches, exposed_floor(cluster), exposed_latency(cluster))
     return md
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.planner.evaluate import OVERLAP_WINDOWS
-from autopar.planner.overlap import exposed_floor, exposed_seconds
+from autopar.planner.overlap import exposed_floor, exposed_latency, exposed_seconds
 from autopar.planner.problem import Problem
 
 __all__ = ["AssignmentCosts", "Assignment", "improve"]
@@ -96,7 +96,9 @@ class Assignment:
                            if v.transient_bytes is not None), default=0.0)
             if mem + working > self.budget:
                 return None
-        ef, eb = exposed_seconds(f, b, of, ob, ol, self.p.microbatches, exposed_floor(self.p.ctx.cluster), lf, lb, ll)
+        cluster = self.p.ctx.cluster
+        ef, eb = exposed_seconds(f, b, of, ob, ol, self.p.microbatches, exposed_floor(cluster), lf, lb, ll,
+                                 exposed_latency(cluster))
         return f + b + bl + ef + eb
 
     def move(self, root: str, s: int) -> None:

@@ -324,7 +324,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
     # optimizer updates, ZeRO-2's deferred reduce-scatters and ZeRO-1/2's gathers of the updated
     # parameters; the step ends with the last rank.
     from autopar.planner.evaluate import step_parts
-    from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_seconds
+    from autopar.planner.overlap import OVERLAP_EFFICIENCY, exposed_floor, exposed_latency, exposed_seconds
 
     fwd, bwd, blocking, _, ovl = step_parts(problem, choice, frozenset(kept_blocks), pipelined=True)
     bwd -= sum(compute_s - buffer for compute_s, buffer in param_s.values())  # the updates, each parameter's once
@@ -334,12 +334,13 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         if var.node.meta.get("autopar.kind") == "param" and var.comm_kinds:
             post_gather[stage_of(name)] += sum(float(arr[choice[name]]) for arr in var.comm_kinds.values())
     blocking -= sum(post_gather)
-    floor = exposed_floor(problem.ctx.cluster)
+    floor, lat_share = exposed_floor(problem.ctx.cluster), exposed_latency(problem.ctx.cluster)
     # held whole under the split-backward schedules, ZeRO-2 gradients are reduced after the
     # schedule (zero2_after), not every microbatch as the submesh plan priced them
     in_backward = max(ovl["overlap_bwd"] - sum(zero2_per_micro) * m, 0.0)
     waiting_b = ovl["overlap_bwd_lat"] * in_backward / ovl["overlap_bwd"] if ovl["overlap_bwd"] > 0 else 0.0
-    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], in_backward, 0.0, m, floor, ovl["overlap_lat"], waiting_b))
+    exposed = sum(exposed_seconds(fwd, bwd, ovl["overlap"], in_backward, 0.0, m, floor, ovl["overlap_lat"], waiting_b,
+                                   lat_share=lat_share))
     in_schedule = fwd + bwd + blocking + exposed + actions * n_stages
     bwd_share = max(bwd, 0.0) / max(fwd + bwd, 1e-30)
     split = schedule in SPLIT_BACKWARD_SCHEDULES
@@ -355,7 +356,7 @@ def _price(traced, blocks, inner: Plan, att, pp: int, v: int, m: int, schedule: 
         # summed between the ranks holding them
         tied = sum((len(ranks) - 1) * send_s(grad_bytes_after_sync(p, dict(inner.mesh_axes), grad_bytes)) for p in shared
                    if r in (ranks := {rank_of[s] for s in used_in[p.node]}))
-        return (max(sync - hiding, floor * (sync - sync_waiting), 0.0) + tied
+        return (max(sync - hiding, floor * (sync - sync_waiting) + lat_share * sync_waiting, 0.0) + tied
                 + sum(update[s] + zero2_after[s] + post_gather[s] for s in mine))
 
     # every rank returns the global loss: the last stage broadcasts it over the pipeline's ranks
