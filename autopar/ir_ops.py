@@ -16,6 +16,9 @@ shape the fake kernel gives, and AOTAutograd puts the conjugate op into the back
   padded receive buffer (the gathered dim first, each shard padded to ``ceil(size / n)`` rows);
   its gradient is ``autopar::reduce_grad``: one sum reduce-scatter over ``axis`` then sum
   all-reduces over ``grad_all_reduce`` (HSDP), cut to the shard's rows.
+* ``autopar::all_reduce(x, axes, sizes, coords, site)``: ``x`` summed over the mesh axes
+  ``axes`` (a new tensor); its gradient is the same sum of the output's gradient (every rank's
+  output depends on every rank's input). The batch-norm statistics of a split batch use it.
 
 Invariant: the fake kernels compute exactly the shapes the implementations return (both follow
 ``resharding.reshard_steps_for`` and ``layouts.chunk_range``).
@@ -30,7 +33,7 @@ import torch
 from autopar.layouts import Partial, chunk_range, parse_layout
 from autopar.resharding import reshard_steps_for
 
-__all__ = ["RESHARD", "GATHER_PARAM", "REDUCE_GRAD", "reshard_local_shape", "reshard_steps"]
+__all__ = ["RESHARD", "GATHER_PARAM", "REDUCE_GRAD", "ALL_REDUCE", "reshard_local_shape", "reshard_steps"]
 
 _LIB = torch.library.Library("autopar", "DEF")  # the ops' namespace: registered while this module lives
 _LIB.define("reshard(Tensor x, str src, str dst, str? grad_src, str? grad_dst, int[]? shape, int[] sizes, int[] coords, "
@@ -39,10 +42,12 @@ _LIB.define("gather_param(Tensor x, int axis, int dim, int? size, int[] sizes, i
             "ScalarType? reduce_dtype, int[] grad_all_reduce, str? site) -> Tensor")
 _LIB.define("reduce_grad(Tensor g, int axis, int length, int[] grad_all_reduce, int[] sizes, int[] coords, "
             "str? site) -> Tensor")
+_LIB.define("all_reduce(Tensor x, int[] axes, int[] sizes, int[] coords, str? site) -> Tensor")
 
 RESHARD = torch.ops.autopar.reshard.default
 GATHER_PARAM = torch.ops.autopar.gather_param.default
 REDUCE_GRAD = torch.ops.autopar.reduce_grad.default
+ALL_REDUCE = torch.ops.autopar.all_reduce.default
 
 
 @functools.lru_cache(maxsize=4096)
@@ -137,3 +142,21 @@ torch.library.register_autograd("autopar::gather_param", _gather_backward, setup
 @torch.library.register_fake("autopar::reduce_grad")
 def _reduce_grad_fake(g, axis, length, grad_all_reduce, sizes, coords, site):
     return g.new_empty([length] + list(g.shape[1:]))
+
+
+@torch.library.register_fake("autopar::all_reduce")
+def _all_reduce_fake(x, axes, sizes, coords, site):
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    x, axes, sizes, coords, site = inputs
+    ctx.args = (axes, sizes, coords, f"{site}, backward" if site else None)
+
+
+def _all_reduce_backward(ctx, g):
+    axes, sizes, coords, site = ctx.args
+    return (ALL_REDUCE(g.contiguous(), axes, sizes, coords, site),) + (None,) * 4
+
+
+torch.library.register_autograd("autopar::all_reduce", _all_reduce_backward, setup_context=_all_reduce_setup)

@@ -12,8 +12,19 @@ from autopar.runtime.comm import MeshComm
 
 
 def model_case(name: str, steps: int = 1, seed: int = 0):
-    """(model, batches, loss_fn) of the example ``name`` ("gpt" or "mlp"), seeded."""
+    """(model, batches, loss_fn) of the example ``name``, seeded: "gpt", "mlp", "moe" (the example
+    MoE GPT, capacity routing), or a model of ``examples.real_models`` ("llama": a tiny Hugging Face
+    Llama, "resnet": the CNN)."""
     torch.manual_seed(seed)
+    if name == "moe":
+        from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
+
+        cfg = MoEConfig()
+        return MoEGPT(cfg), [example_batch(cfg, 8, seed=s) for s in range(steps)], moe_loss
+    if name not in ("gpt", "mlp"):
+        from examples.real_models import build_real
+
+        return build_real(name, seed, steps)
     if name == "mlp":
         from examples.mlp import MLP, example_batch, mlp_loss
 
@@ -67,7 +78,6 @@ def program_on_loopback(name: str, world: int, constraints: dict, coords=None):
     """(program, args, comm) of rank ``coords`` of ``name``'s training program planned for
     ``world`` CPU devices under ``constraints``, with its shards cut from the model (no process
     group: the collectives run on a ``LoopbackComm``)."""
-    from autopar.ir import GRAD_SYNC_KEY  # noqa: F401
     from autopar.layouts import parse_layout
     from autopar.runtime.collectives import shard_tensor
     from autopar.runtime.compile import build_program

@@ -2,13 +2,17 @@
 
 Two kinds of check:
 * in one process, on a ``LoopbackComm`` (collectives with exact shapes and bytes, made-up
-  values): the training program of the example GPT and MLP under dp, tp, dp x tp and ZeRO-3 is
-  one graph with no break once its collectives are the IR's ops (``torch._dynamo.explain``), while
-  the eager program breaks at every collective; and its compiled forward and backward
-  (AOTAutograd, "aot_eager") give the eager program's loss, gradients and bytes exactly;
-* on 2 and 4 gloo processes: compiled training (``train_step``, and the torch-native loop) equals
-  one device within 1e-5 (fp32, SGD with momentum and AdamW), with dynamo counting one graph and
-  no break over the run. "aot_eager" runs AOTAutograd's graphs without code generation (Inductor's
+  values): the training program of the example GPT and MLP under dp, tp, dp x tp and ZeRO-3, of a
+  tiny Hugging Face Llama, of the example MoE (experts split) and of the CNN (a ResNet, batch norm
+  over a split batch) is one graph with no break once its collectives are the IR's ops
+  (``torch._dynamo.explain``), while the eager program breaks at every collective; and its
+  compiled forward and backward (AOTAutograd, "aot_eager") give the eager program's loss and
+  bytes exactly, and its gradients exactly (within 1e-5 where batch norm's backward is autograd's
+  formula rather than the eager op's hand-written one);
+* on 2 and 4 gloo processes: compiled training (``train_step``, and the torch-native loop) of
+  those models, and of 2-stage pipelines (each stage's program compiled), equals one device
+  within 1e-5 (fp32, SGD with momentum and AdamW), with dynamo counting no graph break over the
+  run (the compile counters). "aot_eager" runs AOTAutograd's graphs without code generation (Inductor's
   C++ compile takes about 30 s per program on this machine); one case runs Inductor itself (slow).
 """
 from __future__ import annotations
@@ -24,7 +28,9 @@ TOL = 1e-5
 
 LOOPBACK = [("mlp", 2, {"tp": 2})]  # the fast tier's
 LOOPBACK_SLOW = [("gpt", 2, {"dp": 2}), ("gpt", 2, {"tp": 2}), ("gpt", 4, {"dp": 2, "tp": 2}), ("gpt", 2, {"dp": 2, "zero": 3}),
-                 ("mlp", 2, {"dp": 2}), ("mlp", 4, {"dp": 2, "tp": 2}), ("mlp", 2, {"dp": 2, "zero": 3})]
+                 ("mlp", 2, {"dp": 2}), ("mlp", 4, {"dp": 2, "tp": 2}), ("mlp", 2, {"dp": 2, "zero": 3}),
+                 ("llama", 4, {"dp": 2, "tp": 2}), ("moe", 4, {"dp": 2, "ep": 2}), ("resnet", 4, {"dp": 2, "tp": 2})]
+EXACT_GRADS = ("gpt", "mlp", "llama", "moe")  # the CNN's batch norm: autograd's formula, not the eager op's
 
 
 def _id(case) -> str:
@@ -44,7 +50,12 @@ def _check_loopback(case):
     assert bool(want_bytes) != (case[:1] + case[2:] == ("mlp", {"dp": 2})), f"{_id(case)}: {want_bytes}"
     assert nbytes == want_bytes
     assert torch.equal(loss, want_loss)
-    assert len(grads) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads):
+        if case[0] in EXACT_GRADS:
+            assert torch.equal(g, w), _id(case)
+        else:
+            assert (g - w).abs().max() <= TOL * w.abs().max(), f"{_id(case)}: {(g - w).abs().max()} vs {w.abs().max()}"
 
 
 @pytest.mark.parametrize("case", LOOPBACK, ids=_id)
@@ -75,9 +86,13 @@ def test_compile_arg_refused():
 
 CASES_2 = [("gpt", {"dp": 2}, "sgd", "train_step"), ("gpt", {"tp": 2}, "adamw", "train_step"),
            ("gpt", {"dp": 2, "zero": 3}, "adamw", "train_step"), ("mlp", {"tp": 2}, "sgd", "native"),
-           ("mlp", {"dp": 2}, "adamw", "train_step")]
+           ("mlp", {"dp": 2}, "adamw", "train_step"), ("gpt", {"pp": 2}, "sgd", "train_step")]
 CASES_4 = [("gpt", {"dp": 2, "tp": 2}, "sgd", "train_step"), ("mlp", {"dp": 2, "tp": 2}, "adamw", "train_step"),
-           ("gpt", {"dp": 2, "tp": 2}, "adamw", "native")]
+           ("gpt", {"dp": 2, "tp": 2}, "adamw", "native"),
+           ("llama", {"dp": 2, "tp": 2}, "sgd", "train_step"), ("llama", {"pp": 2, "tp": 2}, "adamw", "train_step"),
+           ("moe", {"dp": 2, "ep": 2}, "adamw", "train_step"), ("moe", {"tp": 2, "ep": 2}, "sgd", "native"),
+           ("resnet", {"dp": 4}, "sgd", "train_step"), ("resnet", {"dp": 2, "tp": 2}, "adamw", "train_step"),
+           ("gpt", {"pp": 2, "dp": 2}, "adamw", "train_step")]
 
 
 def _rel(got, want) -> float:
@@ -110,15 +125,15 @@ def test_inductor_training_equals_one_device():
 
 
 def test_a_runtime_call_without_an_op_is_refused():
-    """A program calling a runtime function the rewrite does not know (batch-norm statistics here)
-    is refused by name instead of compiled with breaks."""
+    """A program calling a runtime function the rewrite does not know (context-parallel attention
+    here) is refused by name instead of compiled with breaks."""
     import torch.fx as fx
 
-    from autopar.ir import sharded_batch_norm
+    from autopar.ir import context_sdpa
     from compiled_cases import LoopbackComm
 
     g = fx.Graph()
     x = g.placeholder("x")
-    g.output(g.call_function(sharded_batch_norm, (x,)))
-    with pytest.raises(autopar.AutoparError, match="sharded_batch_norm"):
+    g.output(g.call_function(context_sdpa, (x,)))
+    with pytest.raises(autopar.AutoparError, match="context_sdpa"):
         traceable(fx.GraphModule(torch.nn.Module(), g), LoopbackComm((2,), (0,)))

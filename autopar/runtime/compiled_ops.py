@@ -63,3 +63,13 @@ def _reduce_grad(g, axis, length, grad_all_reduce, sizes, coords, site):
         with collective_site(comm, f"the gradient all-reduce of {site}" if site else "a gradient all-reduce"):
             comm.all_reduce(out, a)
     return out[:length].clone() if length != out.shape[0] else out
+
+
+@torch.library.impl("autopar::all_reduce", ("cpu", "cuda"))
+def _all_reduce(x, axes, sizes, coords, site):
+    comm = mesh_of(sizes, coords)
+    out = x.contiguous().clone()
+    with collective_site(comm, f"the all-reduce of {site}" if site else "an all-reduce"):
+        for a in axes:
+            comm.all_reduce(out, a)
+    return out

@@ -14,26 +14,31 @@ What differs from the eager program, by design of this first path:
   asynchronously); gradient bucketing (``GradSync``) stays outside the graph, as compiled DDP's;
 * gathered parameters are not gathered again in backward (no ``param_regather`` hooks):
   AOTAutograd keeps what its partitioner saves, so a ZeRO-3 step holds gathered weights longer.
-A program calling another runtime function (batch-norm statistics, expert dispatch, pipeline
-boundaries) is refused with an ``AutoparError`` naming it.
+A batch norm over a split batch runs ``traced_batch_norm`` (its statistics through
+``autopar::all_reduce``). A pipeline stage's program is compiled as a program of its own (the
+schedule's sends and receives stay outside). A program calling another runtime function
+(dropless expert dispatch, context-parallel attention) is refused with an ``AutoparError`` naming it.
 
 ``CompiledPrograms`` holds one compiled callable per program a ``ParallelModel`` runs (built on
 first use, kept while the model lives).
 """
 from __future__ import annotations
 
+import importlib
 import operator
 
 import torch
 import torch.fx as fx
 
 from autopar.errors import AutoparError
-from autopar.ir import gather_param_finish, gather_param_start, reshard, reshard_finish, reshard_start
-from autopar.ir_ops import GATHER_PARAM, RESHARD
-from autopar.runtime import compiled_ops  # noqa: F401 - registers the ops' implementations
+from autopar.ir import gather_param_finish, gather_param_start, reshard, reshard_finish, reshard_start, sharded_batch_norm
+from autopar.ir_ops import ALL_REDUCE, GATHER_PARAM, RESHARD
+from autopar.layouts import R, format_layout
 from autopar.runtime.comm import MeshComm
 
-__all__ = ["BACKENDS", "check_compile_arg", "traceable", "gathered_view", "CompiledPrograms"]
+importlib.import_module("autopar.runtime.compiled_ops")  # registers the ops' implementations (no name used)
+
+__all__ = ["BACKENDS", "check_compile_arg", "traceable", "gathered_view", "traced_batch_norm", "CompiledPrograms"]
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -53,6 +58,44 @@ def check_compile_arg(value) -> str | None:
 def gathered_view(buf: torch.Tensor, dim: int, size: int | None) -> torch.Tensor:
     """The gathered parameter in a gather's padded buffer (``prefetch.gather_param_finish``'s view)."""
     return (buf[:size] if size is not None else buf).movedim(0, dim)
+
+
+def traced_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True, *,
+                      sync_axes=(), channel_layout=None, sizes=(), coords=()):
+    """``runtime.batch_norm.sharded_batch_norm`` as ops dynamo traces: the per-channel sums are
+    ``autopar::all_reduce``d over ``sync_axes`` (the same two passes: mean, then the centred
+    variance, in fp32) and autograd derives the backward (the op's gradient is the all-reduce of
+    the sums' gradients, SyncBatchNorm's two per-channel sums); the weight and bias gradients stay
+    this shard's partial sums, as the eager op's. The running statistics are updated in place."""
+    if not training:
+        return torch.ops.aten.batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps,
+                                         cudnn_enabled)
+    dims, shape = [0] + list(range(2, x.dim())), [1, -1] + [1] * (x.dim() - 2)
+    count = x.numel() // max(x.shape[1], 1)
+    for a in sync_axes:
+        count *= sizes[a]
+
+    def total(t):
+        return ALL_REDUCE(t, list(sync_axes), sizes, coords, "a batch norm's statistics") if sync_axes else t
+
+    mean = total(x.sum(dims, dtype=torch.float32)) / count
+    centred = x.float() - mean.view(shape)
+    var = total((centred * centred).sum(dims)) / count
+    y = centred * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    if running_mean is not None and running_var is not None:
+        with torch.no_grad():
+            m, v = mean.detach(), var.detach() * (count / max(count - 1, 1))
+            if channel_layout is not None:  # every rank updates every channel (tiny gathers)
+                whole = format_layout((R,) * len(sizes))
+                m, v = (RESHARD(t, channel_layout, whole, None, None, [running_mean.numel()], sizes, coords, None, None,
+                                "a batch norm's running statistics") for t in (m, v))
+            running_mean.mul_(1 - momentum).add_(m.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(v.to(running_var.dtype), alpha=momentum)
+    return y.to(x.dtype)
 
 
 def _listed(x):
@@ -91,6 +134,9 @@ def traceable(program: fx.GraphModule, comm: MeshComm) -> fx.GraphModule:
             _replace(new, node, GATHER_PARAM, args)
         elif t is gather_param_finish:
             node.target = gathered_view
+        elif t is sharded_batch_norm:
+            node.target = traced_batch_norm
+            node.kwargs = {**node.kwargs, "sizes": sizes, "coords": coords}
         elif _runtime_call(node):
             raise AutoparError(f"compile=True cannot run this program yet: it calls {t.__module__}.{t.__name__} "
                                f"(node {node.name}), which has no registered op; compile without compile=")
