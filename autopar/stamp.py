@@ -41,6 +41,7 @@ the graph, not the inlined pre-dispatch ops every later stage of autopar reads.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["stamp_repeated_blocks", "StampStats", "STAMPED_KEY"]
+__all__ = ["stamp_repeated_blocks", "StampStats", "STAMPED_KEY", "graph_signature"]
 
 STAMPED_KEY = "autopar.stamped"  # GraphModule.meta: the trace's ``StampStats`` per group
 
@@ -79,6 +80,8 @@ def _token(v: Any, depth: int = 0) -> Any:
         return ("v", type(v), v)
     if depth < 3 and isinstance(v, (tuple, list)):
         return ("seq", type(v), tuple(_token(x, depth + 1) for x in v))
+    if depth < 3 and isinstance(v, functools.partial):  # (Gemma's ``GELUTanh.act``, one per instance)
+        return ("partial", _token(v.func, depth + 1), _token(v.args, depth + 1), _token(v.keywords, depth + 1))
     if depth < 3 and isinstance(v, torch.nn.Module) and not _has_hooks(v):  # (held, not registered)
         return ("module", type(v), tuple(_attrs(v, depth + 1).items()), _token(v._parameters, depth + 1),
                 _token(v._buffers, depth + 1), _token(v._modules, depth + 1))
@@ -518,3 +521,19 @@ def stamp_repeated_blocks(model: torch.nn.Module, enabled: bool = True):
     finally:
         stamper.remove()
 
+
+def graph_signature(gm: fx.GraphModule) -> list[tuple]:
+    """What later stages read of a traced graph, node by node in order (name, op, target, args,
+    kwargs, every ``autopar.*`` meta key, ``nn_module_stack``, the fake values' shapes, strides and
+    dtypes), then its code: equal for the regional and the full trace of a model."""
+    out: list[tuple] = []
+    for n in gm.graph.nodes:
+        meta = {k: v for k, v in n.meta.items() if k.startswith("autopar.")}
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else (val,)
+        vs = tuple((tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in vals)
+        stack = n.meta.get("nn_module_stack")
+        out.append((n.name, n.op, str(n.target), str(n.args), str(n.kwargs), repr(meta),
+                    repr(list(stack.items())) if stack is not None else None, vs))
+    out.append(("code", gm.code))
+    return out
