@@ -10,7 +10,8 @@ stamped and why stamping stopped; the CPU seconds of each trace (the better of t
 also ``autopar.plan`` on ``Cluster.local(4)`` (free) both ways, and whether the plans' fingerprints
 and JSON are equal. Models: the example GPT at 4 layers (untied and with its head tied to the
 embedding), its 96-layer GPT-3 175B on meta, the example MoE GPT at 4 layers, every model of
-``examples/real_models.py`` at 4 layers (CNNs as written), and the start-up Llamas of
+``examples/real_models.py`` at 4 layers (CNNs as written; the Hugging Face decoders also with
+``use_cache=False``: with their KV cache each layer reads its ``layer_idx`` and is traced), and the start-up Llamas of
 ``benchmarks/start_up.py`` (100M, 400M, depth family, on meta).
 """
 from __future__ import annotations
@@ -69,6 +70,10 @@ def models():
         model, batches, loss = real_models.build_real(name, steps=1)
         x, t = batches[0]
         yield f"{name}-4", model, (x if isinstance(x, tuple) else (x,)), loss, t
+        if getattr(getattr(model, "config", None), "use_cache", False):  # without the KV cache: stamped
+            model, batches, loss = real_models.build_real(name, steps=1)
+            model.config.use_cache = False
+            yield f"{name}-4-no-cache", model, (x,), loss, t
     import transformers
     from start_up import batch, llama_config, lm_loss
 
@@ -89,7 +94,7 @@ def cpu_s(fn):
     return best, out
 
 
-def check(name, model, inputs, loss_fn, target, plans: bool) -> bool:
+def check(name, model, inputs, loss_fn, target, plans: bool, want_plans: bool) -> bool:
     full_s, full = cpu_s(lambda: trace_model(model, inputs, loss_fn=loss_fn, example_target=target, regional=False))
     reg_s, reg = cpu_s(lambda: trace_model(model, inputs, loss_fn=loss_fn, example_target=target))
     same = graph_signature(full.gm) == graph_signature(reg.gm)
@@ -106,6 +111,8 @@ def check(name, model, inputs, loss_fn, target, plans: bool) -> bool:
         plan_same = a.fingerprint == b.fingerprint and a.to_json() == b.to_json()
         same = same and plan_same
         line += f" {'yes' if plan_same else '**NO**'} |"
+    elif want_plans:
+        line += " - |"
     print(line + f" {refused or '-'} |", flush=True)
     return same
 
@@ -124,7 +131,7 @@ def main() -> None:
         if only and name not in only:
             continue
         plans = args.plans and name != "gpt3-175b"  # (a 175B plan for 4 local devices does not fit)
-        ok = check(name, model, inputs, loss_fn, target, plans) and ok
+        ok = check(name, model, inputs, loss_fn, target, plans, args.plans) and ok
     print("all equal" if ok else "SOME DIFFER")
     sys.exit(0 if ok else 1)
 
