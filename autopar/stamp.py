@@ -151,10 +151,15 @@ class _ReadTracker:
     def __init__(self, inst: torch.nn.Module, varying: dict[str, frozenset[str]]):
         self.read: set[str] = set()
         self.swapped: list[tuple[torch.nn.Module, type]] = []
-        for name, mod in inst.named_modules(remove_duplicate=False):
-            if varying.get(name):
-                self.swapped.append((mod, type(mod)))
-                mod.__class__ = self._subclass(type(mod), name, varying[name])
+        try:
+            for name, mod in inst.named_modules(remove_duplicate=False):
+                if varying.get(name):
+                    sub = self._subclass(type(mod), name, varying[name])
+                    self.swapped.append((mod, type(mod)))
+                    mod.__class__ = sub
+        except Exception:
+            self.restore()
+            raise
 
     def _subclass(self, cls: type, name: str, attrs: frozenset[str]) -> type:
         read = self.read
@@ -303,7 +308,10 @@ def _record(inst, real, group: _Group, tracer, args, kwargs, leaves, path, sig):
     # (before the forward: make_fx re-points a tensor at the node of an op returning it, ``x.to(x.dtype)``)
     inputs = [_node_of(x, tracer) if isinstance(x, torch.Tensor) else None for x in leaves]
     state = [_node_of(x, tracer) for x in _state(inst)]
-    reads = _ReadTracker(inst, group.varying)
+    try:
+        reads = _ReadTracker(inst, group.varying)
+    except Exception:  # noqa: BLE001 - a class that refuses a subclass (__init_subclass__): no stamping
+        return None, "its modules' attributes cannot be watched", real(*args, **kwargs)
     try:
         out = real(*args, **kwargs)
     finally:
