@@ -30,6 +30,7 @@ from autopar.errors import TraceError
 from autopar.functionalize import functionalize_inplace
 from autopar.grouped_mm import redirect_grouped_mm
 from autopar.regions import outline_token_regions
+from autopar.stamp import STAMPED_KEY, stamp_repeated_blocks
 from autopar.loss_rewrite import exact_token_mean
 from autopar.module_tracker import ModuleTracker, model_class_name
 from autopar.trace_errors import describe_output, is_data_dependent, raise_trace_error, raise_data_dependent_size
@@ -156,6 +157,7 @@ def trace_model(
     autocast_dtype: torch.dtype | None = None,
     own_loss: bool = False,
     to_user: bool = False,
+    regional: bool = True,
 ) -> TracedGraph:
     """Trace ``loss_fn(model(*example_inputs), example_target)`` into a ``TracedGraph``.
 
@@ -168,6 +170,9 @@ def trace_model(
     ``autocast_dtype``: trace under ``torch.autocast(device_type, autocast_dtype)`` (mixed precision):
     the graph stays the model's (autocast is below pre-dispatch), and every value's recorded dtype
     is the one the runtime, running the program under the same autocast, produces.
+
+    ``regional``: trace each repeated block once and stamp it for its other instances
+    (``autopar.stamp``; the graph is the full trace's); False traces every instance.
 
     ``capture``: "make_fx" (pre-dispatch ``make_fx`` on fake tensors), "export"
     (``torch.export.export(strict=False)``), or "auto": make_fx, and when it fails for a reason
@@ -216,11 +221,13 @@ def trace_model(
 
     train_fn._orig_mod = model  # lets make_fx record nn_module_stack against this model
 
-    def capture_make_fx(mode, flat, tracker):
+    def capture_make_fx(mode, flat, tracker, stamp=False):
         with mode, tracker.active(), warnings.catch_warnings(), _no_fx_stack_traces(), \
-                _autocast(device_type, autocast_dtype), redirect_grouped_mm():
+                _autocast(device_type, autocast_dtype), redirect_grouped_mm(), stamp_repeated_blocks(model, stamp) as stamps:
             warnings.simplefilter("ignore")
-            return make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
+            gm = make_fx(train_fn, pre_dispatch=True, record_module_stack=True)(*flat)
+        gm.meta[STAMPED_KEY] = stamps  # per repeated block: instances traced, stamped, why stamping stopped
+        return gm
 
     tracker = ModuleTracker(model)
     module_prefix = ""
@@ -228,7 +235,7 @@ def trace_model(
     try:
         if capture == "export":
             raise _UseExport()
-        gm = capture_make_fx(fake_mode, flat, tracker)
+        gm = capture_make_fx(fake_mode, flat, tracker, stamp=regional)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure becomes one clear error

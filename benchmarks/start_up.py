@@ -1,7 +1,7 @@
 """Start-up of a pretrained decoder on 4 gloo processes: memory, bytes read, first-step loss, time.
 
     python benchmarks/start_up.py [--sizes 100M,200M,400M] [--family depth,width] [--nproc 1,2,4]
-                                  [--optimizer adamw,sgd] [--batch 4] [--seq 32] [--json out.json]
+                                  [--optimizer adamw,sgd] [--batch 4] [--seq 32] [--json out.json] [--full-trace]
     python benchmarks/start_up.py --from-json a.json b.json   # the summary tables of saved runs
 
 For each size, a Hugging Face ``LlamaForCausalLM`` (vocab 32000) is written once by this process
@@ -122,12 +122,19 @@ def reference_loss(folder: str, b: int, s: int) -> tuple[float, int]:
     return loss, n
 
 
-def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = "adamw", family: str = "depth") -> dict:
+def worker(size: str, folder: str, nproc: int, b: int, s: int, optimizer: str = "adamw", family: str = "depth",
+           regional: bool = True) -> dict:
     """One rank: meta build, compile (zero=3, init="skip") + load under the whole-process storage
-    tracker, then one measured step of ``optimizer``."""
+    tracker, then one measured step of ``optimizer``. ``regional=False``: every instance of a
+    repeated block traced (``autopar.stamp`` off in this process), the baseline of regional tracing."""
     import transformers
 
     import autopar
+    if not regional:
+        import autopar.trace
+        from autopar.stamp import stamp_repeated_blocks
+
+        autopar.trace.stamp_repeated_blocks = lambda model, enabled=True: stamp_repeated_blocks(model, False)
     from autopar.api import cyclic_gc_paused
     PeakWhere = _peak_tracker_class()
     x, t = batch(b, s)
@@ -206,6 +213,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--full-trace", action="store_true", help="trace every instance of a repeated block (the baseline)")
     ap.add_argument("--from-json", nargs="+", metavar="JSON", help="print the summary of saved runs; run nothing")
     a = ap.parse_args()
     if a.from_json:
@@ -228,9 +236,11 @@ def main() -> int:
             layers, hidden = FAMILIES[family][size][:2]
             for nproc in worlds:
                 for opt in optimizers:
-                    ranks = autopar.launch(worker, nproc, size, folder, nproc, a.batch, a.seq, opt, family, timeout_s=3000)
+                    ranks = autopar.launch(worker, nproc, size, folder, nproc, a.batch, a.seq, opt, family,
+                                           not a.full_trace, timeout_s=3000)
                     rows.append({"size": size, "family": family, "layers": layers, "hidden": hidden, "params": n_params,
-                                 "full_fp32": 4 * n_params, "ref_loss": ref, "nproc": nproc, "optimizer": opt, "ranks": ranks})
+                                 "full_fp32": 4 * n_params, "ref_loss": ref, "nproc": nproc, "optimizer": opt, "ranks": ranks,
+                                 "regional": not a.full_trace})
                     report(rows[-1], a.batch, a.seq)
                     if a.json:
                         with open(a.json, "w") as f:
