@@ -85,3 +85,47 @@ def measured_comm_bytes(case: str, constraints) -> tuple[dict, dict]:
     pm.train_step(x, target=t)
     m = pm.measure_step(x, target=t)
     return dict(m.comm_bytes), dict(m.predicted_comm_bytes)
+
+
+def routed_rows(pm, case: str, x) -> list[list[int]]:
+    """Per MoE layer, the rows the router of ``case``'s model sends to each expert for the global
+    batch ``x`` under ``pm``'s current weights, read from the model's own router on one device (a
+    copy loaded with ``pm.full_state_dict()``; hooks on a Hugging Face ``gate`` or on the
+    examples' ``GroupedExperts``), not from the runtime."""
+    from autopar.testing.parity import build_case
+
+    model, _, _ = build_case(case)
+    model.load_state_dict(pm.full_state_dict())
+    counts, hooks = [], []
+
+    def count(choice, n):
+        counts.append(torch.bincount(choice.flatten(), minlength=n).tolist())
+
+    for module in model.modules():
+        if hasattr(module, "gate") and hasattr(module.gate, "top_k"):  # transformers' routers
+            hooks.append(module.gate.register_forward_hook(
+                lambda mod, args, out: count(out[2], mod.num_experts)))
+        elif type(module).__name__ == "GroupedExperts":  # examples/moe.py: forward(tokens, choice, gate)
+            hooks.append(module.register_forward_pre_hook(
+                lambda mod, args: count(args[1], mod.w_in.shape[0])))
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def routed_all_to_all_bytes(predicted: int, routed: list[list[int]], rank: int, ep: int, row_bytes: int) -> int:
+    """The all-to-all bytes rank ``rank`` of an ``ep``-rank expert group sends in one step of a
+    dropless expert layer per entry of ``routed`` (``routed_rows``), from the plan's ``predicted``
+    bytes for balanced routing: per layer it sends its own tokens' rows out (forward) and their
+    gradients back (backward), the same under any routing; and the rows its experts received
+    back (forward) and their gradients out (backward): ``row_bytes`` each, so the routing moves
+    the bytes by 2 x (rows received - rows balanced) x ``row_bytes`` per layer (the row counts'
+    all-to-all is fixed). Rank k holds the k-th block of experts; the tokens split evenly."""
+    extra = 0
+    for counts in routed:
+        block = len(counts) // ep
+        received = sum(counts[rank * block:(rank + 1) * block])
+        extra += 2 * (received - sum(counts) // ep) * row_bytes
+    return predicted + extra

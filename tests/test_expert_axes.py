@@ -10,6 +10,7 @@ import torch
 import autopar
 from autopar.testing.parity import build_case, parity_failures, parity_suite
 from autopar.trace import trace_model
+from helpers import routed_all_to_all_bytes, routed_rows
 
 TOL = 1e-5
 
@@ -72,6 +73,22 @@ def test_ep_borrowing_data_and_tensor_axes_nests_the_experts_over_both():
         _plan("moe", dp=2, tp=2, ep=4)
 
 
+def _layout_all_to_alls(code: str) -> int:
+    """All-to-alls the per-rank program's reshards issue in one step: one per mesh axis on which a
+    reshard (forward layouts, then its gradient's) moves a shard from one dim to another (S(i) to
+    S(j)), read from the program's reshard calls."""
+    import re
+
+    layout = r"(?:'(\[[^']*\])'|None)"
+    count = 0
+    for call in re.findall(rf"collectives_reshard\(\w+, {layout}, {layout}, {layout}, {layout}", code):
+        for src, dst in (call[:2], call[2:]):
+            if src and dst:
+                count += sum(a != b and a.startswith("S(") and b.startswith("S(")
+                             for a, b in zip(src[1:-1].split(", "), dst[1:-1].split(", ")))
+    return count
+
+
 def _axes_suite():
     """Parity on 4 ranks for an expert axis over 'dp' and 'tp' (SGD and AdamW; the examples'
     dropless MoE and a tiny Hugging Face Mixtral), and one measured step of the first: all-to-all
@@ -91,8 +108,10 @@ def _axes_suite():
     pm = made[0]
     _, batches, _ = build_case("moe_dropless")
     x, y = batches[0]
+    routed = routed_rows(pm, "moe_dropless", x)
     m = pm.measure_step(x, target=y)
-    out = {"parity": parity, "calls": dict(pm.comm.stats.calls), "bytes": m.comm_bytes,
+    out = {"parity": parity, "calls": dict(pm.comm.stats.calls), "bytes": m.comm_bytes, "routed": routed,
+           "layout_all_to_alls": _layout_all_to_alls(pm.program.code),
            "predicted": {k: int(v) for k, v in m.predicted_comm_bytes.items() if v},
            "layouts": sorted({p.layout for f, p in pm.plan.params.items() if ".experts.w_" in f})}
     pm.close()
@@ -104,17 +123,24 @@ def test_ep_over_data_and_tensor_axes_trains_with_parity():
     """dp=2 x tp=2 with ep=4 on 4 processes: every expert on one rank (nested over both axes),
     tokens exchanged among all 4; loss, gradients and parameters match one device within 1e-5
     (SGD and AdamW); per layer the row counts once, the rows out and the results back, forward
-    and backward (2 layers: 10 all-to-alls, beside tensor parallelism's), their bytes near the
-    balanced prediction (they depend on the routing), every other collective's bytes as predicted."""
+    and backward (2 layers: 10 all-to-alls, beside tensor parallelism's own, counted from the
+    program's reshards), their bytes exactly the balanced prediction moved by the routing the
+    model's router took in that step (``helpers.routed_all_to_all_bytes``), every other
+    collective's bytes as predicted."""
     results = autopar.launch(_axes_suite, 4)
     failures = [line for r in results[0]["parity"] for line in parity_failures(r, TOL)]
     assert not failures, "\n".join(failures)
     assert {r["optimizer"] for r in results[0]["parity"]} == {"adamw", "sgd"}
-    for r in results:
+    row_bytes = build_case("moe_dropless")[0].cfg.n_embd * 4  # fp32 rows of the model width, out and back
+    for rank, r in enumerate(results):
         assert r["layouts"] == ["[S(0), S(0)]"], r["layouts"]
-        # (tensor parallelism's own reshards add all-to-alls of their own beside them)
-        assert r["calls"].get("all_to_all", 0) >= 10, r["calls"]
-        assert 0.5 < r["bytes"]["all_to_all"] / r["predicted"]["all_to_all"] < 1.5, (r["bytes"], r["predicted"])
+        assert len(r["routed"]) == 2 and sum(r["routed"][0]) == 8 * 16 * 2, r["routed"]  # 2 layers, top-2 of 128 tokens
+        # the experts' 10, and tensor parallelism's own reshards between the token region and 'tp'
+        # (the expert output's S(0) -> S(1) on 'tp' per layer, and its gradient back: 4)
+        assert r["layout_all_to_alls"] == 4, r["layout_all_to_alls"]
+        assert r["calls"].get("all_to_all") == 10 + r["layout_all_to_alls"], r["calls"]
+        want = routed_all_to_all_bytes(r["predicted"]["all_to_all"], r["routed"], rank, 4, row_bytes)
+        assert r["bytes"]["all_to_all"] == want, (rank, r["bytes"], r["predicted"], r["routed"])
         assert {k: v for k, v in r["bytes"].items() if k != "all_to_all"} == \
             {k: v for k, v in r["predicted"].items() if k != "all_to_all"}
 

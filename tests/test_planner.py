@@ -198,6 +198,7 @@ def test_no_plan_fits_on_a_local_cluster_suggests_a_valid_cluster():
     assert "Cluster.preset('local'" not in msg  # there is no such preset
 
 
+@pytest.mark.slow
 def test_no_plan_diagnosis_doubles_the_cluster_a_bounded_number_of_times(monkeypatch):
     """A model that fits no cluster near this one: the diagnosis weighs clusters of at most
     ``MAX_DIAGNOSIS_DOUBLINGS`` doublings (it used to double up to 4096 nodes) and says how far it looked."""
@@ -564,6 +565,7 @@ def test_pending_loss_value_is_priced_overlapped_with_backward():
     assert dict(plan.predicted.comm_bytes)["all_reduce"] > 0 and plan.predicted.overlappable_comm_s > 0
 
 
+@pytest.mark.slow
 def test_free_plan_accumulates_gradients_where_recompute_would_be_slower():
     """MosaicML's MPT-13B run on one 8-A100 node (ZeRO-3, no recompute, 3 microbatches of 2
     sequences, benchmarks/published_runs.json ``mpt-13b-a100-80-8gpu``): at one microbatch the

@@ -2,6 +2,7 @@
 autopar registered, and names what no predicted category covers (one process, no launch)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autopar
@@ -19,6 +20,7 @@ def _compiled_mlp():
     return model, pm, inputs, target
 
 
+@pytest.mark.slow
 def test_a_tensor_the_user_keeps_across_the_step_is_measured_and_named():
     """A 4 MiB tensor kept in a list across the step is in the measured peak (exactly its bytes
     more than the same step without it) and in the unaccounted storages, with its shape and dtype;

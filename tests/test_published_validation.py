@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 import autopar
@@ -59,6 +60,7 @@ def test_the_restriction_forbids_each_unvalidated_class_with_the_least_constrain
     assert pc.restriction_for(["ZeRO-3 (intra-node)"], 8, {"zero": 0}) is None  # nothing new to forbid
 
 
+@pytest.mark.slow
 def test_a_plan_under_the_restriction_relies_on_none_of_the_forbidden_classes():
     """The classes plan_strategies reads from a real plan, before and after zero=0 and tp=8."""
     cluster = autopar.Cluster.preset("dgx-a100", nodes=2)

@@ -56,6 +56,7 @@ def test_a_configuration_builds_the_same_model_and_batch_each_time():
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_every_drawn_configuration_plans_under_its_constraints():
     """The first 10 of seed 1 on 4 processes (every family twice): planned, with the mesh and the
     ZeRO stage the plan kind asks for."""
@@ -108,6 +109,7 @@ def test_bad_arguments_are_refused():
     assert set(plan_kinds(4)) == set(PLAN_KINDS)
 
 
+@pytest.mark.slow
 def test_calibration_reads_no_benchmark_plan():
     """``autopar calibrate`` fits on its own probes: nothing in ``autopar.calibration`` imports
     ``benchmarks`` (the fit set, the scored set) or ``examples`` (their models), nor names them."""

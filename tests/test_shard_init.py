@@ -112,6 +112,7 @@ def test_values_are_the_models_own_init_seeded_by_name(world1):
     assert out.abs().max() <= 3 * std and 0.8 * std < out.std() < std  # trunc_normal_(std, a=-3std, b=3std)
 
 
+@pytest.mark.slow
 def test_stacked_experts_follow_the_seed_rule(world1):
     from examples.moe import MoEConfig, MoEGPT, example_batch, moe_loss
 
