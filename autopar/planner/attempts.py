@@ -111,7 +111,11 @@ def _graph_key(traced: TracedGraph) -> str:
 
 def _first_solve(sc: SearchContext, mesh, recompute: bool, micro: int) -> tuple[Problem, Solution, Evaluation]:
     """The attempt's problem and its optimum without a memory limit, evaluated (the search
-    starts there: when it fits, no memory-saving option can beat it)."""
+    starts there: when it fits, no memory-saving option can beat it).
+
+    None of it reads the memory budget: memoised in ``sc.cache`` per (cost context, constraints,
+    recompute, microbatches, solver settings), so a pipeline stage's submesh planned again with
+    less memory (``pipeline_search``'s memory rounds) solves each attempt's first ILP once."""
     traced, c, cache = sc.traced, sc.constraints, sc.cache
     # one context per mesh (shared by every attempt and plan): its reshard-price memo
     stages = sc.stages
@@ -119,6 +123,16 @@ def _first_solve(sc: SearchContext, mesh, recompute: bool, micro: int) -> tuple[
                        estimated_state_numel(traced, mesh) / stages if stages > 1 else None)
     allowed = make_filter(traced, c, mesh, micro)  # (every choice's state over the budget: no problem built)
     check_state_fits(traced, sc.blocks, ctx, lambda n: node_strategies(n, ctx, allowed, cache)[1], sc.budget)
+    # (the context is held by the entry's problem: its id is not reused while the entry lives)
+    key = ("attempts.first_solve", id(ctx), id(sc.blocks), repr(c), recompute, micro, repr(sc.solver))
+    hit = cache.get(key)
+    if hit is None or hit[0] is not ctx or hit[1] is not sc.blocks:
+        hit = cache[key] = (ctx, sc.blocks, _solve_unlimited(sc, ctx, allowed, mesh, recompute, micro))
+    return hit[2]
+
+
+def _solve_unlimited(sc: SearchContext, ctx, allowed, mesh, recompute: bool, micro: int):
+    traced, c, cache, stages = sc.traced, sc.constraints, sc.cache, sc.stages
     problem = build_problem(traced, sc.blocks, ctx, recompute=recompute, microbatches=micro, strategy_filter=allowed,
                             strategy_cache=cache)
     sol = solve(problem, None, sc.solver)
