@@ -123,7 +123,7 @@ def test_fewest_recomputed_instances_match_brute_force(monkeypatch, curve):
     count as trying every count, whatever the shape of the (falling) peak curve."""
     from types import SimpleNamespace
 
-    from autopar.planner import search
+    from autopar.planner import attempts
 
     n = 24
     shape = {"linear": lambda f: f, "convex": lambda f: f ** 3, "concave": lambda f: f ** 0.3,
@@ -139,10 +139,10 @@ def test_fewest_recomputed_instances_match_brute_force(monkeypatch, curve):
         calls.append(len(recompute))
         return SimpleNamespace(peak_bytes=peak(len(recompute)), recompute=recompute)
 
-    monkeypatch.setattr(search, "evaluate", fake_evaluate)
+    monkeypatch.setattr(attempts, "evaluate", fake_evaluate)
     for budget in [1.0 + i / 97 for i in range(98)]:
         calls.clear()
-        ev = search._fewest_recomputed(problem, {}, fake_evaluate(None, None, frozenset(prefixes)), budget)
+        ev = attempts.fewest_recomputed(problem, {}, fake_evaluate(None, None, frozenset(prefixes)), budget)
         want = min(k for k in range(n + 1) if peak(k) <= budget)
         assert len(ev.recompute) == want, (budget, len(ev.recompute), want)
         assert ev.recompute == frozenset(prefixes[:want])

@@ -25,8 +25,8 @@ SCANNED = ("autopar/runtime", "autopar/planner")
 ALLOWED = {
     # bounded caches (planner/bounded_memo.py: least recently used dropped, values pure functions of keys)
     "autopar/planner/contexts.py:_CONTEXTS": "CostContext per (mesh, cluster, precision, optimizer, counts); MEMO_SIZE (8)",
-    "autopar/planner/search.py:_RESULTS": "search results per planning inputs; MEMO_SIZE (8)",
-    "autopar/planner/search.py:_GRAPH_KEYS": "a traced graph's hash, checked by weak reference; 4 * MEMO_SIZE (32)",
+    "autopar/planner/attempts.py:RESULTS": "search results per planning inputs; MEMO_SIZE (8)",
+    "autopar/planner/attempts.py:_GRAPH_KEYS": "a traced graph's hash, checked by weak reference; 4 * MEMO_SIZE (32)",
     "autopar/planner/pipeline_search.py:_INNER": "a stage submesh's per-operator plan per planning inputs; 8",
     "autopar/planner/op_memory.py:_CACHE": "OpMemory per op signature (target, shapes, dtypes); 8192",
     "autopar/planner/bounded_memo.py:_PER_OBJECT": "what the planner derives from one traced graph or fx graph alone, "

@@ -165,7 +165,7 @@ def test_zero_per_stage_in_the_free_plans_pipeline_search():
     pipeline before it, which ZeRO can only slow, is already no faster than the best plan found."""
     from autopar.planner.free_pipelines import FREE_MEMORY_ROUNDS
     from autopar.planner.pipeline_search import search_pipeline_plan
-    from autopar.planner.search import search_plan
+    from autopar.planner.search import stage_plan
 
     plan, free, usable = _per_stage_zero_plan()
     model, batches, loss = build_case("gpt")
@@ -179,7 +179,7 @@ def test_zero_per_stage_in_the_free_plans_pipeline_search():
 
     def search(to_beat_s):
         return search_pipeline_plan(traced, tight, constraints=c, precision="fp32", optimizer="adamw",
-                                    solver=autopar.SolverConfig(), inner_search=search_plan,
+                                    solver=autopar.SolverConfig(), inner_search=stage_plan,
                                     memory_rounds=FREE_MEMORY_ROUNDS, to_beat_s=to_beat_s)
 
     weighed = search(None)

@@ -258,13 +258,13 @@ def test_planning_on_worker_threads_gives_the_plan_planned_on_one_thread(capfd):
     # worker threads: the plan (with its comparison and baseline) must be the one-thread plan,
     # and the warnings the workers silence, and the stdout their solvers hide, must be the user's
     # again afterwards
-    from autopar.planner import search
+    from autopar.planner import attempts
 
     cluster = Cluster.local(4)
     for constraints in (Constraints(), Constraints(dp=2, tp=2), Constraints(zero=3)):
         plans = []
         for threads in (1, 2):
-            search._RESULTS.clear()  # nothing carried over from the other run
+            attempts.RESULTS.clear()  # nothing carried over from the other run
             filters = list(warnings.filters)
             plans.append(plan_gpt(cluster=cluster, constraints=constraints,
                                   solver=autopar.SolverConfig(planner_threads=threads)))

@@ -23,10 +23,12 @@ from autopar.trace import TracedGraph
 __all__ = ["raise_no_plan"]
 
 
-def raise_no_plan(traced, blocks, cluster, policy, optimizer, meshes, c, budget, solver, cache, failures):
-    """Raise the ``NoFeasiblePlanError`` of a search that found no plan: the constraint that
-    rules every plan out, or how much memory the leanest plan needs beside what a device has and
-    the smallest cluster of the preset that fits."""
+def raise_no_plan(sc, meshes, failures):
+    """Raise the ``NoFeasiblePlanError`` of a search (``sc``: its ``attempts.SearchContext``) that
+    found no plan on ``meshes``: the constraint that rules every plan out, or how much memory the
+    leanest plan needs beside what a device has and the smallest cluster of the preset that fits."""
+    traced, blocks, cluster, policy, optimizer = sc.traced, sc.blocks, sc.cluster, sc.policy, sc.optimizer
+    c, budget, solver, cache = sc.constraints, sc.budget, sc.solver, sc.cache
     non_memory = [f for f in failures if f.family != "memory"]
     if non_memory and all(f.family != "memory" for f in failures):
         f = non_memory[0]

@@ -54,7 +54,7 @@ def predicted_of(att, comm_bytes: bool = True) -> Predicted:
 
 def extract_plan(traced, blocks: BlockInfo, cluster, att, c, precision, optimizer, baseline, free_time, outcomes,
                  comm_bytes: bool = True) -> Plan:
-    """The Plan of the search's chosen attempt ``att`` (``search._Attempt``): per-node and per-parameter
+    """The Plan of the search's chosen attempt ``att`` (``attempts.Attempt``): per-node and per-parameter
     placements with their best alternatives, predictions, the solver's report, notes, fingerprint.
     ``comm_bytes``: as ``predicted_of``'s."""
     problem, choice = att.problem, att.solution.choice

@@ -396,7 +396,7 @@ def price_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, p
                         progress=None, inner_search, memory_rounds: int | None = None,
                         recompute_first: bool = False, to_beat_s: float | None = None) -> PricedPipeline:
     """``search_pipeline_plan``'s plan, priced, assembled on demand (``PricedPipeline.assemble``).
-    ``inner_search``: ``search.search_plan`` (passed in: this module must not import it back).
+    ``inner_search``: ``search.stage_plan`` (passed in: this module must not import it back).
 
     Memory: the per-operator plan is first made with the memory of ``pp`` devices; when a
     pipeline rank's peak (its stages' state, activations of its microbatches in flight) then
@@ -409,7 +409,7 @@ def price_pipeline_plan(traced, cluster: Cluster, *, constraints: Constraints, p
     from autopar.planner.blocks import find_repeated_blocks
     from autopar.planner.constraint_filter import pin_key
     from autopar.planner.candidates import USABLE_MEMORY_FRACTION
-    from autopar.planner.search import naive_dp_baseline
+    from autopar.planner.attempts import naive_dp_baseline
 
     c = constraints
     pp = c.pp
@@ -518,10 +518,8 @@ def _inner_plan(traced, roomy: Cluster, inner_c: Constraints, precision, optimiz
         # one strategy cache per graph and stage count: the submesh plans of one stage count (its
         # schedules, its memory rounds) share strategies, node and edge prices
         cache = memo_of(traced).setdefault(("stage strategy cache", stages), {PIPELINE_STAGES: stages})
-        inner = inner_search(traced, roomy, constraints=inner_c, precision=precision, optimizer=optimizer, solver=solver,
-                             progress=progress, _with_baseline=False, _with_free=False, _with_pipelines=False,
-                             _cache=cache)
-        found = _INNER.put(key, (inner, cache.pop("chosen")))
+        found = _INNER.put(key, inner_search(traced, roomy, constraints=inner_c, precision=precision,
+                                             optimizer=optimizer, solver=solver, progress=progress, cache=cache))
     return found
 
 
