@@ -172,14 +172,7 @@ def probe_waiting(spec: MicrobenchSpec, device: torch.device, barrier, world: in
     progress("whether a small collective's waiting hides behind compute")
     buf = torch.randn(WAIT_BYTES // 4, device=device)
     poll = polls("all_reduce", buf)
-    layer = torch.nn.Linear(SKEW_WIDTH, SKEW_WIDTH).to(device)
-    h0 = torch.randn(SKEW_ROWS, SKEW_WIDTH, device=device, requires_grad=True)
-
-    def block():
-        h = h0
-        for _ in range(SKEW_LAYERS):
-            h = torch.nn.functional.gelu(layer(h))
-        h.sum().backward()
+    block = small_layers_step(device)
 
     def comm():
         wait_for(dist.all_reduce(buf, async_op=True), poll)
@@ -214,6 +207,21 @@ SKEW_BYTES = 128 << 10  # each collective's size: a small model's activation
 SKEW_REPEATS = 5
 
 
+def small_layers_step(device: torch.device):
+    """A step of ``SKEW_LAYERS`` small layers forward and backward (about 0.2-0.4 ms on this
+    VM's cores): the compute a training step runs between two blocking collectives, as the
+    waiting and skew probes place it."""
+    layer = torch.nn.Linear(SKEW_WIDTH, SKEW_WIDTH).to(device)
+    h0 = torch.randn(SKEW_ROWS, SKEW_WIDTH, device=device, requires_grad=True)
+
+    def step():
+        h = h0
+        for _ in range(SKEW_LAYERS):
+            h = torch.nn.functional.gelu(layer(h))
+        h.sum().backward()
+    return step
+
+
 def probe_skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list) -> dict:
     """Seconds of a block of small layers forward and backward (``SKEW_LAYERS``), and per
     collective kind the runtime issues, of one ``SKEW_BYTES`` call alone (back to back) and after
@@ -232,14 +240,7 @@ def probe_skew(spec: MicrobenchSpec, device: torch.device, barrier, meshes: list
     and 400 on 4 gave a median error of 6.6% and 5.1%; the skews those calibrations had read
     (0 and 48 us on 2, 0 and 202 on 4) 9.9% and 10.8%."""
     progress("what a collective waits for ranks arriving from compute")
-    layer = torch.nn.Linear(SKEW_WIDTH, SKEW_WIDTH).to(device)
-    h0 = torch.randn(SKEW_ROWS, SKEW_WIDTH, device=device, requires_grad=True)
-
-    def compute():
-        h = h0
-        for _ in range(SKEW_LAYERS):
-            h = torch.nn.functional.gelu(layer(h))
-        h.sum().backward()
+    compute = small_layers_step(device)
 
     world, comm, axis = meshes[0]
     fns = [compute]
