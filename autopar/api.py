@@ -45,6 +45,7 @@ def plan(
     solver: SolverConfig | None = None,
     device_type: str | None = None,
     verbose: bool = False,
+    compare_free: bool = True,
 ) -> Plan:
     """Plan ``model`` for ``cluster``: which parallelism each op uses, and what it will cost.
 
@@ -52,6 +53,9 @@ def plan(
     ``autopar.annotate`` are merged into ``constraints``. ``precision``: "fp32", "bf16-mixed" or
     a ``PrecisionPolicy``; ``optimizer``: a name ("sgd", "sgd-momentum", "adam", "adamw") or an
     ``OptimizerSpec`` (``autopar.compile`` measures the optimizer it is given).
+    ``compare_free``: under constraints, also search without them and record that plan's predicted
+    step time (``plan.free_step_time_s``, ``plan.override_cost_s``); ``False`` skips that second
+    search (what ``autopar.compile`` does): the chosen plan is the same either way.
 
     >>> import torch, autopar
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
@@ -68,6 +72,8 @@ def plan(
     policy = precision_policy(precision)
     optimizer_spec(optimizer)  # an unknown name is refused before tracing, not after
     _check_solver(solver)
+    if not isinstance(compare_free, bool):
+        raise ConstraintError(f"compare_free must be True or False, got {compare_free!r}")
     if device_type not in (None, "cpu", "cuda"):
         raise ConstraintError(f"device_type must be 'cpu', 'cuda' or None (the tracing device), got {device_type!r}")
     with cyclic_gc_paused():
@@ -79,7 +85,7 @@ def plan(
         check_fits_cluster(traced, cluster, constraints)
         progress = _Progress(verbose)
         result = search_plan(traced, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
-                             solver=solver or SolverConfig(), progress=progress)
+                             solver=solver or SolverConfig(), progress=progress, _with_free=compare_free)
         progress.done()
     result.timings["trace_s"] = trace_s
     return result

@@ -82,6 +82,19 @@ def test_tp_override_is_honoured_and_priced(tp2_plan):
     assert '"tp": 2' in p.constraints
 
 
+def test_compare_free_false_skips_only_the_comparison(tp2_plan):
+    """``compare_free=False`` drops the search without constraints and nothing else: the same
+    plan (fingerprint and layouts), no free step time, no override cost; a non-bool is refused."""
+    p = plan_gpt(constraints=Constraints(tp=2), compare_free=False)
+    assert p.fingerprint == tp2_plan.fingerprint
+    assert {n: q.layout for n, q in p.params.items()} == {n: q.layout for n, q in tp2_plan.params.items()}
+    assert p.predicted.step_time_s == tp2_plan.predicted.step_time_s
+    assert p.free_step_time_s is None and p.override_cost_s is None
+    assert "tp" in p.summary()
+    with pytest.raises(autopar.ConstraintError, match="compare_free must be True or False"):
+        plan_gpt(constraints=Constraints(tp=2), compare_free="no")
+
+
 def test_placement_pin_through_constraints():
     p = plan_gpt(constraints=Constraints(placements={"blocks.*.mlp.fc.weight": {"tp": "S(0)"}}, tp=2))
     assert p.mesh["tp"] == 2
